@@ -1,0 +1,1 @@
+"""Megatron-compatible indexed data, GPT samples, blending, tokenizers, preprocessing."""

@@ -1,0 +1,1 @@
+"""What is trained: transformer config, GPT models, the model zoo."""

@@ -1,0 +1,1 @@
+"""Fused ops: compiled CUDA kernels when present, else Apex, else plain torch."""

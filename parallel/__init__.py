@@ -1,0 +1,1 @@
+"""How the work is split across ranks: topology, collectives, tensor/pipeline/data parallelism."""

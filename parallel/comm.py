@@ -1,0 +1,149 @@
+"""The collectives every part of gigatron uses: device-agnostic, counted, optionally traced.
+
+Counting follows the bandwidth-optimal (ring) algorithm, per rank, whatever the backend does
+internally: all-reduce sends 2(n-1)/n of the buffer, reduce-scatter (n-1)/n of its input,
+all-gather (n-1)/n of its output, broadcast the buffer once, point-to-point what it sends.
+That is the convention of the ZeRO paper's communication-volume analysis.
+Set GIGATRON_TRACE_COMM=1 to print every collective with its shape and group size.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+class CommStats:
+    """Bytes sent and calls made by this process, per collective type."""
+
+    def __init__(self) -> None:
+        self.bytes: Dict[str, int] = defaultdict(int)
+        self.calls: Dict[str, int] = defaultdict(int)
+
+    def add(self, op: str, nbytes: float) -> None:
+        self.bytes[op] += int(round(nbytes))
+        self.calls[op] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> Dict[str, int]:
+        return dict(self.bytes)
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+stats = CommStats()  # process-wide counter, read by benchmarks and tests
+_TRACE = os.environ.get("GIGATRON_TRACE_COMM", "0") == "1"
+
+
+class _Done:
+    """Handle of a collective that needed no communication (group of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def group_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group=None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _record(op: str, nbytes: float, tensor: torch.Tensor, n: int) -> None:
+    stats.add(op, nbytes)
+    if _TRACE:
+        print(f"[comm rank {group_rank()}] {op} {tuple(tensor.shape)} {tensor.dtype} "
+              f"group={n} bytes={int(nbytes)}", file=sys.stderr)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of `tensor` over `group`."""
+    n = group_size(group)
+    if n == 1:
+        return _Done() if async_op else None
+    _record("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tensor, n)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM,
+                   async_op: bool = False):
+    """Reduce `input` over `group` and keep this rank's contiguous 1/n slice in `output`."""
+    n = group_size(group)
+    if input.numel() != output.numel() * n:
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                         f"output {output.numel()} x group size {n}")
+    if n == 1:
+        output.copy_(input.view_as(output))
+        return _Done() if async_op else None
+    _record("reduce_scatter", (n - 1) / n * _nbytes(input), input, n)
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Concatenate every rank's `input` (in group-rank order) into `output` along dim 0."""
+    n = group_size(group)
+    if output.numel() != input.numel() * n:
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                         f"input {input.numel()} x group size {n}")
+    if n == 1:
+        output.copy_(input.view_as(output))
+        return _Done() if async_op else None
+    _record("all_gather", (n - 1) / n * _nbytes(output), output, n)
+    return dist.all_gather_into_tensor(output, input.contiguous(), group=group,
+                                       async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    """Broadcast `tensor` from global rank `src` to `group`."""
+    n = group_size(group)
+    if n == 1:
+        return _Done() if async_op else None
+    if group_rank() == src:
+        _record("broadcast", _nbytes(tensor), tensor, n)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def send_recv(sends: Sequence = (), recvs: Sequence = (), group=None) -> List:
+    """Batched point-to-point: `sends`/`recvs` are (tensor, global peer rank) pairs.
+
+    Returns the request handles; wait on them before reading a received tensor.
+    """
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    for t, _ in sends:
+        _record("send", _nbytes(t), t, 2)
+    if not ops:
+        return []
+    return dist.batch_isend_irecv(ops)
+
+
+def barrier(group=None) -> None:
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def all_reduce_scalar(value: float, group=None, op=ReduceOp.SUM,
+                      device: Optional[torch.device] = None) -> float:
+    """All-reduce one Python number (found-inf flags, loss sums) and return it."""
+    t = torch.tensor([float(value)], dtype=torch.float64 if device is None or
+                     device.type == "cpu" else torch.float32, device=device)
+    all_reduce(t, group=group, op=op)
+    return t.item()

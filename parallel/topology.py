@@ -1,0 +1,240 @@
+"""Process-group topology: which rank does what along tp, cp, dp and pp.
+
+`Topology` is pure rank math over a grid (no I/O, no torch): rank <-> coordinates and the
+rank lists of any axis or combination of axes. `ProcessGroups` creates the torch groups for
+the current rank once, and modules receive the groups they need explicitly.
+
+Run `python -m gigatron.parallel.topology --world-size 16 --tp 2 --pp 2 --cp 2` to print
+a layout.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+AXES = ("tp", "cp", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+# Groups every training job needs; callers may ask for more combinations.
+STANDARD_GROUPS = ("tp", "cp", "dp", "pp", "tp-pp", "dp-cp", "tp-cp", "tp-dp-cp")
+
+
+def _parse_axes(spec: str, what: str) -> Tuple[str, ...]:
+    axes = tuple(a for a in spec.split("-") if a)
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or not axes:
+        raise ValueError(
+            f"{what} {spec!r} names unknown axis {unknown or spec!r}: use axes from "
+            f"{'/'.join(AXES)} joined by '-', e.g. 'tp-pp'")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{what} {spec!r} repeats an axis: name each axis once")
+    return axes
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A grid of ranks over axes tp, cp, dp, pp; the leftmost axis of `order` varies fastest."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    order: str = DEFAULT_ORDER
+    _axes: Tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{axis} size must be a positive integer, got {size!r}")
+        axes = _parse_axes(self.order, "order")
+        if sorted(axes) != sorted(AXES):
+            raise ValueError(
+                f"order {self.order!r} must name each of {', '.join(AXES)} exactly once, "
+                f"e.g. {DEFAULT_ORDER!r}")
+        object.__setattr__(self, "_axes", axes)
+
+    @classmethod
+    def from_world_size(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
+                        order: str = DEFAULT_ORDER) -> "Topology":
+        """Derive dp = world / (tp*cp*pp), as Megatron does from the launch size."""
+        for name, size in (("world size", world_size), ("tp", tp), ("cp", cp), ("pp", pp)):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive integer, got {size!r}")
+        model = tp * cp * pp
+        if world_size % model:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor x context x pipeline = "
+                f"{tp} x {cp} x {pp} = {model}: launch a multiple of {model} ranks or change "
+                f"--tensor-model-parallel-size / --context-parallel-size / "
+                f"--pipeline-model-parallel-size")
+        return cls(tp=tp, cp=cp, dp=world_size // model, pp=pp, order=order)
+
+    @property
+    def axes(self) -> Tuple[str, ...]:
+        """Axes from fastest- to slowest-varying."""
+        return self._axes
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def size(self, axes: str) -> int:
+        """Number of ranks in one group of `axes` (e.g. 'tp-pp')."""
+        total = 1
+        for axis in _parse_axes(axes, "axes"):
+            total *= getattr(self, axis)
+        return total
+
+    def coords(self, rank: int) -> Dict[str, int]:
+        """This rank's index along each axis."""
+        self._check_rank(rank)
+        out = {}
+        for axis in self._axes:
+            size = getattr(self, axis)
+            out[axis] = rank % size
+            rank //= size
+        return out
+
+    def rank(self, **coords: int) -> int:
+        """The rank at the given coordinates (axes not given count as 0)."""
+        unknown = set(coords) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown axis {sorted(unknown)}: use {', '.join(AXES)}")
+        rank, stride = 0, 1
+        for axis in self._axes:
+            size, index = getattr(self, axis), coords.get(axis, 0)
+            if not 0 <= index < size:
+                raise ValueError(f"{axis} index {index} is outside 0..{size - 1}")
+            rank += index * stride
+            stride *= size
+        return rank
+
+    def groups(self, axes: str) -> List[List[int]]:
+        """All rank groups along `axes`: ranks that differ only in those coordinates."""
+        varying = _parse_axes(axes, "axes")
+        fixed = [a for a in AXES if a not in varying]
+        by_key: Dict[Tuple[int, ...], List[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            by_key.setdefault(tuple(c[a] for a in fixed), []).append(rank)
+        return sorted(by_key.values())
+
+    def group_of(self, rank: int, axes: str) -> List[int]:
+        """The ranks of `rank`'s group along `axes`."""
+        self._check_rank(rank)
+        c = self.coords(rank)
+        varying = _parse_axes(axes, "axes")
+        ranges = [range(getattr(self, a)) if a in varying else [c[a]] for a in AXES]
+        return sorted(self.rank(**dict(zip(AXES, point))) for point in itertools.product(*ranges))
+
+    def embedding_groups(self) -> List[List[int]]:
+        """First and last pipeline stage of each pipeline group (they share tied embeddings)."""
+        return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+
+    def pipeline_neighbours(self, rank: int) -> Tuple[int, int]:
+        """(previous, next) stage's rank in this rank's pipeline, wrapping around."""
+        group = self.group_of(rank, "pp")
+        i = group.index(rank)
+        return group[(i - 1) % len(group)], group[(i + 1) % len(group)]
+
+    def describe(self) -> str:
+        """The whole layout as text: each rank's coordinates, then each group's ranks."""
+        lines = [f"world size {self.world_size}: tp={self.tp} cp={self.cp} dp={self.dp} "
+                 f"pp={self.pp}, order {self.order} (leftmost varies fastest)", "", "rank coords"]
+        for r in range(self.world_size):
+            c = self.coords(r)
+            lines.append(f"{r:4d} " + " ".join(f"{a}={c[a]}" for a in AXES))
+        for axes in STANDARD_GROUPS:
+            lines += ["", f"{axes} groups (size {self.size(axes)}):"]
+            lines += [f"  {g}" for g in self.groups(axes)]
+        lines += ["", "embedding groups (first + last pipeline stage):"]
+        lines += [f"  {g}" for g in self.embedding_groups()]
+        return "\n".join(lines)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
+
+
+class ProcessGroups:
+    """The torch process groups of one rank, created once, handed to modules explicitly.
+
+    Every rank calls `new_group` for every group in the same order (torch requires it);
+    each rank keeps the groups it belongs to. Access: `groups.tp`, `groups["tp-pp"]`.
+    """
+
+    def __init__(self, topology: Topology, rank: int,
+                 extra: Sequence[str] = (), backend: Optional[str] = None) -> None:
+        import torch.distributed as dist  # the pure part above stays importable without torch
+
+        if dist.get_world_size() != topology.world_size:
+            raise ValueError(
+                f"the job has {dist.get_world_size()} ranks but the topology needs "
+                f"tp*cp*dp*pp = {topology.world_size}: fix the parallel sizes or the launch")
+        self.topology = topology
+        self.rank = rank
+        self.coords = topology.coords(rank)
+        self._groups: Dict[str, object] = {}
+        self._ranks: Dict[str, List[int]] = {}
+        names = list(dict.fromkeys(list(STANDARD_GROUPS) + list(extra)))
+        for name in names:
+            self._create(dist, name, topology.groups(name), backend)
+        self._create(dist, "embedding", topology.embedding_groups(), backend)
+        self._create(dist, "position_embedding",
+                     [[g[0]] for g in topology.groups("pp")], backend)
+
+    def _create(self, dist, name: str, groups: List[List[int]], backend: Optional[str]) -> None:
+        for ranks in groups:
+            group = dist.new_group(ranks, backend=backend)
+            if self.rank in ranks:
+                self._groups[name], self._ranks[name] = group, ranks
+        self._ranks.setdefault(name, [])
+
+    def __getitem__(self, name: str):
+        if name not in self._groups:
+            raise KeyError(f"no process group {name!r} for rank {self.rank}; created: "
+                           f"{sorted(self._groups)}")
+        return self._groups[name]
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        groups = self.__dict__.get("_groups", {})
+        if name in groups:
+            return groups[name]
+        raise AttributeError(f"no process group {name!r}; created: {sorted(groups)}")
+
+    def ranks(self, name: str) -> List[int]:
+        """Global ranks of this rank's group `name` (empty if it is in none)."""
+        return self._ranks[name]
+
+    def size(self, name: str) -> int:
+        return len(self._ranks[name])
+
+    def index(self, name: str) -> int:
+        """This rank's position in its group `name`."""
+        return self._ranks[name].index(self.rank)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1, dest="tp")
+    parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1,
+                        dest="pp")
+    parser.add_argument("--cp", "--context-parallel-size", type=int, default=1, dest="cp")
+    parser.add_argument("--order", default=DEFAULT_ORDER)
+    args = parser.parse_args(argv)
+    try:
+        topo = Topology.from_world_size(args.world_size, tp=args.tp, cp=args.cp, pp=args.pp,
+                                        order=args.order)
+    except ValueError as err:
+        parser.exit(2, f"error: {err}\n")
+    print(topo.describe())
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,1 @@
+"""The training loop, arguments, optimizer wrapper, lr schedules, checkpoints, metrics."""
