@@ -1,0 +1,172 @@
+"""Where metrics go: a Megatron-style console line, JSON lines, TensorBoard, a progress bar.
+
+One `MetricsLogger` per run, on the rank that reports (global rank 0); the other ranks get a
+logger with every sink off. Records are plain dicts with the keys of the JSON lines:
+
+    {"type": "train", "iteration": 10, "consumed_samples": 160, "lm loss": 7.1, "lr": 1e-4,
+     "grad norm": 1.3, "loss scale": 1.0, "skipped": 0, "tokens_per_s": ..., ...}
+    {"type": "eval", "split": "valid", "iteration": 10, "lm loss": 6.9, "lm loss PPL": ...}
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import IO, Dict, Optional
+
+# console label, JSON key, format
+_CONSOLE_FIELDS = (
+    ("consumed samples", "consumed_samples", "{:12d}"),
+    ("elapsed time per iteration (ms)", "ms_per_iteration", "{:.1f}"),
+    ("throughput per GPU (TFLOP/s/GPU)", "tflops_per_device", "{:.1f}"),
+    ("tokens/s", "tokens_per_s", "{:.0f}"),
+    ("MFU", "mfu", "{:.1%}"),
+    ("learning rate", "lr", "{:.6E}"),
+    ("global batch size", "global_batch_size", "{:5d}"),
+    ("lm loss", "lm loss", "{:.6E}"),
+    ("loss scale", "loss scale", "{:.1f}"),
+    ("grad norm", "grad norm", "{:.3f}"),
+    ("number of skipped iterations", "skipped", "{:3d}"),
+    ("peak memory (MiB)", "peak_memory_mib", "{:.0f}"),
+)
+_TENSORBOARD_KEYS = ("lm loss", "lr", "grad norm", "loss scale", "skipped", "tokens_per_s",
+                     "tflops_per_device", "mfu", "peak_memory_mib")
+
+
+def format_train_line(record: Dict, train_iters: int) -> str:
+    """Megatron's per-interval console line for a train record."""
+    width = len(str(train_iters))
+    parts = [f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration "
+             f"{record['iteration']:{width}d}/{train_iters:{width}d}"]
+    for label, key, fmt in _CONSOLE_FIELDS:
+        value = record.get(key)
+        if value is None or (isinstance(value, float) and math.isnan(value) and key != "lm loss"):
+            continue
+        parts.append(f"{label}: {fmt.format(value)}")
+    return " | ".join(parts) + " |"
+
+
+def format_eval_line(record: Dict) -> str:
+    """Megatron's validation/test loss block."""
+    text = (f" {record['split']} loss at iteration {record['iteration']} | lm loss value: "
+            f"{record['lm loss']:.6E} | lm loss PPL: {record['lm loss PPL']:.6E} | ")
+    bar = "-" * len(text)
+    return f"{bar}\n{text}\n{bar}"
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(20.0, loss))
+
+
+class ProgressBar:
+    """A one-line progress display (iteration, loss, ETA) redrawn in place on a terminal."""
+
+    def __init__(self, total: int, stream: IO = sys.stderr, width: int = 30) -> None:
+        self.total, self.stream, self.width = total, stream, width
+        self.start = time.monotonic()
+        self.first: Optional[int] = None
+
+    def render(self, iteration: int, loss: Optional[float], now: Optional[float] = None) -> str:
+        """The progress line for `iteration` of `total` (pure apart from the clock)."""
+        now = time.monotonic() if now is None else now
+        if self.first is None:
+            self.first = iteration - 1
+        done = iteration / self.total
+        filled = int(round(self.width * done))
+        rate = (iteration - self.first) / max(now - self.start, 1e-9)
+        eta = (self.total - iteration) / rate if rate > 0 else float("inf")
+        loss_text = f" loss {loss:.4f}" if loss is not None else ""
+        eta_text = f"{int(eta // 60):d}:{int(eta % 60):02d}" if math.isfinite(eta) else "?"
+        return (f"[{'#' * filled}{'.' * (self.width - filled)}] {iteration}/{self.total} "
+                f"({done:.0%}){loss_text} ETA {eta_text}")
+
+    def update(self, iteration: int, loss: Optional[float]) -> None:
+        self.stream.write("\r" + self.render(iteration, loss) + "\033[K")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+class MetricsLogger:
+    """Console lines, JSON lines (--metrics-file), TensorBoard (--tensorboard-dir), progress."""
+
+    def __init__(self, enabled: bool, train_iters: int, metrics_file: Optional[str] = None,
+                 tensorboard_dir: Optional[str] = None, progress: Optional[bool] = None,
+                 append: bool = False, stream: IO = sys.stdout) -> None:
+        self.enabled, self.train_iters, self.stream = enabled, train_iters, stream
+        self._file = self._tb = self._bar = None
+        if not enabled:
+            return
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            self._file = open(metrics_file, "a" if append else "w", encoding="utf-8")
+        if tensorboard_dir:
+            self._tb = _tensorboard_writer(tensorboard_dir)
+        if progress is None:
+            progress = sys.stderr.isatty()
+        if progress:
+            self._bar = ProgressBar(train_iters)
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            if self._bar is not None:
+                self.stream.write("\r\033[K")
+            print(text, file=self.stream, flush=True)
+
+    def train(self, record: Dict) -> None:
+        """One logged interval: console line, JSON line, TensorBoard scalars."""
+        if not self.enabled:
+            return
+        self.print(format_train_line(record, self.train_iters))
+        self._write({"type": "train", **record})
+        if self._tb is not None:
+            for key in _TENSORBOARD_KEYS:
+                if record.get(key) is not None:
+                    self._tb.add_scalar(key, record[key], record["iteration"])
+
+    def evaluation(self, record: Dict) -> None:
+        """A valid/test loss: console block, JSON line, TensorBoard scalar."""
+        if not self.enabled:
+            return
+        record = {**record, "lm loss PPL": perplexity(record["lm loss"])}
+        self.print(format_eval_line(record))
+        self._write({"type": "eval", **record})
+        if self._tb is not None:
+            self._tb.add_scalar(f"{record['split']} lm loss", record["lm loss"],
+                                record["iteration"])
+
+    def progress(self, iteration: int, loss: Optional[float]) -> None:
+        if self.enabled and self._bar is not None:
+            self._bar.update(iteration, loss)
+
+    def event(self, record: Dict) -> None:
+        """Any other JSON line (checkpoint saved, run summary)."""
+        if self.enabled:
+            self._write(record)
+
+    def _write(self, record: Dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file = self._tb = self._bar = None
+
+
+def _tensorboard_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("--tensorboard-dir needs the tensorboard package: "
+                         "pip install tensorboard (or pip install -e '.[monitor]')") from None
+    return SummaryWriter(log_dir=log_dir)

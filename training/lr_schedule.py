@@ -1,0 +1,94 @@
+"""Learning-rate schedules with Megatron's semantics, as pure functions of the step.
+
+As in Megatron, a "step" counts samples when training by iterations: warm-up and decay
+lengths are iterations x global batch size, and the schedule advances by one global batch
+per iteration. Iteration i (1-based) uses the lr at step (i - 1) x global batch, so the first
+iteration of a warm-up runs at --lr-warmup-init (0 by default).
+
+- warm-up (step <= warmup): linear from init_lr to max_lr;
+- constant: max_lr after warm-up;
+- past decay_steps: min_lr;
+- inverse-square-root: max_lr * sqrt(warmup / step), floored at min_lr;
+- linear / cosine: from max_lr at the end of warm-up to min_lr at decay_steps;
+- WSD (warmup-stable-decay): max_lr until decay_steps - wsd_decay_steps, then annealed to
+  min_lr by linear | cosine | exponential | minus_sqrt.
+"""
+from __future__ import annotations
+
+import math
+
+from gigatron.training.config import LRScheduleConfig
+
+DECAY_STYLES = ("linear", "cosine", "constant", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+
+def _anneal(style: str, ratio: float) -> float:
+    """Coefficient in [0, 1] going from 1 at ratio 0 to 0 at ratio 1."""
+    if style == "linear":
+        return 1.0 - ratio
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    if style == "exponential":
+        return 2.0 * math.pow(0.5, ratio) - 1.0
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(ratio)
+    raise ValueError(f"unknown decay style {style!r}: use one of {WSD_DECAY_STYLES}")
+
+
+def learning_rate(step: int, cfg: LRScheduleConfig) -> float:
+    """The learning rate after `step` samples of training under schedule `cfg`."""
+    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
+        return cfg.init_lr + (cfg.max_lr - cfg.init_lr) * step / cfg.warmup_steps
+    if cfg.decay_style == "constant":
+        return cfg.max_lr
+    if step > cfg.decay_steps:
+        return cfg.min_lr
+    if cfg.decay_style == "inverse-square-root":
+        lr = cfg.max_lr * math.sqrt(max(cfg.warmup_steps, 1)) / math.sqrt(max(step, 1))
+        return max(cfg.min_lr, lr)
+    delta = cfg.max_lr - cfg.min_lr
+    if cfg.decay_style == "WSD":
+        wsd_steps = cfg.wsd_decay_steps or 0
+        anneal_start = cfg.decay_steps - wsd_steps
+        if step <= anneal_start:
+            return cfg.max_lr
+        return cfg.min_lr + _anneal(cfg.wsd_decay_style, (step - anneal_start) / wsd_steps) * delta
+    if cfg.decay_style not in ("linear", "cosine"):
+        raise ValueError(f"unknown --lr-decay-style {cfg.decay_style!r}: use one of "
+                         f"{', '.join(DECAY_STYLES)}")
+    ratio = (step - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps)
+    return cfg.min_lr + _anneal(cfg.decay_style, ratio) * delta
+
+
+def lr_for_iteration(iteration: int, global_batch_size: int, cfg: LRScheduleConfig) -> float:
+    """The lr used by 1-based training iteration `iteration` (before it advances the schedule)."""
+    return learning_rate((iteration - 1) * global_batch_size, cfg)
+
+
+def validate_schedule(cfg: LRScheduleConfig) -> None:
+    """Raise a flag-naming ValueError for a schedule Megatron would reject."""
+    if cfg.decay_style not in DECAY_STYLES:
+        raise ValueError(f"--lr-decay-style {cfg.decay_style!r} is not one of "
+                         f"{', '.join(DECAY_STYLES)}")
+    if cfg.max_lr < 0 or cfg.min_lr < 0:
+        raise ValueError(f"--lr ({cfg.max_lr}) and --min-lr ({cfg.min_lr}) must be >= 0")
+    if cfg.min_lr > cfg.max_lr:
+        raise ValueError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.max_lr}: "
+                         f"lower --min-lr")
+    if cfg.decay_steps <= 0:
+        raise ValueError("--lr-decay-iters must be > 0")
+    if cfg.decay_style != "constant" and cfg.warmup_steps >= cfg.decay_steps:
+        raise ValueError(
+            f"warm-up ({cfg.warmup_steps} samples) is not shorter than the decay "
+            f"({cfg.decay_steps} samples): lower --lr-warmup-iters/--lr-warmup-fraction or "
+            f"raise --lr-decay-iters")
+    if cfg.decay_style == "WSD":
+        if cfg.wsd_decay_style not in WSD_DECAY_STYLES:
+            raise ValueError(f"--lr-wsd-decay-style {cfg.wsd_decay_style!r} is not one of "
+                             f"{', '.join(WSD_DECAY_STYLES)}")
+        if not cfg.wsd_decay_steps or cfg.wsd_decay_steps <= 0:
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters > 0")
+        if cfg.wsd_decay_steps > cfg.decay_steps - cfg.warmup_steps:
+            raise ValueError("--lr-wsd-decay-iters is longer than the decay after warm-up: "
+                             "lower it or raise --lr-decay-iters")

@@ -1,0 +1,103 @@
+"""Throughput arithmetic: model FLOPs per token, TFLOP/s per device, MFU, peak memory.
+
+FLOPs per token follow the PaLM convention (Chowdhery et al. 2022, appendix B):
+
+    flops_per_token = 6 * N + 12 * L * h * s
+
+N counts the parameters that take part in matrix multiplies: every decoder-layer parameter,
+the final norm and the output layer (padded vocab x hidden; with tied embeddings the shared
+matrix counts once, as the output projection). Input embedding tables (word and learned
+position) are lookups and are not counted. The 12*L*h*s term is attention's QK^T and AV
+matmuls (forward + backward) at sequence length s, without halving for the causal mask.
+These are *model* FLOPs: activation recomputation is not counted, so MFU is comparable
+across recomputation settings.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+# Dense peak TFLOP/s per device by params dtype (vendor datasheets, no sparsity). fp32 is
+# plain fp32 (torch's default disallows TF32 for matmuls). First matching key wins.
+PEAK_TFLOPS = (
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}),
+    ("A10G", {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2}),
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}),
+    ("V100", {"fp16": 125.0, "fp32": 15.7}),
+    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}),
+)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocab padded to a multiple of divisible_by x tp, as Megatron pads it."""
+    multiple = max(divisible_by, 1) * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _get(config, name: str, default=None):
+    value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def matmul_parameter_count(config, tp: int = 1) -> int:
+    """N of the FLOPs formula: decoder layers + final norm + output layer (see module doc)."""
+    h, layers = config.hidden_size, config.num_layers
+    heads = config.num_attention_heads
+    groups = _get(config, "num_query_groups", heads)
+    ffn = _get(config, "ffn_hidden_size", 4 * h)
+    bias = _get(config, "add_bias_linear", True)
+    swiglu = _get(config, "activation", "gelu") == "swiglu"
+    norm = h * (2 if _get(config, "normalization", "LayerNorm") == "LayerNorm" else 1)
+    kv = 2 * groups * (h // heads)
+    attention = h * (h + kv) + h * h + ((h + kv) + h if bias else 0)
+    mlp_in = 2 * ffn if swiglu else ffn
+    mlp = h * mlp_in + ffn * h + ((mlp_in + h) if bias else 0)
+    vocab = padded_vocab_size(config.vocab_size, _get(config, "make_vocab_size_divisible_by",
+                                                      128), tp)
+    return layers * (attention + mlp + 2 * norm) + norm + vocab * h
+
+
+def flops_per_token(config, tp: int = 1) -> float:
+    """Model FLOPs (forward + backward) per trained token: 6N + 12 L h s."""
+    return 6.0 * matmul_parameter_count(config, tp) + \
+        12.0 * config.num_layers * config.hidden_size * config.seq_length
+
+
+def device_peak_tflops(device: torch.device, dtype: str) -> Optional[float]:
+    """The table's peak for this device and dtype ('bf16'|'fp16'|'fp32'); None if unknown."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_TFLOPS:
+        if key in name:
+            return peaks.get(dtype)
+    return None
+
+
+def throughput(tokens: float, seconds: float, flops_token: float, world_size: int,
+               peak_tflops: Optional[float]) -> dict:
+    """tokens/s, TFLOP/s per device and MFU (None without a peak) over one interval."""
+    tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+    tflops = tokens_per_s * flops_token / world_size / 1e12
+    mfu = tflops / peak_tflops if peak_tflops else None
+    return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "mfu": mfu}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: accelerator max allocated, else the host peak RSS."""
+    if device.type != "cpu":
+        accel = getattr(torch, "accelerator", None)
+        fn = getattr(accel, "max_memory_allocated", None)
+        if fn is not None:
+            return int(fn(device))
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
