@@ -1,1 +1,26 @@
-"""Megatron-compatible indexed data, GPT samples, blending, tokenizers, preprocessing."""
+"""Megatron-compatible indexed data, GPT samples, blending, tokenizers, preprocessing.
+
+Entry points for training:
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=..., merge_file=...)
+    config = config_from_args(args, tokenizer)            # or GPTDataConfig(...)
+    train, valid, test = build_train_valid_test_datasets(config, [n_train, n_valid, n_test],
+                                                         group=groups.dp)  # or None
+    loader = build_pretraining_data_loader(train, consumed_samples, micro_batch_size,
+                                           dp_rank, dp_size)  # yields micro-batch dicts
+"""
+from gigatron.datasets.blended_dataset import BlendedDataset, blend_indices, parse_data_path
+from gigatron.datasets.builder import (GPTDataConfig, build_train_valid_test_datasets,
+                                       config_from_args)
+from gigatron.datasets.gpt_dataset import GPTDataset, MockIndexedDataset
+from gigatron.datasets.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
+                                               IndexedDatasetError, token_dtype_for_vocab)
+from gigatron.datasets.samplers import PretrainingSampler, build_pretraining_data_loader
+from gigatron.datasets.tokenizer import Tokenizer, build_tokenizer, tokenizer_from_args
+
+__all__ = [
+    "BlendedDataset", "blend_indices", "parse_data_path", "GPTDataConfig",
+    "build_train_valid_test_datasets", "config_from_args", "GPTDataset", "MockIndexedDataset",
+    "IndexedDataset", "IndexedDatasetBuilder", "IndexedDatasetError", "token_dtype_for_vocab",
+    "PretrainingSampler", "build_pretraining_data_loader", "Tokenizer", "build_tokenizer",
+    "tokenizer_from_args",
+]

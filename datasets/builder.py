@@ -1,0 +1,125 @@
+"""From data flags to train/valid/test datasets: splits, per-split paths, blending, mock data."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from gigatron.datasets.blended_dataset import (BlendedDataset, normalise_weights,
+                                               parse_data_path, samples_per_dataset)
+from gigatron.datasets.gpt_dataset import GPTDataset, MockIndexedDataset, default_cache_dir
+from gigatron.datasets.indexed_dataset import IndexedDataset
+from gigatron.datasets.sample_index import parse_split, split_ranges
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass
+class GPTDataConfig:
+    """Everything the sample sequence depends on (field names as Megatron's flags)."""
+
+    seq_length: int
+    seed: int = 1234
+    data_path: Optional[List[str]] = None  # "--data-path 0.3 a 0.7 b" or "--data-path a"
+    split: str = "969,30,1"
+    train_data_path: Optional[List[str]] = None
+    valid_data_path: Optional[List[str]] = None
+    test_data_path: Optional[List[str]] = None
+    mock_data: bool = False
+    data_cache_path: Optional[str] = None
+    eod_mask_loss: bool = False
+    eod: Optional[int] = None  # tokenizer.eod
+    vocab_size: Optional[int] = None  # tokenizer.vocab_size; mock data draws tokens below it
+
+    def validate(self) -> None:
+        if self.seq_length is None or self.seq_length <= 0:
+            raise ValueError(f"--seq-length {self.seq_length} must be positive")
+        per_split = any([self.train_data_path, self.valid_data_path, self.test_data_path])
+        if per_split and self.data_path:
+            raise ValueError("--data-path and --train/valid/test-data-path are exclusive: "
+                             "give one or the other")
+        if not (self.mock_data or per_split or self.data_path):
+            raise ValueError("no data: give --data-path, --train-data-path (and optionally "
+                             "--valid/--test-data-path) or --mock-data")
+        if self.mock_data and (self.vocab_size is None or self.eod is None):
+            raise ValueError("--mock-data needs the tokenizer's vocab_size and eod")
+
+
+def config_from_args(args, tokenizer=None) -> GPTDataConfig:
+    """A `GPTDataConfig` from an argparse namespace with Megatron's field names."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    return GPTDataConfig(
+        seq_length=get("seq_length"), seed=get("seed", 1234), data_path=get("data_path"),
+        split=get("split") or "969,30,1", train_data_path=get("train_data_path"),
+        valid_data_path=get("valid_data_path"), test_data_path=get("test_data_path"),
+        mock_data=bool(get("mock_data", False)), data_cache_path=get("data_cache_path"),
+        eod_mask_loss=bool(get("eod_mask_loss", False)),
+        eod=None if tokenizer is None else tokenizer.eod,
+        vocab_size=None if tokenizer is None else tokenizer.vocab_size)
+
+
+def _gpt(config: GPTDataConfig, indexed, documents, num_samples: int, name: str, group):
+    cache = config.data_cache_path or default_cache_dir(
+        None if isinstance(indexed, MockIndexedDataset) else indexed.path_prefix)
+    return GPTDataset(indexed, documents, num_samples, config.seq_length, config.seed,
+                      config.eod, config.eod_mask_loss, cache, group, name)
+
+
+def _blend(config: GPTDataConfig, sources: Sequence[Tuple[object, np.ndarray]],
+           weights: Optional[List[float]], num_samples: int, name: str, group):
+    """One split over several (indexed dataset, documents) sources."""
+    if len(sources) == 1:
+        return _gpt(config, *sources[0], num_samples, name, group)
+    if weights is None:  # no weights given: blend in proportion to the tokens of each source
+        weights = normalise_weights([int(ds.sequence_lengths[docs].astype(np.int64).sum())
+                                     for ds, docs in sources])
+    counts = samples_per_dataset(weights, num_samples)
+    datasets = [_gpt(config, ds, docs, n, name, group) if n else None
+                for (ds, docs), n in zip(sources, counts)]
+    return BlendedDataset(datasets, weights, num_samples)
+
+
+def _open(prefixes: Sequence[str]) -> List[IndexedDataset]:
+    return [IndexedDataset(p) for p in prefixes]
+
+
+def build_train_valid_test_datasets(config: GPTDataConfig,
+                                    train_valid_test_num_samples: Sequence[int],
+                                    group=None) -> List[Optional[object]]:
+    """[train, valid, test] datasets with at least the requested samples each (None for 0).
+
+    Index files are built by rank 0 of `group` (ranks sharing the cache filesystem; None =
+    the default group, or this process alone when torch.distributed is not initialised).
+    """
+    config.validate()
+    wanted = [int(n) for n in train_valid_test_num_samples]
+    if len(wanted) != 3:
+        raise ValueError("train_valid_test_num_samples needs three numbers")
+    if config.mock_data or config.data_path:
+        if config.mock_data:
+            indexed, weights = [MockIndexedDataset(config.vocab_size, config.eod,
+                                                   seed=config.seed)], None
+        else:
+            prefixes, weights = parse_data_path(config.data_path)
+            indexed = _open(prefixes)
+        fractions = parse_split(config.split)
+        ranges = [split_ranges(fractions, len(ds)) for ds in indexed]
+        result = []
+        for s, (name, n) in enumerate(zip(SPLIT_NAMES, wanted)):
+            sources = [(ds, np.arange(*r[s])) for ds, r in zip(indexed, ranges)]
+            empty = all(len(docs) == 0 for _, docs in sources)
+            result.append(None if n == 0 or empty else
+                          _blend(config, sources, weights, n, name, group))
+        return result
+    result = []
+    for name, n, paths in zip(SPLIT_NAMES, wanted, (config.train_data_path,
+                                                    config.valid_data_path,
+                                                    config.test_data_path)):
+        if n == 0 or not paths:
+            result.append(None)
+            continue
+        prefixes, weights = parse_data_path(paths, f"--{name}-data-path")
+        sources = [(ds, np.arange(len(ds))) for ds in _open(prefixes)]
+        result.append(_blend(config, sources, weights, n, name, group))
+    return result

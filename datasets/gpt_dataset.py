@@ -1,0 +1,125 @@
+"""GPT pre-training samples: `seq_length + 1` consecutive tokens across document boundaries.
+
+Sample i of a split is a pure function of (document sizes and tokens, split range, seq_length,
+seed): see `sample_index` for the construction and `index_cache` for how the indices are built
+once and shared between ranks.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import numpy as np
+
+from gigatron.datasets.index_cache import array_digest, cached_indices
+from gigatron.datasets.sample_index import build_gpt_indices, num_epochs_needed
+
+INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
+
+
+def default_cache_dir(path_prefix: Optional[str]) -> Optional[str]:
+    """Indices live next to the data unless --data-cache-path says otherwise."""
+    if not path_prefix:
+        return None
+    return os.path.dirname(os.path.abspath(path_prefix))
+
+
+class GPTDataset:
+    """Samples {tokens, labels, loss_mask, position_ids} from one indexed dataset's split.
+
+    `indexed_dataset` is an `IndexedDataset` (or anything with `sequence_lengths`, `get` and
+    `path_prefix`); `documents` are the sequence ids of this split.
+    """
+
+    def __init__(self, indexed_dataset, documents: np.ndarray, num_samples: int,
+                 seq_length: int, seed: int, eod: Optional[int] = None,
+                 eod_mask_loss: bool = False, cache_dir: Optional[str] = None,
+                 group=None, name: str = "train") -> None:
+        if eod_mask_loss and eod is None:
+            raise ValueError("--eod-mask-loss needs the tokenizer's eod id")
+        self.indexed_dataset, self.seq_length, self.name = indexed_dataset, seq_length, name
+        self.eod, self.eod_mask_loss = eod, eod_mask_loss
+        documents = np.asarray(documents, dtype=np.int64)
+        if len(documents) == 0:
+            raise ValueError(f"{name} split of {indexed_dataset.path_prefix} has no documents; "
+                             f"adjust --split")
+        sizes = indexed_dataset.sequence_lengths
+        tokens_per_epoch = int(np.asarray(sizes[documents], dtype=np.int64).sum())
+        description = {
+            "class": "GPTDataset", "split": name, "seq_length": int(seq_length),
+            "seed": int(seed), "tokens_per_epoch": tokens_per_epoch,
+            "num_epochs": num_epochs_needed(num_samples, tokens_per_epoch, seq_length),
+            "documents": [int(documents[0]), int(documents[-1]) + 1, len(documents)],
+            "sizes_md5": array_digest(sizes[documents]),
+        }
+
+        def build() -> Dict[str, np.ndarray]:
+            return dict(zip(INDEX_NAMES, build_gpt_indices(sizes, documents, seq_length,
+                                                           num_samples, seed)))
+
+        prefix = os.path.basename(str(indexed_dataset.path_prefix)) + f"_{name}"
+        arrays = cached_indices(INDEX_NAMES, build, description, cache_dir, prefix, group)
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    def sample_tokens(self, idx: int) -> np.ndarray:
+        """The `seq_length + 1` tokens of (shuffled) sample `idx`, as int64."""
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range for {len(self)} {self.name} samples")
+        j = int(self.shuffle_index[idx])
+        (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
+        d0, o0, d1, o1 = int(d0), int(o0), int(d1), int(o1)
+        get, docs = self.indexed_dataset.get, self.document_index
+        if d0 == d1:
+            return get(int(docs[d0]), o0, o1 - o0 + 1).astype(np.int64)
+        parts = [get(int(docs[d0]), o0)]
+        parts += [get(int(docs[d])) for d in range(d0 + 1, d1)]
+        parts.append(get(int(docs[d1]), 0, o1 + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        return gpt_sample(self.sample_tokens(idx), self.eod, self.eod_mask_loss)
+
+
+def gpt_sample(tokens: np.ndarray, eod: Optional[int], eod_mask_loss: bool
+               ) -> Dict[str, np.ndarray]:
+    """Inputs, next-token labels, loss mask (0 on eod inputs if asked) and positions."""
+    inputs, labels = tokens[:-1], tokens[1:]
+    loss_mask = np.ones(len(inputs), dtype=np.float32)
+    if eod_mask_loss:
+        loss_mask[inputs == eod] = 0.0
+    return {"tokens": inputs, "labels": labels, "loss_mask": loss_mask,
+            "position_ids": np.arange(len(inputs), dtype=np.int64)}
+
+
+class MockIndexedDataset:
+    """Deterministic synthetic documents with the indexed-dataset interface (--mock-data).
+
+    Document d has a length drawn from (seed, d) and tokens drawn from (seed, d) in
+    [0, eod), ending with `eod`.
+    """
+
+    def __init__(self, vocab_size: int, eod: int, num_documents: int = 4096,
+                 max_length: int = 1024, seed: int = 0) -> None:
+        if not 0 <= eod < vocab_size:
+            raise ValueError(f"mock data: eod {eod} outside the vocabulary of {vocab_size}")
+        self.vocab_size, self.eod, self.seed = vocab_size, eod, seed
+        self.path_prefix = f"mock-v{vocab_size}-d{num_documents}-l{max_length}-s{seed}"
+        rng = np.random.default_rng([seed, num_documents])
+        self.sequence_lengths = rng.integers(2, max_length + 1, num_documents).astype(np.int32)
+        self.dtype = np.dtype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        size = int(self.sequence_lengths[idx])
+        length = size - offset if length is None else length
+        rng = np.random.default_rng([self.seed, int(idx), 7])
+        tokens = rng.integers(0, max(self.eod, 1), size)
+        tokens[-1] = self.eod
+        return tokens[offset:offset + length]

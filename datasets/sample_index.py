@@ -1,0 +1,119 @@
+"""Pure, vectorised construction of GPT sample indices (no compiled helper).
+
+The token stream of a split is its documents, shuffled per epoch, laid end to end for as many
+epochs as needed. Sample j is the `seq_length + 1` tokens starting at stream position
+`j * seq_length`, so consecutive samples share exactly one token (the last label of one is the
+first input of the next) and no token is skipped.
+
+Everything is *prefix-stable*: epoch e's document order and the order of the samples that
+start in epoch e depend only on (seed, e) and the document sizes, so asking for more samples
+(a longer run) extends the sample sequence without changing its beginning.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+DOC_SALT, SAMPLE_SALT = 0x646F63, 0x736D70  # separate random streams for documents / samples
+
+
+def split_ranges(splits: Sequence[float], count: int) -> List[Tuple[int, int]]:
+    """Contiguous [start, end) ranges of `count` items in proportion to `splits` (Megatron)."""
+    weights = [float(s) for s in splits]
+    if len(weights) == 0 or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {','.join(str(s) for s in splits)}: give up to three "
+                         f"non-negative weights (train,valid,test) with a positive sum")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w / total * count)))
+    diff = bounds[-1] - count
+    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    return [(max(bounds[i], 0), max(bounds[i + 1], 0)) for i in range(3)]
+
+
+def parse_split(split: str) -> List[float]:
+    """'949,50,1' or '98/2/0' -> weights."""
+    try:
+        return [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--split {split!r}: expected comma-separated numbers like 949,50,1")
+
+
+def samples_in_epochs(num_epochs: int, tokens_per_epoch: int, seq_length: int) -> int:
+    """Samples whose first token lies in the first `num_epochs` epochs."""
+    return -(-num_epochs * tokens_per_epoch // seq_length)
+
+
+def num_epochs_needed(num_samples: int, tokens_per_epoch: int, seq_length: int) -> int:
+    """Fewest epochs whose samples number at least `num_samples` (at least one epoch)."""
+    if tokens_per_epoch <= 0:
+        raise ValueError("the dataset split has no tokens; check --split and the data files")
+    epochs = max(1, ((max(num_samples, 1) - 1) * seq_length) // tokens_per_epoch + 1)
+    while samples_in_epochs(epochs, tokens_per_epoch, seq_length) < num_samples:
+        epochs += 1  # guards the formula; never taken in practice
+    return epochs
+
+
+def epochs_to_build(num_epochs: int, tokens_per_epoch: int, seq_length: int) -> int:
+    """Epochs of documents to lay out so the last sample of epoch `num_epochs` is complete."""
+    return num_epochs + -(-seq_length // tokens_per_epoch)
+
+
+def _row_permutations(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
+    """`rows` independent permutations of range(n), from a prefix-stable random stream."""
+    keys = rng.random(rows * n).reshape(rows, n)
+    return np.argsort(keys, axis=1, kind="stable")
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, seed: int) -> np.ndarray:
+    """Document ids for `num_epochs` epochs, each epoch its own shuffle of `documents`."""
+    documents = np.asarray(documents, dtype=np.int64)
+    rng = np.random.default_rng([seed, DOC_SALT])
+    order = _row_permutations(rng, num_epochs, len(documents))
+    return documents[order].reshape(-1)
+
+
+def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,
+                       num_samples: int) -> np.ndarray:
+    """[num_samples + 1, 2] of (position in document_index, token offset) per sample start.
+
+    Sample j spans from entry j to entry j+1 inclusive (seq_length + 1 tokens).
+    """
+    doc_sizes = np.asarray(sizes, dtype=np.int64)[document_index]
+    ends = np.cumsum(doc_sizes)  # ends[k] = stream position just past document k
+    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    if num_samples and positions[-1] >= ends[-1]:
+        raise ValueError(f"build_sample_index: {num_samples} samples of {seq_length} tokens "
+                         f"need {positions[-1] + 1} tokens, the stream has {ends[-1]}")
+    doc = np.searchsorted(ends, positions, side="right")  # skips empty documents
+    starts = ends[doc] - doc_sizes[doc]
+    return np.stack([doc, positions - starts], axis=1)
+
+
+def build_shuffle_index(tokens_per_epoch: int, seq_length: int, num_epochs: int,
+                        seed: int) -> np.ndarray:
+    """Order of samples: those starting in epoch e are shuffled among themselves, epoch by epoch."""
+    bounds = np.array([samples_in_epochs(e, tokens_per_epoch, seq_length)
+                       for e in range(num_epochs + 1)], dtype=np.int64)
+    total = int(bounds[-1])
+    epoch_of = np.repeat(np.arange(num_epochs), np.diff(bounds))
+    keys = np.random.default_rng([seed, SAMPLE_SALT]).random(total)
+    return np.lexsort((keys, epoch_of)).astype(np.int64)
+
+
+def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int,
+                      num_samples: int, seed: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(document_index, sample_index, shuffle_index) covering at least `num_samples` samples."""
+    if seq_length <= 0:
+        raise ValueError(f"--seq-length {seq_length} must be positive")
+    tokens_per_epoch = int(np.asarray(sizes, dtype=np.int64)[documents].sum())
+    epochs = num_epochs_needed(num_samples, tokens_per_epoch, seq_length)
+    document_index = build_document_index(
+        documents, epochs_to_build(epochs, tokens_per_epoch, seq_length), seed)
+    total = samples_in_epochs(epochs, tokens_per_epoch, seq_length)
+    sample_index = build_sample_index(sizes, document_index, seq_length, total)
+    shuffle_index = build_shuffle_index(tokens_per_epoch, seq_length, epochs, seed)
+    return document_index, sample_index, shuffle_index
