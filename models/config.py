@@ -1,0 +1,171 @@
+"""TransformerConfig: every architectural and parallelism knob of the model, in one place.
+
+Field names follow Megatron-Core's TransformerConfig where one exists, so flags map 1:1.
+`validate(tp_size)` checks divisibility against a tensor-parallel size and raises
+ValueErrors naming the field and the fix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Optional, Union
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_CHOICES = {
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "activation": ("gelu", "swiglu"),
+    "attention_backend": ("sdpa", "unfused"),
+    "recompute_granularity": (None, "full", "selective"),
+    "recompute_method": (None, "uniform", "block"),
+}
+
+
+@dataclass
+class TransformerConfig:
+    """Architecture, initialisation and memory knobs of a GPT-style decoder."""
+
+    num_layers: int
+    """Number of transformer layers (--num-layers)."""
+    hidden_size: int
+    """Width of the residual stream (--hidden-size)."""
+    num_attention_heads: int
+    """Query heads (--num-attention-heads); head dim = hidden_size / heads."""
+    vocab_size: int
+    """Real tokenizer vocab; padded up for the embedding table (see below)."""
+    seq_length: int = 1024
+    """Tokens per sample (--seq-length)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width (--ffn-hidden-size); default 4 x hidden_size."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for GQA/MQA (--num-query-groups); default = num_attention_heads."""
+    max_position_embeddings: Optional[int] = None
+    """Rows of the learned position table (--max-position-embeddings); default seq_length."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad vocab to a multiple of this x tp (--make-vocab-size-divisible-by)."""
+    position_embedding_type: str = "learned_absolute"
+    """'learned_absolute' (GPT-2/3) or 'rope' (Llama) (--position-embedding-type)."""
+    rotary_base: float = 10000.0
+    """RoPE base theta (--rotary-base); Llama 3 uses 500000."""
+    normalization: str = "LayerNorm"
+    """'LayerNorm' or 'RMSNorm' (--normalization)."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of the norms (--norm-epsilon)."""
+    activation: str = "gelu"
+    """MLP activation: 'gelu' or 'swiglu' (--swiglu)."""
+    add_bias_linear: bool = True
+    """Biases on all linear layers (--disable-bias-linear turns off)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output layer instead of reusing the word embeddings."""
+    hidden_dropout: float = 0.1
+    """Dropout on the residual branches and embeddings (--hidden-dropout)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (--attention-dropout)."""
+    init_method_std: float = 0.02
+    """Std of the normal init of weights (--init-method-std)."""
+    apply_scaled_init: bool = True
+    """Output projections (attention proj, fc2) get std / sqrt(2 * num_layers)."""
+    params_dtype: Union[str, torch.dtype] = torch.float32
+    """Dtype of parameters: fp32 | bf16 | fp16 (strings accepted)."""
+    attention_backend: str = "sdpa"
+    """'sdpa' (torch scaled_dot_product_attention) or 'unfused' (softmax via gigatron.ops)."""
+    sequence_parallel: bool = False
+    """Split norms/dropout along the sequence across tp (--sequence-parallel)."""
+    recompute_granularity: Optional[str] = None
+    """None, 'full' (whole layers) or 'selective' (core attention) (--recompute-granularity)."""
+    recompute_method: Optional[str] = None
+    """For full: 'uniform' (chunks of N layers) or 'block' (first N layers) (--recompute-method)."""
+    recompute_num_layers: Optional[int] = None
+    """N of the recompute method (--recompute-num-layers)."""
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if isinstance(self.params_dtype, str):
+            if self.params_dtype not in _DTYPES:
+                raise ValueError(f"params_dtype {self.params_dtype!r} is unknown: use "
+                                 f"fp32, bf16 or fp16")
+            self.params_dtype = _DTYPES[self.params_dtype]
+        self.validate(1)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp_size: int = 1) -> int:
+        """Vocab rounded up to a multiple of make_vocab_size_divisible_by x tp_size."""
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def validate(self, tp_size: int = 1) -> None:
+        """Raise a ValueError naming the field if this config cannot run on `tp_size`."""
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                     "seq_length", "ffn_hidden_size", "num_query_groups",
+                     "max_position_embeddings", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
+                                 f"{[a for a in allowed if a is not None]}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        self._check_shapes(tp_size)
+        self._check_recompute()
+
+    def _check_shapes(self, tp: int) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.hidden_size % self.num_attention_heads == 0,
+             f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+             f"({self.num_attention_heads}): change either")
+        need(self.num_attention_heads % self.num_query_groups == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+             f"num_query_groups ({self.num_query_groups})")
+        need(self.num_attention_heads % tp == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be divisible by the "
+             f"tensor-parallel size ({tp}): change --tensor-model-parallel-size or heads")
+        need(self.num_query_groups % tp == 0,
+             f"num_query_groups ({self.num_query_groups}) must be divisible by the "
+             f"tensor-parallel size ({tp}): change --tensor-model-parallel-size or groups")
+        need(self.ffn_hidden_size % tp == 0,
+             f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by the "
+             f"tensor-parallel size ({tp})")
+        need(self.head_dim % 2 == 0 or self.position_embedding_type != "rope",
+             f"head dim hidden_size/num_attention_heads = {self.head_dim} must be even "
+             f"for position_embedding_type='rope'")
+        need(not (self.sequence_parallel and tp > 1 and self.seq_length % tp),
+             f"seq_length ({self.seq_length}) must be divisible by the tensor-parallel size "
+             f"({tp}) with sequence_parallel")
+        need(self.position_embedding_type != "learned_absolute"
+             or self.seq_length <= self.max_position_embeddings,
+             f"seq_length ({self.seq_length}) exceeds max_position_embeddings "
+             f"({self.max_position_embeddings})")
+
+    def _check_recompute(self) -> None:
+        if self.recompute_granularity == "full":
+            if self.recompute_method is None:
+                raise ValueError("recompute_method must be 'uniform' or 'block' with "
+                                 "recompute_granularity='full'")
+            n = self.recompute_num_layers
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"recompute_num_layers must be a positive integer with "
+                                 f"recompute_granularity='full', got {n!r}")
+        elif self.recompute_method is not None:
+            raise ValueError(f"recompute_method={self.recompute_method!r} needs "
+                             f"recompute_granularity='full' (selective takes no method)")
+
+    @classmethod
+    def field_names(cls) -> tuple:
+        return tuple(f.name for f in fields(cls))

@@ -1,0 +1,164 @@
+"""GPTModel: GPT-2/3 and Llama-style decoders from one code path, buildable per stage.
+
+A pipeline stage builds only its layers (`layer_range`, global numbers), the embedding only
+if `pre_process`, the final norm + output layer (+ loss) only if `post_process`. Every
+parameter is initialised from a generator seeded by (seed, name) as the full tensor and
+then sliced for this tp rank, so every layout holds the same full model.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from gigatron.models.config import TransformerConfig
+from gigatron.models.transformer import TransformerBlock, dropout, rotary_cos_sin
+from gigatron.parallel.tensor import (
+    ColumnParallelLinear,
+    TensorParallelRNGTracker,
+    VocabParallelEmbedding,
+    initialize_parameter,
+    model_parallel_seed,
+    tp_rank,
+    tp_size,
+    vocab_parallel_cross_entropy,
+)
+from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
+from gigatron.parallel.tensor.random import MODEL_PARALLEL_RNG
+
+WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+
+
+class LanguageModelEmbedding(nn.Module):
+    """Word embeddings (vocab-parallel) + learned positions, dropout; output [s(/tp), b, h]."""
+
+    def __init__(self, config: TransformerConfig, tp_group, tracker, device=None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        self.sequence_parallel = config.sequence_parallel and tp_size(tp_group) > 1
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size(tp_size(tp_group)), config.hidden_size, tp_group=tp_group,
+            vocab_size=config.vocab_size, init_std=config.init_method_std,
+            reduce_scatter_embeddings=self.sequence_parallel,
+            params_dtype=config.params_dtype, device=device)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            shape = (config.max_position_embeddings, config.hidden_size)
+            self.position_embeddings = nn.Embedding(*shape, device=device,
+                                                    dtype=config.params_dtype)
+            # Under SP each rank adds the positions of its sequence slice only: partial grads.
+            set_parallel_attributes(self.position_embeddings.weight,
+                                    InitSpec("normal", shape, config.init_method_std),
+                                    sequence_parallel=self.sequence_parallel)
+        self.p = config.hidden_dropout
+        self.tracker = tracker
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor]):
+        x = self.word_embeddings(input_ids)
+        if not self.sequence_parallel:
+            x = x.transpose(0, 1)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+                position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
+            pos = self.position_embeddings(position_ids).transpose(0, 1)
+            if self.sequence_parallel:
+                n, r = tp_size(self.tp_group), tp_rank(self.tp_group)
+                pos = pos.chunk(n, dim=0)[r]
+            x = x + pos
+        x = x.contiguous()
+        return dropout(x, self.p, self.training, self.tracker if self.sequence_parallel else None)
+
+
+class GPTModel(nn.Module):
+    """A GPT decoder (or one pipeline stage of it) on one tensor-parallel group."""
+
+    def __init__(self, config: TransformerConfig, tp_group=None, pre_process: bool = True,
+                 post_process: bool = True, layer_range: Optional[Sequence[int]] = None,
+                 seed: int = 1234, device=None) -> None:
+        super().__init__()
+        tp = tp_size(tp_group)
+        config.validate(tp)
+        self.config = config
+        self.tp_group = tp_group
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = list(range(config.num_layers) if layer_range is None
+                                else layer_range)
+        bad = [i for i in self.layer_range if not 0 <= i < config.num_layers]
+        if bad:
+            raise ValueError(f"layer_range has layers {bad} outside 0..{config.num_layers - 1}")
+        self.tied = not config.untie_embeddings_and_output_weights
+        self.rng_tracker = TensorParallelRNGTracker()
+        self.rng_tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank(tp_group)))
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, tp_group, self.rng_tracker, device)
+        self.decoder = TransformerBlock(config, self.layer_range, tp_group, self.rng_tracker,
+                                        post_process, device)
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.padded_vocab_size(tp), tp_group=tp_group,
+                bias=False, sequence_parallel=config.sequence_parallel,
+                init_std=config.init_method_std, valid_rows=config.vocab_size,
+                skip_weight_param=pre_process and self.tied,
+                params_dtype=config.params_dtype, device=device)
+        self._mark_shared_embedding()
+        self._initialize(seed)
+
+    def _mark_shared_embedding(self) -> None:
+        if not self.tied or (self.pre_process and self.post_process):
+            return
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        if self.post_process:
+            self.output_layer.weight.shared_embedding = True
+
+    def _initialize(self, seed: int) -> None:
+        rank, size = tp_rank(self.tp_group), tp_size(self.tp_group)
+        for name, param in self.named_parameters():
+            # A tied output weight on a stage without the embedding starts as its copy.
+            seed_name = WORD_EMBEDDING_NAME if (name == "output_layer.weight" and self.tied) \
+                else name
+            initialize_parameter(param, seed, seed_name, rank, size)
+
+    def output_weight(self) -> torch.Tensor:
+        """The weight of the output layer (the word embeddings when tied on one stage)."""
+        if self.output_layer.weight is None:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-token loss [b, s] (last stage, labels), tp-sharded logits [b, s, V_pad/tp]
+        (last stage, no labels), else hidden states [s(/tp), b, h]."""
+        if self.pre_process:
+            if input_ids is None:
+                raise ValueError("the first pipeline stage needs input_ids [b, s]")
+            x = self.embedding(input_ids, position_ids)
+        else:
+            if hidden_states is None:
+                raise ValueError("a non-first pipeline stage needs hidden_states [s, b, h]")
+            x = hidden_states
+        rotary = None
+        if self.config.position_embedding_type == "rope":
+            seq = x.shape[0] * (tp_size(self.tp_group) if self.config.sequence_parallel else 1)
+            rotary = rotary_cos_sin(seq, self.config.head_dim, self.config.rotary_base,
+                                    x.device)
+        x = self.decoder(x, rotary)
+        if not self.post_process:
+            return x
+        logits = self.output_layer(x, self.output_weight())  # [s, b, V_pad/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
+                                            self.config.vocab_size)
+        return loss.transpose(0, 1).contiguous()
+
+
+def count_parameters(config: TransformerConfig) -> int:
+    """Parameters of the full model, computed on the meta device (nothing allocated)."""
+    model = GPTModel(config, device="meta")
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,243 @@
+"""The transformer decoder: norms, self-attention (MHA/GQA, RoPE), MLP, layers, the block.
+
+Built from tensor-parallel layers; hidden states are sequence-first `[s, b, h]` (split to
+`[s/tp, b, h]` under sequence parallelism). Norms and the unfused softmax go through
+`gigatron.ops`. Activation recomputation (Megatron's meanings) lives in the block.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gigatron import ops
+from gigatron.models.config import TransformerConfig
+from gigatron.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelRNGTracker,
+    checkpoint,
+    tp_size,
+)
+from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
+
+
+def dropout(x: torch.Tensor, p: float, training: bool,
+            tracker: Optional[TensorParallelRNGTracker]) -> torch.Tensor:
+    """Dropout; with a tracker, drawn from the per-tp-rank stream (split activations)."""
+    if p == 0.0 or not training:
+        return x
+    if tracker is None:
+        return F.dropout(x, p, True)
+    with tracker.fork(x.device):
+        return F.dropout(x, p, True)
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the hidden dim; params replicated across tp."""
+
+    def __init__(self, config: TransformerConfig, sequence_parallel: bool, device=None) -> None:
+        super().__init__()
+        h, dtype = config.hidden_size, config.params_dtype
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = config.layernorm_epsilon
+        self.weight = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
+        set_parallel_attributes(self.weight, InitSpec("ones", (h,)),
+                                sequence_parallel=sequence_parallel)
+        self.bias = None
+        if not self.rms:
+            self.bias = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
+            set_parallel_attributes(self.bias, InitSpec("zeros", (h,)),
+                                    sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device) -> tuple:
+    """cos and sin tables [s, 1, 1, head_dim] (fp32) for rotate-half RoPE."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                            device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    emb = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [s, b, n, d] (Llama's rotate-half layout)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d), causal) V with attention dropout; no parameters."""
+
+    def __init__(self, config: TransformerConfig,
+                 tracker: Optional[TensorParallelRNGTracker]) -> None:
+        super().__init__()
+        self.backend = config.attention_backend
+        self.p = config.attention_dropout
+        self.tracker = tracker
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [s, b, n, d]; k, v [s, b, g, d] (g query groups) -> [s, b, n*d]."""
+        s, b, n, d = q.shape
+        if k.shape[2] != n:
+            k = k.repeat_interleave(n // k.shape[2], dim=2)
+            v = v.repeat_interleave(n // v.shape[2], dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        p = self.p if self.training else 0.0
+        if self.backend == "sdpa":
+            if p > 0:
+                with self.tracker.fork(q.device):
+                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = torch.matmul(q.reshape(b * n, s, d), k.reshape(b * n, s, d).transpose(1, 2))
+            probs = ops.scaled_upper_triang_masked_softmax(scores, self.scale)
+            probs = dropout(probs, p, True, self.tracker)
+            out = torch.bmm(probs, v.reshape(b * n, s, d)).view(b, n, s, d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention with fused QKV (grouped per query group) and RoPE option."""
+
+    def __init__(self, config: TransformerConfig, tp_group, tracker, device=None) -> None:
+        super().__init__()
+        tp = tp_size(tp_group)
+        self.config = config
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.local_groups = config.num_query_groups // tp
+        d, sp = config.head_dim, config.sequence_parallel
+        qkv_size = config.num_query_groups * (self.heads_per_group + 2) * d
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=sp,
+                      params_dtype=config.params_dtype, device=device)
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size,
+                                               init_std=config.init_method_std, **common)
+        self.core_attention = CoreAttention(config, tracker)
+        self.linear_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
+                                             init_std=output_init_std(config), **common)
+        self.recompute_core = config.recompute_granularity == "selective"
+        self.tracker = tracker
+
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None) -> torch.Tensor:
+        qkv = self.linear_qkv(x)
+        s, b = qkv.shape[:2]
+        hpg, d = self.heads_per_group, self.config.head_dim
+        qkv = qkv.view(s, b, self.local_groups, hpg + 2, d)
+        q = qkv[:, :, :, :hpg].reshape(s, b, self.local_groups * hpg, d)
+        k, v = qkv[:, :, :, hpg], qkv[:, :, :, hpg + 1]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self.core_attention, self.tracker, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
+        return self.linear_proj(out)
+
+
+def output_init_std(config: TransformerConfig) -> float:
+    """Std of output projections: scaled by 1/sqrt(2 L) when apply_scaled_init (GPT-2)."""
+    if config.apply_scaled_init:
+        return config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    return config.init_method_std
+
+
+class MLP(nn.Module):
+    """fc1 (column-parallel) -> GELU or SwiGLU -> fc2 (row-parallel)."""
+
+    def __init__(self, config: TransformerConfig, tp_group, device=None) -> None:
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        ffn = config.ffn_hidden_size
+        common = dict(tp_group=tp_group, bias=config.add_bias_linear,
+                      sequence_parallel=config.sequence_parallel,
+                      params_dtype=config.params_dtype, device=device)
+        # SwiGLU's fc1 holds [gate; up]: stride 2 so each rank gets its slice of both.
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, 2 * ffn if self.swiglu else ffn,
+            init_std=config.init_method_std, partition_stride=2 if self.swiglu else 1, **common)
+        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size,
+                                            init_std=output_init_std(config), **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, config: TransformerConfig, tp_group, tracker, device=None) -> None:
+        super().__init__()
+        sp = config.sequence_parallel and tp_size(tp_group) > 1
+        self.input_layernorm = Norm(config, sp, device)
+        self.self_attention = SelfAttention(config, tp_group, tracker, device)
+        self.pre_mlp_layernorm = Norm(config, sp, device)
+        self.mlp = MLP(config, tp_group, device)
+        self.p = config.hidden_dropout
+        # Under SP each rank holds a different slice of the sequence: draw per-rank masks.
+        self.dropout_tracker = tracker if sp else None
+
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None) -> torch.Tensor:
+        a = self.self_attention(self.input_layernorm(x), rotary)
+        x = x + dropout(a, self.p, self.training, self.dropout_tracker)
+        m = self.mlp(self.pre_mlp_layernorm(x))
+        return x + dropout(m, self.p, self.training, self.dropout_tracker)
+
+
+class TransformerBlock(nn.Module):
+    """The layers `layer_range` (global numbers), plus the final norm on the last stage."""
+
+    def __init__(self, config: TransformerConfig, layer_range: Sequence[int], tp_group,
+                 tracker, post_process: bool = True, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.tracker = tracker
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, tp_group, tracker, device)
+                                     for i in layer_range})
+        sp = config.sequence_parallel and tp_size(tp_group) > 1
+        self.final_layernorm = Norm(config, sp, device) if post_process else None
+
+    def _run(self, layers: Sequence[nn.Module]) -> Callable:
+        def run(x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+            for layer in layers:
+                x = layer(x, rotary or None)
+            return x
+        return run
+
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None) -> torch.Tensor:
+        layers = list(self.layers.values())
+        rot = tuple(rotary) if rotary is not None else ()
+        cfg = self.config
+        if cfg.recompute_granularity == "full" and torch.is_grad_enabled():
+            n = cfg.recompute_num_layers
+            if cfg.recompute_method == "uniform":
+                for start in range(0, len(layers), n):
+                    x = checkpoint(self._run(layers[start:start + n]), self.tracker, x, *rot)
+            else:  # block: recompute the first n layers of this stage, keep the rest
+                for i, layer in enumerate(layers):
+                    if i < n:
+                        x = checkpoint(self._run([layer]), self.tracker, x, *rot)
+                    else:
+                        x = layer(x, rotary)
+        else:
+            x = self._run(layers)(x, *rot)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x

@@ -1,0 +1,45 @@
+"""Model zoo: one small JSON file per named model, read with the standard library.
+
+    load_config("llama3-8b", seq_length=2048)   # a TransformerConfig, overrides applied
+    list_models()                               # ['debug-gpt2', ..., 'llama3-8b', ...]
+
+Each file holds TransformerConfig fields plus optional "description" and "source" keys
+(documentation only). To add a model, drop a `<name>.json` file here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+from gigatron.models.config import TransformerConfig
+
+ZOO_DIR = Path(__file__).resolve().parent
+_DOC_KEYS = ("description", "source", "parameters")
+
+
+def list_models() -> List[str]:
+    """Names of all zoo models, sorted."""
+    return sorted(p.stem for p in ZOO_DIR.glob("*.json"))
+
+
+def model_fields(name: str) -> Dict[str, Any]:
+    """The raw config fields of zoo model `name` (without the documentation keys)."""
+    path = ZOO_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(list_models())}")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return {k: v for k, v in data.items() if k not in _DOC_KEYS}
+
+
+def load_config(name: str, **overrides: Any) -> TransformerConfig:
+    """The TransformerConfig of zoo model `name`, with `overrides` replacing its fields."""
+    known = set(TransformerConfig.field_names())
+    values = model_fields(name)
+    for source, keys in ((f"zoo file {name}.json", values), ("override", overrides)):
+        unknown = sorted(set(keys) - known)
+        if unknown:
+            raise ValueError(f"{source} has unknown TransformerConfig field(s) {unknown}")
+    values.update(overrides)
+    return TransformerConfig(**values)

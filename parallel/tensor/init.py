@@ -1,0 +1,99 @@
+"""Parallelism-invariant initialisation (DESIGN decision 4) and slicing of full tensors.
+
+Every parameter is initialised as its FULL tensor on CPU from a generator seeded by
+(seed, parameter name), then this rank keeps its slice. So any tp size and any pipeline
+split gives bit-identical full weights; peak extra memory is one full parameter.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    """How to make a parameter's full tensor.
+
+    kind: 'normal' (mean 0, `std`), 'zeros' or 'ones'. `valid_rows` (for padded vocab
+    tables) draws only the first rows and leaves the padding rows zero, so the real rows do
+    not depend on how much padding a tp size needs.
+    """
+
+    kind: str
+    full_shape: Tuple[int, ...]
+    std: float = 0.0
+    valid_rows: Optional[int] = None
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from (seed, name), stable across processes and versions."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def full_tensor(spec: InitSpec, seed: int, name: str) -> torch.Tensor:
+    """The full fp32 CPU tensor described by `spec`, drawn from the (seed, name) generator."""
+    if spec.kind == "zeros":
+        return torch.zeros(spec.full_shape)
+    if spec.kind == "ones":
+        return torch.ones(spec.full_shape)
+    if spec.kind != "normal":
+        raise ValueError(f"unknown init kind {spec.kind!r}: use normal, zeros or ones")
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    rows = spec.full_shape[0] if spec.valid_rows is None else spec.valid_rows
+    drawn = torch.empty((rows,) + tuple(spec.full_shape[1:])).normal_(0.0, spec.std,
+                                                                       generator=gen)
+    if rows == spec.full_shape[0]:
+        return drawn
+    out = torch.zeros(spec.full_shape)
+    out[:rows] = drawn
+    return out
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+    """This rank's slice of `full` along `dim`.
+
+    With `stride` k the dimension holds k stacked blocks (e.g. SwiGLU's gate and up
+    projections) and each rank gets its slice of every block, concatenated.
+    """
+    if size == 1:
+        return full
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
+
+
+def unshard(parts, dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor from every rank's slice (in rank order)."""
+    if stride == 1:
+        return torch.cat(list(parts), dim=dim)
+    per_rank = [p.chunk(stride, dim=dim) for p in parts]
+    return torch.cat([torch.cat([r[b] for r in per_rank], dim=dim) for b in range(stride)],
+                     dim=dim)
+
+
+def set_parallel_attributes(param: torch.nn.Parameter, spec: InitSpec,
+                            partition_dim: Optional[int] = None, stride: int = 1,
+                            sequence_parallel: bool = False) -> None:
+    """Tag a parameter with its init spec and how it is split across tp."""
+    param.init_spec = spec
+    param.tensor_model_parallel = partition_dim is not None
+    if partition_dim is not None:
+        param.partition_dim = partition_dim
+        param.partition_stride = stride
+    param.sequence_parallel = sequence_parallel
+    param.shared_embedding = False
+
+
+@torch.no_grad()
+def initialize_parameter(param: torch.nn.Parameter, seed: int, name: str, tp_rank: int,
+                         tp_size: int) -> None:
+    """Fill `param` with its slice of the name-seeded full tensor (no-op on meta)."""
+    if param.is_meta:
+        return
+    full = full_tensor(param.init_spec, seed, name)
+    if getattr(param, "tensor_model_parallel", False):
+        full = shard(full, param.partition_dim, tp_rank, tp_size, param.partition_stride)
+    param.copy_(full.to(dtype=param.dtype))
