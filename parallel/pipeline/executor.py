@@ -1,0 +1,148 @@
+"""The one executor that runs any pipeline schedule (a list of instructions) on this rank.
+
+It owns nothing but the bookkeeping of one step: which stage inputs, outputs and grads are
+alive. A model chunk is called Megatron-style: the first virtual stage gets
+`input_ids` (and `position_ids` if the batch has them), the others `hidden_states`; the last
+virtual stage also gets `labels` and its output goes through `loss_fn(output, batch)` to a
+scalar. Backward of micro-batch losses is scaled by `loss_scale / num_microbatches`, so
+grads are those of the mean loss over the step's micro-batches (gradient accumulation).
+A stage's stored input and output are released as soon as its backward has run (or, when
+only forwarding, as soon as the output is sent).
+
+`grad_sync` (optional) gets `enable_sync(chunk, enabled)` before every backward, True only
+for that chunk's last micro-batch, and `finish_sync()` at the schedule's ReduceGrads.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from .p2p import PipelineP2P
+from .schedules import (Backward, Forward, Instruction, OptimizerStep, RecvActivation, RecvGrad,
+                        ReduceGrads, SendActivation, SendGrad, comm_batches, is_first_stage,
+                        is_last_stage, last_backward_per_chunk, peer)
+
+Batch = Mapping[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean per-token loss over the batch's `loss_mask` (all tokens when it has none)."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return per_token_loss.float().mean()
+    mask = mask.to(per_token_loss.dtype)
+    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
+class PipelineExecutor:
+    """Runs schedules for this rank's model chunks (`chunks[c]` = virtual chunk c)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], p2p: PipelineP2P, pp_rank: int,
+                 pp_ranks: Sequence[int], grad_sync: Any = None,
+                 loss_fn: LossFn = masked_mean_loss) -> None:
+        self.chunks = list(chunks)
+        self.p2p = p2p
+        self.pp_rank = pp_rank
+        self.pp_ranks = list(pp_ranks)  # global rank of each pipeline stage
+        self.grad_sync = grad_sync
+        self.loss_fn = loss_fn
+        self.peak_stored = 0  # most (micro-batch, chunk) activations alive at once: for tests
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.pp_ranks)
+
+    def run(self, schedule: Sequence[Instruction], batches: Sequence[Batch],
+            loss_scale: float = 1.0, optimizer_step: Optional[Callable[[], Any]] = None
+            ) -> List[torch.Tensor]:
+        """Execute one step; returns the detached per-micro-batch losses (last stage only)."""
+        self._forward_only = not any(isinstance(i, Backward) for i in schedule)
+        self._batches, self._scale = batches, loss_scale / len(batches)
+        self._last_backward = last_backward_per_chunk(schedule)
+        self._inputs: Dict[tuple, Optional[torch.Tensor]] = {}
+        self._outputs: Dict[tuple, torch.Tensor] = {}
+        self._received = {RecvActivation: {}, RecvGrad: {}}  # type -> {(mb, chunk): tensor}
+        self._input_grads: Dict[tuple, torch.Tensor] = {}
+        self._losses: Dict[int, torch.Tensor] = {}
+        self.peak_stored = 0
+        for step in comm_batches(schedule):
+            if isinstance(step, tuple):
+                self._communicate(step)
+            elif isinstance(step, Forward):
+                self._forward(step.microbatch, step.chunk)
+            elif isinstance(step, Backward):
+                self._backward(step.microbatch, step.chunk)
+            elif isinstance(step, ReduceGrads):
+                if self.grad_sync is not None:
+                    self.grad_sync.finish_sync()
+            elif isinstance(step, OptimizerStep):
+                if optimizer_step is not None:
+                    optimizer_step()
+        leftover = (len(self._outputs) + len(self._input_grads) +
+                    sum(len(d) for d in self._received.values()))
+        if leftover and not self._forward_only:
+            raise RuntimeError(f"schedule left {leftover} tensors unconsumed: it is malformed")
+        return [self._losses[mb] for mb in sorted(self._losses)]
+
+    def _is_last(self, chunk: int) -> bool:
+        return is_last_stage(self.pp_rank, chunk, self.pp_size, len(self.chunks))
+
+    def _forward(self, mb: int, chunk: int) -> None:
+        batch, key = self._batches[mb], (mb, chunk)
+        kwargs: Dict[str, Any] = {}
+        hidden = None
+        if is_first_stage(self.pp_rank, chunk):
+            kwargs["input_ids"] = batch["input_ids"]
+            if batch.get("position_ids") is not None:
+                kwargs["position_ids"] = batch["position_ids"]
+        else:
+            hidden = self._received[RecvActivation].pop(key)
+            hidden.requires_grad_(not self._forward_only)
+            kwargs["hidden_states"] = hidden
+        last = self._is_last(chunk)
+        if last and batch.get("labels") is not None:
+            kwargs["labels"] = batch["labels"]
+        with torch.set_grad_enabled(not self._forward_only):
+            output = self.chunks[chunk](**kwargs)
+            if last:
+                loss = self.loss_fn(output, batch)
+                self._losses[mb] = loss.detach()
+                output = loss
+        if not self._forward_only:
+            self._inputs[key] = hidden
+            self._outputs[key] = output
+        elif not last:
+            self._outputs[key] = output  # until it is sent
+        self.peak_stored = max(self.peak_stored, len(self._inputs))
+
+    def _backward(self, mb: int, chunk: int) -> None:
+        key = (mb, chunk)
+        if self.grad_sync is not None:
+            self.grad_sync.enable_sync(chunk, self._last_backward.get(chunk) == mb)
+        output, hidden = self._outputs.pop(key), self._inputs.pop(key)
+        if self._is_last(chunk):
+            torch.autograd.backward(output * self._scale)
+        else:
+            torch.autograd.backward(output, grad_tensors=self._received[RecvGrad].pop(key))
+        if not is_first_stage(self.pp_rank, chunk):
+            self._input_grads[key] = hidden.grad
+
+    def _communicate(self, ops: tuple) -> None:
+        sends, recvs, recv_from = [], [], []
+        for op in ops:
+            peer_rank, _ = peer(op, self.pp_rank, self.pp_size)
+            key = (op.microbatch, op.chunk)
+            if isinstance(op, SendActivation):
+                tensor = self._outputs[key]
+                if self._forward_only:
+                    del self._outputs[key]  # nothing will backpropagate through it
+                sends.append((tensor, self.pp_ranks[peer_rank]))
+            elif isinstance(op, SendGrad):
+                sends.append((self._input_grads.pop(key), self.pp_ranks[peer_rank]))
+            else:
+                recvs.append((type(op), key))
+                recv_from.append(self.pp_ranks[peer_rank])
+        for (kind, key), tensor in zip(recvs, self.p2p.communicate(sends, recv_from)):
+            self._received[kind][key] = tensor

@@ -1,0 +1,60 @@
+"""Plain gradient reduction after backward: the simple `grad_sync` until ZeRO replaces it.
+
+Implements the executor's hook (`enable_sync(chunk, enabled)`, `finish_sync()`) without
+overlap: at `finish_sync` it all-reduces, in three phases every rank runs in the same order
+(so no two groups wait on each other):
+1. grads of `sequence_parallel` params over tp (each tp rank saw only its sequence slice),
+   only when sequence parallelism is on;
+2. grads of `shared_embedding` params over the embedding group (the tied word embedding on
+   the first stage and its copy as output weight on the last must take the same step);
+3. every grad over dp, averaged.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List
+
+import torch
+
+from gigatron.parallel import comm
+
+
+def _all_reduce_flat(grads: List[torch.Tensor], group, average: bool) -> None:
+    if not grads or comm.group_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, group=group)
+    if average:
+        flat /= comm.group_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class AllReduceGradSync:
+    """Reduce grads of `params` over dp (average), the embedding group and tp (SP params)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group=None,
+                 embedding_group=None, tp_group=None, sequence_parallel: bool = False) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.dp_group = dp_group
+        self.embedding_group = embedding_group
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.enabled_calls: List[tuple] = []  # (chunk, enabled) per backward: for tests
+
+    def enable_sync(self, chunk: int, enabled: bool) -> None:
+        """Nothing overlaps here; remember the calls so tests can check the executor."""
+        self.enabled_calls.append((chunk, enabled))
+
+    def finish_sync(self) -> None:
+        """Run the three reductions; every param gets a grad (zeros if backward left None)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.sequence_parallel:
+            sp = [p.grad for p in self.params if getattr(p, "sequence_parallel", False)]
+            _all_reduce_flat(sp, self.tp_group, average=False)
+        shared = [p.grad for p in self.params if getattr(p, "shared_embedding", False)]
+        _all_reduce_flat(shared, self.embedding_group, average=False)
+        _all_reduce_flat([p.grad for p in self.params], self.dp_group, average=True)
