@@ -115,6 +115,8 @@ def _add_data_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-file")
     g.add_argument("--merge-file")
     g.add_argument("--vocab-size", type=int)
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document")
+    g.add_argument("--num-workers", type=int, default=0, help="data loader worker processes")
 
 
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
@@ -204,7 +206,8 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
         mock_data=flags.mock_data, data_cache_path=flags.data_cache_path,
         tokenizer_type=flags.tokenizer_type, tokenizer_model=flags.tokenizer_model,
         vocab_file=flags.vocab_file, merge_file=flags.merge_file,
-        vocab_size=flags.vocab_size, seq_length=model.seq_length, seed=flags.seed)
+        vocab_size=flags.vocab_size, eod_mask_loss=flags.eod_mask_loss,
+        num_workers=flags.num_workers, seq_length=model.seq_length, seed=flags.seed)
     train = TrainConfig(
         train_iters=flags.train_iters, micro_batch_size=mbs, global_batch_size=gbs,
         num_microbatches=num_mb, seed=flags.seed, eval_interval=flags.eval_interval,

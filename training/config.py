@@ -86,6 +86,8 @@ class DataConfig:
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     vocab_size: Optional[int] = None
+    eod_mask_loss: bool = False
+    num_workers: int = 0
     seq_length: int = 1024
     seed: int = 1234
 

@@ -63,16 +63,14 @@ def perplexity(loss: float) -> float:
 class ProgressBar:
     """A one-line progress display (iteration, loss, ETA) redrawn in place on a terminal."""
 
-    def __init__(self, total: int, stream: IO = sys.stderr, width: int = 30) -> None:
-        self.total, self.stream, self.width = total, stream, width
+    def __init__(self, total: int, start_iteration: int = 0, stream: IO = sys.stderr,
+                 width: int = 30) -> None:
+        self.total, self.first, self.stream, self.width = total, start_iteration, stream, width
         self.start = time.monotonic()
-        self.first: Optional[int] = None
 
     def render(self, iteration: int, loss: Optional[float], now: Optional[float] = None) -> str:
         """The progress line for `iteration` of `total` (pure apart from the clock)."""
         now = time.monotonic() if now is None else now
-        if self.first is None:
-            self.first = iteration - 1
         done = iteration / self.total
         filled = int(round(self.width * done))
         rate = (iteration - self.first) / max(now - self.start, 1e-9)
@@ -96,7 +94,8 @@ class MetricsLogger:
 
     def __init__(self, enabled: bool, train_iters: int, metrics_file: Optional[str] = None,
                  tensorboard_dir: Optional[str] = None, progress: Optional[bool] = None,
-                 append: bool = False, stream: IO = sys.stdout) -> None:
+                 append: bool = False, start_iteration: int = 0,
+                 stream: IO = sys.stdout) -> None:
         self.enabled, self.train_iters, self.stream = enabled, train_iters, stream
         self._file = self._tb = self._bar = None
         if not enabled:
@@ -109,7 +108,7 @@ class MetricsLogger:
         if progress is None:
             progress = sys.stderr.isatty()
         if progress:
-            self._bar = ProgressBar(train_iters)
+            self._bar = ProgressBar(train_iters, start_iteration)
 
     def print(self, text: str) -> None:
         if self.enabled:

@@ -56,11 +56,7 @@ def check_parallel(flags: argparse.Namespace, tp: int, pp: int) -> None:
     if flags.use_distributed_optimizer and flags.zero_stage == 0:
         raise ValueError("--use-distributed-optimizer (ZeRO stage 1) contradicts --zero-stage 0:"
                          " drop one of them")
-    _positive(flags, "num_layers_per_virtual_pipeline_stage", "ddp_bucket_size",
-              "distributed_timeout_minutes")
-    if flags.num_layers_per_virtual_pipeline_stage is not None and pp < 2:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage (interleaved schedule) needs "
-                         "--pipeline-model-parallel-size > 1")
+    _positive(flags, "ddp_bucket_size", "distributed_timeout_minutes")
     if flags.optimizer_cpu_offload and (flags.zero_stage or
                                         (1 if flags.use_distributed_optimizer else 0)) < 1:
         raise ValueError("--optimizer-cpu-offload needs a sharded optimizer: add --zero-stage 1 "
@@ -158,27 +154,15 @@ def check_train(flags: argparse.Namespace, parallel: ParallelConfig, model,
               "save_interval")
     if flags.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {flags.eval_iters}")
-    pp, layers = parallel.pp, model.num_layers
-    if pp > layers:
-        raise ValueError(f"--pipeline-model-parallel-size {pp} is larger than --num-layers "
-                         f"{layers}: every stage needs at least one layer")
-    vpp = parallel.num_layers_per_virtual_pipeline_stage
-    uneven = (parallel.decoder_first_pipeline_num_layers is not None or
-              parallel.decoder_last_pipeline_num_layers is not None)
-    if vpp is not None:
-        if layers % (pp * vpp):
-            raise ValueError(f"--num-layers {layers} is not divisible by "
-                             f"--pipeline-model-parallel-size {pp} x "
-                             f"--num-layers-per-virtual-pipeline-stage {vpp}")
-        if num_microbatches % pp:
-            raise ValueError(
-                f"the interleaved schedule needs micro-batches per step ({num_microbatches} = "
-                f"--global-batch-size / (--micro-batch-size x dp)) to be a multiple of "
-                f"--pipeline-model-parallel-size {pp}")
-    elif not uneven and layers % pp:
-        raise ValueError(f"--num-layers {layers} is not divisible by "
-                         f"--pipeline-model-parallel-size {pp}: change one, or set "
-                         f"--decoder-first/last-pipeline-num-layers")
+    from gigatron.parallel.pipeline.partition import partition_layers
+    from gigatron.parallel.pipeline.schedules import check_num_microbatches
+
+    partition = partition_layers(
+        model.num_layers, parallel.pp,
+        first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+        last_stage_layers=parallel.decoder_last_pipeline_num_layers,
+        num_layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage)
+    check_num_microbatches(num_microbatches, parallel.pp, partition.virtual_chunks)
 
 
 def check_optimizer(flags: argparse.Namespace, parallel: ParallelConfig) -> None:

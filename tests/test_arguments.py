@@ -1,0 +1,156 @@
+"""pretrain_gpt.py's flags: Megatron names map to config objects; every bad flag gets its line."""
+import re
+
+import pytest
+import torch
+
+from gigatron.training.arguments import parse_args, parse_flags
+
+BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 "
+        "--mock-data --vocab-size 100")
+
+
+def run(extra: str = "", world: int = 1, base: str = BASE, vocab=None):
+    return parse_args((base + " " + extra).split(), world, vocab)
+
+
+def test_flags_map_to_config_objects():
+    cfg = run("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --swiglu "
+              "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+              "--untie-embeddings-and-output-weights --group-query-attention "
+              "--num-query-groups 2 --hidden-dropout 0 --attention-dropout 0 --bf16 "
+              "--sequence-parallel --use-distributed-optimizer --lr-warmup-fraction 0.1 "
+              "--lr-decay-style cosine --min-lr 1e-5", world=8)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (4, 32, 4, 16)
+    assert m.activation == "swiglu" and m.ffn_hidden_size == 64  # Megatron: 4h*2/3 -> x64
+    assert (m.normalization, m.position_embedding_type) == ("RMSNorm", "rope")
+    assert not m.add_bias_linear and m.untie_embeddings_and_output_weights
+    assert m.num_query_groups == 2 and m.hidden_dropout == 0.0
+    assert m.params_dtype == torch.bfloat16 and m.sequence_parallel
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.dp, p.zero_stage, p.sequence_parallel) == (2, 2, 2, 1, True)
+    assert cfg.train.num_microbatches == 8 // (2 * 2)
+    s = cfg.lr_schedule
+    assert (s.decay_steps, s.warmup_steps, s.decay_style) == (80, 8, "cosine")
+    assert cfg.data.mock_data and cfg.data.vocab_size == 100
+
+
+def test_defaults_follow_megatron():
+    cfg = run(world=2)
+    assert cfg.parallel.dp == 2 and cfg.parallel.zero_stage == 0
+    assert cfg.model.max_position_embeddings == 16 and cfg.model.ffn_hidden_size == 128
+    assert cfg.optimizer.clip_grad == 1.0 and cfg.optimizer.weight_decay == 0.01
+    assert cfg.lr_schedule.decay_style == "linear" and cfg.lr_schedule.decay_steps == 10 * 8
+    assert cfg.logging.log_interval == 100 and cfg.train.eval_interval == 1000
+    assert not cfg.parallel.sequence_parallel  # --sequence-parallel is a no-op at tp=1
+
+
+def test_global_batch_defaults_to_micro_batch_times_dp():
+    base = BASE.replace("--global-batch-size 8 ", "")
+    cfg = run(world=4, base=base)
+    assert cfg.train.global_batch_size == 8 and cfg.train.num_microbatches == 1
+
+
+def test_tokenizer_vocab_overrides_flag_vocab():
+    assert run(vocab=300).model.vocab_size == 300
+
+
+def test_zero_stage_flag():
+    assert run("--zero-stage 3", world=2).parallel.zero_stage == 3
+
+
+BAD_FLAGS = [  # (extra flags, world size, message)
+    ("--bogus-flag 3", 1, r"unknown flag\(s\) --bogus-flag 3"),
+    ("--num-layer 3", 1, r"did you mean --num-layers\?"),
+    ("--tensor-model-parallel-size 3", 8, r"world size 8 is not divisible by "
+                                          r"--tensor-model-parallel-size 3"),
+    ("--global-batch-size 6", 2, r"--global-batch-size 6 is not a multiple of "
+                                 r"--micro-batch-size 2 x data-parallel size 2"),
+    ("--micro-batch-size 0", 1, r"--micro-batch-size must be > 0"),
+    ("--fp16 --bf16", 1, r"--fp16 and --bf16 are exclusive"),
+    ("--loss-scale 128", 1, r"--loss-scale applies to --fp16 only"),
+    ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1,
+     r"--lr-warmup-fraction and --lr-warmup-iters are exclusive"),
+    ("--lr-warmup-iters 20", 1, r"warm-up \(160 samples\) is not shorter than the decay"),
+    ("--min-lr 1", 1, r"--min-lr 1.0 is larger than --lr 0.001"),
+    ("--lr-warmup-fraction 1.5", 1, r"--lr-warmup-fraction must be in \[0, 1\)"),
+    ("--lr-decay-style WSD", 1, r"--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    ("--lr-decay-style WSD --lr-wsd-decay-iters 20", 1, r"--lr-wsd-decay-iters is longer"),
+    ("--lr-decay-style bogus", 1, r"argument --lr-decay-style: invalid choice"),
+    ("--use-distributed-optimizer --zero-stage 0", 1,
+     r"--use-distributed-optimizer .* contradicts --zero-stage 0"),
+    ("--zero-stage 4", 1, r"argument --zero-stage: invalid choice"),
+    ("--optimizer-cpu-offload", 1, r"--optimizer-cpu-offload needs a sharded optimizer"),
+    ("--pipeline-model-parallel-size 8", 8,
+     r"--pipeline-model-parallel-size=8 is larger than --num-layers=4"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3", 2,
+     r"--num-layers-per-virtual-pipeline-stage=3 must divide the 2 layers"),
+    ("--num-layers-per-virtual-pipeline-stage 1", 1, r"needs --pipeline-model-parallel-size > 1"),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 6", 2, r"interleaved schedule .* multiple of "
+                                 r"--pipeline-model-parallel-size=2"),
+    ("--train-iters 0", 1, r"--train-iters must be > 0"),
+    ("--log-interval 0", 1, r"--log-interval must be > 0"),
+    ("--eval-iters -1", 1, r"--eval-iters must be >= 0"),
+    ("--save-interval 5", 1, r"--save-interval needs --save DIR"),
+    ("--finetune", 1, r"--finetune needs --load DIR"),
+    ("--clip-grad -1", 1, r"--clip-grad must be >= 0"),
+    ("--adam-beta2 1.0", 1, r"--adam-beta2 must be in \[0, 1\)"),
+    ("--group-query-attention", 1, r"--group-query-attention needs --num-query-groups"),
+    ("--num-query-groups 2", 1, r"--num-query-groups is used only with --group-query-attention"),
+    ("--num-attention-heads 3", 1, r"hidden_size \(32\) must be divisible by "
+                                   r"num_attention_heads"),
+    ("--tensor-model-parallel-size 8 --global-batch-size 2", 8,
+     r"num_attention_heads \(4\) must be divisible by the tensor-parallel size \(8\)"),
+    ("--data-path foo", 1, r"--data-path and --mock-data are exclusive"),
+    ("--split 1,2,3,4", 1, r"--split '1,2,3,4' must be up to three"),
+    ("--hidden-size -32", 1, r"--hidden-size must be > 0"),
+    ("--distributed-timeout-minutes 0", 1, r"--distributed-timeout-minutes must be > 0"),
+]
+
+
+@pytest.mark.parametrize("extra,world,message", BAD_FLAGS, ids=[b[0] for b in BAD_FLAGS])
+def test_bad_flag_gives_one_clear_line(extra, world, message):
+    with pytest.raises(ValueError) as err:
+        run(extra, world=world)
+    text = str(err.value)
+    assert "\n" not in text
+    assert re.search(message, text), text
+
+
+BAD_DATA = [
+    ("--micro-batch-size 2 --train-iters 1 --lr 1 --num-layers 1 --hidden-size 8 "
+     "--num-attention-heads 2 --seq-length 8 --vocab-size 10", r"no training data"),
+    ("--micro-batch-size 2 --train-iters 1 --lr 1 --num-layers 1 --hidden-size 8 "
+     "--num-attention-heads 2 --seq-length 8 --data-path d --vocab-size 10",
+     r"--tokenizer-type is required"),
+    ("--micro-batch-size 2 --train-iters 1 --lr 1 --num-layers 1 --hidden-size 8 "
+     "--num-attention-heads 2 --seq-length 8 --data-path d --vocab-size 10 "
+     "--tokenizer-type SentencePieceTokenizer", r"needs --tokenizer-model"),
+    ("--micro-batch-size 2 --train-iters 1 --lr 1 --num-layers 1 --hidden-size 8 "
+     "--num-attention-heads 2 --seq-length 8 --data-path 0.5 a 0.5 --vocab-size 10 "
+     "--tokenizer-type NullTokenizer", r"weight/prefix pairs"),
+    ("--micro-batch-size 2 --train-iters 1 --lr 1 --num-layers 1 --hidden-size 8 "
+     "--num-attention-heads 2 --seq-length 8 --mock-data", r"vocabulary size is unknown"),
+    ("--micro-batch-size 2 --train-iters 1 --lr 1 --mock-data --vocab-size 10",
+     r"--num-layers, --hidden-size, --num-attention-heads, --seq-length required"),
+    ("--train-iters 1 --lr 1 --mock-data --vocab-size 10 --num-layers 1 --hidden-size 8 "
+     "--num-attention-heads 2 --seq-length 8", r"--micro-batch-size is required"),
+    ("--micro-batch-size 2 --lr 1 --mock-data --vocab-size 10 --num-layers 1 "
+     "--hidden-size 8 --num-attention-heads 2 --seq-length 8", r"--train-iters is required"),
+    ("--micro-batch-size 2 --train-iters 1 --mock-data --vocab-size 10 --num-layers 1 "
+     "--hidden-size 8 --num-attention-heads 2 --seq-length 8", r"--lr is required"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_DATA, ids=[b[1] for b in BAD_DATA])
+def test_missing_required_flag_is_named(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(argv.split(), 1)
+
+
+def test_parse_flags_rejects_abbreviations():
+    with pytest.raises(ValueError, match="unknown flag"):
+        parse_flags(["--num-lay", "2"])
