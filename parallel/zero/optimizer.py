@@ -1,0 +1,277 @@
+"""ZeroOptimizer: the data-parallel optimizer the training loop and pipeline executor call.
+
+    zero = build_zero(model_chunks, ZeroConfig(zero_stage=1, clip_grad=1.0), groups)
+    zero.zero_grad()
+    for i, batch in enumerate(micro_batches):            # gradient accumulation
+        with zero.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+            zero.backward(loss_fn(model, batch) / len(micro_batches))
+    result = zero.step()                                  # StepResult(success, skipped, ...)
+
+Under a pipeline schedule pass `zero` as the executor's `grad_sync` and multiply the last
+stage's loss by `zero.loss_scale` before backward (`zero.scale_loss`).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from gigatron.parallel import comm
+from gigatron.parallel.zero.config import ZeroConfig
+from gigatron.parallel.zero.flat_group import FlatGroup
+from gigatron.parallel.zero.grad_norm import (clip_coefficient, counts_in_norm,
+                                             global_norm_and_overflow)
+from gigatron.parallel.zero.grad_sync import GradSync
+from gigatron.parallel.zero.loss_scaler import DynamicLossScaler, LossScaler
+from gigatron.parallel.zero.stage3 import ParamGatherer, find_units
+
+STATE_FORMAT = "gigatron-zero-v1"
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did, for logging."""
+
+    success: bool
+    skipped: bool
+    grad_norm: Optional[float]
+    loss_scale: float
+
+
+@dataclass
+class ZeroGroups:
+    """The process groups and coordinates ZeRO needs (from ProcessGroups or given directly)."""
+
+    dp: object = None
+    tp: object = None
+    embedding: object = None
+    tp_rank: int = 0
+    pp_rank: int = 0
+    pp_size: int = 1
+
+
+def zero_groups_from(groups) -> ZeroGroups:
+    """Pick ZeRO's groups out of a `gigatron.parallel.topology.ProcessGroups`."""
+    try:
+        embedding = groups["embedding"]
+    except KeyError:  # middle pipeline stages hold no tied embedding
+        embedding = None
+    dp = groups["dp-cp"] if groups.size("cp") > 1 else groups.dp
+    return ZeroGroups(dp=dp, tp=groups.tp, embedding=embedding, tp_rank=groups.index("tp"),
+                      pp_rank=groups.index("pp"), pp_size=groups.size("pp"))
+
+
+def build_zero(model_chunks: Union[nn.Module, Sequence[nn.Module]], config: ZeroConfig,
+               groups=None, dp_group=None) -> "ZeroOptimizer":
+    """Wrap the model chunks' parameters in ZeRO buffers; `groups` is a ProcessGroups (or a
+    ZeroGroups); with neither, `dp_group` alone (None = the whole world) is used."""
+    if isinstance(model_chunks, nn.Module):
+        model_chunks = [model_chunks]
+    if groups is None:
+        zg = ZeroGroups(dp=dp_group)
+    elif isinstance(groups, ZeroGroups):
+        zg = groups
+    else:
+        zg = zero_groups_from(groups)
+    return ZeroOptimizer(list(model_chunks), config, zg)
+
+
+class ZeroOptimizer:
+    """Flat ZeRO buffers + gradient sync + torch optimizer on this rank's fp32 master shard."""
+
+    def __init__(self, model_chunks: List[nn.Module], config: ZeroConfig,
+                 groups: ZeroGroups) -> None:
+        self.config, self.groups_info, self.chunks = config, groups, model_chunks
+        self.stage = config.zero_stage
+        if self.stage == 3 and (groups.pp_size > 1 or len(model_chunks) > 1):
+            raise ValueError(
+                "zero_stage 3 with pipeline parallelism is not supported: a pipeline stage "
+                "runs many micro-batches' forwards before their backwards, so every layer "
+                "would be re-gathered per micro-batch in both directions (num_microbatches x "
+                "the communication) to save memory that pp already divides; use zero_stage "
+                "<= 2 with --pipeline-model-parallel-size > 1")
+        self.param_dtype = self._check_dtypes(model_chunks)
+        self.scaler = self._make_scaler()
+        self.groups: List[FlatGroup] = []
+        units = find_units(model_chunks[0]) if self.stage == 3 else None
+        for chunk, model in enumerate(model_chunks):
+            self._build_groups(chunk, model, units)
+        self.optimizer = self._make_optimizer()
+        self.gatherer = (ParamGatherer(units, self.groups, groups.dp, config.stage3_prefetch)
+                         if self.stage == 3 else None)
+        self.grad_sync = GradSync(
+            self.groups, len(model_chunks), self.stage, config.overlap_comm, groups.tp,
+            groups.embedding, self.gatherer.on_param_grad if self.gatherer else None)
+        self._norm_views = self._counted_views()
+        self.skipped_steps = 0
+
+    # ---- construction ---------------------------------------------------------------
+    def _check_dtypes(self, chunks: List[nn.Module]) -> torch.dtype:
+        dtypes = {p.dtype for m in chunks for p in m.parameters() if p.requires_grad}
+        if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
+            raise ValueError(f"ZeRO needs all trainable parameters in one of fp32/bf16/fp16, "
+                             f"found {sorted(map(str, dtypes))}: build the model with a single "
+                             f"params_dtype")
+        return dtypes.pop()
+
+    def _make_scaler(self) -> LossScaler:
+        c = self.config
+        if self.param_dtype != torch.float16:
+            return LossScaler(1.0)
+        if c.loss_scale > 0:
+            return LossScaler(c.loss_scale)
+        return DynamicLossScaler(c.initial_scale_power, c.loss_scale_window, c.hysteresis,
+                                 c.min_loss_scale, c.consecutive_hysteresis)
+
+    def _build_groups(self, chunk: int, model: nn.Module, units) -> None:
+        """Group params by (kind, decay); reverse registration order approximates the order
+        backward produces grads, so buckets fill front to back."""
+        c = self.config
+        if units is not None:
+            unit_of = {id(p): i for i, (_, ps) in enumerate(units) for p in ps}
+            params = [p for _, ps in units for p in ps]
+        else:
+            params = [p for p in model.parameters() if p.requires_grad][::-1]
+        keyed: Dict[Tuple[str, bool], List[nn.Parameter]] = {}
+        for p in params:
+            kind = ("shared_embedding" if getattr(p, "shared_embedding", False) else
+                    "sequence_parallel" if getattr(p, "sequence_parallel", False) else "default")
+            keyed.setdefault((kind, p.dim() >= 2), []).append(p)
+        master_device = torch.device("cpu") if c.offload_optimizer == "cpu" else None
+        for (kind, decay), ps in sorted(keyed.items()):
+            # tied embeddings: one bucket per param, so first and last stage shard alike
+            bucket_size = 1 if kind == "shared_embedding" else c.reduce_bucket_size
+            unit_ids = [unit_of[id(p)] for p in ps] if units is not None else None
+            self.groups.append(FlatGroup(
+                ps, chunk=chunk, kind=kind, weight_decay=c.weight_decay if decay else 0.0,
+                stage=self.stage, dp_group=self.groups_info.dp, bucket_size=bucket_size,
+                unit_ids=unit_ids, master_device=master_device or ps[0].device,
+                reduce_dtype=c.reduce_dtype))
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        c = self.config
+        param_groups = [{"params": [g.master], "weight_decay": g.weight_decay}
+                        for g in self.groups]
+        if c.optimizer == "sgd":
+            return torch.optim.SGD(param_groups, lr=c.lr, momentum=c.sgd_momentum)
+        cls = torch.optim.AdamW if c.optimizer == "adamw" else torch.optim.Adam
+        return cls(param_groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+
+    def _counted_views(self) -> List[torch.Tensor]:
+        gi = self.groups_info
+        if self.stage == 0 and comm.group_rank(gi.dp) != 0:
+            return []  # stage-0 grads are identical on every dp rank: dp rank 0 counts them
+        views = []
+        for g in self.groups:
+            counts = [counts_in_norm(p, gi.tp_rank, gi.pp_rank) for p in g.params]
+            views += g.counted_views(counts)
+        return views
+
+    # ---- per-step API -----------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on (multiplied by the fp16 loss scale)."""
+        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scale_loss(loss).backward()
+
+    def enable_sync(self, chunk: int, enabled: bool) -> None:
+        """Pipeline-executor contract: reduce chunk's grads in the coming backward?"""
+        self.grad_sync.enable_sync(chunk, enabled)
+
+    def no_sync(self):
+        """Context for all but the last micro-batch of gradient accumulation."""
+        return self.grad_sync.no_sync()
+
+    def finish_sync(self) -> None:
+        """Pipeline-executor contract: all dp, embedding and sequence-parallel reductions done."""
+        self.grad_sync.finish_sync()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.zero_grad()
+        self.grad_sync.new_step()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> StepResult:
+        """Unscale, check overflow on all ranks, clip to the global norm, step the shard,
+        publish updated parameters."""
+        if not self.grad_sync.synced:
+            self.finish_sync()
+        scale = self.scaler.scale
+        device = self.groups[0].device if self.groups else None
+        check = [v for g in self.groups for v in g.shard_views]
+        norm, overflow = global_norm_and_overflow(self._norm_views, check, device=device)
+        if overflow:
+            self.scaler.update(True)
+            self.skipped_steps += 1
+            return StepResult(False, True, None, scale)
+        norm /= scale
+        coeff = clip_coefficient(norm, self.config.clip_grad) / scale
+        for g in self.groups:
+            if coeff != 1.0:
+                for view in g.shard_views:
+                    view.mul_(coeff)
+            flat = g.flat_grad_shard()
+            g.master.grad = flat.to(g.master.device) if flat.device != g.master.device else flat
+        self.optimizer.step()
+        for g in self.groups:
+            g.master.grad = None
+        self._publish_params()
+        self.scaler.update(False)
+        return StepResult(True, False, norm, scale)
+
+    def _publish_params(self) -> None:
+        handles = [h for g in self.groups for h in g.write_back()]
+        for h in handles:
+            h.wait()
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Full parameters readable inside (stage 3 gathers them; other stages have them)."""
+        if self.gatherer is None:
+            yield
+        else:
+            with self.gatherer.gathered():
+                yield
+
+    # ---- checkpointing ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard: master weights, optimizer state, loss scaler."""
+        return {"format": STATE_FORMAT, "zero_stage": self.stage,
+                "dp_size": comm.group_size(self.groups_info.dp),
+                "dp_rank": comm.group_rank(self.groups_info.dp),
+                "layout": [(g.chunk, g.kind, g.full_numel, g.shard_numel) for g in self.groups],
+                "master": [g.master.detach().cpu().clone() for g in self.groups],
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore this rank's shard and refresh the model parameters from it."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a ZeRO optimizer checkpoint (format {state.get('format')!r})")
+        here = [(g.chunk, g.kind, g.full_numel, g.shard_numel) for g in self.groups]
+        dp = comm.group_size(self.groups_info.dp)
+        if state["dp_size"] != dp or [tuple(x) for x in state["layout"]] != here:
+            raise ValueError(
+                f"the ZeRO checkpoint was saved with dp size {state['dp_size']} and layout "
+                f"{state['layout']}; this run has dp size {dp} and layout {here}: resume with "
+                f"the same parallel sizes, zero_stage and reduce_bucket_size")
+        for g, master in zip(self.groups, state["master"]):
+            g.load_master(master)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._publish_params()
