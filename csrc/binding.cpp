@@ -1,0 +1,170 @@
+// The only file that sees torch: checks tensors, picks the stream and calls the launchers
+// declared in gigatron_kernels.h. Python reaches it through gigatron.ops.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <limits>
+#include <tuple>
+
+#include "gigatron_kernels.h"
+
+namespace {
+
+using gigatron::DType;
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, "gigatron kernels take float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "gigatron ", what, " kernel failed: ", cudaGetErrorString(err));
+}
+
+int checked_int(int64_t v, const char* name) {
+  TORCH_CHECK(v <= std::numeric_limits<int>::max(), name, " = ", v, " exceeds the kernels' int range");
+  return static_cast<int>(v);
+}
+
+int num_sms(const at::Tensor& t) {
+  int count = 0;
+  check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, t.get_device()), "SM count");
+  return count;
+}
+
+cudaStream_t stream_of(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
+}
+
+at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask, double scale,
+                           bool causal) {
+  TORCH_CHECK(x.is_cuda(), "softmax input must be a CUDA tensor");
+  TORCH_CHECK(x.dim() == (causal ? 3 : 4), causal ? "causal softmax takes x [b*np, sq, sk]"
+                                                  : "masked softmax takes x [b, np, sq, sk]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  gigatron::SoftmaxForwardParams p{};
+  p.x = xc.data_ptr();
+  p.y = y.data_ptr();
+  p.sk = checked_int(x.size(-1), "sk");
+  p.sq = checked_int(x.size(-2), "sq");
+  p.heads = causal ? 1 : checked_int(x.size(1), "np");
+  p.rows = p.sk > 0 ? xc.numel() / p.sk : 0;
+  p.scale = static_cast<float>(scale);
+  p.mask_kind = causal ? gigatron::MaskKind::kCausal : gigatron::MaskKind::kNone;
+  at::Tensor m;
+  if (!causal && mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool, "softmax mask must be bool (True = masked out)");
+    TORCH_CHECK(mask->dim() <= 4, "softmax mask must broadcast to x [b, np, sq, sk]");
+    m = mask->to(x.device()).expand(x.sizes());
+    if (m.stride(3) != 1) m = m.contiguous();
+    p.mask = reinterpret_cast<const uint8_t*>(m.data_ptr());
+    p.mask_stride_batch = m.stride(0);
+    p.mask_stride_head = m.stride(1);
+    p.mask_stride_query = m.stride(2);
+    p.mask_kind = gigatron::MaskKind::kTensor;
+  }
+  check(gigatron::softmax_forward(p, dtype_of(x), stream_of(x)), "softmax forward");
+  return y;
+}
+
+at::Tensor softmax_backward(const at::Tensor& dy, const at::Tensor& y, double scale, bool causal) {
+  TORCH_CHECK(dy.is_cuda() && y.is_cuda() && dy.sizes() == y.sizes() && dy.dtype() == y.dtype(),
+              "softmax backward takes dy and y of the same CUDA shape and dtype");
+  const c10::cuda::CUDAGuard guard(y.device());
+  const at::Tensor dyc = dy.contiguous(), yc = y.contiguous();
+  at::Tensor dx = at::empty_like(yc);
+  gigatron::SoftmaxBackwardParams p{};
+  p.dy = dyc.data_ptr();
+  p.y = yc.data_ptr();
+  p.dx = dx.data_ptr();
+  p.sk = checked_int(y.size(-1), "sk");
+  p.sq = checked_int(y.size(-2), "sq");
+  p.rows = p.sk > 0 ? yc.numel() / p.sk : 0;
+  p.scale = static_cast<float>(scale);
+  p.causal = causal;
+  check(gigatron::softmax_backward(p, dtype_of(y), stream_of(y)), "softmax backward");
+  return dx;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(const at::Tensor& x, const at::Tensor& weight,
+                                                            const c10::optional<at::Tensor>& bias,
+                                                            double eps, bool rms) {
+  TORCH_CHECK(x.is_cuda() && x.dim() >= 1, "norm input must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.numel() == n, "norm weight has ", weight.numel(), " elements, hidden size is ", n);
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  at::Tensor b;
+  if (bias.has_value()) b = bias->to(at::kFloat).contiguous();
+  const int64_t rows = n > 0 ? xc.numel() / n : 0;
+  at::Tensor y = at::empty_like(xc);
+  const auto fopts = xc.options().dtype(at::kFloat);
+  at::Tensor mean = at::empty({rms ? 0 : rows}, fopts);
+  at::Tensor rstd = at::empty({rows}, fopts);
+  gigatron::NormForwardParams p{};
+  p.x = xc.data_ptr();
+  p.weight = w.data_ptr<float>();
+  p.bias = b.defined() ? b.data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.mean = rms ? nullptr : mean.data_ptr<float>();
+  p.rstd = rstd.data_ptr<float>();
+  p.rows = rows;
+  p.n = checked_int(n, "hidden size");
+  p.eps = static_cast<float>(eps);
+  p.rms = rms;
+  check(gigatron::norm_forward(p, dtype_of(x), stream_of(x)), rms ? "RMSNorm forward" : "LayerNorm forward");
+  return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(const at::Tensor& dy, const at::Tensor& x,
+                                                             const at::Tensor& weight, const at::Tensor& mean,
+                                                             const at::Tensor& rstd, bool rms, bool has_bias) {
+  TORCH_CHECK(dy.is_cuda() && dy.sizes() == x.sizes() && dy.dtype() == x.dtype(),
+              "norm backward takes dy and x of the same CUDA shape and dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor dyc = dy.contiguous(), xc = x.contiguous();
+  const at::Tensor w = weight.to(at::kFloat).contiguous();
+  const int64_t n = x.size(-1);
+  const int64_t rows = n > 0 ? xc.numel() / n : 0;
+  const int sms = num_sms(x);
+  const DType dtype = dtype_of(x);
+  const int num_partials = gigatron::norm_backward_num_partials(rows, checked_int(n, "hidden size"), dtype, sms);
+  const auto fopts = xc.options().dtype(at::kFloat);
+  at::Tensor dx = at::empty_like(xc);
+  at::Tensor dweight = at::empty({n}, fopts);
+  at::Tensor dbias = has_bias ? at::empty({n}, fopts) : at::Tensor();
+  at::Tensor partials = at::empty({2 * num_partials * n}, fopts);
+  gigatron::NormBackwardParams p{};
+  p.dy = dyc.data_ptr();
+  p.x = xc.data_ptr();
+  p.weight = w.data_ptr<float>();
+  p.mean = rms ? nullptr : mean.data_ptr<float>();
+  p.rstd = rstd.data_ptr<float>();
+  p.dx = dx.data_ptr();
+  p.dweight = dweight.data_ptr<float>();
+  p.dbias = has_bias ? dbias.data_ptr<float>() : nullptr;
+  p.partials = partials.data_ptr<float>();
+  p.rows = rows;
+  p.n = static_cast<int>(n);
+  p.rms = rms;
+  check(gigatron::norm_backward(p, dtype, sms, stream_of(x)), rms ? "RMSNorm backward" : "LayerNorm backward");
+  return {dx, dweight, dbias};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "gigatron fused kernels: scaled masked/causal softmax, LayerNorm, RMSNorm";
+  m.def("softmax_forward", &softmax_forward, "scaled masked or causal softmax forward");
+  m.def("softmax_backward", &softmax_backward, "scaled masked or causal softmax backward");
+  m.def("norm_forward", &norm_forward, "LayerNorm/RMSNorm forward -> (y, mean, rstd)");
+  m.def("norm_backward", &norm_backward, "LayerNorm/RMSNorm backward -> (dx, dweight, dbias)");
+}

@@ -1,0 +1,76 @@
+// Host API of gigatron's fused kernels: plain structs and launchers, no torch types, so the
+// .cu files build with nvcc alone and binding.cpp is the only file that sees torch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace gigatron {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+enum class MaskKind : int { kNone = 0, kTensor = 1, kCausal = 2 };
+
+// Softmax over the last dim of `rows` rows of length sk; row r is (batch, head, query) =
+// (r / (heads * sq), (r / sq) % heads, r % sq). Mask bytes: nonzero = masked out.
+struct SoftmaxForwardParams {
+  const void* x;
+  void* y;
+  const uint8_t* mask;  // used when mask_kind == kTensor; last-dim stride 1
+  int64_t mask_stride_batch, mask_stride_head, mask_stride_query;
+  int64_t rows;
+  int sk, sq, heads;
+  float scale;
+  MaskKind mask_kind;
+};
+
+struct SoftmaxBackwardParams {
+  const void* dy;
+  const void* y;
+  void* dx;
+  int64_t rows;
+  int sk, sq;
+  float scale;
+  bool causal;  // skip the strict upper triangle, known to be zero
+};
+
+// LayerNorm (rms = false) or RMSNorm (rms = true) over rows of length n. Weight and bias are
+// float32; mean (LayerNorm only) and rstd are float32 per row, saved for backward.
+struct NormForwardParams {
+  const void* x;
+  const float* weight;
+  const float* bias;  // may be null
+  void* y;
+  float* mean;  // may be null for RMSNorm
+  float* rstd;
+  int64_t rows;
+  int n;
+  float eps;
+  bool rms;
+};
+
+// Backward: dx, and the float32 weight/bias grads reduced in two stages through
+// `partials` (norm_backward_num_partials(...) * n floats for each of weight and bias).
+struct NormBackwardParams {
+  const void* dy;
+  const void* x;
+  const float* weight;
+  const float* mean;
+  const float* rstd;
+  void* dx;
+  float* dweight;
+  float* dbias;  // may be null
+  float* partials;  // 2 * num_partials * n floats
+  int64_t rows;
+  int n;
+  bool rms;
+};
+
+cudaError_t softmax_forward(const SoftmaxForwardParams& p, DType dtype, cudaStream_t stream);
+cudaError_t softmax_backward(const SoftmaxBackwardParams& p, DType dtype, cudaStream_t stream);
+cudaError_t norm_forward(const NormForwardParams& p, DType dtype, cudaStream_t stream);
+int norm_backward_num_partials(int64_t rows, int n, DType dtype, int num_sms);
+cudaError_t norm_backward(const NormBackwardParams& p, DType dtype, int num_sms,
+                          cudaStream_t stream);
+
+}  // namespace gigatron
