@@ -129,6 +129,8 @@ def _add_training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-train-test", dest="skip_test", action="store_true",
                    help="skip the test-split evaluation at the end")
     g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
+                   help=">= 1: synchronise the accelerator around timed phases")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--save")
     g.add_argument("--load")
@@ -222,7 +224,8 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
     check_logging(flags)
     logging = LoggingConfig(log_interval=flags.log_interval, metrics_file=flags.metrics_file,
                             tensorboard_dir=flags.tensorboard_dir,
-                            peak_tflops=flags.peak_tflops, progress=flags.progress)
+                            peak_tflops=flags.peak_tflops, progress=flags.progress,
+                            timing_log_level=flags.timing_log_level)
     return RunConfig(model=model, model_name=flags.model, parallel=parallel,
                      optimizer=optimizer, lr_schedule=build_lr_schedule(flags, gbs),
                      data=data, train=train, checkpoint=checkpoint, logging=logging,

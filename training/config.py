@@ -131,7 +131,8 @@ class LoggingConfig:
     metrics_file: Optional[str] = None
     tensorboard_dir: Optional[str] = None
     peak_tflops: Optional[float] = None  # override the per-device peak table for MFU
-    progress: Optional[bool] = None  # None: on when stdout is a terminal
+    progress: Optional[bool] = None  # None: on when stderr is a terminal
+    timing_log_level: int = 0  # >= 1: synchronise the accelerator around timed phases
 
 
 @dataclass

@@ -45,6 +45,9 @@ def format_train_line(record: Dict, train_iters: int) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value) and key != "lm loss"):
             continue
         parts.append(f"{label}: {fmt.format(value)}")
+    timers = record.get("timers_ms")
+    if timers:
+        parts.append(" ".join(f"{k} {v:.1f}" for k, v in timers.items()) + " (ms)")
     return " | ".join(parts) + " |"
 
 
@@ -109,6 +112,20 @@ class MetricsLogger:
             progress = sys.stderr.isatty()
         if progress:
             self._bar = ProgressBar(train_iters, start_iteration)
+
+    def truncate_after(self, iteration: int) -> None:
+        """On resume: drop records of iterations after the checkpoint (a run that went on
+        past its last save and crashed logged them), so the file reads as one run."""
+        if self._file is None:
+            return
+        self._file.close()
+        path = self._file.name
+        with open(path, encoding="utf-8") as f:
+            kept = [line for line in f if line.strip() and
+                    json.loads(line).get("iteration", 0) <= iteration]
+        self._file = open(path, "w", encoding="utf-8")
+        self._file.writelines(kept)
+        self._file.flush()
 
     def print(self, text: str) -> None:
         if self.enabled:

@@ -1,0 +1,129 @@
+"""What a checkpoint holds for one rank, and restoring it so a resumed run continues exactly.
+
+Loading happens in two phases because ZeRO copies the model's parameters into its fp32
+master shards when it is built: `load_model_weights` (before ZeRO exists) puts the saved
+weights into the model chunks; `restore_training_state` (after) loads the optimizer shard,
+loss scaler, RNG states and the loop's progress.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from gigatron.training import checkpointing as files
+from gigatron.training.config import RunConfig
+
+
+@dataclass
+class TrainProgress:
+    """The loop's position: everything besides weights and optimizer that resume needs."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    lr_steps: int = 0  # samples of successful updates: the lr schedule's position (Megatron)
+    skipped_iterations: int = 0
+
+
+def rng_state(chunks: List[torch.nn.Module], device: torch.device) -> Dict[str, Any]:
+    """Every generator a step draws from: python, numpy, torch (+ accelerator), TP tracker."""
+    from gigatron.parallel.tensor.random import get_rng_state
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state(),
+             "tracker": [[[name, dev, s] for (name, dev), s in c.rng_tracker.get_states().items()]
+                         for c in chunks]}
+    if device.type != "cpu":
+        state["accelerator"] = get_rng_state(device)
+    return state
+
+
+def restore_rng(state: Dict[str, Any], chunks: List[torch.nn.Module],
+                device: torch.device) -> None:
+    from gigatron.parallel.tensor.random import set_rng_state
+
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type != "cpu" and "accelerator" in state:
+        set_rng_state(state["accelerator"], device)
+    for chunk, saved in zip(chunks, state["tracker"]):
+        chunk.rng_tracker.set_states({(name, dev): s for name, dev, s in saved})
+
+
+def layout(run: RunConfig, num_chunks: int) -> Dict[str, int]:
+    """The sizes a checkpoint is tied to (loading across them is not supported yet)."""
+    p = run.parallel
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_chunks": num_chunks}
+
+
+def save(run: RunConfig, groups, progress: TrainProgress, chunks, zero,
+         device: torch.device) -> str:
+    """Collective: write this rank's shard of iteration `progress.iteration`."""
+    from gigatron.parallel import comm
+
+    with zero.gathered_parameters():
+        model = [{k: v.detach().cpu().clone() for k, v in c.state_dict().items()}
+                 for c in chunks]
+    state: Dict[str, Any] = {"progress": asdict(progress), "model": model}
+    if not run.checkpoint.no_save_optim:
+        state["optimizer"] = zero.state_dict()
+    if not run.checkpoint.no_save_rng:
+        state["rng"] = rng_state(chunks, device)
+    meta = {**layout(run, len(chunks)), "zero_stage": run.parallel.zero_stage,
+            "world_size": run.parallel.world_size, "consumed_train_samples":
+            progress.consumed_train_samples, "model_name": run.model_name,
+            "flags": run.flags}
+    return files.save_checkpoint(run.checkpoint.save, progress.iteration, state,
+                                 groups.coords, meta, comm.barrier, groups.rank == 0,
+                                 run.checkpoint.ckpt_format)
+
+
+def load_model_weights(run: RunConfig, groups, chunks) -> Optional[Dict[str, Any]]:
+    """Phase 1 of --load: weights into the chunks; returns this rank's shard (None: none)."""
+    root = run.checkpoint.load
+    if root is None:
+        return None
+    iteration, folder = files.find_checkpoint(root)
+    if folder is None:
+        if run.checkpoint.finetune:
+            raise ValueError(f"--finetune: no checkpoint in --load {root} "
+                             f"({files.TRACKER} missing)")
+        return None
+    meta = files.read_metadata(folder)
+    files.check_layout(meta, layout(run, len(chunks)), folder)
+    shard = files.read_shard(files.rank_file(folder, groups.coords, run.checkpoint.ckpt_format),
+                             run.checkpoint.ckpt_format)
+    for chunk, weights in zip(chunks, shard["model"]):
+        chunk.load_state_dict(weights, strict=True)
+    shard["_folder"], shard["_zero_stage"] = folder, meta.get("zero_stage")
+    return shard
+
+
+def restore_training_state(run: RunConfig, shard: Optional[Dict[str, Any]], chunks, zero,
+                           device: torch.device) -> TrainProgress:
+    """Phase 2 of --load: optimizer shard, scaler, RNG and progress (per the --no-load-*
+    and --finetune flags); a fresh TrainProgress without a checkpoint."""
+    ck = run.checkpoint
+    if shard is None or ck.finetune:
+        return TrainProgress()
+    if not ck.no_load_optim:
+        if shard["_zero_stage"] != run.parallel.zero_stage:
+            raise ValueError(f"{shard['_folder']} was saved with --zero-stage "
+                             f"{shard['_zero_stage']}, this run has {run.parallel.zero_stage}: "
+                             f"use the saved stage, or --no-load-optim to keep only the weights")
+        if "optimizer" not in shard:
+            raise ValueError(f"{shard['_folder']} holds no optimizer state (saved with "
+                             f"--no-save-optim): add --no-load-optim")
+        zero.load_state_dict(shard["optimizer"])
+    if not ck.no_load_rng:
+        if "rng" not in shard:
+            raise ValueError(f"{shard['_folder']} holds no RNG state (saved with "
+                             f"--no-save-rng): add --no-load-rng")
+        restore_rng(shard["rng"], chunks, device)
+    return TrainProgress(**shard["progress"])
