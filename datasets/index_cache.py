@@ -16,8 +16,6 @@ from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
 
-from gigatron.parallel import comm
-
 INDEX_FORMAT_VERSION = 1
 
 
@@ -59,6 +57,8 @@ def cached_indices(names: Sequence[str], build: Callable[[], Dict[str, np.ndarra
     """The arrays `build()` returns, from the cache when present (built by group rank 0)."""
     if cache_dir is None:
         return build()
+    from gigatron.parallel import comm  # torch only where ranks exist (tools stay light)
+
     description = dict(description, index_format_version=INDEX_FORMAT_VERSION)
     base = os.path.join(cache_dir, f"{file_prefix}_{description_hash(description)}")
     paths = {n: f"{base}_{n}.npy" for n in names}
