@@ -26,7 +26,7 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=package_dir,
-    install_requires=["torch>=2.4", "numpy", "einops", "sentencepiece"],
+    install_requires=["torch>=2.4", "numpy", "einops", "sentencepiece", "tokenizers"],
     extras_require={
         "test": ["pytest>=7", "tokenizers", "safetensors"],
         "monitor": ["tensorboard"],
