@@ -13,9 +13,15 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _same_dtype(x: torch.Tensor, *params: Optional[torch.Tensor]) -> bool:
+    return all(p is None or p.dtype == x.dtype for p in params)
+
+
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                eps: float) -> torch.Tensor:
     """LayerNorm over the last dimension with fp32 statistics; output in x's dtype."""
+    if x.is_cuda and _same_dtype(x, weight, bias):
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)  # fp32 statistics inside
     ct = _compute_dtype(x)
     w = None if weight is None else weight.to(ct)
     b = None if bias is None else bias.to(ct)
@@ -24,6 +30,8 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps) * weight."""
+    if x.is_cuda and _same_dtype(x, weight) and hasattr(F, "rms_norm"):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     ct = _compute_dtype(x)
     xc = x.to(ct)
     rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
