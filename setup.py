@@ -3,6 +3,8 @@
 The repository root shows the architecture (parallel/, models/, ops/, ...); `package_dir`
 maps each folder to `gigatron.<folder>` so code imports `gigatron.parallel.topology`.
 """
+import os
+
 from setuptools import find_packages, setup
 
 TOP_LEVEL = ["parallel", "models", "ops", "training", "datasets"]
@@ -18,6 +20,30 @@ def _packages():
     return packages, package_dir
 
 
+def _cuda_extension():
+    """Fused kernels from csrc/ as gigatron.ops._fused_kernels, only when GIGATRON_BUILD_CUDA=1.
+
+    Needs a CUDA torch and nvcc: `GIGATRON_BUILD_CUDA=1 pip install -e . --no-build-isolation`
+    (TORCH_CUDA_ARCH_LIST="8.0;9.0" picks the GPUs; default: the ones present).
+    """
+    if os.environ.get("GIGATRON_BUILD_CUDA") != "1":
+        return {}
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+
+    if torch.version.cuda is None or CUDA_HOME is None:
+        raise SystemExit("GIGATRON_BUILD_CUDA=1 needs a CUDA build of torch and nvcc (CUDA_HOME); "
+                         f"found torch {torch.__version__}, CUDA_HOME={CUDA_HOME}. Unset it to skip.")
+    csrc = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+    ext = CUDAExtension(
+        "gigatron.ops._fused_kernels",
+        sources=[f"csrc/{name}" for name in ("binding.cpp", "softmax.cu", "norms.cu")],
+        include_dirs=[csrc],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
+    )
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
+
+
 packages, package_dir = _packages()
 setup(
     name="gigatron",
@@ -31,4 +57,5 @@ setup(
         "test": ["pytest>=7", "tokenizers", "safetensors"],
         "monitor": ["tensorboard"],
     },
+    **_cuda_extension(),
 )
