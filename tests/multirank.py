@@ -2,10 +2,12 @@
 
     results = run_on_ranks(fn, world_size=8, *args)   # fn(rank, world_size, *args)
 
-Forking starts 8 ranks in well under a second (spawning costs ~20 s). The parent hosts the
-rendezvous store on a free port it gets from the OS (no port races between runs). A rank
-that raises fails the test with that rank's number and traceback; a rank that hangs fails
-it after `timeout` seconds; every worker is killed before we return, so nothing is left.
+Forking starts 8 ranks in well under a second (spawning costs ~20 s). Rank 0 hosts the
+rendezvous store on a free port the OS picked for this run. (Hosting the store in the parent
+made the forked children hang now and then: its server thread is running when they fork.)
+A rank that raises fails the test with that rank's number and traceback, a rank that dies
+silently is named with its exit code, and a rank that hangs fails the test after `timeout`
+seconds; every worker is killed before we return, so nothing is left behind.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import os
 import pickle
 import queue as queue_mod
 import signal
+import socket
 import time
 import traceback
 from datetime import timedelta
@@ -39,7 +42,7 @@ def _worker(rank: int, world_size: int, port: int, timeout: float, results,
         torch.set_num_threads(1)  # 8 ranks share 2 cores: threads would only fight
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
@@ -64,11 +67,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     Returns the list of each rank's return value, indexed by rank.
     """
     ctx = mp.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                          wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    port = free_port()
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, store.port, timeout, results, fn, args, kwargs))
+                         args=(r, world_size, port, timeout, results, fn, args, kwargs))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -80,26 +82,54 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
                 os.kill(p.pid, signal.SIGKILL)
             p.join(timeout=5)
         results.close()
-        del store
+
+
+def free_port() -> int:
+    """A TCP port the OS says is free now (it hands out ports in turn, so runs differ)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 
 
 def _collect(procs, results, world_size: int, timeout: float) -> List[Any]:
     deadline = time.monotonic() + timeout
-    done = {}
-    while len(done) < world_size:
+    done, errors, grace_end = {}, {}, None
+    while len(done) + len(errors) < world_size:
+        now = time.monotonic()
+        if grace_end is not None and now > grace_end:
+            break
         try:
-            rank, status, payload = results.get(timeout=0.2)
+            rank, status, payload = results.get(timeout=0.1)
         except queue_mod.Empty:
-            for r, p in enumerate(procs):
-                if r not in done and p.exitcode not in (None, 0):
-                    raise RankError(f"rank {r} died with exit code {p.exitcode} "
-                                    f"(killed by a signal if negative) and reported nothing")
-            if time.monotonic() > deadline:
+            if grace_end is None and _silently_dead(procs, done, errors):
+                grace_end = now + 1.0  # let peers report, then name the root cause
+            if grace_end is None and now > deadline:
                 missing = sorted(set(range(world_size)) - set(done))
                 raise RanksTimedOut(f"ranks {missing} of {world_size} did not finish within "
                                     f"{timeout:.0f} s (hung?); finished: {sorted(done)}")
             continue
         if status == "error":
-            raise RankError(f"rank {rank} failed:\n{payload}")
-        done[rank] = pickle.loads(payload)
+            errors[rank] = payload
+            # peers of a failed rank fail too (connection reset): give the real cause a moment
+            grace_end = grace_end or time.monotonic() + 1.0
+        else:
+            done[rank] = pickle.loads(payload)
+    if errors or grace_end is not None:
+        raise RankError(_failure_message(procs, done, errors))
     return [done[r] for r in range(world_size)]
+
+
+def _silently_dead(procs, done, errors) -> List[int]:
+    return [r for r, p in enumerate(procs)
+            if r not in done and r not in errors and p.exitcode not in (None, 0)]
+
+
+def _failure_message(procs, done, errors) -> str:
+    """Silent deaths first (the root cause), then the first error reported, then the rest."""
+    parts = [f"rank {r} died with exit code {procs[r].exitcode} (killed by a signal if "
+             f"negative) and reported nothing" for r in _silently_dead(procs, done, errors)]
+    parts += [f"rank {r} failed:\n{tb}" for r, tb in errors.items()]
+    others = [p.replace(" failed:\n", ": ").split("\n")[0] for p in parts[1:]]
+    return "\n".join(parts[:1] + [f"also {o}" for o in others])
