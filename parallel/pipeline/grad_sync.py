@@ -3,8 +3,8 @@
 Implements the executor's hook (`enable_sync(chunk, enabled)`, `finish_sync()`) without
 overlap: at `finish_sync` it all-reduces, in three phases every rank runs in the same order
 (so no two groups wait on each other):
-1. grads of `sequence_parallel` params over tp (each tp rank saw only its sequence slice),
-   only when sequence parallelism is on;
+1. grads of params marked `sequence_parallel` over tp (each tp rank saw only its sequence
+   slice; the model marks them only when sequence parallelism is on);
 2. grads of `shared_embedding` params over the embedding group (the tied word embedding on
    the first stage and its copy as output weight on the last must take the same step);
 3. every grad over dp, averaged.
@@ -21,6 +21,11 @@ from gigatron.parallel import comm
 def _all_reduce_flat(grads: List[torch.Tensor], group, average: bool) -> None:
     if not grads or comm.group_size(group) == 1:
         return
+    dtypes = sorted({g.dtype for g in grads}, key=str)
+    if len(dtypes) > 1:  # one flat buffer per dtype, in the same order on every rank
+        for dtype in dtypes:
+            _all_reduce_flat([g for g in grads if g.dtype == dtype], group, average)
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, group=group)
     if average:
@@ -35,12 +40,11 @@ class AllReduceGradSync:
     """Reduce grads of `params` over dp (average), the embedding group and tp (SP params)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], dp_group=None,
-                 embedding_group=None, tp_group=None, sequence_parallel: bool = False) -> None:
+                 embedding_group=None, tp_group=None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp_group = dp_group
         self.embedding_group = embedding_group
         self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel
         self.enabled_calls: List[tuple] = []  # (chunk, enabled) per backward: for tests
 
     def enable_sync(self, chunk: int, enabled: bool) -> None:
@@ -52,9 +56,8 @@ class AllReduceGradSync:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.sequence_parallel:
-            sp = [p.grad for p in self.params if getattr(p, "sequence_parallel", False)]
-            _all_reduce_flat(sp, self.tp_group, average=False)
+        sp = [p.grad for p in self.params if getattr(p, "sequence_parallel", False)]
+        _all_reduce_flat(sp, self.tp_group, average=False)
         shared = [p.grad for p in self.params if getattr(p, "shared_embedding", False)]
         _all_reduce_flat(shared, self.embedding_group, average=False)
         _all_reduce_flat([p.grad for p in self.params], self.dp_group, average=True)

@@ -1,0 +1,27 @@
+"""Build this pipeline rank's model chunks (one GPTModel per virtual chunk)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .partition import PipelinePartition
+
+
+def build_model_chunks(config, partition: PipelinePartition, pp_rank: int, tp_group=None,
+                       seed: int = 1234, device: Optional[torch.device] = None
+                       ) -> List[torch.nn.Module]:
+    """`chunks[c]` holds the layers of virtual stage (c, pp_rank); embedding on the first
+    virtual stage, final norm + output layer on the last. Name-seeded init makes every
+    layout hold the same full model, tied output weight included."""
+    from gigatron.models.gpt import GPTModel  # the pipeline's pure parts need no model
+
+    if partition.layers and sum(len(r) for rs in partition.layers for r in rs) \
+            != config.num_layers:
+        raise ValueError(f"the pipeline partition covers "
+                         f"{sum(len(r) for rs in partition.layers for r in rs)} layers but "
+                         f"--num-layers is {config.num_layers}")
+    return [GPTModel(config, tp_group=tp_group, pre_process=partition.pre_process(pp_rank, c),
+                     post_process=partition.post_process(pp_rank, c),
+                     layer_range=partition.layer_range(pp_rank, c), seed=seed, device=device)
+            for c in range(partition.virtual_chunks)]
