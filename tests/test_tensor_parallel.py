@@ -41,6 +41,24 @@ def _check_close(what, got, ref):
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
+def _check_parallel_attributes(model, sp, case):
+    """The tags the ZeRO wrapper, grad-norm and grad-sync code rely on."""
+    expect = {"linear_qkv.weight": (True, 0), "linear_fc1.weight": (True, 0),
+              "linear_proj.weight": (True, 1), "linear_fc2.weight": (True, 1),
+              "word_embeddings.weight": (True, 0), "output_layer.weight": (True, 0),
+              "layernorm.weight": (False, None), "linear_proj.bias": (False, None)}
+    seen = set()
+    for name, p in model.named_parameters():
+        for suffix, (sharded, dim) in expect.items():
+            if name.endswith(suffix):
+                seen.add(suffix)
+                assert p.tensor_model_parallel == sharded, f"{case} {name}"
+                assert getattr(p, "partition_dim", None) == dim, f"{case} {name}"
+                assert p.sequence_parallel == (sp and not sharded), f"{case} {name}"
+        assert not p.shared_embedding, f"{case} {name}"
+    assert seen >= set(expect) - {"output_layer.weight", "linear_proj.bias"}, seen
+
+
 def _compare_with_single_device(rank, world_size, attention_backend="sdpa"):
     group = dist.new_group(list(range(world_size)))
     checked = []
@@ -69,6 +87,7 @@ def _compare_with_single_device(rank, world_size, attention_backend="sdpa"):
                 _check_close(f"{case} grad {name}", full_g[:rows], ref_p.grad[:rows])
                 assert not full_g[rows:].any(), f"{case} {name}: padded rows got grad"
                 assert not ref_p.grad[rows:].any(), f"{case} {name}: padded rows got grad"
+            _check_parallel_attributes(tp, sp, case)
             checked.append(case)
     return checked
 
