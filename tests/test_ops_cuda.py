@@ -1,0 +1,128 @@
+"""Every compiled kernel against an fp64 reference on a GPU (forced GIGATRON_OPS_BACKEND=kernel).
+
+Odd sizes, rows not multiples of 8 (scalar path), rows past the register cache (streaming
+path), fully masked rows. Relative L2 error limits, per dtype: outputs and input grads
+float32 1e-5, float16 2e-3, bfloat16 1e-2; weight/bias grads (sums over many rows) float32
+1e-5, half types 1e-2. Outputs come from memory poisoned with NaN, so an unwritten element fails.
+"""
+import pytest
+import torch
+
+from gigatron import ops
+
+pytestmark = pytest.mark.cuda
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NORM_SHAPES = [(1, 1), (7, 37), (33, 1000), (5, 4096), (3, 4095), (9, 8200), (2, 20000), (2, 65536), (1, 70001)]
+SOFTMAX_SHAPES = [(2, 3, 5, 7), (1, 2, 8, 1024), (2, 1, 3, 4097), (1, 1, 2, 16384), (1, 2, 2, 20000)]
+CAUSAL_SHAPES = [(3, 17, 17), (2, 64, 1000), (2, 5, 9), (1, 300, 4096)]
+
+
+@pytest.fixture(autouse=True)
+def force_kernel(monkeypatch):
+    monkeypatch.setenv("GIGATRON_OPS_BACKEND", "kernel")
+
+
+def poison_allocator():
+    """Fill cached device blocks with NaN so torch.empty inside the kernels returns NaN memory."""
+    torch.cuda.synchronize()
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite (unwritten or NaN) output"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(out, ref, tol, what):
+    err = rel_err(out, ref)
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_kernels_match_fp64_forward_and_grads(dtype, rms):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, hidden in NORM_SHAPES:
+        x = (torch.randn(rows, hidden, device="cuda", generator=gen) * 2 + 0.5).to(dtype).requires_grad_()
+        w = torch.randn(hidden, device="cuda", generator=gen).to(dtype).requires_grad_()
+        b = torch.randn(hidden, device="cuda", generator=gen).to(dtype).requires_grad_()
+        dy = torch.randn(rows, hidden, device="cuda", generator=gen).to(dtype)
+        poison_allocator()
+        out = ops.rms_norm(x, w, 1e-5) if rms else ops.layer_norm(x, w, b, 1e-5)
+        params = (x, w) if rms else (x, w, b)
+        grads = torch.autograd.grad(out, params, dy)
+        ref_params = [p.detach().double().requires_grad_() for p in params]
+        xr = ref_params[0]
+        if rms:
+            ref = xr / torch.sqrt((xr * xr).mean(-1, keepdim=True) + 1e-5) * ref_params[1]
+        else:
+            ref = torch.nn.functional.layer_norm(xr, (hidden,), ref_params[1], ref_params[2], 1e-5)
+        ref_grads = torch.autograd.grad(ref, ref_params, dy.double())
+        what = f"{'rms' if rms else 'layer'}_norm {dtype} {rows}x{hidden}"
+        check(out, ref, TOL[dtype], what)
+        check(grads[0], ref_grads[0], TOL[dtype], what + " dx")
+        for g, r in zip(grads[1:], ref_grads[1:]):
+            assert g.dtype == dtype
+            check(g, r, 1e-5 if dtype == torch.float32 else 1e-2, what + " dweight/dbias")
+
+
+def masked_softmax_fp64(x, mask, scale):
+    """Masked keys get weight exactly 0; a fully masked row is all zeros."""
+    keep = ~mask.expand(x.shape)
+    s = torch.where(keep, x.double() * scale, torch.full(x.shape, -1e300, dtype=torch.float64, device=x.device))
+    e = torch.exp(s - s.amax(-1, keepdim=True)) * keep
+    return e / e.sum(-1, keepdim=True).clamp_min(1e-300)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_softmax_kernel_matches_fp64_with_fully_masked_rows(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for b, np_, sq, sk in SOFTMAX_SHAPES:
+        for mask_heads in (1, np_):
+            x = (torch.randn(b, np_, sq, sk, device="cuda", generator=gen) * 4).to(dtype).requires_grad_()
+            mask = torch.rand(b, mask_heads, sq, sk, device="cuda", generator=gen) < 0.3
+            mask[0, 0, sq - 1] = True  # a fully masked row
+            dy = torch.randn(b, np_, sq, sk, device="cuda", generator=gen).to(dtype)
+            poison_allocator()
+            out = ops.scaled_masked_softmax(x, mask, 0.125)
+            (dx,) = torch.autograd.grad(out, x, dy)
+            xr = x.detach().double().requires_grad_()
+            ref = masked_softmax_fp64(xr, mask, 0.125)
+            (dx_ref,) = torch.autograd.grad(ref, xr, dy.double())
+            what = f"masked softmax {dtype} {(b, np_, sq, sk)} mask heads {mask_heads}"
+            check(out, ref, TOL[dtype], what)
+            check(dx, dx_ref, TOL[dtype], what + " dx")
+            assert (out[0, :, sq - 1] == 0).all() and (dx[0, :, sq - 1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_softmax_kernel_matches_fp64(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for bnp, sq, sk in CAUSAL_SHAPES:
+        x = (torch.randn(bnp, sq, sk, device="cuda", generator=gen) * 4).to(dtype).requires_grad_()
+        dy = torch.randn(bnp, sq, sk, device="cuda", generator=gen).to(dtype)
+        poison_allocator()
+        out = ops.scaled_upper_triang_masked_softmax(x, 0.3)
+        (dx,) = torch.autograd.grad(out, x, dy)
+        upper = torch.ones(sq, sk, dtype=torch.bool, device="cuda").triu(1)
+        xr = x.detach().double().requires_grad_()
+        ref = masked_softmax_fp64(xr, upper, 0.3)
+        (dx_ref,) = torch.autograd.grad(ref, xr, dy.double())
+        what = f"causal softmax {dtype} {(bnp, sq, sk)}"
+        check(out, ref, TOL[dtype], what)
+        check(dx, dx_ref, TOL[dtype], what + " dx")
+        assert (out[:, upper] == 0).all()
+
+
+def test_kernels_accept_non_contiguous_and_unaligned_inputs():
+    base = torch.randn(4, 2, 6, 41, device="cuda", dtype=torch.float16)
+    x = base[..., 1:]  # unaligned, non-contiguous view
+    mask = torch.zeros(4, 1, 6, 40, dtype=torch.bool, device="cuda")
+    ref = masked_softmax_fp64(x, mask, 1.0)
+    check(ops.scaled_masked_softmax(x, mask, 1.0), ref, TOL[torch.float16], "strided softmax")
+    w = torch.ones(40, device="cuda", dtype=torch.float16)
+    ref = torch.nn.functional.layer_norm(x.double(), (40,), w.double(), w.double() * 0, 1e-5)
+    check(ops.layer_norm(x, w, w * 0, 1e-5), ref, TOL[torch.float16], "strided layer_norm")
