@@ -136,6 +136,20 @@ def _check_schedule_mechanics(results, case_index, pp, num_microbatches, virtual
             assert [e for c, e in calls if c == chunk][-1] is True
 
 
+def test_single_stage_executor_is_gradient_accumulation():
+    ref_losses, ref_grads, _ = reference(3)
+    config = tiny_config()
+    chunks = build_model_chunks(config, partition_layers(config.num_layers, 1), 0, None, SEED)
+    sync = AllReduceGradSync(chunks[0].parameters())
+    executor = PipelineExecutor(chunks, PipelineP2P.for_config(config, MICRO_BATCH), 0, [0],
+                                grad_sync=sync)
+    losses = executor.run(build_schedule(0, 1, 3), micro_batches(3))
+    torch.testing.assert_close(torch.stack(losses), ref_losses, rtol=RTOL, atol=0)
+    for name, p in chunks[0].named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=RTOL, atol=ATOL)
+    assert sync.enabled_calls == [(0, False), (0, False), (0, True)]
+
+
 def test_p2p_rejects_stage_outputs_of_the_wrong_shape():
     p2p = PipelineP2P.for_config(tiny_config(), MICRO_BATCH)
     assert p2p.tensor_shape == (16, MICRO_BATCH, 32)

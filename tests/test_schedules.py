@@ -1,5 +1,4 @@
 """Pipeline schedules as data: exhaustive pure checks, simulation of all ranks, bubble size."""
-import itertools
 
 import pytest
 
@@ -7,7 +6,8 @@ from gigatron.parallel.pipeline.schedules import (
     COMMUNICATION, Backward, Forward, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
     SendActivation, SendGrad, build_schedule, check_num_microbatches, interleaved_one_f_one_b,
     last_backward_per_chunk, no_pipelining, one_f_one_b)
-from gigatron.parallel.pipeline.simulate import ScheduleError, render, simulate
+from gigatron.parallel.pipeline.render import render
+from gigatron.parallel.pipeline.simulate import ScheduleError, simulate
 
 # pp in 1..8, m in 1..3*pp, v in {1, 2, 3}; interleaving (v > 1) needs m % pp == 0.
 GRID = [(pp, m, v) for pp in range(1, 9) for m in range(1, 3 * pp + 1) for v in (1, 2, 3)]

@@ -7,8 +7,8 @@ and no set of ranks waits on each other forever. Its model is strict, as NCCL is
 sends and receives completes only once the peer has posted every matching operation, so a
 schedule that passes here cannot deadlock on gloo or NCCL. Messages to oneself (pp = 1 with
 several chunks) are buffered, as the executor does. With a forward of `forward_time` and a
-backward of `backward_time` (communication free) it also yields each rank's time line:
-`render` prints it as a text grid so the bubble is visible.
+backward of `backward_time` (communication free) it also yields each rank's time line;
+`render.py` prints it as a text grid so the bubble is visible.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from .schedules import (Backward, Forward, Instruction, RecvActivation, RecvGrad,
+from .schedules import (Backward, Forward, Instruction, RecvActivation,
                         SendActivation, SendGrad, comm_batches, peer)
 
 
@@ -127,29 +127,3 @@ def simulate(schedules: Sequence[Sequence[Instruction]], forward_time: float = 1
                                 f"{len(channels.sends[channel])} messages to {channel[1]}, "
                                 f"which receives {len(channels.recvs[channel])}")
     return SimulationResult(timelines, max(clock) if clock else 0.0)
-
-
-def _cell(step: Instruction, virtual_chunks: int, width: int) -> str:
-    letter = "F" if isinstance(step, Forward) else "B"
-    chunk = f"{'abcdefghijklmnopqrstuvwxyz'[step.chunk]}" if virtual_chunks > 1 else ""
-    return f"{letter}{step.microbatch}{chunk}".ljust(width)[:width]
-
-
-def render(schedules: Sequence[Sequence[Instruction]], forward_time: int = 1,
-           backward_time: int = 2) -> str:
-    """A per-rank text time grid: F3 / B3 = micro-batch 3 (a, b.. = chunk), '.' = bubble."""
-    result = simulate(schedules, forward_time, backward_time)
-    virtual_chunks = 1 + max((s.chunk for sched in schedules for s in sched
-                              if isinstance(s, (Forward, Backward))), default=0)
-    width = 2 + len(str(max((s.microbatch for sched in schedules for s in sched
-                             if isinstance(s, Forward)), default=0))) + (virtual_chunks > 1)
-    slots = int(round(result.makespan))
-    lines = []
-    for r, timeline in enumerate(result.timelines):
-        row = ["." * width] * slots
-        for start, end, step in timeline:
-            for t in range(int(start), int(end)):
-                row[t] = _cell(step, virtual_chunks, width)
-        lines.append(f"stage {r}: |" + "|".join(row) + f"|  bubble "
-                     f"{result.bubble_fraction(r):.1%}")
-    return "\n".join(lines)

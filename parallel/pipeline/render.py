@@ -1,0 +1,58 @@
+"""Draw pipeline schedules as a per-rank text time grid, so a user sees the bubble.
+
+    python -m gigatron.parallel.pipeline.render --pp 4 --num-microbatches 8 --virtual-chunks 2
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .schedules import Backward, Forward, Instruction, build_schedule
+from .simulate import simulate
+
+
+def _cell(step: Instruction, virtual_chunks: int, width: int) -> str:
+    letter = "F" if isinstance(step, Forward) else "B"
+    chunk = f"{'abcdefghijklmnopqrstuvwxyz'[step.chunk]}" if virtual_chunks > 1 else ""
+    return f"{letter}{step.microbatch}{chunk}".ljust(width)[:width]
+
+
+def render(schedules: Sequence[Sequence[Instruction]], forward_time: int = 1,
+           backward_time: int = 2) -> str:
+    """A per-rank text time grid: F3 / B3 = micro-batch 3 (a, b.. = chunk), '.' = bubble."""
+    result = simulate(schedules, forward_time, backward_time)
+    virtual_chunks = 1 + max((s.chunk for sched in schedules for s in sched
+                              if isinstance(s, (Forward, Backward))), default=0)
+    width = 2 + len(str(max((s.microbatch for sched in schedules for s in sched
+                             if isinstance(s, Forward)), default=0))) + (virtual_chunks > 1)
+    slots = int(round(result.makespan))
+    lines = []
+    for r, timeline in enumerate(result.timelines):
+        row = ["." * width] * slots
+        for start, end, step in timeline:
+            for t in range(int(start), int(end)):
+                row[t] = _cell(step, virtual_chunks, width)
+        lines.append(f"stage {r}: |" + "|".join(row) + f"|  bubble "
+                     f"{result.bubble_fraction(r):.1%}")
+    return "\n".join(lines)
+
+
+def _main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a time grid.")
+    parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, required=True,
+                        dest="pp")
+    parser.add_argument("--num-microbatches", type=int, required=True)
+    parser.add_argument("--virtual-chunks", type=int, default=1,
+                        help="model chunks per stage (interleaved schedule when > 1)")
+    args = parser.parse_args(argv)
+    try:
+        schedules = [build_schedule(r, args.pp, args.num_microbatches, args.virtual_chunks)
+                     for r in range(args.pp)]
+    except ValueError as err:
+        parser.exit(2, f"error: {err}\n")
+    print(render(schedules))
+
+
+if __name__ == "__main__":
+    _main()
