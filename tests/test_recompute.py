@@ -97,3 +97,23 @@ def test_recompute_reruns_exactly_the_chosen_modules_in_backward(knobs, recomput
     rerun = {name for name, c in counts.items() if c == 2}
     assert rerun == recomputed, counts
     assert all(c in (1, 2) for c in counts.values()), counts
+
+
+@pytest.mark.cuda
+def test_recompute_bit_identical_on_cuda_with_dropout():
+    """Same property on a GPU: the tracker and checkpoint replay the device generator.
+    (unfused attention: sdpa's memory-efficient backward may use atomics.)"""
+    device = torch.device("cuda")
+    results = []
+    for knobs in ({}, RECOMPUTE[0], RECOMPUTE[3]):
+        cfg = load_config("debug-llama", attention_backend="unfused", **DROPOUT, **knobs)
+        torch.manual_seed(7)
+        torch.cuda.manual_seed(7)
+        model = GPTModel(cfg, device=device)
+        ids = torch.arange(2 * cfg.seq_length, device=device).view(2, -1) % cfg.vocab_size
+        loss = model(ids, labels=ids).mean()
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    for loss, grads in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(grads, results[0][1]))
