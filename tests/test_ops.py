@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gigatron import ops
-from gigatron.ops import backend, reference
+from gigatron.ops import backend
 from gigatron.ops.__main__ import report
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}

@@ -1,0 +1,176 @@
+"""Build, check and time gigatron's fused kernels against torch eager on one GPU.
+
+    python bench/bench_kernels.py [--quick] [--json OUT.json]
+
+Measures the device copy bandwidth (bytes read + written by a large device-to-device copy)
+as the ceiling, checks each kernel against an fp32 torch reference, then times forward and
+backward (median of CUDA-event timings, inputs rotated so the L2 cache does not serve them)
+for the kernel and for torch eager (F.layer_norm, F.rms_norm, masked_fill + softmax).
+Prints a markdown table: times, speed-up over torch, and achieved bandwidth as % of copy.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from gigatron.ops.build import load_kernels
+
+NORM_SHAPES = [(4096, 1024), (8192, 4096), (16384, 4096), (8192, 8192), (4096, 16384), (1024, 65536)]
+SOFTMAX_SHAPES = [(4, 16, 512, 512), (2, 16, 1024, 1024), (1, 32, 2048, 2048), (1, 8, 1024, 4096),
+                  (1, 4, 512, 16384)]
+CAUSAL_SHAPES = [(32, 1024, 1024), (32, 2048, 2048), (8, 4096, 4096)]
+ROTATE = 3
+
+
+def time_ms(fn: Callable[[int], object], iters: int) -> float:
+    """Median milliseconds of fn(i) over iters runs, after warm-up, timed with CUDA events."""
+    for i in range(5):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(iters: int) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.randn(256 << 20, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda i: dst.copy_(src), iters)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_norm(kernels, rows: int, hidden: int, dtype: torch.dtype, rms: bool, iters: int) -> Dict:
+    """Forward/backward of LayerNorm or RMSNorm: kernel vs torch eager."""
+    xs = [torch.randn(rows, hidden, device="cuda", dtype=dtype) for _ in range(ROTATE)]
+    dys = [torch.randn(rows, hidden, device="cuda", dtype=dtype) for _ in range(ROTATE)]
+    w = torch.randn(hidden, device="cuda", dtype=dtype, requires_grad=True)
+    b = None if rms else torch.randn(hidden, device="cuda", dtype=dtype, requires_grad=True)
+
+    def torch_fwd(x):
+        return F.rms_norm(x, (hidden,), w, 1e-5) if rms else F.layer_norm(x, (hidden,), w, b, 1e-5)
+
+    wd, bd = w.detach(), None if rms else b.detach()
+    saved = [kernels.norm_forward(x, wd, bd, 1e-5, rms) for x in xs]
+    x32 = xs[0].float()
+    ref = (F.rms_norm(x32, (hidden,), wd.float(), 1e-5) if rms
+           else F.layer_norm(x32, (hidden,), wd.float(), bd.float(), 1e-5))
+    err = rel_err(saved[0][0], ref)
+    params = [w] if rms else [w, b]
+    k_fwd = time_ms(lambda i: kernels.norm_forward(xs[i % ROTATE], wd, bd, 1e-5, rms), iters)
+    t_fwd = time_ms(lambda i: torch_fwd(xs[i % ROTATE]), iters)
+    k_bwd = time_ms(lambda i: kernels.norm_backward(dys[i % ROTATE], xs[i % ROTATE], wd, saved[i % ROTATE][1],
+                                                    saved[i % ROTATE][2], rms, not rms), iters)
+    xg = [x.clone().requires_grad_() for x in xs]
+    graphs = [torch_fwd(x) for x in xg]
+    t_bwd = time_ms(lambda i: torch.autograd.grad(graphs[i % ROTATE], [xg[i % ROTATE]] + params,
+                                                  dys[i % ROTATE], retain_graph=True), iters)
+    size = rows * hidden * xs[0].element_size()
+    return dict(op="rms_norm" if rms else "layer_norm", shape=f"{rows}x{hidden}", dtype=str(dtype)[6:],
+                err=err, k_fwd=k_fwd, t_fwd=t_fwd, k_bwd=k_bwd, t_bwd=t_bwd,
+                fwd_bytes=2 * size, bwd_bytes=3 * size)
+
+
+def bench_softmax(kernels, shape, dtype: torch.dtype, causal: bool, iters: int) -> Dict:
+    """Forward/backward of scaled masked (mask [b,1,sq,sk]) or causal softmax vs eager."""
+    scale = 0.125
+    xs = [torch.randn(*shape, device="cuda", dtype=dtype) for _ in range(ROTATE)]
+    dys = [torch.randn(*shape, device="cuda", dtype=dtype) for _ in range(ROTATE)]
+    sq, sk = shape[-2], shape[-1]
+    if causal:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device="cuda").triu(1)
+    else:
+        mask = torch.rand(shape[0], 1, sq, sk, device="cuda") < 0.1
+    kmask = None if causal else mask
+
+    def torch_fwd(x):
+        return torch.softmax((x * scale).masked_fill(mask, -10000.0), dim=-1)
+
+    ys = [kernels.softmax_forward(x, kmask, scale, causal) for x in xs]
+    err = rel_err(ys[0], torch.softmax((xs[0].float() * scale).masked_fill(mask, float("-inf")), -1))
+    k_fwd = time_ms(lambda i: kernels.softmax_forward(xs[i % ROTATE], kmask, scale, causal), iters)
+    t_fwd = time_ms(lambda i: torch_fwd(xs[i % ROTATE]), iters)
+    k_bwd = time_ms(lambda i: kernels.softmax_backward(dys[i % ROTATE], ys[i % ROTATE], scale, causal), iters)
+    xg = [x.clone().requires_grad_() for x in xs]
+    graphs = [torch_fwd(x) for x in xg]
+    t_bwd = time_ms(lambda i: torch.autograd.grad(graphs[i % ROTATE], xg[i % ROTATE], dys[i % ROTATE],
+                                                  retain_graph=True), iters)
+    es = xs[0].element_size()
+    rows = xs[0].numel() // sk
+    if causal:
+        read = sum(min(q + 1, sk) for q in range(sq)) * (rows // sq)  # upper triangle is not read
+        fwd_bytes, bwd_bytes = (read + rows * sk) * es, (2 * read + rows * sk) * es
+    else:
+        fwd_bytes, bwd_bytes = 2 * rows * sk * es + mask.numel(), 3 * rows * sk * es
+    return dict(op="causal_softmax" if causal else "masked_softmax", shape="x".join(map(str, shape)),
+                dtype=str(dtype)[6:], err=err, k_fwd=k_fwd, t_fwd=t_fwd, k_bwd=k_bwd, t_bwd=t_bwd,
+                fwd_bytes=fwd_bytes, bwd_bytes=bwd_bytes)
+
+
+def table(results: List[Dict], copy_gbs: float) -> str:
+    """Markdown table: ms, speed-up over torch eager, kernel bandwidth as % of copy bandwidth."""
+    lines = [f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}", "",
+             "| op | dtype | shape | rel err | fwd ms (torch) | fwd speed-up | fwd % copy BW "
+             "| bwd ms (torch) | bwd speed-up | bwd % copy BW |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        pct = lambda nbytes, ms: 100 * nbytes / ms / 1e6 / copy_gbs  # noqa: E731
+        lines.append(
+            f"| {r['op']} | {r['dtype']} | {r['shape']} | {r['err']:.1e} | {r['k_fwd']:.3f} ({r['t_fwd']:.3f}) "
+            f"| {r['t_fwd'] / r['k_fwd']:.2f}x | {pct(r['fwd_bytes'], r['k_fwd']):.0f}% "
+            f"| {r['k_bwd']:.3f} ({r['t_bwd']:.3f}) | {r['t_bwd'] / r['k_bwd']:.2f}x "
+            f"| {pct(r['bwd_bytes'], r['k_bwd']):.0f}% |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Run every benchmark and print the table (and optionally write JSON)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations (smoke run)")
+    parser.add_argument("--iters", type=int, default=50, help="timed runs per measurement (median)")
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA GPU")
+    kernels, note = load_kernels()
+    if kernels is None:
+        sys.exit(f"fused kernels unavailable: {note}")
+    print(f"kernels: {note}", flush=True)
+    iters = 10 if args.quick else args.iters
+    take = (lambda s: s[:2]) if args.quick else (lambda s: s)  # noqa: E731
+    results = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        norm_shapes = take(NORM_SHAPES) if dtype == torch.bfloat16 else [(8192, 4096)]
+        for rows, hidden in norm_shapes:
+            for rms in (False, True):
+                results.append(bench_norm(kernels, rows, hidden, dtype, rms, iters))
+                print(results[-1], flush=True)
+        for shape in take(SOFTMAX_SHAPES) if dtype == torch.bfloat16 else [(2, 16, 1024, 1024)]:
+            results.append(bench_softmax(kernels, shape, dtype, False, iters))
+            print(results[-1], flush=True)
+        for shape in take(CAUSAL_SHAPES) if dtype == torch.bfloat16 else [(32, 2048, 2048)]:
+            results.append(bench_softmax(kernels, shape, dtype, True, iters))
+            print(results[-1], flush=True)
+    copy_gbs = copy_bandwidth_gbs(iters)
+    with open(args.json, "w") as f:
+        json.dump(dict(copy_gbs=copy_gbs, device=torch.cuda.get_device_name(), results=results), f, indent=1)
+    print(table(results, copy_gbs))
+
+
+if __name__ == "__main__":
+    main()
