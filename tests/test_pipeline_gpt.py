@@ -148,6 +148,8 @@ def test_single_stage_executor_is_gradient_accumulation():
     for name, p in chunks[0].named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=RTOL, atol=ATOL)
     assert sync.enabled_calls == [(0, False), (0, False), (0, True)]
+    with pytest.raises(ValueError, match="micro-batches"):
+        executor.run(build_schedule(0, 1, 2), micro_batches(3))
 
 
 def test_p2p_rejects_stage_outputs_of_the_wrong_shape():

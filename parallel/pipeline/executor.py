@@ -57,7 +57,12 @@ class PipelineExecutor:
     def run(self, schedule: Sequence[Instruction], batches: Sequence[Batch],
             loss_scale: float = 1.0, optimizer_step: Optional[Callable[[], Any]] = None
             ) -> List[torch.Tensor]:
-        """Execute one step; returns the detached per-micro-batch losses (last stage only)."""
+        """Execute one step; returns the detached per-micro-batch losses (last stage only).
+
+        Grads accumulate into `.grad` (zero them before the step); `batches[mb]` holds
+        micro-batch mb's `input_ids`, `labels` (and optional `loss_mask`, `position_ids`).
+        """
+        self._check_inputs(schedule, batches)
         self._forward_only = not any(isinstance(i, Backward) for i in schedule)
         self._batches, self._scale = batches, loss_scale / len(batches)
         self._last_backward = last_backward_per_chunk(schedule)
@@ -82,9 +87,21 @@ class PipelineExecutor:
                     optimizer_step()
         leftover = (len(self._outputs) + len(self._input_grads) +
                     sum(len(d) for d in self._received.values()))
-        if leftover and not self._forward_only:
+        if leftover:
             raise RuntimeError(f"schedule left {leftover} tensors unconsumed: it is malformed")
         return [self._losses[mb] for mb in sorted(self._losses)]
+
+    def _check_inputs(self, schedule: Sequence[Instruction], batches: Sequence[Batch]) -> None:
+        forwards = [i for i in schedule if isinstance(i, Forward)]
+        microbatches = 1 + max((i.microbatch for i in forwards), default=-1)
+        chunks = 1 + max((i.chunk for i in forwards), default=-1)
+        if microbatches != len(batches):
+            raise ValueError(f"the schedule runs {microbatches} micro-batches but "
+                             f"{len(batches)} were given")
+        if chunks != len(self.chunks):
+            raise ValueError(f"the schedule runs {chunks} virtual chunks per stage but this "
+                             f"rank has {len(self.chunks)} model chunks: build both from the "
+                             f"same --num-layers-per-virtual-pipeline-stage")
 
     def _is_last(self, chunk: int) -> bool:
         return is_last_stage(self.pp_rank, chunk, self.pp_size, len(self.chunks))
