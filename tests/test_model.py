@@ -27,7 +27,8 @@ def test_two_pipeline_stages_equal_the_whole_model(style):
     last = GPTModel(cfg, pre_process=False, layer_range=[1])
     ref = dict(full.named_parameters())
     names = [n for n, _ in first.named_parameters()] + [n for n, _ in last.named_parameters()]
-    assert set(names) == set(ref) | ({"output_layer.weight"} if not cfg.untie_embeddings_and_output_weights else set())
+    tied = not cfg.untie_embeddings_and_output_weights
+    assert set(names) == set(ref) | ({"output_layer.weight"} if tied else set())
     for n, p in list(first.named_parameters()) + list(last.named_parameters()):
         source = "embedding.word_embeddings.weight" if n not in ref else n
         assert torch.equal(p, ref[source]), n
@@ -45,7 +46,6 @@ def test_two_pipeline_stages_equal_the_whole_model(style):
     torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=1e-8)
 
     grads = {n: p.grad for n, p in list(first.named_parameters()) + list(last.named_parameters())}
-    tied = not cfg.untie_embeddings_and_output_weights
     if tied:  # what the embedding-group all-reduce will do
         summed = grads["embedding.word_embeddings.weight"] + grads.pop("output_layer.weight")
         grads["embedding.word_embeddings.weight"] = summed
@@ -95,8 +95,9 @@ def test_outputs_follow_the_contract():
     assert logits.shape == (2, cfg.seq_length, cfg.padded_vocab_size())
     loss = model(ids, labels=ids)
     assert loss.shape == (2, cfg.seq_length) and loss.dtype == torch.float32
-    ref = torch.nn.functional.cross_entropy(logits[..., :cfg.vocab_size].reshape(-1, cfg.vocab_size),
-                                            ids.reshape(-1), reduction="none")
+    v = cfg.vocab_size
+    ref = torch.nn.functional.cross_entropy(logits[..., :v].reshape(-1, v), ids.reshape(-1),
+                                            reduction="none")
     torch.testing.assert_close(loss.reshape(-1), ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="input_ids"):
         model()
