@@ -14,7 +14,7 @@ import numpy as np
 
 def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
                     ) -> Tuple[List[str], Optional[List[float]]]:
-    """`[w1, p1, w2, p2, ...]` -> (prefixes, normalised weights); `[p1, p2, ...]` -> (prefixes, None)."""
+    """`[w1, p1, w2, p2, ...]` -> (prefixes, normalised weights); `[p1, ...]` -> (prefixes, None)"""
     items = [str(x) for x in data_path]
     if not items:
         raise ValueError(f"{flag} is empty")

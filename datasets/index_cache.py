@@ -67,7 +67,10 @@ def cached_indices(names: Sequence[str], build: Callable[[], Dict[str, np.ndarra
         try:
             os.makedirs(cache_dir, exist_ok=True)
             _build_and_save(base, paths, build, description)
-        except BaseException as err:  # still reach the barrier so other ranks do not hang
+        except OSError as err:  # still reach the barrier so other ranks do not hang
+            error = OSError(f"cannot write sample indices to {cache_dir} ({err}); set "
+                            f"--data-cache-path to a writable folder shared by the ranks")
+        except BaseException as err:
             error = err
     comm.barrier(group)
     if error is not None:

@@ -16,6 +16,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 DOC_SALT, SAMPLE_SALT = 0x646F63, 0x736D70  # separate random streams for documents / samples
+FEW_DOCUMENTS = 1 << 16
 
 
 def split_ranges(splits: Sequence[float], count: int) -> List[Tuple[int, int]]:
@@ -69,11 +70,20 @@ def _row_permutations(rng: np.random.Generator, rows: int, n: int) -> np.ndarray
 
 
 def build_document_index(documents: np.ndarray, num_epochs: int, seed: int) -> np.ndarray:
-    """Document ids for `num_epochs` epochs, each epoch its own shuffle of `documents`."""
+    """Document ids for `num_epochs` epochs, each epoch its own shuffle of `documents`.
+
+    Many documents: one O(n) permutation per epoch from a generator seeded by (seed, epoch).
+    Few documents (possibly very many epochs): all epochs at once from one random stream.
+    Which path is taken depends only on the number of documents, never on num_epochs.
+    """
     documents = np.asarray(documents, dtype=np.int64)
-    rng = np.random.default_rng([seed, DOC_SALT])
-    order = _row_permutations(rng, num_epochs, len(documents))
-    return documents[order].reshape(-1)
+    n = len(documents)
+    if n < FEW_DOCUMENTS:
+        rng = np.random.default_rng([seed, DOC_SALT])
+        order = _row_permutations(rng, num_epochs, n)
+        return documents[order].reshape(-1)
+    return np.concatenate([documents[np.random.default_rng([seed, DOC_SALT, e]).permutation(n)]
+                           for e in range(num_epochs)])
 
 
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,

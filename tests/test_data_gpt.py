@@ -7,6 +7,7 @@ import pytest
 from multirank import run_on_ranks
 
 import gigatron.datasets.gpt_dataset as gpt_dataset_module
+import gigatron.datasets.sample_index as sample_index
 from gigatron.datasets import (GPTDataConfig, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
                                PretrainingSampler, blend_indices, build_pretraining_data_loader,
                                build_train_valid_test_datasets, parse_data_path)
@@ -82,7 +83,10 @@ def test_multiple_epochs_use_each_token_once_per_epoch_and_shuffle_within_epochs
     assert not np.array_equal(shuffle[:bounds[1]], np.arange(bounds[1]))
 
 
-def test_sample_sequence_is_prefix_stable_and_a_pure_function_of_its_inputs(tmp_path):
+@pytest.mark.parametrize("few_documents", [1 << 16, 10])  # both document-shuffle paths
+def test_sample_sequence_is_prefix_stable_and_a_pure_function_of_its_inputs(monkeypatch,
+                                                                            few_documents):
+    monkeypatch.setattr(sample_index, "FEW_DOCUMENTS", few_documents)
     sizes = np.random.default_rng(0).integers(1, 50, 200)
     docs = np.arange(200)
     small = build_gpt_indices(sizes, docs, SEQ, 100, seed=5)
@@ -174,8 +178,11 @@ def test_global_batch_contents_do_not_depend_on_data_parallel_size(tmp_path):
     for consumed in (0, 16):
         assert global_batches(1, consumed) == global_batches(2, consumed) == \
             global_batches(4, consumed)
-    first = next(iter(build_pretraining_data_loader(train, 8, 4, 0, 1)))
-    np.testing.assert_array_equal(first["tokens"].numpy()[0], train[8]["tokens"])
+    resumed = iter(build_pretraining_data_loader(train, 8, 4, 0, 1))
+    for step in range(3):  # resuming at 8 consumed samples reads samples 8, 9, 10, ...
+        batch = next(resumed)["tokens"].numpy()
+        for row in range(4):
+            np.testing.assert_array_equal(batch[row], train[8 + 4 * step + row]["tokens"])
 
 
 def test_eod_mask_loss_zeroes_loss_on_eod_inputs():

@@ -11,7 +11,7 @@ from gigatron.datasets.tokenizer import (GPT2BPETokenizer, HuggingFaceTokenizer,
 
 STDLIB = os.path.dirname(os.__file__)
 CORPUS_DIRS = [os.path.join(STDLIB, d) for d in ("json", "email", "http", "logging")]
-UNSEEN = "Grüße, 東京! naïve café — ünïcödé 🙂 \t  indented\n\n\ttabs  and   spaces\r\n"
+UNSEEN = "Grüße, 東京! naïve café — ünïcödé 🙂\t  indented\n\n\ttabs  and  spaces\r\n"
 
 
 @pytest.fixture(scope="module")
