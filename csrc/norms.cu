@@ -214,12 +214,13 @@ __global__ void norm_weight_grad_partial_kernel(NormBackwardParams p, int rows_p
   p.partials[static_cast<int64_t>(num_partials + blockIdx.y) * p.n + col] = acc_b;
 }
 
-// Second stage: sum the partial rows into the float32 weight (and bias) grads.
-__global__ void norm_weight_grad_final_kernel(NormBackwardParams p, int num_partials) {
+// Second stage: sum the `count` partial rows written by the first stage into the float32
+// weight (and bias) grads; bias partials start num_partials rows after the weight partials.
+__global__ void norm_weight_grad_final_kernel(NormBackwardParams p, int count, int num_partials) {
   const int col = blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= p.n) return;
   float acc_w = 0.0f, acc_b = 0.0f;
-  for (int i = 0; i < num_partials; ++i) {
+  for (int i = 0; i < count; ++i) {
     acc_w += p.partials[static_cast<int64_t>(i) * p.n + col];
     acc_b += p.partials[static_cast<int64_t>(num_partials + i) * p.n + col];
   }
@@ -251,15 +252,17 @@ template <typename T, int VEC>
 void launch_backward(const NormBackwardParams& p, int num_sms, cudaStream_t stream) {
   const int num_partials = norm_backward_num_partials(p.rows, p.n, DType::kFloat32, num_sms);
   const int threads = cached_threads(p.n, VEC, 512);
+  int count = num_partials;
   if (threads > 0) {
     norm_backward_kernel<T, VEC, cache_chunks(VEC)><<<num_partials, threads, 0, stream>>>(p, num_partials);
   } else {
     norm_backward_kernel<T, VEC, 0><<<grid_for(p.rows), 512, 0, stream>>>(p, num_partials);
     const int rows_per_chunk = ceil_div(p.rows, num_partials);
-    const dim3 grid(ceil_div(p.n, kColumnThreads), ceil_div(p.rows, rows_per_chunk));
+    count = ceil_div(p.rows, rows_per_chunk);  // may be fewer than num_partials
+    const dim3 grid(ceil_div(p.n, kColumnThreads), count);
     norm_weight_grad_partial_kernel<T><<<grid, kColumnThreads, 0, stream>>>(p, rows_per_chunk, num_partials);
   }
-  norm_weight_grad_final_kernel<<<ceil_div(p.n, kColumnThreads), kColumnThreads, 0, stream>>>(p, num_partials);
+  norm_weight_grad_final_kernel<<<ceil_div(p.n, kColumnThreads), kColumnThreads, 0, stream>>>(p, count, num_partials);
 }
 
 template <typename T>
