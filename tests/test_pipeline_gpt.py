@@ -3,6 +3,8 @@
 Tolerance: relative 1e-5 (plus an absolute 1e-7 floor for grads that are ~0) on the loss and
 on every parameter's gradient; dropout 0 so both sides compute the same function.
 """
+import weakref
+
 import pytest
 import torch
 
@@ -78,6 +80,17 @@ def _run_case(groups, config, num_microbatches, virtual, dp_index):
             for p in params:
                 p -= LR * p.grad
 
+    # At each stage forward, count this rank's earlier outputs still in memory: all were
+    # sent already, so none may be alive, although most still await their backward.
+    refs, alive = [], [0]
+
+    def count_alive(module, args, output):
+        alive[0] = max(alive[0], sum(r() is not None for r in refs))
+        refs.append(weakref.ref(output))
+
+    for c, chunk in enumerate(chunks):
+        if not partition.post_process(pp_rank, c):
+            chunk.register_forward_hook(count_alive)
     batches = micro_batches(num_microbatches, first=dp_index * num_microbatches)
     evaluation = executor.run(build_schedule(pp_rank, pp, num_microbatches,
                                              partition.virtual_chunks, forward_only=True),
@@ -88,7 +101,7 @@ def _run_case(groups, config, num_microbatches, virtual, dp_index):
     return {"losses": torch.stack(losses) if losses else None, "init": init,
             "grads": {n: gather_full_parameter(p, tp_group, p.grad) for n, p in named},
             "params": {n: gather_full_parameter(p, tp_group) for n, p in named},
-            "peak": executor.peak_stored, "sync_calls": sync.enabled_calls,
+            "peak": executor.peak_stored, "outputs_alive": alive[0], "sync_calls": sync.enabled_calls,
             "pp_rank": pp_rank, "dp_index": dp_index}
 
 
@@ -129,6 +142,7 @@ def _check_schedule_mechanics(results, case_index, pp, num_microbatches, virtual
         res = rank_results[case_index]
         if virtual == 1:  # 1F1B: at most pp - rank micro-batches alive at once
             assert res["peak"] <= min(pp - res["pp_rank"], num_microbatches)
+        assert res["outputs_alive"] == 0, "sent activations must be released"
         calls = res["sync_calls"]
         assert len(calls) == num_microbatches * virtual
         assert sorted(c for c, enabled in calls if enabled) == list(range(virtual))

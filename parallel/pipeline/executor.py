@@ -6,8 +6,10 @@ alive. A model chunk is called Megatron-style: the first virtual stage gets
 virtual stage also gets `labels` and its output goes through `loss_fn(output, batch)` to a
 scalar. Backward of micro-batch losses is scaled by `loss_scale / num_microbatches`, so
 grads are those of the mean loss over the step's micro-batches (gradient accumulation).
-A stage's stored input and output are released as soon as its backward has run (or, when
-only forwarding, as soon as the output is sent).
+Memory: a sent activation's values are not needed by backward (only its autograd graph
+is), so the executor keeps a scalar anchor into the graph instead of the output and drops
+the output as soon as it is sent (Megatron frees it the same way, through private API); a
+stage's stored input is released as soon as its backward has run.
 
 `grad_sync` (optional) gets `enable_sync(chunk, enabled)` before every backward, True only
 for that chunk's last micro-batch, and `finish_sync()` at the schedule's ReduceGrads.
@@ -34,6 +36,20 @@ def masked_mean_loss(per_token_loss: torch.Tensor, batch: Batch) -> torch.Tensor
         return per_token_loss.float().mean()
     mask = mask.to(per_token_loss.dtype)
     return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
+class _OutputAnchor(torch.autograd.Function):
+    """A scalar standing in for a sent stage output: its backward hands the output the grad
+    received from the next stage, so the output itself need not be kept."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, grad_holder: list) -> torch.Tensor:
+        ctx.grad_holder = grad_holder
+        return output.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):
+        return ctx.grad_holder.pop(), None
 
 
 class PipelineExecutor:
@@ -67,7 +83,9 @@ class PipelineExecutor:
         self._batches, self._scale = batches, loss_scale / len(batches)
         self._last_backward = last_backward_per_chunk(schedule)
         self._inputs: Dict[tuple, Optional[torch.Tensor]] = {}
-        self._outputs: Dict[tuple, torch.Tensor] = {}
+        self._outputs: Dict[tuple, torch.Tensor] = {}  # loss, or anchor of a sent output
+        self._to_send: Dict[tuple, torch.Tensor] = {}
+        self._grad_holders: Dict[tuple, list] = {}
         self._received = {RecvActivation: {}, RecvGrad: {}}  # type -> {(mb, chunk): tensor}
         self._input_grads: Dict[tuple, torch.Tensor] = {}
         self._losses: Dict[int, torch.Tensor] = {}
@@ -85,7 +103,7 @@ class PipelineExecutor:
             elif isinstance(step, OptimizerStep):
                 if optimizer_step is not None:
                     optimizer_step()
-        leftover = (len(self._outputs) + len(self._input_grads) +
+        leftover = (len(self._outputs) + len(self._input_grads) + len(self._to_send) +
                     sum(len(d) for d in self._received.values()))
         if leftover:
             raise RuntimeError(f"schedule left {leftover} tensors unconsumed: it is malformed")
@@ -127,11 +145,14 @@ class PipelineExecutor:
                 loss = self.loss_fn(output, batch)
                 self._losses[mb] = loss.detach()
                 output = loss
+        if not last:
+            self._to_send[key] = output
         if not self._forward_only:
             self._inputs[key] = hidden
+            if not last:
+                self._grad_holders[key] = []
+                output = _OutputAnchor.apply(output, self._grad_holders[key])
             self._outputs[key] = output
-        elif not last:
-            self._outputs[key] = output  # until it is sent
         self.peak_stored = max(self.peak_stored, len(self._inputs))
 
     def _backward(self, mb: int, chunk: int) -> None:
@@ -142,7 +163,8 @@ class PipelineExecutor:
         if self._is_last(chunk):
             torch.autograd.backward(output * self._scale)
         else:
-            torch.autograd.backward(output, grad_tensors=self._received[RecvGrad].pop(key))
+            self._grad_holders.pop(key).append(self._received[RecvGrad].pop(key))
+            torch.autograd.backward(output)
         if not is_first_stage(self.pp_rank, chunk):
             self._input_grads[key] = hidden.grad
 
@@ -152,10 +174,7 @@ class PipelineExecutor:
             peer_rank, _ = peer(op, self.pp_rank, self.pp_size)
             key = (op.microbatch, op.chunk)
             if isinstance(op, SendActivation):
-                tensor = self._outputs[key]
-                if self._forward_only:
-                    del self._outputs[key]  # nothing will backpropagate through it
-                sends.append((tensor, self.pp_ranks[peer_rank]))
+                sends.append((self._to_send.pop(key), self.pp_ranks[peer_rank]))
             elif isinstance(op, SendGrad):
                 sends.append((self._input_grads.pop(key), self.pp_ranks[peer_rank]))
             else:
