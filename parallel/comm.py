@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
+# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CommStats:
@@ -94,7 +97,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=Red
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     _record("reduce_scatter", (n - 1) / n * _nbytes(input), input, n)
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -107,8 +110,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     _record("all_gather", (n - 1) / n * _nbytes(output), output, n)
-    return dist.all_gather_into_tensor(output, input.contiguous(), group=group,
-                                       async_op=async_op)
+    return _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
