@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+import resource
+
 import numpy as np
 
 from gigatron.datasets.sample_index import build_gpt_indices
@@ -67,6 +69,15 @@ def train_tokenizers(folder: str, corpus_file: str) -> dict:
             "SentencePieceTokenizer": ["--tokenizer-model", model]}
 
 
+def cpu_seconds() -> float:
+    """User+system CPU time of this process and its reaped children (the worker pool)."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
 def bench_preprocess(args) -> list:
     from gigatron.datasets.preprocess import get_parser, run
 
@@ -80,12 +91,16 @@ def bench_preprocess(args) -> list:
                 argv = ["--input", corpus, "--output-prefix", os.path.join(folder, "out"),
                         "--tokenizer-type", name, "--workers", str(workers), "--append-eod",
                         "--log-interval", "1000000"] + flags
+                cpu = cpu_seconds()
                 stats = run(get_parser().parse_args(argv))
+                cpu = cpu_seconds() - cpu
                 rows.append({"tokenizer": name, "workers": workers, "MB": nbytes / 1e6,
                              "seconds": stats["seconds"],
                              "MB/s": nbytes / 1e6 / stats["seconds"],
                              "docs/s": stats["documents"] / stats["seconds"],
-                             "tokens/s": stats["tokens"] / stats["seconds"]})
+                             "tokens/s": stats["tokens"] / stats["seconds"],
+                             "cpu_seconds": cpu, "MB_per_cpu_second": nbytes / 1e6 / cpu,
+                             "load_average": os.getloadavg()[0]})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -96,17 +111,18 @@ def bench_index(args) -> dict:
     sizes = rng.integers(1, 2 * tokens // documents, documents).astype(np.int32)
     sizes[0] += tokens - int(sizes.astype(np.int64).sum())  # exactly `tokens` in total
     num_samples = (tokens - 1) // args.seq_length  # one epoch
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     doc, sample, shuffle = build_gpt_indices(sizes, np.arange(documents), args.seq_length,
                                              num_samples, seed=1234)
-    built = time.perf_counter() - start
+    built, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         for name, array in (("doc", doc), ("sample", sample), ("shuffle", shuffle)):
             np.save(os.path.join(folder, name + ".npy"), array)
         saved = time.perf_counter() - start
     row = {"tokens": tokens, "documents": documents, "seq_length": args.seq_length,
-           "samples": len(shuffle), "build_seconds": built, "save_seconds": saved}
+           "samples": len(shuffle), "build_seconds": built, "build_cpu_seconds": cpu,
+           "save_seconds": saved, "load_average": os.getloadavg()[0]}
     print(json.dumps(row), flush=True)
     return row
 

@@ -31,10 +31,12 @@ class IndexedDatasetError(ValueError):
 
 
 def data_file_path(prefix: str) -> str:
+    """The token file of the dataset at `prefix` (Megatron passes prefixes, not file names)."""
     return prefix + ".bin"
 
 
 def index_file_path(prefix: str) -> str:
+    """The index file of the dataset at `prefix`."""
     return prefix + ".idx"
 
 
@@ -89,6 +91,7 @@ class IndexedDatasetBuilder:
         self.sequence_lengths.append(int(array.size))
 
     def end_document(self) -> None:
+        """Close the current document after the sequences added so far."""
         self.document_indices.append(len(self.sequence_lengths))
 
     def add_document(self, tokens: Sequence[int], lengths: Iterable[int]) -> None:
@@ -203,6 +206,7 @@ class IndexedDataset:
 
     @property
     def num_documents(self) -> int:
+        """Documents (groups of consecutive sequences); GPT samples treat sequences as documents."""
         return len(self.document_indices) - 1
 
     def __len__(self) -> int:
@@ -241,5 +245,6 @@ class IndexedDataset:
 
     @staticmethod
     def exists(path_prefix: str) -> bool:
+        """Whether both files of the dataset at `path_prefix` are present."""
         return os.path.exists(index_file_path(path_prefix)) and os.path.exists(
             data_file_path(path_prefix))
