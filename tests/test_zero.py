@@ -69,7 +69,24 @@ def _stages_dp2(rank, world):
     model, zero, log = train(rank, world, 2, 1, grad_reduce_in_bf16=True)
     out["bf16_reduce"] = (full_params(model, zero), log[-1][1])
     out["resume"] = {stage: _resume(rank, world, stage) for stage in (1, 3)}
+    out["overlap"] = _launches_during_backward(rank, world)
     return out
+
+
+def _launches_during_backward(rank, world):
+    """Reductions issued while backward still runs: calls seen in the embedding's grad hook
+    (the last grad backward produces) with no_sync, then without."""
+    model = TinyLM()
+    zero = build_zero(model, ZeroConfig(zero_stage=0, reduce_bucket_size=BUCKET))
+    seen = []
+    model.embedding.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(comm.stats.calls.get("all_reduce", 0)))
+    (tokens, labels), = batches(1, 2)
+    comm.stats.reset()
+    with zero.no_sync():
+        zero.backward(model(tokens, labels).mean())
+    zero.backward(model(tokens, labels).mean())
+    return seen, len(zero.groups[0].buckets) + len(zero.groups[1].buckets)
 
 
 def _resume(rank, world, stage):
@@ -153,6 +170,10 @@ def test_stages_0_to_3_dp2_match_single_device_adamw_offload_bf16_reduce_resume(
         assert sent["reduce_scatter"] == pytest.approx(numel / 2 * 2, rel=0.01)  # 2 bytes/elt
         for stage in (1, 3):
             assert_matches(results[r]["resume"][stage], reference, what=f"resume {stage}")
+        (during_no_sync, during_sync), buckets = results[r]["overlap"]
+        # no reduction while accumulating; with sync on, every bucket (the embedding's own
+        # included: its hook runs just before ours) was launched from hooks inside backward
+        assert during_no_sync == 0 and during_sync == buckets > 1
 
 
 def test_bucket_plan_packs_in_order_and_pads_for_even_shards():
@@ -213,3 +234,23 @@ def test_accumulating_without_no_sync_is_an_error_not_a_double_reduction():
     zero.backward(model(tokens, labels).mean())
     with pytest.raises(RuntimeError, match="no_sync"):
         zero.backward(model(tokens, labels).mean())
+
+
+@pytest.mark.cuda
+def test_cuda_offloaded_stage1_matches_torch_adamw_on_gpu():
+    """One GPU, dp group of one: device placement, pinned CPU masters, CPU step."""
+    ref = TinyLM().cuda()
+    opt = torch.optim.AdamW(__import__("zero_models").torch_param_groups(ref, WD), lr=LR)
+    model = TinyLM().cuda()
+    zero = build_zero(model, ZeroConfig(zero_stage=1, lr=LR, weight_decay=WD,
+                                        offload_optimizer="cpu", reduce_bucket_size=BUCKET))
+    assert all(g.master.is_pinned() for g in zero.groups)
+    for tokens, labels in batches(STEPS, BATCH):
+        tokens, labels = tokens.cuda(), labels.cuda()
+        opt.zero_grad()
+        ref(tokens, labels).mean().backward()
+        opt.step()
+        zero.zero_grad()
+        zero.backward(model(tokens, labels).mean())
+        zero.step()
+    assert_matches(dict(model.named_parameters()), dict(ref.named_parameters()), what="cuda")
