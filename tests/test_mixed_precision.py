@@ -1,7 +1,6 @@
 """Mixed precision: bf16 params with fp32 masters match a single-device bf16 reference;
 fp16 dynamic loss scaling follows DeepSpeed's documented semantics; an overflow on one rank
 skips the step on every rank."""
-import pytest
 import torch
 
 from multirank import run_on_ranks

@@ -44,7 +44,7 @@ class FlatGroup:
 
     def _place_params(self) -> None:
         """Move every parameter's data into its bucket's slot of a flat buffer."""
-        S, r = None, self.rank_in_shard
+        r = self.rank_in_shard
         if self.stage < 3:
             self.param_buffer = torch.zeros(self.full_numel, dtype=self.dtype, device=self.device)
         else:
