@@ -127,6 +127,32 @@ def bench_index(args) -> dict:
     return row
 
 
+def bench_read(args, tokens: int = 20_000_000, reads: int = 2000) -> dict:
+    """Samples/s of GPTDataset.__getitem__ on a memory-mapped uint16 file (random order)."""
+    from gigatron.datasets import GPTDataset, IndexedDataset, IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as folder:
+        prefix = os.path.join(folder, "read")
+        builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+        sizes = rng.integers(1, 2000, tokens // 1000)
+        stream = rng.integers(0, 50000, int(sizes.sum()), dtype=np.uint16)
+        for start, n in zip(np.cumsum(sizes) - sizes, sizes):
+            builder.add_item(stream[start:start + n])
+            builder.end_document()
+        builder.finalize(prefix + ".idx")
+        data = IndexedDataset(prefix)
+        ds = GPTDataset(data, np.arange(len(data)), reads, args.seq_length, seed=1)
+        start = time.perf_counter()
+        for i in range(reads):
+            ds[i]
+        seconds = time.perf_counter() - start
+    row = {"read_samples": reads, "seq_length": args.seq_length,
+           "samples/s": reads / seconds, "load_average": os.getloadavg()[0]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpus-mb", type=float, default=8.0)
@@ -141,6 +167,7 @@ def main() -> int:
           f"numpy {np.__version__}", flush=True)
     if not args.skip_index:
         bench_index(args)
+        bench_read(args)
     if not args.skip_preprocess:
         bench_preprocess(args)
     return 0

@@ -72,7 +72,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp.encode(text)
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return self._sp.encode(list(texts))
+        return self._sp.encode(list(texts), num_threads=1)  # parallelism: preprocess --workers
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
