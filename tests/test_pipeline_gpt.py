@@ -3,6 +3,7 @@
 Tolerance: relative 1e-5 (plus an absolute 1e-7 floor for grads that are ~0) on the loss and
 on every parameter's gradient; dropout 0 so both sides compute the same function.
 """
+import functools
 import weakref
 
 import pytest
@@ -43,6 +44,7 @@ def micro_batches(count, first=0):
     return out
 
 
+@functools.lru_cache(maxsize=None)  # read-only results, shared by the tests
 def reference(num_microbatches):
     """Single device: mean of micro-batch losses, grads by accumulation, then one SGD step."""
     model = GPTModel(tiny_config(), seed=SEED)
