@@ -44,6 +44,8 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--append-eod", action="store_true", help="end each document with eod")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--log-interval", type=int, default=1000, help="documents between reports")
+    p.add_argument("--dataset-impl", choices=("mmap",), default="mmap",
+                   help="accepted for older Megatron scripts; mmap is the only format")
     p.add_argument("--invalid-json", choices=("error", "skip"), default="error",
                    help="a malformed JSON line stops the run (error) or is reported and "
                         "skipped (skip)")
