@@ -234,7 +234,12 @@ def test_indices_are_cached_next_to_the_data_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(gpt_dataset_module, "build_gpt_indices", must_not_build)
     second = build_train_valid_test_datasets(config, [100, 0, 0])[0]
     np.testing.assert_array_equal(first.shuffle_index, second.shuffle_index)
-    config.seed = 99  # a different key: must build anew
+    original_seed, config.seed = config.seed, 99  # a different key: must build anew
+    with pytest.raises(AssertionError, match="rebuilt"):
+        build_train_valid_test_datasets(config, [100, 0, 0])
+    config.seed = original_seed
+    build_train_valid_test_datasets(config, [100, 0, 0])  # still cached
+    _unique_token_data(prefix, seed=5)  # same name, different documents: stale cache unused
     with pytest.raises(AssertionError, match="rebuilt"):
         build_train_valid_test_datasets(config, [100, 0, 0])
 
