@@ -57,6 +57,14 @@ def test_tokenizer_vocab_overrides_flag_vocab():
     assert run(vocab=300).model.vocab_size == 300
 
 
+def test_model_flag_loads_zoo_config_and_flags_override_it():
+    cfg = parse_args("--model llama3-8b --seq-length 2048 --num-layers 4 --micro-batch-size 1 "
+                     "--train-iters 1 --lr 1e-4 --mock-data".split(), 1)
+    m = cfg.model
+    assert (m.num_layers, m.seq_length, m.hidden_size, m.num_query_groups) == (4, 2048, 4096, 8)
+    assert m.activation == "swiglu" and m.vocab_size == 128256 and cfg.model_name == "llama3-8b"
+
+
 def test_zero_stage_flag():
     assert run("--zero-stage 3", world=2).parallel.zero_stage == 3
 
@@ -108,6 +116,7 @@ BAD_FLAGS = [  # (extra flags, world size, message)
     ("--split 1,2,3,4", 1, r"--split '1,2,3,4' must be up to three"),
     ("--hidden-size -32", 1, r"--hidden-size must be > 0"),
     ("--distributed-timeout-minutes 0", 1, r"--distributed-timeout-minutes must be > 0"),
+    ("--model gpt5", 1, r"--model gpt5 is not in the zoo: choose one of .*gpt2-124m"),
 ]
 
 
@@ -154,3 +163,27 @@ def test_missing_required_flag_is_named(argv, message):
 def test_parse_flags_rejects_abbreviations():
     with pytest.raises(ValueError, match="unknown flag"):
         parse_flags(["--num-lay", "2"])
+
+
+EXAMPLES = {"gpt2_124m_single_gpu.sh": 1, "gpt3_1.3b_8gpu.sh": 8,
+            "llama3_8b_multinode_torchrun.sh": 32, "llama3_8b_slurm.sbatch": 32}
+
+
+def example_flags(name: str) -> list:
+    """The pretrain_gpt.py flags of an example script (mock data in place of DATA_FLAGS)."""
+    import os
+    import shlex
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "examples", name)).read().replace("\\\n", " ")
+    command = next(line for line in text.splitlines() if "pretrain_gpt.py " in line and
+                   not line.lstrip().startswith("#"))
+    command = command.split("pretrain_gpt.py", 1)[1]
+    command = command.replace('"${DATA_FLAGS[@]}"', "--mock-data").replace('"$@"', "")
+    return [w.replace("$OUT", "/tmp/out") for w in shlex.split(command)]
+
+
+@pytest.mark.parametrize("name,world", EXAMPLES.items())
+def test_example_commands_are_valid_at_their_world_size(name, world):
+    cfg = parse_args(example_flags(name), world)
+    assert cfg.parallel.world_size == world and cfg.data.mock_data
+    assert cfg.model_name in ("gpt2-124m", "gpt3-1.3b", "llama3-8b")

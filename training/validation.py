@@ -109,13 +109,12 @@ def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[
         "position_embedding_type", "normalization", "attention_backend",
         "recompute_granularity", "recompute_method", "untie_embeddings_and_output_weights")])
     if flags.model is not None:
-        from gigatron.models.zoo import load_config
+        from gigatron.models.zoo import list_models, load_config
 
-        try:
-            config = load_config(flags.model, **fields)
-        except KeyError as err:
-            raise ValueError(f"--model {flags.model}: {err.args[0] if err.args else err}") \
-                from None
+        if flags.model not in list_models():
+            raise ValueError(f"--model {flags.model} is not in the zoo: choose one of "
+                             f"{', '.join(list_models())}")
+        config = load_config(flags.model, **fields)
     else:
         missing = [_flag(d) for d in REQUIRED_WITHOUT_MODEL if getattr(flags, d) is None]
         if missing:
