@@ -66,9 +66,10 @@ def perplexity(loss: float) -> float:
 class ProgressBar:
     """A one-line progress display (iteration, loss, ETA) redrawn in place on a terminal."""
 
-    def __init__(self, total: int, start_iteration: int = 0, stream: IO = sys.stderr,
+    def __init__(self, total: int, start_iteration: int = 0, stream: Optional[IO] = None,
                  width: int = 30) -> None:
-        self.total, self.first, self.stream, self.width = total, start_iteration, stream, width
+        self.total, self.first, self.width = total, start_iteration, width
+        self.stream = sys.stderr if stream is None else stream
         self.start = time.monotonic()
 
     def render(self, iteration: int, loss: Optional[float], now: Optional[float] = None) -> str:
@@ -98,8 +99,9 @@ class MetricsLogger:
     def __init__(self, enabled: bool, train_iters: int, metrics_file: Optional[str] = None,
                  tensorboard_dir: Optional[str] = None, progress: Optional[bool] = None,
                  append: bool = False, start_iteration: int = 0,
-                 stream: IO = sys.stdout) -> None:
-        self.enabled, self.train_iters, self.stream = enabled, train_iters, stream
+                 stream: Optional[IO] = None) -> None:
+        self.enabled, self.train_iters = enabled, train_iters
+        self.stream = sys.stdout if stream is None else stream
         self._file = self._tb = self._bar = None
         if not enabled:
             return

@@ -1,0 +1,105 @@
+"""The whole program in forked ranks: SIGTERM saves and exits, --finetune, --no-load-optim,
+a checkpoint of another layout refuses to load, metrics records, fp16 skipped steps."""
+import contextlib
+import io
+import json
+import os
+import signal
+
+import pytest
+
+from multirank import run_on_ranks
+
+FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--micro-batch-size 2 --global-batch-size 8 --lr 1e-2 --mock-data --vocab-size 128 "
+         "--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --eval-interval 3 "
+         "--eval-iters 1 --no-progress --make-vocab-size-divisible-by 8").split()
+
+
+def _main(rank, world, argv, sigterm_at=None):
+    """pretrain_gpt.main on this rank; returns (exit code, stderr text)."""
+    import pretrain_gpt
+    from gigatron.training import loop
+
+    if sigterm_at is not None and rank == 0:
+        real_step = loop.train_step
+
+        def step(s, batches, progress):
+            if progress.iteration + 1 == sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # as SLURM does before the time limit
+            return real_step(s, batches, progress)
+        loop.train_step = step
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = pretrain_gpt.main(argv)
+    return code, err.getvalue(), out.getvalue()
+
+
+def _records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _program_on(world, argv, **kw):
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return run_on_ranks(_main, world, argv, **kw)
+
+
+def test_sigterm_saves_and_exits_then_resume_finishes(tmp_path):
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    argv = FLAGS + ["--train-iters", "6", "--save", ckpt, "--load", ckpt, "--metrics-file",
+                    metrics, "--exit-signal-handler"]
+    results = _program_on(2, argv, sigterm_at=4)
+    assert [r[0] for r in results] == [0, 0]
+    assert "exiting on SIGTERM at iteration 4" in results[0][2]
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "4"
+    results = _program_on(2, argv)
+    assert "loaded checkpoint" in results[0][2]
+    records = _records(metrics)
+    train = [r["iteration"] for r in records if r["type"] == "train"]
+    assert train == [1, 2, 3, 4, 5, 6]
+    evals = [(r["split"], r["iteration"]) for r in records if r["type"] == "eval"]
+    assert ("valid", 3) in evals and ("valid", 6) in evals
+    keys = {"lm loss", "lr", "grad norm", "loss scale", "skipped", "tokens_per_s",
+            "tflops_per_device", "mfu", "peak_memory_mib", "consumed_samples", "timers_ms"}
+    assert keys <= set(records[0])
+    assert {"forward", "backward", "comm", "optimizer"} <= set(records[0]["timers_ms"])
+
+
+def test_finetune_and_no_load_optim_and_layout_mismatch(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    fresh = str(tmp_path / "fresh.jsonl")
+    code, _, _ = _program_on(1, FLAGS + ["--train-iters", "4", "--save", ckpt,
+                                         "--metrics-file", fresh])[0]
+    assert code == 0
+    tuned = str(tmp_path / "tuned.jsonl")
+    code, _, out = _program_on(1, FLAGS + ["--train-iters", "2", "--load", ckpt, "--finetune",
+                                           "--metrics-file", tuned])[0]
+    assert code == 0
+    first = [r for r in _records(tuned) if r["type"] == "train"]
+    fresh_first = [r for r in _records(fresh) if r["type"] == "train"]
+    assert first[0]["iteration"] == 1  # finetune restarts the count...
+    assert first[0]["lm loss"] < fresh_first[0]["lm loss"] - 0.1  # ...from the trained weights
+    code, _, out = _program_on(1, FLAGS + ["--train-iters", "6", "--load", ckpt,
+                                           "--no-load-optim", "--no-load-rng"])[0]
+    assert code == 0 and "iteration 4" in out and "done: iteration 6" in out
+    results = _program_on(2, FLAGS + ["--train-iters", "6", "--load", ckpt,
+                                      "--tensor-model-parallel-size", "2"])
+    assert [r[0] for r in results] == [2, 2]
+    assert "saved with tp=1 pp=1 dp=1 virtual_chunks=1 but this run has tp=2" in results[0][1]
+
+
+def test_fp16_overflow_is_a_skipped_step_that_keeps_the_lr(tmp_path):
+    metrics = str(tmp_path / "m.jsonl")
+    # a huge initial loss scale overflows fp16 grads: DeepSpeed-style backoff skips steps
+    code, _, _ = _program_on(1, FLAGS + ["--train-iters", "6", "--fp16", "--initial-loss-scale",
+                                         str(2.0 ** 24), "--hysteresis", "1",
+                                         "--metrics-file", metrics, "--lr-decay-style",
+                                         "linear"])[0]
+    assert code == 0
+    train = [r for r in _records(metrics) if r["type"] == "train"]
+    assert train[0]["skipped"] == 1 and train[0]["loss scale"] == 2.0 ** 24
+    assert train[1]["loss scale"] == 2.0 ** 23  # halved after one overflow (hysteresis 1)
+    first_ok = next(r for r in train if not r["skipped"])
+    assert first_ok["lr"] == pytest.approx(1e-2)  # the schedule did not advance on skips
