@@ -22,7 +22,7 @@ from gigatron.datasets.sentencepiece_trainer import list_text_files
 from gigatron.datasets.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 JSON_SUFFIXES = (".json", ".jsonl")
-CHUNK_RECORDS, CHUNK_BYTES = 256, 1 << 20
+CHUNK_RECORDS, CHUNK_BYTES = 256, 1 << 18  # small enough to balance the workers
 
 # A record is (file, line number or 0 for a whole text file, raw text).
 Record = Tuple[str, int, str]
