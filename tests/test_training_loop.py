@@ -49,13 +49,16 @@ def _program_on(world, argv, **kw):
 def test_sigterm_saves_and_exits_then_resume_finishes(tmp_path):
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     argv = FLAGS + ["--train-iters", "6", "--save", ckpt, "--load", ckpt, "--metrics-file",
-                    metrics, "--exit-signal-handler"]
+                    metrics, "--exit-signal-handler", "--zero-stage", "1",
+                    "--ckpt-format", "safetensors"]
     results = _program_on(2, argv, sigterm_at=4)
     assert [r[0] for r in results] == [0, 0]
     assert "exiting on SIGTERM at iteration 4" in results[0][2]
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "4"
     results = _program_on(2, argv)
     assert "loaded checkpoint" in results[0][2]
+    assert os.path.isfile(os.path.join(ckpt, "iter_0000004", "mp_rank_00_000_001",
+                                       "model_optim_rng.safetensors"))
     records = _records(metrics)
     train = [r["iteration"] for r in records if r["type"] == "train"]
     assert train == [1, 2, 3, 4, 5, 6]
