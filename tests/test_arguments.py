@@ -116,6 +116,9 @@ BAD_FLAGS = [  # (extra flags, world size, message)
     ("--split 1,2,3,4", 1, r"--split '1,2,3,4' must be up to three"),
     ("--hidden-size -32", 1, r"--hidden-size must be > 0"),
     ("--distributed-timeout-minutes 0", 1, r"--distributed-timeout-minutes must be > 0"),
+    ("--zero-stage 3 --pipeline-model-parallel-size 2", 2,
+     r"--zero-stage 3 needs --pipeline-model-parallel-size 1"),
+    ("--fp16 --initial-loss-scale 1000", 1, r"--initial-loss-scale 1000.0 must be a power of 2"),
     ("--model gpt5", 1, r"--model gpt5 is not in the zoo: choose one of .*gpt2-124m"),
 ]
 

@@ -5,6 +5,7 @@ Called by `arguments.build_run_config` before any process group, model or data e
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any, Dict, Optional, Tuple
 
 from gigatron.training.config import LRScheduleConfig, ParallelConfig
@@ -57,6 +58,9 @@ def check_parallel(flags: argparse.Namespace, tp: int, pp: int) -> None:
         raise ValueError("--use-distributed-optimizer (ZeRO stage 1) contradicts --zero-stage 0:"
                          " drop one of them")
     _positive(flags, "ddp_bucket_size", "distributed_timeout_minutes")
+    if flags.zero_stage == 3 and pp > 1:
+        raise ValueError("--zero-stage 3 needs --pipeline-model-parallel-size 1 (a pipeline stage "
+                         "would re-gather every layer per micro-batch): use --zero-stage 2")
     if flags.optimizer_cpu_offload and (flags.zero_stage or
                                         (1 if flags.use_distributed_optimizer else 0)) < 1:
         raise ValueError("--optimizer-cpu-offload needs a sharded optimizer: add --zero-stage 1 "
@@ -173,6 +177,10 @@ def check_optimizer(flags: argparse.Namespace, parallel: ParallelConfig) -> None
     if flags.loss_scale is not None and not flags.fp16:
         raise ValueError("--loss-scale applies to --fp16 only: add --fp16 or drop it")
     _positive(flags, "loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis")
+    power = math.log2(flags.initial_loss_scale)
+    if power != int(power):
+        raise ValueError(f"--initial-loss-scale {flags.initial_loss_scale} must be a power of 2 "
+                         f"(dynamic scaling moves in factors of 2 from 2**initial_scale_power)")
     if flags.clip_grad < 0:
         raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {flags.clip_grad}")
     if flags.weight_decay < 0:
