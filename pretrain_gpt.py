@@ -59,7 +59,7 @@ def _build_session(run, tokenizer, launch, device):
     _seed(run.train.seed, groups.index("pp"))
     chunks = builders.build_model_chunks(run, groups, device)
     shard = state.load_model_weights(run, groups, chunks)
-    zero = build_zero(chunks, builders.zero_config(run), groups)
+    zero = build_zero(chunks, run.zero, groups)
     progress = state.restore_training_state(run, shard, chunks, zero, device)
     timers = Timers(device_sync(device) if run.logging.timing_log_level >= 1 else None)
     for chunk in chunks:
@@ -73,7 +73,7 @@ def _build_session(run, tokenizer, launch, device):
                            start_iteration=progress.iteration)
     if progress.iteration > 0:
         logger.truncate_after(progress.iteration)
-    peak = log.peak_tflops or metrics.device_peak_tflops(device, run.optimizer.params_dtype)
+    peak = log.peak_tflops or metrics.device_peak_tflops(device, run.model.params_dtype)
     session = Session(run, groups, device, chunks, zero, pipeline, datasets, logger, timers,
                       metrics.flops_per_token(run.model, p.tp), peak)
     return session, progress, shard
@@ -86,11 +86,12 @@ def _banner(s, progress, shard, launch, device) -> None:
     run, p, t = s.run, s.run.parallel, s.run.train
     s.logger.print(
         f"gigatron: {launch.world_size} ranks ({launch.launcher} launch, {device.type}), "
-        f"tp={p.tp} pp={p.pp} dp={p.dp} zero stage {p.zero_stage}"
+        f"tp={p.tp} pp={p.pp} dp={p.dp} zero stage {run.zero.zero_stage}"
         f"{' sequence-parallel' if p.sequence_parallel else ''}\n"
         f"model: {run.model_name or 'custom'}, {count_parameters(run.model):,} parameters, "
         f"{run.model.num_layers} layers, hidden {run.model.hidden_size}, seq "
-        f"{run.model.seq_length}, vocab {run.model.vocab_size}, {run.optimizer.params_dtype}\n"
+        f"{run.model.seq_length}, vocab {run.model.vocab_size}, "
+        f"{str(run.model.params_dtype).replace('torch.', '')}\n"
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {p.dp} x "
         f"{t.num_microbatches} micro-batches; {s.flops_per_token / 1e6:.2f} MFLOP/token\n"
         f"{partition(run).describe()}")

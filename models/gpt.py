@@ -76,7 +76,10 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: TransformerConfig, tp_group=None, pre_process: bool = True,
                  post_process: bool = True, layer_range: Optional[Sequence[int]] = None,
-                 seed: int = 1234, device=None) -> None:
+                 seed: int = 1234, device=None,
+                 rng_tracker: Optional[TensorParallelRNGTracker] = None) -> None:
+        """`rng_tracker`: the rank's tracker, shared by all its pipeline chunks so their
+        dropout masks differ (default: a tracker of this model's own, from `seed`)."""
         super().__init__()
         tp = tp_size(tp_group)
         config.validate(tp)
@@ -89,8 +92,10 @@ class GPTModel(nn.Module):
         if bad:
             raise ValueError(f"layer_range has layers {bad} outside 0..{config.num_layers - 1}")
         self.tied = not config.untie_embeddings_and_output_weights
-        self.rng_tracker = TensorParallelRNGTracker()
-        self.rng_tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank(tp_group)))
+        if rng_tracker is None:
+            rng_tracker = TensorParallelRNGTracker()
+            rng_tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank(tp_group)))
+        self.rng_tracker = rng_tracker
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, tp_group, self.rng_tracker, device)

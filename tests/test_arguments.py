@@ -30,7 +30,7 @@ def test_flags_map_to_config_objects():
     assert m.num_query_groups == 2 and m.hidden_dropout == 0.0
     assert m.params_dtype == torch.bfloat16 and m.sequence_parallel
     p = cfg.parallel
-    assert (p.tp, p.pp, p.dp, p.zero_stage, p.sequence_parallel) == (2, 2, 2, 1, True)
+    assert (p.tp, p.pp, p.dp, cfg.zero.zero_stage, p.sequence_parallel) == (2, 2, 2, 1, True)
     assert cfg.train.num_microbatches == 8 // (2 * 2)
     s = cfg.lr_schedule
     assert (s.decay_steps, s.warmup_steps, s.decay_style) == (80, 8, "cosine")
@@ -39,9 +39,9 @@ def test_flags_map_to_config_objects():
 
 def test_defaults_follow_megatron():
     cfg = run(world=2)
-    assert cfg.parallel.dp == 2 and cfg.parallel.zero_stage == 0
+    assert cfg.parallel.dp == 2 and cfg.zero.zero_stage == 0
     assert cfg.model.max_position_embeddings == 16 and cfg.model.ffn_hidden_size == 128
-    assert cfg.optimizer.clip_grad == 1.0 and cfg.optimizer.weight_decay == 0.01
+    assert cfg.zero.clip_grad == 1.0 and cfg.zero.weight_decay == 0.01
     assert cfg.lr_schedule.decay_style == "linear" and cfg.lr_schedule.decay_steps == 10 * 8
     assert cfg.logging.log_interval == 100 and cfg.train.eval_interval == 1000
     assert not cfg.parallel.sequence_parallel  # --sequence-parallel is a no-op at tp=1
@@ -66,7 +66,7 @@ def test_model_flag_loads_zoo_config_and_flags_override_it():
 
 
 def test_zero_stage_flag():
-    assert run("--zero-stage 3", world=2).parallel.zero_stage == 3
+    assert run("--zero-stage 3", world=2).zero.zero_stage == 3
 
 
 BAD_FLAGS = [  # (extra flags, world size, message)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 from typing import Optional, Sequence
 
-from gigatron.training.config import (CheckpointConfig, DataConfig, LoggingConfig,
-                                      OptimizerConfig, ParallelConfig, RunConfig, TrainConfig)
+from gigatron.datasets.builder import GPTDataConfig
+from gigatron.parallel.zero.config import ZeroConfig
+from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelConfig,
+                                      RunConfig, TrainConfig)
 from gigatron.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from gigatron.training.validation import (build_lr_schedule, build_model_config,
                                           check_checkpointing, check_data, check_logging,
@@ -181,40 +184,27 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
     check_parallel(flags, tp, pp)
     model = build_model_config(flags, tp, vocab_size)
     mbs, gbs, num_mb = microbatches(flags, dp)
-    zero_stage = flags.zero_stage if flags.zero_stage is not None else \
-        (1 if flags.use_distributed_optimizer else 0)
     parallel = ParallelConfig(
         tp=tp, pp=pp, dp=dp, sequence_parallel=bool(flags.sequence_parallel and tp > 1),
         num_layers_per_virtual_pipeline_stage=flags.num_layers_per_virtual_pipeline_stage,
         decoder_first_pipeline_num_layers=flags.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=flags.decoder_last_pipeline_num_layers,
-        zero_stage=zero_stage, ddp_bucket_size=flags.ddp_bucket_size,
-        grad_reduce_in_bf16=flags.grad_reduce_in_bf16,
-        optimizer_cpu_offload=flags.optimizer_cpu_offload,
         distributed_timeout_minutes=flags.distributed_timeout_minutes)
     check_train(flags, parallel, model, num_mb)
     check_optimizer(flags, parallel)
-    optimizer = OptimizerConfig(
-        optimizer=flags.optimizer, lr=flags.lr, weight_decay=flags.weight_decay,
-        adam_beta1=flags.adam_beta1, adam_beta2=flags.adam_beta2, adam_eps=flags.adam_eps,
-        sgd_momentum=flags.sgd_momentum, clip_grad=flags.clip_grad, fp16=flags.fp16,
-        bf16=flags.bf16, loss_scale=flags.loss_scale,
-        initial_loss_scale=flags.initial_loss_scale, min_loss_scale=flags.min_loss_scale,
-        loss_scale_window=flags.loss_scale_window, hysteresis=flags.hysteresis)
     check_data(flags)
-    data = DataConfig(
-        data_path=flags.data_path, split=flags.split, train_data_path=flags.train_data_path,
+    data = GPTDataConfig(
+        seq_length=model.seq_length, seed=flags.seed, data_path=flags.data_path,
+        split=flags.split, train_data_path=flags.train_data_path,
         valid_data_path=flags.valid_data_path, test_data_path=flags.test_data_path,
         mock_data=flags.mock_data, data_cache_path=flags.data_cache_path,
-        tokenizer_type=flags.tokenizer_type, tokenizer_model=flags.tokenizer_model,
-        vocab_file=flags.vocab_file, merge_file=flags.merge_file,
-        vocab_size=flags.vocab_size, eod_mask_loss=flags.eod_mask_loss,
-        num_workers=flags.num_workers, seq_length=model.seq_length, seed=flags.seed)
+        eod_mask_loss=flags.eod_mask_loss, vocab_size=flags.vocab_size)
     train = TrainConfig(
         train_iters=flags.train_iters, micro_batch_size=mbs, global_batch_size=gbs,
         num_microbatches=num_mb, seed=flags.seed, eval_interval=flags.eval_interval,
         eval_iters=flags.eval_iters, skip_test=flags.skip_test,
-        exit_interval=flags.exit_interval, exit_signal_handler=flags.exit_signal_handler)
+        exit_interval=flags.exit_interval, exit_signal_handler=flags.exit_signal_handler,
+        num_workers=flags.num_workers)
     check_checkpointing(flags)
     checkpoint = CheckpointConfig(
         save=flags.save, load=flags.load, save_interval=flags.save_interval,
@@ -227,9 +217,29 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
                             peak_tflops=flags.peak_tflops, progress=flags.progress,
                             timing_log_level=flags.timing_log_level)
     return RunConfig(model=model, model_name=flags.model, parallel=parallel,
-                     optimizer=optimizer, lr_schedule=build_lr_schedule(flags, gbs),
+                     zero=zero_config(flags), lr_schedule=build_lr_schedule(flags, gbs),
                      data=data, train=train, checkpoint=checkpoint, logging=logging,
                      flags=dict(vars(flags)))
+
+
+def zero_config(flags: argparse.Namespace) -> ZeroConfig:
+    """The optimizer, mixed-precision, clipping and ZeRO flags as the ZeRO wrapper's config."""
+    stage = flags.zero_stage if flags.zero_stage is not None else \
+        (1 if flags.use_distributed_optimizer else 0)
+    kw = dict(zero_stage=stage,
+              # Megatron's --optimizer adam is AdamW (decoupled weight decay)
+              optimizer="adamw" if flags.optimizer == "adam" else "sgd",
+              lr=flags.lr, weight_decay=flags.weight_decay, adam_beta1=flags.adam_beta1,
+              adam_beta2=flags.adam_beta2, adam_eps=flags.adam_eps,
+              sgd_momentum=flags.sgd_momentum, clip_grad=flags.clip_grad,
+              loss_scale=flags.loss_scale or 0.0,
+              initial_scale_power=int(round(math.log2(flags.initial_loss_scale))),
+              loss_scale_window=flags.loss_scale_window, hysteresis=flags.hysteresis,
+              min_loss_scale=flags.min_loss_scale, grad_reduce_in_bf16=flags.grad_reduce_in_bf16,
+              offload_optimizer="cpu" if flags.optimizer_cpu_offload else "none")
+    if flags.ddp_bucket_size is not None:
+        kw["reduce_bucket_size"] = flags.ddp_bucket_size
+    return ZeroConfig(**kw)
 
 
 def parse_args(argv: Optional[Sequence[str]], world_size: int,

@@ -6,8 +6,7 @@ schedule and executor are `gigatron.parallel.pipeline`'s, the data is `gigatron.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -30,25 +29,6 @@ def build_tokenizer(flags: Dict[str, Any], model_vocab: Optional[int] = None):
     return NullTokenizer(vocab - 1)
 
 
-def zero_config(run: RunConfig):
-    """Map the optimizer and ZeRO flags to the ZeRO wrapper's config."""
-    from gigatron.parallel.zero import ZeroConfig
-
-    opt, par = run.optimizer, run.parallel
-    kw: Dict[str, Any] = dict(
-        zero_stage=par.zero_stage, optimizer="adamw" if opt.optimizer == "adam" else "sgd",
-        lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
-        adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, sgd_momentum=opt.sgd_momentum,
-        clip_grad=opt.clip_grad, loss_scale=opt.loss_scale or 0.0,
-        initial_scale_power=int(round(math.log2(opt.initial_loss_scale))),
-        loss_scale_window=opt.loss_scale_window, hysteresis=opt.hysteresis,
-        min_loss_scale=opt.min_loss_scale, grad_reduce_in_bf16=par.grad_reduce_in_bf16,
-        offload_optimizer="cpu" if par.optimizer_cpu_offload else "none")
-    if par.ddp_bucket_size is not None:
-        kw["reduce_bucket_size"] = par.ddp_bucket_size
-    return ZeroConfig(**kw)
-
-
 def partition(run: RunConfig):
     """Which layers each (pipeline rank, virtual chunk) builds."""
     from gigatron.parallel.pipeline.partition import partition_layers
@@ -62,17 +42,10 @@ def partition(run: RunConfig):
 
 def build_model_chunks(run: RunConfig, groups, device: torch.device) -> List[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`."""
-    from gigatron.models.gpt import GPTModel
+    from gigatron.parallel.pipeline.model_chunks import build_model_chunks as build
 
-    parts, pp_rank = partition(run), groups.index("pp")
-    chunks = []
-    for c in range(parts.virtual_chunks):
-        chunks.append(GPTModel(run.model, tp_group=groups.tp,
-                               pre_process=parts.pre_process(pp_rank, c),
-                               post_process=parts.post_process(pp_rank, c),
-                               layer_range=parts.layer_range(pp_rank, c),
-                               seed=run.train.seed, device=device))
-    return chunks
+    return build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
+                 seed=run.train.seed, device=device)
 
 
 @dataclass
@@ -114,16 +87,11 @@ def sample_counts(run: RunConfig) -> List[int]:
 
 def build_datasets(run: RunConfig, tokenizer) -> List[Optional[object]]:
     """[train, valid, test] datasets (collective: index caches are built by one rank)."""
-    from gigatron.datasets.builder import GPTDataConfig, build_train_valid_test_datasets
+    from gigatron.datasets.builder import build_train_valid_test_datasets
 
-    d = run.data
-    config = GPTDataConfig(
-        seq_length=run.model.seq_length, seed=d.seed, data_path=d.data_path, split=d.split,
-        train_data_path=d.train_data_path, valid_data_path=d.valid_data_path,
-        test_data_path=d.test_data_path, mock_data=d.mock_data,
-        data_cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
-        eod=None if tokenizer is None else tokenizer.eod,
-        vocab_size=None if tokenizer is None else tokenizer.vocab_size)
+    config = run.data
+    if tokenizer is not None:
+        config = replace(config, eod=tokenizer.eod, vocab_size=tokenizer.vocab_size)
     return build_train_valid_test_datasets(config, sample_counts(run))
 
 
@@ -139,7 +107,7 @@ def micro_batches(run: RunConfig, dataset, consumed_samples: int, dp_rank: int,
         return _empty_batches()
     loader = build_pretraining_data_loader(dataset, consumed_samples,
                                            run.train.micro_batch_size, dp_rank, run.parallel.dp,
-                                           num_workers=run.data.num_workers)
+                                           num_workers=run.train.num_workers)
     return _to_executor(loader, device, pipeline)
 
 

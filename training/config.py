@@ -1,12 +1,14 @@
 """The run's settings, one dataclass per concern, filled from the flags by `arguments.py`.
 
-The model's settings are `gigatron.models.config.TransformerConfig` (owned by the model);
-everything else a training run needs lives here.
+Concerns with an owner elsewhere use the owner's config: the model's
+`gigatron.models.config.TransformerConfig`, the optimizer's (ZeRO stage, optimizer, loss
+scaling, clipping) `gigatron.parallel.zero.ZeroConfig`, the data's
+`gigatron.datasets.GPTDataConfig`. What only a training run needs lives here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 
 @dataclass(frozen=True)
@@ -20,40 +22,11 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
-    zero_stage: int = 0
-    ddp_bucket_size: Optional[int] = None
-    grad_reduce_in_bf16: bool = False
-    optimizer_cpu_offload: bool = False
     distributed_timeout_minutes: float = 10.0
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Optimizer, mixed precision, loss scaling (DeepSpeed's knobs) and clipping."""
-
-    optimizer: str = "adam"  # Megatron's 'adam' is AdamW (decoupled weight decay)
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.9
-    clip_grad: float = 1.0
-    fp16: bool = False
-    bf16: bool = False
-    loss_scale: Optional[float] = None  # static scale when set (fp16)
-    initial_loss_scale: float = 2.0 ** 16
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-
-    @property
-    def params_dtype(self) -> str:
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
 
 @dataclass(frozen=True)
@@ -71,28 +44,6 @@ class LRScheduleConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    """Where samples come from (the data flags of Megatron) and how they are tokenized."""
-
-    data_path: Optional[List[str]] = None
-    split: str = "969,30,1"
-    train_data_path: Optional[List[str]] = None
-    valid_data_path: Optional[List[str]] = None
-    test_data_path: Optional[List[str]] = None
-    mock_data: bool = False
-    data_cache_path: Optional[str] = None
-    tokenizer_type: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    vocab_size: Optional[int] = None
-    eod_mask_loss: bool = False
-    num_workers: int = 0
-    seq_length: int = 1024
-    seed: int = 1234
-
-
-@dataclass(frozen=True)
 class TrainConfig:
     """The loop: iterations, batches, evaluation cadence and exit conditions."""
 
@@ -106,6 +57,7 @@ class TrainConfig:
     skip_test: bool = False
     exit_interval: Optional[int] = None
     exit_signal_handler: bool = False
+    num_workers: int = 0  # data-loader worker processes per rank
 
 
 @dataclass(frozen=True)
@@ -142,9 +94,9 @@ class RunConfig:
     model: Any  # gigatron.models.config.TransformerConfig
     model_name: Optional[str]
     parallel: ParallelConfig
-    optimizer: OptimizerConfig
+    zero: Any  # gigatron.parallel.zero.ZeroConfig: stage, optimizer, loss scaling, clipping
     lr_schedule: LRScheduleConfig
-    data: DataConfig
+    data: Any  # gigatron.datasets.GPTDataConfig (eod and vocab filled from the tokenizer)
     train: TrainConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig

@@ -70,10 +70,15 @@ def flops_per_token(config, tp: int = 1) -> float:
         12.0 * config.num_layers * config.hidden_size * config.seq_length
 
 
-def device_peak_tflops(device: torch.device, dtype: str) -> Optional[float]:
-    """The table's peak for this device and dtype ('bf16'|'fp16'|'fp32'); None if unknown."""
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def device_peak_tflops(device: torch.device, dtype) -> Optional[float]:
+    """The table's peak for this device and params dtype (torch dtype or 'bf16'|'fp16'|
+    'fp32'); None if unknown."""
     if device.type != "cuda":
         return None
+    dtype = _DTYPE_NAMES.get(dtype, dtype)
     name = torch.cuda.get_device_name(device)
     for key, peaks in PEAK_TFLOPS:
         if key in name:

@@ -75,7 +75,7 @@ def save(run: RunConfig, groups, progress: TrainProgress, chunks, zero,
         state["optimizer"] = zero.state_dict()
     if not run.checkpoint.no_save_rng:
         state["rng"] = rng_state(chunks, device)
-    meta = {**layout(run, len(chunks)), "zero_stage": run.parallel.zero_stage,
+    meta = {**layout(run, len(chunks)), "zero_stage": run.zero.zero_stage,
             "world_size": run.parallel.world_size, "consumed_train_samples":
             progress.consumed_train_samples, "model_name": run.model_name,
             "flags": run.flags}
@@ -113,9 +113,9 @@ def restore_training_state(run: RunConfig, shard: Optional[Dict[str, Any]], chun
     if shard is None or ck.finetune:
         return TrainProgress()
     if not ck.no_load_optim:
-        if shard["_zero_stage"] != run.parallel.zero_stage:
+        if shard["_zero_stage"] != run.zero.zero_stage:
             raise ValueError(f"{shard['_folder']} was saved with --zero-stage "
-                             f"{shard['_zero_stage']}, this run has {run.parallel.zero_stage}: "
+                             f"{shard['_zero_stage']}, this run has {run.zero.zero_stage}: "
                              f"use the saved stage, or --no-load-optim to keep only the weights")
         if "optimizer" not in shard:
             raise ValueError(f"{shard['_folder']} holds no optimizer state (saved with "
