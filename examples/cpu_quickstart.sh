@@ -12,7 +12,7 @@ ITERS=${ITERS:-120}
 STDLIB=$(python -c "import os; print(os.path.dirname(os.__file__))")
 rm -rf "$OUT"
 mkdir -p "$OUT"
-export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore::FutureWarning
+export OMP_NUM_THREADS=1
 
 echo "== [1/3] SentencePiece tokenizer (vocab 4000) on $STDLIB/*.py"
 python tools/train_tokenizer.py --input "$STDLIB"/*.py --model-prefix "$OUT/spm" \
