@@ -41,6 +41,9 @@ import json, math, sys
 records = [json.loads(line) for line in open(sys.argv[1])]
 train = [r for r in records if r["type"] == "train"]
 valid = [r for r in records if r["type"] == "eval" and r["split"] == "valid"]
+if len(valid) < 2:
+    sys.exit(f"only {len(valid)} validation result(s) in {sys.argv[1]}: set ITERS to 40 or "
+             f"more (validation runs every 20 iterations) to see the loss fall")
 first, last = valid[0], valid[-1]
 print(f"\nvalidation loss fell from {first['lm loss']:.3f} (iteration {first['iteration']}) to "
       f"{last['lm loss']:.3f} (iteration {last['iteration']}); an untrained model scores "
