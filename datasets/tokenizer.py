@@ -3,6 +3,7 @@ tokenize/detokenize. BPE and HuggingFace tokenizers run on the `tokenizers` libr
 SentencePiece on `sentencepiece`."""
 from __future__ import annotations
 
+import abc
 import json
 import os
 from typing import List, Optional, Sequence
@@ -11,27 +12,31 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTok
                    "NullTokenizer")
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
     """The interface preprocessing and training rely on."""
 
     name = "abstract"
 
     @property
+    @abc.abstractmethod
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        """Number of ids the model's embedding must cover."""
 
     @property
+    @abc.abstractmethod
     def eod(self) -> int:
-        raise NotImplementedError
+        """The end-of-document id appended by --append-eod."""
 
+    @abc.abstractmethod
     def tokenize(self, text: str) -> List[int]:
-        raise NotImplementedError
+        """Text to ids."""
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         return [self.tokenize(t) for t in texts]
 
+    @abc.abstractmethod
     def detokenize(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
+        """Ids back to text."""
 
 
 def _require_file(path: Optional[str], flag: str, tokenizer_type: str) -> str:
