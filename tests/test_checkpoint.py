@@ -82,6 +82,17 @@ def test_resaving_an_iteration_replaces_it(tmp_path):
     assert sorted(os.listdir(root)) == ["iter_0000005", files.TRACKER]
 
 
+def test_crash_while_resaving_an_iteration_keeps_its_old_copy(tmp_path):
+    root = str(tmp_path)
+    files.save_checkpoint(root, 5, {"x": 1.0}, COORDS, META, lambda: None, True)
+    final = files.iteration_dir(root, 5)
+    # the state a kill leaves between "move the old copy aside" and "publish the new one"
+    os.replace(final, f"{final}.old.4242")
+    iteration, folder = files.find_checkpoint(root)
+    assert (iteration, folder) == (5, final)
+    assert files.read_shard(files.rank_file(folder, COORDS))["x"] == 1.0
+
+
 def test_no_tracker_means_no_checkpoint(tmp_path):
     assert files.find_checkpoint(str(tmp_path)) == (None, None)
 

@@ -11,6 +11,7 @@ any point leaves the tracker naming the previous, complete checkpoint.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -162,6 +163,12 @@ def find_checkpoint(root: str) -> Tuple[Optional[int], Optional[str]]:
         return None, None
     folder = iteration_dir(root, iteration)
     if not os.path.isdir(folder):
+        # a crash while re-saving this iteration, between moving the old copy aside and
+        # publishing the new one: the old copy is complete
+        aside = sorted(glob.glob(f"{folder}.old.*"))
+        if aside:
+            os.replace(aside[-1], folder)
+            return iteration, folder
         raise ValueError(f"{os.path.join(root, TRACKER)} names iteration {iteration} but "
                          f"{folder} does not exist")
     return iteration, folder
