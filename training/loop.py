@@ -55,8 +55,8 @@ class StepOutcome:
 class ExitSignal:
     """SIGTERM sets a flag; every rank learns at the same iteration if any rank got it."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled, self.received = enabled, False
+    def __init__(self, enabled: bool, device: torch.device) -> None:
+        self.enabled, self.received, self.device = enabled, False, device
         if enabled:
             signal.signal(signal.SIGTERM, self._handle)
 
@@ -66,17 +66,16 @@ class ExitSignal:
     def any_rank(self) -> bool:
         if not self.enabled:
             return False
-        return comm.all_reduce_scalar(float(self.received), op=comm.ReduceOp.MAX) > 0
+        return comm.all_reduce_scalar(float(self.received), op=comm.ReduceOp.MAX,
+                                      device=self.device) > 0
 
 
 def _global_mean(local: Optional[float], s: Session) -> float:
-    """The step's loss on every rank: last-stage values averaged over dp, sent along pp."""
+    """The step's loss on every rank: last-stage values averaged over dp, sent along pp.
+    The reductions run on the session's device: NCCL takes no CPU tensors."""
     value = local if s.pipeline.needs_labels and local is not None else 0.0
-    t = torch.tensor([value], dtype=torch.float64)
-    comm.all_reduce(t, group=s.groups.dp)
-    t /= s.run.parallel.dp
-    comm.all_reduce(t, group=s.groups.pp)
-    return t.item()
+    mean = comm.all_reduce_scalar(value, group=s.groups.dp, device=s.device) / s.run.parallel.dp
+    return comm.all_reduce_scalar(mean, group=s.groups.pp, device=s.device)
 
 
 def _next_batches(it: Iterator[dict], n: int, timers: Optional[Timers] = None) -> List[dict]:
@@ -154,7 +153,8 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
     tokens = n * t.global_batch_size * s.run.model.seq_length
     rates = throughput(tokens, elapsed, s.flops_per_token, s.run.parallel.world_size,
                        s.peak_tflops)
-    memory = comm.all_reduce_scalar(peak_memory_bytes(s.device), op=comm.ReduceOp.MAX)
+    memory = comm.all_reduce_scalar(peak_memory_bytes(s.device), op=comm.ReduceOp.MAX,
+                                    device=s.device)
     phases = s.timers.reset()
     accounted = sum(phases.values())
     record = {
@@ -199,7 +199,7 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
     t, ck = s.run.train, s.run.checkpoint
     it = micro_batches(s.run, s.datasets[0], progress.consumed_train_samples,
                        s.groups.index("dp"), s.device, s.pipeline)
-    exit_signal = ExitSignal(t.exit_signal_handler)
+    exit_signal = ExitSignal(t.exit_signal_handler, s.device)
     interval = _Interval()
     while progress.iteration < t.train_iters:
         outcome = train_step(s, _next_batches(it, t.num_microbatches, s.timers), progress)
