@@ -163,6 +163,21 @@ def test_missing_required_flag_is_named(argv, message):
         parse_args(argv.split(), 1)
 
 
+def test_missing_data_files_are_named_before_launch(tmp_path):
+    base = ("--micro-batch-size 2 --train-iters 1 --lr 1 --num-layers 1 --hidden-size 8 "
+            "--num-attention-heads 2 --seq-length 8 --tokenizer-type NullTokenizer "
+            "--vocab-size 10 ").split()
+    with pytest.raises(ValueError, match=r"--data-path nope: nope.idx does not exist "
+                                         r"\(the prefix tools/preprocess_data.py wrote"):
+        parse_args(base + ["--data-path", "nope"], 1)
+    (tmp_path / "a.idx").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"--data-path \S*/a: \S*/a.bin does not exist"):
+        parse_args(base + ["--data-path", "0.5", str(tmp_path / "a"), "0.5", "b"], 1)
+    with pytest.raises(ValueError, match=r"x.bin.idx does not exist \(give the prefix "
+                                         r"without .bin/.idx\)"):
+        parse_args(base + ["--train-data-path", "x.bin"], 1)
+
+
 def test_parse_flags_rejects_abbreviations():
     with pytest.raises(ValueError, match="unknown flag"):
         parse_flags(["--num-lay", "2"])

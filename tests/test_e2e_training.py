@@ -8,6 +8,7 @@ at iteration 6 and resumed to 10 logs the uninterrupted run's losses bit for bit
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -49,12 +50,22 @@ def base_flags(prefix: str) -> list:
 
 
 def launch(ranks: int, flags: list, timeout: int = 240) -> str:
+    """torchrun the program; a hang fails within `timeout` s and kills every worker rank."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={ranks}", PROGRAM] + flags
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+    # its own session, so a timeout can kill torchrun AND the ranks it started
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {timeout} s (a rank hung?):\n"
+                    f"{out[-2000:]}{err[-4000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-5000:]
+    return out
 
 
 def train_losses(metrics_file: str) -> dict:

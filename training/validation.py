@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any, Dict, Optional, Tuple
 
 from gigatron.training.config import LRScheduleConfig, ParallelConfig
@@ -136,6 +137,14 @@ def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[
 
 def microbatches(flags: argparse.Namespace, dp: int) -> Tuple[int, int, int]:
     """(micro batch, global batch, micro-batches per step); gbs defaults to mbs x dp."""
+    grad_acc = getattr(flags, "gradient_accumulation_steps", None)  # --deepspeed-config only
+    if grad_acc is not None:
+        from gigatron.training.deepspeed_config import deepspeed_batch_sizes
+
+        _positive(flags, "micro_batch_size", "global_batch_size")
+        mbs, gbs = deepspeed_batch_sizes(flags.global_batch_size, flags.micro_batch_size,
+                                         grad_acc, dp)
+        return mbs, gbs, grad_acc
     if flags.micro_batch_size is None:
         raise ValueError("--micro-batch-size is required")
     _positive(flags, "micro_batch_size", "global_batch_size")
@@ -243,6 +252,22 @@ def check_data(flags: argparse.Namespace) -> None:
     missing = [_flag(d) for d in needs[flags.tokenizer_type] if getattr(flags, d) is None]
     if missing:
         raise ValueError(f"--tokenizer-type {flags.tokenizer_type} needs {', '.join(missing)}")
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        _check_prefixes(_flag(flag), getattr(flags, flag))
+
+
+def _check_prefixes(flag: str, values) -> None:
+    """Each dataset prefix names an existing .bin/.idx pair (weights come before prefixes)."""
+    if not values:
+        return
+    prefixes = values[1::2] if len(values) > 1 else values
+    for prefix in prefixes:
+        for ext in (".idx", ".bin"):
+            if not os.path.isfile(prefix + ext):
+                hint = " (give the prefix without .bin/.idx)" if \
+                    prefix.endswith((".bin", ".idx")) else \
+                    " (the prefix tools/preprocess_data.py wrote, e.g. data/corpus_text_document)"
+                raise ValueError(f"{flag} {prefix}: {prefix + ext} does not exist{hint}")
 
 
 def _check_split(split: str) -> None:
