@@ -115,7 +115,12 @@ def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
     if not dist.is_initialized():
         init_method = "env://" if launch.launcher == "torchrun" else \
             f"tcp://{launch.master_addr}:{launch.master_port}"
+        # Binding the device makes NCCL build every communicator eagerly (subgroups by
+        # ncclCommSplit, inside new_group, with all members present). Lazily, a group's first
+        # batched isend/irecv must involve all its ranks (torch leaves it undefined
+        # otherwise), and a pipeline batch pairs two stages only.
+        bind = {"device_id": device} if device.type != "cpu" else {}
         dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
                                 world_size=launch.world_size,
-                                timeout=timedelta(minutes=timeout_minutes))
+                                timeout=timedelta(minutes=timeout_minutes), **bind)
     return launch, device

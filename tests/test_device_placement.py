@@ -38,3 +38,23 @@ def test_training_loop_scalar_reductions_run_on_the_session_device(monkeypatch):
     loop._log(s, loop.TrainProgress(iteration=1), outcome, interval)
     assert len(records) == 1
     assert len(devices) == 4 and all(d == FAKE_DEVICE for d in devices), devices
+
+
+def _init_distributed_kwargs(monkeypatch, device, backend):
+    import torch.distributed as dist
+    from gigatron.parallel import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "device_and_backend", lambda local_rank: (device, backend))
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: calls.append((a, kw)))
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    assert launch.init_distributed(env=env)[1] == device
+    return calls[0][1]
+
+
+def test_init_distributed_binds_the_gpu_so_nccl_communicators_start_eagerly(monkeypatch):
+    gpu = torch.device("cuda", 1)
+    assert _init_distributed_kwargs(monkeypatch, gpu, "nccl")["device_id"] == gpu
+    assert "device_id" not in _init_distributed_kwargs(monkeypatch, torch.device("cpu"), "gloo")
