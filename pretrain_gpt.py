@@ -9,7 +9,8 @@
         --save ckpt --metrics-file ckpt/metrics.jsonl
 
 Flags are validated together before any process group exists: a bad combination exits
-with one line naming the flags. `--model NAME` starts from a zoo config.
+with one line naming the flags. `--model NAME` starts from a zoo config;
+`--deepspeed-config ds.json` reads a DeepSpeed JSON config into the same flags.
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ from gigatron.datasets.builder import GPTDataConfig
 from gigatron.parallel.zero.config import ZeroConfig
 from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelConfig,
                                       RunConfig, TrainConfig)
+from gigatron.training.deepspeed_config import (CONFIG_ONLY_DESTS, apply_deepspeed_config,
+                                                load_deepspeed_config)
 from gigatron.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from gigatron.training.validation import (build_lr_schedule, build_model_config,
                                           check_checkpointing, check_data, check_logging,
@@ -74,6 +76,11 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--optimizer-cpu-offload", action="store_true")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config",
+                   metavar="PATH", help="a DeepSpeed JSON config (batch sizes, zero_optimization,"
+                   " fp16/bf16, optimizer, gradient_clipping, steps_per_print): fills flags not "
+                   "given; a flag that disagrees with it, or an unsupported key, is an error")
+    p.set_defaults(**CONFIG_ONLY_DESTS)  # namespace entries only a DeepSpeed config sets
 
 
 def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
@@ -173,7 +180,22 @@ def parse_flags(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         close = difflib.get_close_matches(first.split("=")[0], known, n=1)
         hint = f"; did you mean {close[0]}?" if close else "; see pretrain_gpt.py --help"
         raise ValueError(f"unknown flag(s) {' '.join(unknown)}{hint}")
+    if flags.deepspeed_config is not None:
+        ds = load_deepspeed_config(flags.deepspeed_config)
+        try:
+            flags = apply_deepspeed_config(ds, flags, _explicit_dests(argv))
+        except ValueError as err:
+            raise ValueError(f"--deepspeed-config {flags.deepspeed_config}: {err}") from None
     return flags
+
+
+def _explicit_dests(argv: Optional[Sequence[str]]) -> set:
+    """The dests of the flags given on the command line (not left at their defaults)."""
+    parser = make_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given, _ = parser.parse_known_args(argv)
+    return set(vars(given)) - set(CONFIG_ONLY_DESTS)
 
 
 def build_run_config(flags: argparse.Namespace, world_size: int,
@@ -239,6 +261,9 @@ def zero_config(flags: argparse.Namespace) -> ZeroConfig:
               offload_optimizer="cpu" if flags.optimizer_cpu_offload else "none")
     if flags.ddp_bucket_size is not None:
         kw["reduce_bucket_size"] = flags.ddp_bucket_size
+    for dest in ("overlap_comm", "consecutive_hysteresis"):  # set by --deepspeed-config only
+        if getattr(flags, dest, None) is not None:
+            kw[dest] = getattr(flags, dest)
     return ZeroConfig(**kw)
 
 

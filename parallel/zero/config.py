@@ -102,27 +102,64 @@ class ZeroConfig:
     def from_deepspeed(cls, ds: dict, **overrides) -> "ZeroConfig":
         """Read the `zero_optimization`, `fp16` and `gradient_clipping` parts of a DeepSpeed
         JSON config; unknown keys in those sections are errors."""
-        zero, fp16 = dict(ds.get("zero_optimization", {})), dict(ds.get("fp16", {}))
-        kw: dict = {}
-        mapping = {"stage": "zero_stage", "reduce_bucket_size": "reduce_bucket_size",
-                   "overlap_comm": "overlap_comm"}
-        offload = zero.pop("offload_optimizer", None)
-        if offload is not None:
-            kw["offload_optimizer"] = offload.get("device", "none")
-        for key, value in zero.items():
-            if key not in mapping:
-                raise ValueError(f"zero_optimization.{key} is not supported; known keys: "
-                                 f"{sorted(mapping) + ['offload_optimizer']}")
-            kw[mapping[key]] = value
-        fp16.pop("enabled", None)
-        fp16_keys = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                     "consecutive_hysteresis", "min_loss_scale")
-        for key, value in fp16.items():
-            if key not in fp16_keys:
-                raise ValueError(f"fp16.{key} is not supported; known keys: {fp16_keys}")
-            kw[key] = value
-        if "gradient_clipping" in ds:
-            kw["clip_grad"] = float(ds["gradient_clipping"])
+        kw = {field: value for field, (_, value) in deepspeed_fields(ds).items()}
         kw.update(overrides)
         return cls(**kw)
 
+
+# DeepSpeed JSON key -> ZeroConfig field: the ONE mapping of these sections (pretrain_gpt.py's
+# --deepspeed-config reads them through deepspeed_fields too).
+DEEPSPEED_ZERO_KEYS = {"stage": "zero_stage", "reduce_bucket_size": "reduce_bucket_size",
+                       "overlap_comm": "overlap_comm", "offload_optimizer": "offload_optimizer"}
+DEEPSPEED_FP16_KEYS = {key: key for key in (
+    "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+    "consecutive_hysteresis", "min_loss_scale")}
+_OFFLOAD_KEYS = ("device", "pin_memory")
+
+
+def _section(ds: dict, name: str) -> dict:
+    section = ds.get(name, {})
+    if not isinstance(section, dict):
+        raise ValueError(f"{name} must be a JSON object, got {section!r}")
+    return section
+
+
+def _offload_device(offload) -> str:
+    """offload_optimizer {device, pin_memory} -> 'cpu' or 'none'."""
+    if not isinstance(offload, dict):
+        raise ValueError(f"zero_optimization.offload_optimizer must be a JSON object like "
+                         f'{{"device": "cpu"}}, got {offload!r}')
+    for key in offload:
+        if key not in _OFFLOAD_KEYS:
+            raise ValueError(f"zero_optimization.offload_optimizer.{key} is not supported; "
+                             f"known keys: {list(_OFFLOAD_KEYS)}")
+    if offload.get("pin_memory", True) is not True:
+        raise ValueError("zero_optimization.offload_optimizer.pin_memory false is not "
+                         "supported: offloaded state is always pinned on CUDA (set it to true "
+                         "or drop it)")
+    return offload.get("device", "none")
+
+
+def deepspeed_fields(ds: dict) -> dict:
+    """ZeroConfig field -> (DeepSpeed key, value) for the `zero_optimization`, `fp16` (all but
+    `enabled`) and `gradient_clipping` entries present in `ds`; unknown keys are errors."""
+    out: dict = {}
+    for key, value in _section(ds, "zero_optimization").items():
+        if key not in DEEPSPEED_ZERO_KEYS:
+            raise ValueError(f"zero_optimization.{key} is not supported; known keys: "
+                             f"{sorted(DEEPSPEED_ZERO_KEYS)}")
+        if key == "offload_optimizer":
+            value = _offload_device(value)
+        elif key == "reduce_bucket_size" and isinstance(value, float) and value.is_integer():
+            value = int(value)  # DeepSpeed configs often write 5e8
+        out[DEEPSPEED_ZERO_KEYS[key]] = (f"zero_optimization.{key}", value)
+    for key, value in _section(ds, "fp16").items():
+        if key == "enabled":
+            continue
+        if key not in DEEPSPEED_FP16_KEYS:
+            raise ValueError(f"fp16.{key} is not supported; known keys: "
+                             f"{['enabled'] + list(DEEPSPEED_FP16_KEYS)}")
+        out[DEEPSPEED_FP16_KEYS[key]] = (f"fp16.{key}", value)
+    if "gradient_clipping" in ds:
+        out["clip_grad"] = ("gradient_clipping", float(ds["gradient_clipping"]))
+    return out
