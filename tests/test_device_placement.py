@@ -58,3 +58,21 @@ def test_init_distributed_binds_the_gpu_so_nccl_communicators_start_eagerly(monk
     gpu = torch.device("cuda", 1)
     assert _init_distributed_kwargs(monkeypatch, gpu, "nccl")["device_id"] == gpu
     assert "device_id" not in _init_distributed_kwargs(monkeypatch, torch.device("cpu"), "gloo")
+
+
+def test_tracker_rng_saved_on_one_gpu_index_resumes_on_another():
+    from gigatron.parallel.tensor.random import MODEL_PARALLEL_RNG, TensorParallelRNGTracker
+    from gigatron.training.state import restore_rng, rng_state
+
+    tracker = TensorParallelRNGTracker()
+    tracker.add(MODEL_PARALLEL_RNG, 7)
+    with tracker.fork(torch.device("cpu")):
+        torch.rand(3)  # advance the stream so a reseeded one would differ
+    saved = rng_state([SimpleNamespace(rng_tracker=tracker)], torch.device("cpu"))
+    state = tracker.get_states()[(MODEL_PARALLEL_RNG, "cpu")]
+    saved["tracker"] = [[[MODEL_PARALLEL_RNG, "cuda:5", state]]]  # as saved by a rank on GPU 5
+    resumed = TensorParallelRNGTracker()
+    resumed.add(MODEL_PARALLEL_RNG, 7)
+    restore_rng(saved, [SimpleNamespace(rng_tracker=resumed)], torch.device("cuda", 1))
+    assert list(resumed.get_states()) == [(MODEL_PARALLEL_RNG, "cuda:1")]
+    assert torch.equal(resumed.get_states()[(MODEL_PARALLEL_RNG, "cuda:1")], state)

@@ -53,7 +53,16 @@ def restore_rng(state: Dict[str, Any], chunks: List[torch.nn.Module],
     if device.type != "cpu" and "accelerator" in state:
         set_rng_state(state["accelerator"], device)
     for chunk, saved in zip(chunks, state["tracker"]):
-        chunk.rng_tracker.set_states({(name, dev): s for name, dev, s in saved})
+        chunk.rng_tracker.set_states({(name, _this_device(dev, device)): s
+                                      for name, dev, s in saved})
+
+
+def _this_device(saved: str, device: torch.device) -> str:
+    """A tracker stream saved on another GPU index continues on this rank's GPU (a resumed
+    rank may sit on another local GPU; an unmatched key would silently reseed the stream)."""
+    if device.index is not None and torch.device(saved).type == device.type:
+        return str(device)
+    return saved
 
 
 def layout(run: RunConfig, num_chunks: int) -> Dict[str, int]:
