@@ -254,3 +254,17 @@ def test_cuda_offloaded_stage1_matches_torch_adamw_on_gpu():
         zero.backward(model(tokens, labels).mean())
         zero.step()
     assert_matches(dict(model.named_parameters()), dict(ref.named_parameters()), what="cuda")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stage2_3_accumulation_keeps_one_reduction_per_bucket_in_flight(stage):
+    """Stages 2-3 reduce every micro-batch; an in-flight reduction holds its full bucket
+    (NCCL keeps an async op's tensors until waited on), so at most one per bucket may be
+    pending or memory grows with the number of micro-batches."""
+    model = TinyLM()
+    zero = build_zero(model, ZeroConfig(zero_stage=stage, reduce_bucket_size=BUCKET))
+    buckets = sum(len(g.buckets) for g in zero.groups)
+    (tokens, labels), = batches(1, 8)
+    for i in range(4):
+        zero.backward(model(tokens[2 * i:2 * i + 2], labels[2 * i:2 * i + 2]).mean())
+        assert len(zero.grad_sync._inflight) <= buckets

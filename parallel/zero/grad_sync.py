@@ -78,9 +78,24 @@ class GradSync:
                 b.pending = len(b.param_indices)
 
     def _launch(self, group: FlatGroup, b: Bucket) -> None:
-        self._inflight.append(group.start_reduce(b))
+        if self.stage >= 2:
+            self._retire(b)
+        self._inflight.append((b, *group.start_reduce(b)))
         b.launched_this_step = True
         self._reset_bucket(b)
+
+    def _retire(self, b: Bucket) -> None:
+        """Finish the bucket's earlier reductions (stages 2-3 reduce every micro-batch): one
+        in flight per bucket, else each micro-batch's buffers live until finish_sync (NCCL
+        keeps an async op's tensors until it is waited on)."""
+        keep = []
+        for entry in self._inflight:
+            if entry[0] is b:
+                entry[1].wait()
+                entry[2]()
+            else:
+                keep.append(entry)
+        self._inflight = keep
 
     def finish_sync(self) -> None:
         """Reduce what backward left (unused params, no overlap), wait for every reduction,
@@ -89,7 +104,7 @@ class GradSync:
             for b in group.buckets:
                 if b.dirty or not b.launched_this_step:
                     self._launch(group, b)
-        for handle, finish in self._inflight:
+        for _, handle, finish in self._inflight:
             handle.wait()
             finish()
         self._inflight.clear()
