@@ -1,6 +1,7 @@
 """ZeRO stage 3: parameters live as dp shards and are gathered per layer just in time.
 
-A *unit* is one child of an nn.ModuleList / nn.Sequential (a transformer layer); the
+A *unit* is one child of an nn.ModuleList / nn.Sequential / nn.ModuleDict (a transformer
+layer: GPTModel keeps its layers in a ModuleDict keyed by global layer number); the
 parameters not inside any such child (embeddings, final norm, output layer, tied weights)
 form the root unit, gathered for the model's whole forward and again for its backward.
 A unit is all-gathered before its forward (the next unit's gather is prefetched), freed
@@ -17,6 +18,8 @@ from torch import nn
 
 from gigatron.parallel import comm
 
+LAYER_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
 
 def find_units(model: nn.Module) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
     """Split the trainable parameters into gather units: layer-list children, then the root."""
@@ -25,7 +28,7 @@ def find_units(model: nn.Module) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            if isinstance(child, LAYER_CONTAINERS):
                 for layer in child.children():
                     params = [p for p in layer.parameters() if p.requires_grad and
                               id(p) not in seen]
@@ -35,7 +38,7 @@ def find_units(model: nn.Module) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
             else:
                 visit(child)
 
-    if isinstance(model, (nn.ModuleList, nn.Sequential)):
+    if isinstance(model, LAYER_CONTAINERS):
         visit(nn.ModuleDict({"layers": model}))
     else:
         visit(model)
@@ -111,7 +114,9 @@ class ParamGatherer:
             self._order.append(u)
         self._ensure(u)
         nxt = self._neighbour(u, +1)
-        if nxt is not None:
+        # A forward inside backward is activation recomputation: the next unit's backward
+        # has already run, so prefetching it would gather it again for nothing.
+        if nxt is not None and torch._C._current_graph_task_id() == -1:
             self._gather(nxt)
 
     def _after_forward(self, u: _Unit, out) -> None:
