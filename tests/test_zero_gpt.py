@@ -10,7 +10,9 @@ lr-sized random steps on any layout, single device included.
 """
 import contextlib
 
+import pytest
 import torch
+import torch.utils.checkpoint
 
 from multirank import run_on_ranks
 from zero_models import torch_param_groups
@@ -85,11 +87,13 @@ def test_tp2_dp2_all_stages_match_single_device_adamw():
                 assert err <= RTOL, f"rank {r} (stage, accum, sp)={case} {name}: {err:.3g}"
 
 
-def test_stage3_gathers_gpt_layer_by_layer_also_under_recomputation():
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_stage3_gathers_gpt_layer_by_layer_also_under_recomputation(early_stop):
     """Every decoder layer is its own stage-3 unit (+ one root unit), gathered once in forward
-    and once in backward: recomputation must not re-gather layers whose backward is done,
-    and nothing stays gathered after backward. Grads equal the run without recomputation
-    exactly (one process, same kernels)."""
+    and once in backward: recomputation must not re-gather layers whose backward is done
+    nor free the layer it recomputes (without torch's checkpoint early stop the recomputed
+    forward runs to its end), and nothing stays gathered after backward. Grads equal the
+    run without recomputation exactly (one process, same kernels)."""
     tokens, labels = gpt_batches(1, batch=4)[0]
     grads = []
     for recompute in ({}, dict(recompute_granularity="full", recompute_method="uniform",
@@ -105,7 +109,8 @@ def test_stage3_gathers_gpt_layer_by_layer_also_under_recomputation():
         gatherer._gather = lambda u: (gathered.append(u) if u.state == "free" else None,
                                       real_gather(u))
         zero.zero_grad()
-        zero.backward(model(input_ids=tokens, labels=labels).mean())
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            zero.backward(model(input_ids=tokens, labels=labels).mean())
         assert all(u.state == "free" for u in gatherer.units)
         assert sorted(gathered.count(u) for u in gatherer.units) == [2] * 4
         zero.finish_sync()

@@ -114,12 +114,13 @@ class ParamGatherer:
             self._order.append(u)
         self._ensure(u)
         nxt = self._neighbour(u, +1)
-        # A forward inside backward is activation recomputation: the next unit's backward
-        # has already run, so prefetching it would gather it again for nothing.
-        if nxt is not None and torch._C._current_graph_task_id() == -1:
+        # The next unit's backward has already run when this forward is a recomputation.
+        if nxt is not None and not _in_backward():
             self._gather(nxt)
 
     def _after_forward(self, u: _Unit, out) -> None:
+        if _in_backward():  # a recomputation: its backward reads the parameters next
+            return  # (on_param_grad frees them)
         if torch.is_grad_enabled():
             for t in _tensors(out):
                 if t.requires_grad:
@@ -160,6 +161,12 @@ class ParamGatherer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (a forward now is activation
+    recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(out) -> Iterator[torch.Tensor]:
