@@ -96,6 +96,17 @@ def device_and_backend(local_rank: int = 0):
     return torch.device("cpu"), "gloo"
 
 
+def current_device():
+    """The device this process computes on: the accelerator `init_distributed` selected
+    (torch's current device index), else the CPU."""
+    import torch
+
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
 def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
                      env: Optional[Mapping[str, str]] = None) -> Tuple[LaunchEnv, object]:
     """Join the job's default process group; returns (launch env, device).

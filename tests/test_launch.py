@@ -75,3 +75,12 @@ def test_cpu_machine_uses_gloo():
         assert (device.type, backend) == ("cpu", "gloo")
     else:
         assert (device.type, backend) == ("cuda", "nccl")
+
+
+def test_current_device_is_cpu_without_accelerator():
+    import torch
+    from gigatron.parallel.launch import current_device
+    if not torch.accelerator.is_available():
+        assert current_device() == torch.device("cpu")
+    else:
+        assert current_device().index == torch.accelerator.current_device_index()

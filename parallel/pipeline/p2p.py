@@ -44,11 +44,13 @@ class PipelineP2P:
     def for_config(cls, config, micro_batch_size: int, pp_group=None, tp_size: int = 1,
                    device: Optional[torch.device] = None,
                    dtype: Optional[torch.dtype] = None) -> "PipelineP2P":
-        """Buffers shaped from a TransformerConfig; dtype defaults to its params_dtype."""
+        """Buffers shaped from a TransformerConfig; dtype defaults to its params_dtype,
+        device to the one this process computes on."""
+        from gigatron.parallel.launch import current_device
+
         shape = p2p_tensor_shape(config.seq_length, micro_batch_size, config.hidden_size,
                                  tp_size, bool(config.sequence_parallel) and tp_size > 1)
-        return cls(shape, dtype or config.params_dtype, device or torch.device("cpu"),
-                   pp_group)
+        return cls(shape, dtype or config.params_dtype, device or current_device(), pp_group)
 
     def _check(self, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype:
