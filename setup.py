@@ -54,7 +54,8 @@ setup(
     package_dir=package_dir,
     install_requires=["torch>=2.4", "numpy", "einops", "sentencepiece", "tokenizers"],
     extras_require={
-        "test": ["pytest>=7", "tokenizers", "safetensors"],
+        # the tests cover every optional path, so they need the optional packages too
+        "test": ["pytest>=7", "safetensors", "tensorboard"],
         "monitor": ["tensorboard"],
     },
     **_cuda_extension(),
