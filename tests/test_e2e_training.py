@@ -91,9 +91,9 @@ def reference(corpus, tmp_path_factory):
     return losses
 
 
-# (tp, pp, dp, zero stage): every layout of the issue, zero stages 0-3 spread over them
-# (stage 3 needs pp = 1: ZeRO refuses it under pipelining).
-LAYOUTS = [(2, 1, 1, 3), (1, 2, 1, 1), (1, 1, 2, 3), (2, 2, 2, 2)]
+# (tp, pp, dp, zero stage): every layout of the issue, and every zero stage where it really
+# shards, i.e. with dp = 2 (stage 3 needs pp = 1: ZeRO refuses it under pipelining).
+LAYOUTS = [(2, 1, 1, 0), (1, 2, 1, 0), (1, 1, 2, 0), (1, 1, 2, 1), (1, 1, 2, 3), (2, 2, 2, 2)]
 FULL_3D = LAYOUTS[-1]
 
 
