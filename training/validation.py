@@ -41,16 +41,14 @@ def _positive(flags: argparse.Namespace, *dests: str) -> None:
 
 
 def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
-    """dp = world / (tp x pp), as Megatron derives it from the launch size."""
+    """dp = world / (tp x pp), as Megatron derives it from the launch size (the topology's
+    rule and message)."""
+    from gigatron.parallel.topology import Topology
+
     for dest, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if size < 1:
             raise ValueError(f"{_flag(dest)} must be >= 1, got {size}")
-    if world_size % (tp * pp):
-        raise ValueError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp}: launch a multiple of {tp * pp} "
-            f"ranks or change the parallel sizes")
-    return world_size // (tp * pp)
+    return Topology.from_world_size(world_size, tp=tp, pp=pp).dp
 
 
 def check_parallel(flags: argparse.Namespace, tp: int, pp: int) -> None:
