@@ -10,7 +10,7 @@ AdamW for `--steps` timed steps (after one warm-up step) at each ZeRO stage. Per
 reports the bytes `gigatron.parallel.zero.measure_memory` counts (params, fp32 grads, fp32
 master weights, Adam moments; activations are not counted) after the step, next to
 `zero_memory_formula`, and the bytes the step sent in dp collectives (`comm.stats`, ring
-convention) next to `zero_comm_bytes_formula` with fp32 elements (gradients travel in fp32).
+convention) next to `zero_comm_bytes_formula` (gradients travel in fp32, parameters in their dtype).
 Step time is the median over the timed steps on rank 0: on CPU/gloo with ranks sharing
 cores it is only indicative.
 """
@@ -95,7 +95,8 @@ def table(res: dict, args: argparse.Namespace) -> str:
             r = res[(dtype, stage)]
             m = r["memory"]
             f = zero_memory_formula(r["numel"], args.dp, stage, param_bytes=PARAM_BYTES[dtype])
-            cf = zero_comm_bytes_formula(r["numel"], args.dp, stage, element_bytes=4)
+            cf = zero_comm_bytes_formula(r["numel"], args.dp, stage, grad_bytes=4,
+                                         param_bytes=PARAM_BYTES[dtype])
             parts = ", ".join(f"{k.replace('_', '-')} {mib(v)}"
                               for k, v in sorted(r["comm"].items()))
             rows.append(

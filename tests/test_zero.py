@@ -142,9 +142,9 @@ def test_stages_0_to_3_dp4_match_single_device_adamw_memory_and_comm(reference):
     norm_bytes = 2 * 3 / 4 * 8  # the grad-norm/overflow all-reduce of two fp32 numbers
     for stage in range(4):
         sent = sum(res[stage]["comm"].values()) - norm_bytes
-        padded = zero_comm_bytes_formula(res[stage]["padded"], 4, stage, element_bytes=4)
+        padded = zero_comm_bytes_formula(res[stage]["padded"], 4, stage, grad_bytes=4)
         assert sent == pytest.approx(padded, abs=1), (stage, res[stage]["comm"])
-        exact = zero_comm_bytes_formula(numel, 4, stage, element_bytes=4)
+        exact = zero_comm_bytes_formula(numel, 4, stage, grad_bytes=4)
         assert abs(sent - exact) <= 0.01 * exact  # padding costs < 1%
     assert set(res[3]["comm"]) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert set(res[0]["comm"]) == {"all_reduce"}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
 
@@ -41,13 +43,19 @@ def zero_memory_formula(num_params: int, dp_size: int, zero_stage: int, param_by
         optimizer_state=n * optimizer_state_bytes / (dp_size if zero_stage >= 1 else 1))
 
 
-def zero_comm_bytes_formula(num_params: int, dp_size: int, zero_stage: int,
-                            element_bytes: int) -> float:
-    """Bytes one rank sends per step in dp collectives (ring algorithm): 2Ψ(N-1)/N for stages
-    0-2 (all-reduce, or reduce-scatter + all-gather), 3Ψ(N-1)/N for stage 3 (parameters are
-    gathered for forward and again for backward)."""
-    factor = 3 if zero_stage == 3 else 2
-    return factor * num_params * (dp_size - 1) / dp_size * element_bytes
+def zero_comm_bytes_formula(num_params: int, dp_size: int, zero_stage: int, grad_bytes: int,
+                            param_bytes: Optional[int] = None) -> float:
+    """Bytes one rank sends per step in dp collectives (ring algorithm), Ψ(N-1)/N per pass:
+    stage 0 all-reduces grads (2 passes); stages 1-2 reduce-scatter grads and all-gather
+    params (1 + 1); stage 3 gathers params for forward and again for backward (1 + 2).
+    Grads travel in `grad_bytes` per element, params in `param_bytes` (default the same;
+    e.g. 4 and 2 for bf16 params with fp32 grads)."""
+    param_bytes = grad_bytes if param_bytes is None else param_bytes
+    share = num_params * (dp_size - 1) / dp_size
+    if zero_stage == 0:
+        return 2 * share * grad_bytes
+    gathers = 2 if zero_stage == 3 else 1
+    return share * (grad_bytes + gathers * param_bytes)
 
 
 def measure_memory(zero) -> MemoryBytes:
