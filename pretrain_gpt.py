@@ -23,13 +23,18 @@ import numpy as np
 import torch
 
 
-def _configure(argv: Optional[List[str]], world_size: int):
+def _configure(argv: Optional[List[str]], launch):
     """Flags -> (RunConfig, tokenizer); raises ValueError with one clear line."""
+    from gigatron.parallel.launch import require_world_size
     from gigatron.training.arguments import build_run_config, parse_flags
     from gigatron.training.builders import build_tokenizer
     from gigatron.training.validation import check_data
 
     flags = parse_flags(argv)
+    if launch.launcher == "none":  # a plain `python pretrain_gpt.py`: say how to launch
+        require_world_size(launch, flags.tensor_model_parallel_size *
+                           flags.pipeline_model_parallel_size)
+    world_size = launch.world_size
     check_data(flags)
     tokenizer = build_tokenizer(vars(flags)) if flags.tokenizer_type else None
     run = build_run_config(flags, world_size, tokenizer.vocab_size if tokenizer else None)
@@ -125,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         launch = read_launch_env()
         rank = launch.rank
-        run, tokenizer = _configure(argv, launch.world_size)
+        run, tokenizer = _configure(argv, launch)
     except ValueError as err:
         if rank == 0:  # every rank finds the same error: one copy is enough
             print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)

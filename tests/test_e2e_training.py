@@ -143,3 +143,17 @@ def test_bad_flag_exits_with_one_line_before_any_work(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("pretrain_gpt.py: error: unknown flag(s) --bogus 1; "
                                    "see pretrain_gpt.py --help")
+
+
+def test_parallel_run_without_a_launcher_says_how_to_launch():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_", "OMPI_", "PMI_", "PMIX_"))}
+    proc = subprocess.run(
+        [sys.executable, PROGRAM, "--tensor-model-parallel-size", "2", "--num-layers", "2",
+         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
+         "--vocab-size", "64"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith(
+        "pretrain_gpt.py: error: this job needs 2 ranks but no launcher variables were found")
+    assert "torchrun --nproc-per-node 2" in proc.stderr
