@@ -102,9 +102,7 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     losses = s.pipeline.executor.run(s.pipeline.train_schedule, batches,
                                      loss_scale=s.zero.loss_scale,
                                      optimizer_step=optimizer_step)
-    if "step" not in result:
-        optimizer_step()
-    step = result["step"]
+    step = result["step"]  # every training schedule ends with OptimizerStep
     local = torch.stack(losses).mean().item() if losses else None
     return StepOutcome(_global_mean(local, s), lr, step.grad_norm, step.loss_scale, step.skipped)
 
