@@ -7,7 +7,7 @@ import os
 
 from setuptools import find_packages, setup
 
-TOP_LEVEL = ["parallel", "models", "ops", "training", "datasets"]
+TOP_LEVEL = ["parallel", "models", "ops", "training", "data"]
 
 
 def _packages():

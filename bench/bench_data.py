@@ -24,7 +24,7 @@ import resource
 
 import numpy as np
 
-from gigatron.datasets.sample_index import build_gpt_indices
+from gigatron.data.sample_index import build_gpt_indices
 
 STDLIB = os.path.dirname(os.__file__)
 
@@ -50,7 +50,7 @@ def train_tokenizers(folder: str, corpus_file: str) -> dict:
     """GPT2BPE (vocab 8000) and SentencePiece (vocab 8000) flags, trained on the corpus."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from gigatron.datasets.sentencepiece_trainer import train_sentencepiece
+    from gigatron.data.sentencepiece_trainer import train_sentencepiece
 
     texts = [json.loads(line)["text"] for line in open(corpus_file, encoding="utf-8")]
     tok = Tokenizer(models.BPE())
@@ -79,7 +79,7 @@ def cpu_seconds() -> float:
 
 
 def bench_preprocess(args) -> list:
-    from gigatron.datasets.preprocess import get_parser, run
+    from gigatron.data.preprocess import get_parser, run
 
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -129,7 +129,7 @@ def bench_index(args) -> dict:
 
 def bench_read(args, tokens: int = 20_000_000, reads: int = 2000) -> dict:
     """Samples/s of GPTDataset.__getitem__ on a memory-mapped uint16 file (random order)."""
-    from gigatron.datasets import GPTDataset, IndexedDataset, IndexedDatasetBuilder
+    from gigatron.data import GPTDataset, IndexedDataset, IndexedDatasetBuilder
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as folder:

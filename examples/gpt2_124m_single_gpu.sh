@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPT-2 small (124M, the zoo's gpt2-124m) on one GPU, bf16, Megatron's GPT-2 recipe.
-#   DATA=data/owt_text_document VOCAB=gpt2-vocab.json MERGES=gpt2-merges.txt \
+#   DATA=my-data/owt_text_document VOCAB=gpt2-vocab.json MERGES=gpt2-merges.txt \
 #       bash examples/gpt2_124m_single_gpu.sh
 # Without DATA it trains on --mock-data (synthetic tokens of the right shapes), which checks
 # the setup and measures throughput/MFU. Prepare DATA with tools/preprocess_data.py

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPT-3 XL (1.3B, the zoo's gpt3-1.3b) on one node of 8 GPUs: tp=2 x pp=2 x dp=2, bf16,
 # sequence parallelism, ZeRO stage 1 (Megatron's distributed optimizer).
-#   DATA=data/pile_text_document VOCAB=gpt2-vocab.json MERGES=gpt2-merges.txt \
+#   DATA=my-data/pile_text_document VOCAB=gpt2-vocab.json MERGES=gpt2-merges.txt \
 #       bash examples/gpt3_1.3b_8gpu.sh
 # Without DATA it runs on --mock-data.
 set -euo pipefail

@@ -3,7 +3,7 @@
 # tp=8 inside a node, pp=2 across node pairs, dp = the rest; bf16, sequence parallelism,
 # ZeRO stage 1, selective activation recomputation, seq 8192.
 # Run the same command on every node (MASTER = first node's address):
-#   NNODES=4 MASTER=node001 DATA=data/llama_text_document TOKENIZER=/models/llama3 \
+#   NNODES=4 MASTER=node001 DATA=my-data/llama_text_document TOKENIZER=/models/llama3 \
 #       bash examples/llama3_8b_multinode_torchrun.sh
 # TOKENIZER is a local folder (or tokenizer.json) for HuggingFaceTokenizer. Without DATA it
 # runs on --mock-data.

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 from multirank import run_on_ranks
 
-import gigatron.datasets.gpt_dataset as gpt_dataset_module
-import gigatron.datasets.sample_index as sample_index
-from gigatron.datasets import (GPTDataConfig, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
+import gigatron.data.gpt_dataset as gpt_dataset_module
+import gigatron.data.sample_index as sample_index
+from gigatron.data import (GPTDataConfig, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
                                PretrainingSampler, blend_indices, build_pretraining_data_loader,
                                build_train_valid_test_datasets, parse_data_path)
-from gigatron.datasets.sample_index import (build_gpt_indices, num_epochs_needed,
+from gigatron.data.sample_index import (build_gpt_indices, num_epochs_needed,
                                             samples_in_epochs, split_ranges)
 
 SEQ = 16
@@ -247,8 +247,8 @@ def test_indices_are_cached_next_to_the_data_and_reused(tmp_path, monkeypatch):
 def _ranks_share_one_build(rank, world_size, prefix):
     import hashlib
 
-    import gigatron.datasets.gpt_dataset as module
-    from gigatron.datasets import GPTDataConfig, build_train_valid_test_datasets
+    import gigatron.data.gpt_dataset as module
+    from gigatron.data import GPTDataConfig, build_train_valid_test_datasets
 
     calls = []
     real = module.build_gpt_indices

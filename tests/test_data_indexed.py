@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from gigatron.datasets.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
+from gigatron.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
                                                IndexedDatasetError, token_dtype_for_vocab)
 
 

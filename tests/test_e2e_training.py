@@ -25,7 +25,7 @@ RTOL = 1e-4
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A Megatron .bin/.idx of stdlib sources, tokenized as bytes."""
-    from gigatron.datasets.indexed_dataset import IndexedDatasetBuilder
+    from gigatron.data.indexed_dataset import IndexedDatasetBuilder
 
     folder = tmp_path_factory.mktemp("data")
     prefix = str(folder / "stdlib_text_document")

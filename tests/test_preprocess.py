@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from gigatron.datasets.indexed_dataset import IndexedDataset
-from gigatron.datasets.preprocess import main
-from gigatron.datasets.tokenizer import GPT2BPETokenizer
+from gigatron.data.indexed_dataset import IndexedDataset
+from gigatron.data.preprocess import main
+from gigatron.data.tokenizer import GPT2BPETokenizer
 
 STDLIB = os.path.dirname(os.__file__)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

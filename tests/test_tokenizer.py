@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from gigatron.datasets.sentencepiece_trainer import list_text_files
-from gigatron.datasets.tokenizer import (GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer,
+from gigatron.data.sentencepiece_trainer import list_text_files
+from gigatron.data.tokenizer import (GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer,
                                          SentencePieceTokenizer, build_tokenizer,
                                          tokenizer_from_args)
 
@@ -24,7 +24,7 @@ def real_text():
 
 @pytest.fixture(scope="module")
 def sentencepiece_model(tmp_path_factory):
-    from gigatron.datasets.sentencepiece_trainer import train_sentencepiece
+    from gigatron.data.sentencepiece_trainer import train_sentencepiece
 
     prefix = str(tmp_path_factory.mktemp("spm") / "spm")
     return train_sentencepiece(CORPUS_DIRS, prefix, vocab_size=600, input_sentence_size=20000,

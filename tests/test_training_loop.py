@@ -18,7 +18,7 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 
 def _main(rank, world, argv, sigterm_at=None):
     """pretrain_gpt.main on this rank; returns (exit code, stderr text)."""
-    import pretrain_gpt
+    from gigatron.training import pretrain as pretrain_gpt
     from gigatron.training import loop
 
     if sigterm_at is not None and rank == 0:

@@ -9,7 +9,7 @@ writes data/corpus_text_document.bin/.idx (train with --data-path data/corpus_te
 """
 import sys
 
-from gigatron.datasets.preprocess import main
+from gigatron.data.preprocess import main
 
 if __name__ == "__main__":
     sys.exit(main())

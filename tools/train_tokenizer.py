@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from gigatron.datasets.sentencepiece_trainer import train_sentencepiece
+from gigatron.data.sentencepiece_trainer import train_sentencepiece
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ import difflib
 import math
 from typing import Optional, Sequence
 
-from gigatron.datasets.builder import GPTDataConfig
+from gigatron.data.builder import GPTDataConfig
 from gigatron.parallel.zero.config import ZeroConfig
 from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelConfig,
                                       RunConfig, TrainConfig)

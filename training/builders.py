@@ -2,7 +2,7 @@
 
 Nothing here reimplements a piece: the model is `gigatron.models.gpt.GPTModel` built per
 pipeline chunk, the optimizer is `gigatron.parallel.zero` (every stage, also stage 0), the
-schedule and executor are `gigatron.parallel.pipeline`'s, the data is `gigatron.datasets`'.
+schedule and executor are `gigatron.parallel.pipeline`'s, the data is `gigatron.data`'.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gigatron.training.config import RunConfig
 def build_tokenizer(flags: Dict[str, Any], model_vocab: Optional[int] = None):
     """The tokenizer the data flags name; for --mock-data without one, a null tokenizer
     whose vocabulary is --vocab-size (or the zoo model's) with eod as its last id."""
-    from gigatron.datasets.tokenizer import NullTokenizer, build_tokenizer as build
+    from gigatron.data.tokenizer import NullTokenizer, build_tokenizer as build
 
     if flags.get("tokenizer_type") is not None:
         return build(flags["tokenizer_type"], tokenizer_model=flags.get("tokenizer_model"),
@@ -87,7 +87,7 @@ def sample_counts(run: RunConfig) -> List[int]:
 
 def build_datasets(run: RunConfig, tokenizer) -> List[Optional[object]]:
     """[train, valid, test] datasets (collective: index caches are built by one rank)."""
-    from gigatron.datasets.builder import build_train_valid_test_datasets
+    from gigatron.data.builder import build_train_valid_test_datasets
 
     config = run.data
     if tokenizer is not None:
@@ -99,7 +99,7 @@ def micro_batches(run: RunConfig, dataset, consumed_samples: int, dp_rank: int,
                   device: torch.device, pipeline: Pipeline) -> Optional[Iterator[dict]]:
     """This rank's micro-batches (executor keys), from `consumed_samples` on; None if the
     split is empty. Ranks of middle pipeline stages get empty dicts (they read nothing)."""
-    from gigatron.datasets.samplers import build_pretraining_data_loader
+    from gigatron.data.samplers import build_pretraining_data_loader
 
     if dataset is None:
         return None

@@ -3,7 +3,7 @@
 Concerns with an owner elsewhere use the owner's config: the model's
 `gigatron.models.config.TransformerConfig`, the optimizer's (ZeRO stage, optimizer, loss
 scaling, clipping) `gigatron.parallel.zero.ZeroConfig`, the data's
-`gigatron.datasets.GPTDataConfig`. What only a training run needs lives here.
+`gigatron.data.GPTDataConfig`. What only a training run needs lives here.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class RunConfig:
     parallel: ParallelConfig
     zero: Any  # gigatron.parallel.zero.ZeroConfig: stage, optimizer, loss scaling, clipping
     lr_schedule: LRScheduleConfig
-    data: Any  # gigatron.datasets.GPTDataConfig (eod and vocab filled from the tokenizer)
+    data: Any  # gigatron.data.GPTDataConfig (eod and vocab filled from the tokenizer)
     train: TrainConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig

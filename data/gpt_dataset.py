@@ -11,8 +11,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from gigatron.datasets.index_cache import array_digest, cached_indices
-from gigatron.datasets.sample_index import build_gpt_indices, num_epochs_needed
+from gigatron.data.index_cache import array_digest, cached_indices
+from gigatron.data.sample_index import build_gpt_indices, num_epochs_needed
 
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 

@@ -6,11 +6,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from gigatron.datasets.blended_dataset import (BlendedDataset, normalise_weights,
+from gigatron.data.blended_dataset import (BlendedDataset, normalise_weights,
                                                parse_data_path, samples_per_dataset)
-from gigatron.datasets.gpt_dataset import GPTDataset, MockIndexedDataset, default_cache_dir
-from gigatron.datasets.indexed_dataset import IndexedDataset
-from gigatron.datasets.sample_index import parse_split, split_ranges
+from gigatron.data.gpt_dataset import GPTDataset, MockIndexedDataset, default_cache_dir
+from gigatron.data.indexed_dataset import IndexedDataset
+from gigatron.data.sample_index import parse_split, split_ranges
 
 SPLIT_NAMES = ("train", "valid", "test")
 

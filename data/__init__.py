@@ -8,14 +8,14 @@ Entry points for training:
     loader = build_pretraining_data_loader(train, consumed_samples, micro_batch_size,
                                            dp_rank, dp_size)  # yields micro-batch dicts
 """
-from gigatron.datasets.blended_dataset import BlendedDataset, blend_indices, parse_data_path
-from gigatron.datasets.builder import (GPTDataConfig, build_train_valid_test_datasets,
+from gigatron.data.blended_dataset import BlendedDataset, blend_indices, parse_data_path
+from gigatron.data.builder import (GPTDataConfig, build_train_valid_test_datasets,
                                        config_from_args)
-from gigatron.datasets.gpt_dataset import GPTDataset, MockIndexedDataset
-from gigatron.datasets.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
+from gigatron.data.gpt_dataset import GPTDataset, MockIndexedDataset
+from gigatron.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
                                                IndexedDatasetError, token_dtype_for_vocab)
-from gigatron.datasets.samplers import PretrainingSampler, build_pretraining_data_loader
-from gigatron.datasets.tokenizer import Tokenizer, build_tokenizer, tokenizer_from_args
+from gigatron.data.samplers import PretrainingSampler, build_pretraining_data_loader
+from gigatron.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_from_args
 
 __all__ = [
     "BlendedDataset", "blend_indices", "parse_data_path", "GPTDataConfig",

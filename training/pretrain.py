@@ -1,0 +1,153 @@
+"""Pretrain a GPT model with tensor, pipeline and ZeRO data parallelism (Megatron's flags).
+
+    torchrun --nproc-per-node 8 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 256 \
+        --num-attention-heads 8 --seq-length 128 --micro-batch-size 4 --global-batch-size 32 \
+        --train-iters 200 --lr 3e-4 --data-path data/corpus_text_document \
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/spm.model \
+        --save ckpt --metrics-file ckpt/metrics.jsonl
+
+Flags are validated together before any process group exists: a bad combination exits
+with one line naming the flags. `--model NAME` starts from a zoo config;
+`--deepspeed-config ds.json` reads a DeepSpeed JSON config into the same flags.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+
+def _configure(argv: Optional[List[str]], launch):
+    """Flags -> (RunConfig, tokenizer); raises ValueError with one clear line."""
+    from gigatron.parallel.launch import require_world_size
+    from gigatron.training.arguments import build_run_config, parse_flags
+    from gigatron.training.builders import build_tokenizer
+    from gigatron.training.validation import check_data
+
+    flags = parse_flags(argv)
+    if launch.launcher == "none":  # a plain `python pretrain_gpt.py`: say how to launch
+        require_world_size(launch, flags.tensor_model_parallel_size *
+                           flags.pipeline_model_parallel_size)
+    world_size = launch.world_size
+    check_data(flags)
+    tokenizer = build_tokenizer(vars(flags)) if flags.tokenizer_type else None
+    run = build_run_config(flags, world_size, tokenizer.vocab_size if tokenizer else None)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(vars(flags), run.model.vocab_size)
+    return run, tokenizer
+
+
+def _seed(seed: int, pp_rank: int) -> None:
+    """Megatron's seeding: one seed per pipeline stage, the same across tp and dp."""
+    seed = seed + 100 * pp_rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _build_session(run, tokenizer, launch, device):
+    from gigatron.parallel.topology import ProcessGroups, Topology
+    from gigatron.parallel.zero import build_zero
+    from gigatron.training import builders, metrics, state
+    from gigatron.training.logger import MetricsLogger
+    from gigatron.training.loop import Session
+    from gigatron.training.timers import (TimedGradSync, TimedP2P, Timers, device_sync,
+                                          time_module_forward)
+
+    p = run.parallel
+    groups = ProcessGroups(Topology(tp=p.tp, dp=p.dp, pp=p.pp), launch.rank)
+    _seed(run.train.seed, groups.index("pp"))
+    chunks = builders.build_model_chunks(run, groups, device)
+    shard = state.load_model_weights(run, groups, chunks)
+    zero = build_zero(chunks, run.zero, groups)
+    progress = state.restore_training_state(run, shard, chunks, zero, device)
+    timers = Timers(device_sync(device) if run.logging.timing_log_level >= 1 else None)
+    for chunk in chunks:
+        time_module_forward(chunk, timers)
+    pipeline = builders.build_pipeline(run, groups, chunks, TimedGradSync(zero, timers), device)
+    pipeline.executor.p2p = TimedP2P(pipeline.executor.p2p, timers)
+    datasets = builders.build_datasets(run, tokenizer)
+    log = run.logging
+    logger = MetricsLogger(launch.rank == 0, run.train.train_iters, log.metrics_file,
+                           log.tensorboard_dir, log.progress, append=progress.iteration > 0,
+                           start_iteration=progress.iteration)
+    if progress.iteration > 0:
+        logger.truncate_after(progress.iteration)
+    peak = log.peak_tflops or metrics.device_peak_tflops(device, run.model.params_dtype)
+    session = Session(run, groups, device, chunks, zero, pipeline, datasets, logger, timers,
+                      metrics.flops_per_token(run.model, p.tp), peak)
+    return session, progress, shard
+
+
+def _banner(s, progress, shard, launch, device) -> None:
+    from gigatron.models.gpt import count_parameters
+    from gigatron.training.builders import partition
+
+    run, p, t = s.run, s.run.parallel, s.run.train
+    s.logger.print(
+        f"gigatron: {launch.world_size} ranks ({launch.launcher} launch, {device.type}), "
+        f"tp={p.tp} pp={p.pp} dp={p.dp} zero stage {run.zero.zero_stage}"
+        f"{' sequence-parallel' if p.sequence_parallel else ''}\n"
+        f"model: {run.model_name or 'custom'}, {count_parameters(run.model):,} parameters, "
+        f"{run.model.num_layers} layers, hidden {run.model.hidden_size}, seq "
+        f"{run.model.seq_length}, vocab {run.model.vocab_size}, "
+        f"{str(run.model.params_dtype).replace('torch.', '')}\n"
+        f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {p.dp} x "
+        f"{t.num_microbatches} micro-batches; {s.flops_per_token / 1e6:.2f} MFLOP/token\n"
+        f"{partition(run).describe()}")
+    if shard is not None:
+        s.logger.print(f"loaded checkpoint {shard['_folder']} (iteration {progress.iteration}, "
+                       f"{progress.consumed_train_samples} samples consumed)")
+    elif run.checkpoint.load:
+        s.logger.print(f"no checkpoint in --load {run.checkpoint.load}: training from scratch")
+
+
+def _summary(s, progress) -> None:
+    lines = [f"done: iteration {progress.iteration}, "
+             f"{progress.consumed_train_samples} samples, "
+             f"{progress.skipped_iterations} skipped steps"]
+    if s.run.logging.metrics_file:
+        lines.append(f"metrics: {os.path.abspath(s.run.logging.metrics_file)}")
+    if s.saved_iterations:
+        from gigatron.training.checkpointing import iteration_dir
+        lines.append("checkpoint: " + os.path.abspath(
+            iteration_dir(s.run.checkpoint.save, s.saved_iterations[-1])))
+    if s.run.logging.tensorboard_dir:
+        lines.append(f"tensorboard: {os.path.abspath(s.run.logging.tensorboard_dir)}")
+    s.logger.print("\n".join(lines))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from gigatron.parallel.launch import init_distributed, read_launch_env
+
+    rank = 0
+    try:
+        launch = read_launch_env()
+        rank = launch.rank
+        run, tokenizer = _configure(argv, launch)
+    except ValueError as err:
+        if rank == 0:  # every rank finds the same error: one copy is enough
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+    from gigatron.training.loop import train
+
+    launch, device = init_distributed(run.parallel.distributed_timeout_minutes)
+    try:
+        session, progress, shard = _build_session(run, tokenizer, launch, device)
+        _banner(session, progress, shard, launch, device)
+        progress = train(session, progress)
+        _summary(session, progress)
+        session.logger.close()
+    except ValueError as err:  # layout/checkpoint mismatches found after launch
+        print(f"pretrain_gpt.py: error (rank {launch.rank}): {err}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
