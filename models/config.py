@@ -1,14 +1,14 @@
 """TransformerConfig: every architectural and parallelism knob of the model, in one place.
 
 Field names follow Megatron-Core's TransformerConfig where one exists, so flags map 1:1.
-`validate(tp_size)` checks divisibility against a tensor-parallel size and raises
-ValueErrors naming the field and the fix.
+`problems(tp_size)` lists every field that cannot run on a tensor-parallel size (naming the
+field and the fix); `validate(tp_size)` raises them as one ValueError, one per line.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -105,66 +105,78 @@ class TransformerConfig:
         return math.ceil(self.vocab_size / multiple) * multiple
 
     def validate(self, tp_size: int = 1) -> None:
-        """Raise a ValueError naming the field if this config cannot run on `tp_size`."""
+        """Raise a ValueError listing every reason (one per line) this config cannot run on
+        `tp_size`."""
+        problems = self.problems(tp_size)
+        if problems:
+            raise ValueError("\n".join(problems))
+
+    def problems(self, tp_size: int = 1) -> List[str]:
+        """Every reason this config cannot run on `tp_size`, each naming the field and fix."""
+        ints = []
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                      "seq_length", "ffn_hidden_size", "num_query_groups",
                      "max_position_embeddings", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                ints.append(f"{name} must be a positive integer, got {value!r}")
+        out = list(ints)
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of "
-                                 f"{[a for a in allowed if a is not None]}")
+                out.append(f"{name}={getattr(self, name)!r} is not one of "
+                           f"{[a for a in allowed if a is not None]}")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        self._check_shapes(tp_size)
-        self._check_recompute()
+                out.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not ints:  # the shape rules divide by these sizes
+            out += self._shape_problems(tp_size)
+        return out + self._recompute_problems()
 
-    def _check_shapes(self, tp: int) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ValueError(msg)
-
-        need(self.hidden_size % self.num_attention_heads == 0,
+    def _shape_problems(self, tp: int) -> List[str]:
+        rules = [
+            (self.hidden_size % self.num_attention_heads == 0,
              f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-             f"({self.num_attention_heads}): change either")
-        need(self.num_attention_heads % self.num_query_groups == 0,
+             f"({self.num_attention_heads}): change either"),
+            (self.num_attention_heads % self.num_query_groups == 0,
              f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-             f"num_query_groups ({self.num_query_groups})")
-        need(self.num_attention_heads % tp == 0,
+             f"num_query_groups ({self.num_query_groups})"),
+            (self.num_attention_heads % tp == 0,
              f"num_attention_heads ({self.num_attention_heads}) must be divisible by the "
-             f"tensor-parallel size ({tp}): change --tensor-model-parallel-size or heads")
-        need(self.num_query_groups % tp == 0,
+             f"tensor-parallel size ({tp}): change --tensor-model-parallel-size or heads"),
+            (self.num_query_groups % tp == 0,
              f"num_query_groups ({self.num_query_groups}) must be divisible by the "
-             f"tensor-parallel size ({tp}): change --tensor-model-parallel-size or groups")
-        need(self.ffn_hidden_size % tp == 0,
+             f"tensor-parallel size ({tp}): change --tensor-model-parallel-size or groups"),
+            (self.ffn_hidden_size % tp == 0,
              f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by the "
-             f"tensor-parallel size ({tp})")
-        need(self.head_dim % 2 == 0 or self.position_embedding_type != "rope",
+             f"tensor-parallel size ({tp})"),
+            (self.head_dim % 2 == 0 or self.position_embedding_type != "rope",
              f"head dim hidden_size/num_attention_heads = {self.head_dim} must be even "
-             f"for position_embedding_type='rope'")
-        need(not (self.sequence_parallel and tp > 1 and self.seq_length % tp),
+             f"for position_embedding_type='rope'"),
+            (not (self.sequence_parallel and tp > 1 and self.seq_length % tp),
              f"seq_length ({self.seq_length}) must be divisible by the tensor-parallel size "
-             f"({tp}) with sequence_parallel")
-        need(self.position_embedding_type != "learned_absolute"
+             f"({tp}) with sequence_parallel"),
+            (self.position_embedding_type != "learned_absolute"
              or self.seq_length <= self.max_position_embeddings,
              f"seq_length ({self.seq_length}) exceeds max_position_embeddings "
-             f"({self.max_position_embeddings})")
+             f"({self.max_position_embeddings})"),
+        ]
+        return [message for ok, message in rules if not ok]
 
-    def _check_recompute(self) -> None:
+    def _recompute_problems(self) -> List[str]:
         if self.recompute_granularity == "full":
+            out = []
             if self.recompute_method is None:
-                raise ValueError("recompute_method must be 'uniform' or 'block' with "
-                                 "recompute_granularity='full'")
+                out.append("recompute_method must be 'uniform' or 'block' with "
+                           "recompute_granularity='full'")
             n = self.recompute_num_layers
             if not isinstance(n, int) or n < 1:
-                raise ValueError(f"recompute_num_layers must be a positive integer with "
-                                 f"recompute_granularity='full', got {n!r}")
-        elif self.recompute_method is not None:
-            raise ValueError(f"recompute_method={self.recompute_method!r} needs "
-                             f"recompute_granularity='full' (selective takes no method)")
+                out.append(f"recompute_num_layers must be a positive integer with "
+                           f"recompute_granularity='full', got {n!r}")
+            return out
+        if self.recompute_method is not None:
+            return [f"recompute_method={self.recompute_method!r} needs "
+                    f"recompute_granularity='full' (selective takes no method)"]
+        return []
 
     @classmethod
     def field_names(cls) -> tuple:

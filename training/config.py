@@ -1,28 +1,45 @@
-"""The run's settings, one dataclass per concern, filled from the flags by `arguments.py`.
+"""The run's settings, one dataclass per concern; settable fields are declared with `setting`.
 
-Concerns with an owner elsewhere use the owner's config: the model's
-`gigatron.models.config.TransformerConfig`, the optimizer's (ZeRO stage, optimizer, loss
-scaling, clipping) `gigatron.parallel.zero.ZeroConfig`, the data's
-`gigatron.data.GPTDataConfig`. What only a training run needs lives here.
+A field declared with `setting(default, doc, flag..., ds=key)` is one row of the config table
+(`config_table.py`): its Megatron flag, DeepSpeed key, default and doc live only here. Fields
+without it are derived (dp from the world size, micro-batches from the batch sizes).
+Concerns with an owner elsewhere keep the owner's config, filled by `validation.py`: the
+model's `gigatron.models.config.TransformerConfig`, the ZeRO wrapper's
+`gigatron.parallel.zero.ZeroConfig`, the data's `gigatron.data.GPTDataConfig`; their flags
+are declared in `settings.py`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+from gigatron.training.config_field import setting
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the ranks split the work (Megatron's parallelism flags plus our --zero-stage)."""
+    """How the ranks split the work (Megatron's parallelism flags; dp = world / (tp x pp))."""
 
-    tp: int = 1
-    pp: int = 1
+    tp: int = setting(1, "tensor-parallel size: ranks that split each layer",
+                      "--tensor-model-parallel-size", dest="tensor_model_parallel_size")
+    pp: int = setting(1, "pipeline-parallel size: ranks that split the layer stack",
+                      "--pipeline-model-parallel-size", dest="pipeline_model_parallel_size")
     dp: int = 1
-    sequence_parallel: bool = False
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    decoder_first_pipeline_num_layers: Optional[int] = None
-    decoder_last_pipeline_num_layers: Optional[int] = None
-    distributed_timeout_minutes: float = 10.0
+    sequence_parallel: bool = setting(
+        False, "split norms and dropout along the sequence over tp (no-op at tp 1)",
+        "--sequence-parallel")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = setting(
+        None, "layers per virtual stage: interleaved 1F1B schedule",
+        "--num-layers-per-virtual-pipeline-stage")
+    decoder_first_pipeline_num_layers: Optional[int] = setting(
+        None, "layers of the first pipeline stage (the rest split evenly)",
+        "--decoder-first-pipeline-num-layers")
+    decoder_last_pipeline_num_layers: Optional[int] = setting(
+        None, "layers of the last pipeline stage (the rest split evenly)",
+        "--decoder-last-pipeline-num-layers")
+    distributed_timeout_minutes: float = setting(
+        10.0, "timeout of collectives before a hung rank is reported",
+        "--distributed-timeout-minutes")
 
     @property
     def world_size(self) -> int:
@@ -47,44 +64,69 @@ class LRScheduleConfig:
 class TrainConfig:
     """The loop: iterations, batches, evaluation cadence and exit conditions."""
 
-    train_iters: int
-    micro_batch_size: int
-    global_batch_size: int
-    num_microbatches: int
-    seed: int = 1234
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    skip_test: bool = False
-    exit_interval: Optional[int] = None
-    exit_signal_handler: bool = False
-    num_workers: int = 0  # data-loader worker processes per rank
+    train_iters: Optional[int] = setting(None, "iterations to train (required)",
+                                         "--train-iters")
+    micro_batch_size: Optional[int] = setting(
+        None, "samples per rank per micro-batch (required)", "--micro-batch-size",
+        ds="train_micro_batch_size_per_gpu")
+    global_batch_size: Optional[int] = setting(
+        None, "samples per iteration over all data-parallel ranks (default micro x dp)",
+        "--global-batch-size", ds="train_batch_size")
+    num_microbatches: int = setting(
+        1, "micro-batches per iteration; train_batch_size = micro x this x dp (JSON only)",
+        dest="gradient_accumulation_steps", ds="gradient_accumulation_steps")
+    seed: int = setting(1234, "random seed of weights, data order and dropout", "--seed")
+    eval_interval: int = setting(1000, "iterations between validation runs",
+                                 "--eval-interval")
+    eval_iters: int = setting(100, "iterations per validation run (0: none)", "--eval-iters")
+    skip_test: bool = setting(False, "skip the test-split evaluation at the end",
+                              "--skip-train-test")
+    exit_interval: Optional[int] = setting(None, "stop when the iteration is a multiple of "
+                                           "this", "--exit-interval")
+    exit_signal_handler: bool = setting(False, "save and stop on SIGTERM",
+                                        "--exit-signal-handler")
+    num_workers: int = setting(0, "data loader worker processes per rank", "--num-workers")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """--save/--load and what a load restores."""
 
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    no_save_optim: bool = False
-    no_save_rng: bool = False
-    ckpt_format: str = "torch"  # torch|safetensors
+    save: Optional[str] = setting(None, "directory to save checkpoints to", "--save",
+                                  metavar="DIR")
+    load: Optional[str] = setting(None, "directory to load the latest checkpoint from",
+                                  "--load", metavar="DIR")
+    save_interval: Optional[int] = setting(None, "iterations between saves (needs --save)",
+                                           "--save-interval")
+    no_load_optim: bool = setting(False, "do not load the optimizer state", "--no-load-optim")
+    no_load_rng: bool = setting(False, "do not load the RNG state", "--no-load-rng")
+    finetune: bool = setting(False, "load weights only and start at iteration 0",
+                             "--finetune")
+    no_save_optim: bool = setting(False, "do not save the optimizer state", "--no-save-optim")
+    no_save_rng: bool = setting(False, "do not save the RNG state", "--no-save-rng")
+    ckpt_format: str = setting("torch", "checkpoint file format", "--ckpt-format",
+                               choices=("torch", "safetensors"))
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     """Where the metrics go: console every --log-interval, JSON lines, TensorBoard."""
 
-    log_interval: int = 100
-    metrics_file: Optional[str] = None
-    tensorboard_dir: Optional[str] = None
-    peak_tflops: Optional[float] = None  # override the per-device peak table for MFU
-    progress: Optional[bool] = None  # None: on when stderr is a terminal
-    timing_log_level: int = 0  # >= 1: synchronise the accelerator around timed phases
+    log_interval: int = setting(100, "iterations between log lines", "--log-interval",
+                                ds="steps_per_print")
+    metrics_file: Optional[str] = setting(
+        None, "JSON lines file, one line per logged iteration / eval", "--metrics-file")
+    tensorboard_dir: Optional[str] = setting(None, "write TensorBoard events here",
+                                             "--tensorboard-dir")
+    peak_tflops: Optional[float] = setting(
+        None, "device peak TFLOP/s for MFU (default: the per-device table)", "--peak-tflops")
+    progress: Optional[bool] = setting(
+        None, "progress bar (default: on when stderr is a terminal)", "--progress",
+        negative="--no-progress")
+    timing_log_level: int = setting(
+        0, ">= 1: synchronise the accelerator around timed phases", "--timing-log-level",
+        choices=(0, 1, 2), ds="wall_clock_breakdown", ds_as="timing",
+        ds_doc="true = 1, false = 0")
 
 
 @dataclass

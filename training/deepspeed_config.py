@@ -1,51 +1,25 @@
-"""A DeepSpeed JSON config as pretrain_gpt.py flags (`--deepspeed-config PATH`).
+"""A DeepSpeed JSON config as pretrain_gpt.py flags, read through the config table.
 
-`apply_deepspeed_config(ds, flags, explicit)` is pure: the JSON's values fill the flags not
-given on the command line; a flag given with a different value is an error naming both (as
-DeepSpeed refuses conflicting settings). Keys are read with DeepSpeed's documented meanings;
-keys with no counterpart here are errors naming the key and what to use instead. Keys the
-JSON leaves out keep pretrain_gpt.py's (Megatron's) defaults, e.g. --weight-decay 0.01.
-
-    train_batch_size                     --global-batch-size
-    train_micro_batch_size_per_gpu       --micro-batch-size
-    gradient_accumulation_steps          checked: train = micro x grad_acc x dp (DeepSpeed's rule)
-    gradient_clipping                    --clip-grad
-    steps_per_print                      --log-interval
-    wall_clock_breakdown                 --timing-log-level 1 (true) / 0 (false)
-    fp16.enabled, bf16.enabled           --fp16, --bf16
-    fp16.loss_scale                      --loss-scale (0 = dynamic = no --loss-scale)
-    fp16.initial_scale_power             --initial-loss-scale 2**power
-    fp16.loss_scale_window/hysteresis/min_loss_scale   the Megatron flags of the same name
-    fp16.consecutive_hysteresis          ZeroConfig.consecutive_hysteresis (no Megatron flag)
-    zero_optimization.stage              --zero-stage
-    zero_optimization.reduce_bucket_size --ddp-bucket-size
-    zero_optimization.overlap_comm       ZeroConfig.overlap_comm (no Megatron flag)
-    zero_optimization.offload_optimizer  --optimizer-cpu-offload (device "cpu"; pin_memory true)
-    optimizer.type Adam/AdamW/SGD        --optimizer adam (= AdamW) / sgd
-    optimizer.params lr, betas, eps, weight_decay, momentum   --lr, --adam-beta1/2,
-                                         --adam-eps, --weight-decay, --sgd-momentum
-
-The fp16 loss-scaling keys apply only when fp16.enabled is true (DeepSpeed ignores them
-otherwise); the zero_optimization/fp16 key lists are ZeroConfig's (`deepspeed_fields`).
+Every row of the table (`config_table.py`) with a DeepSpeed key is read from the JSON with
+DeepSpeed's meaning; the key list and the docs are in docs/FLAGS.md. `apply_deepspeed_config`
+is pure: the JSON's values fill the flags not given on the command line; a flag given with a
+different value is an error naming both (as DeepSpeed refuses conflicting settings). Unknown
+keys are errors naming the key and what to use instead. Keys the JSON leaves out keep
+pretrain_gpt.py's (Megatron's) defaults, e.g. --weight-decay 0.01. Loss-scaling keys apply
+only with fp16.enabled true (DeepSpeed ignores them otherwise). `from_deepspeed_config`
+builds the config objects from a JSON alone (for engines that get no command line).
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-from typing import Any, Callable, Dict, Mapping, Optional, Set, Tuple
+import re
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from gigatron.parallel.zero.config import deepspeed_fields
+from gigatron.training.config_table import Row, defaults, flag_name, table
+from gigatron.training.validation import ConfigError, dedupe
 
-# Namespace entries with no command-line flag: only a DeepSpeed config sets them.
-CONFIG_ONLY_DESTS = {"overlap_comm": None, "consecutive_hysteresis": None,
-                     "gradient_accumulation_steps": None}
-
-_TOP_LEVEL = {"train_batch_size": "global_batch_size",
-              "train_micro_batch_size_per_gpu": "micro_batch_size",
-              "gradient_accumulation_steps": "gradient_accumulation_steps",
-              "steps_per_print": "log_interval"}
-_HANDLED = set(_TOP_LEVEL) | {"gradient_clipping", "wall_clock_breakdown", "fp16", "bf16",
-                              "zero_optimization", "optimizer"}
 _INSTEAD = {
     "scheduler": "use --lr-decay-style/--lr-warmup-iters/--lr-decay-iters/--min-lr",
     "activation_checkpointing": "use --recompute-granularity/--recompute-method/"
@@ -62,47 +36,107 @@ _INSTEAD = {
                                  "reduction",
     "data_types": "gradients accumulate in fp32; use --grad-reduce-in-bf16 to reduce in bf16",
 }
-# ZeroConfig field -> (flag dest, JSON value -> flag value)
-_ZERO_DESTS: Dict[str, Tuple[str, Callable[[Any], Any]]] = {
-    "zero_stage": ("zero_stage", int), "reduce_bucket_size": ("ddp_bucket_size", int),
-    "overlap_comm": ("overlap_comm", bool),
-    "offload_optimizer": ("optimizer_cpu_offload", lambda device: device == "cpu"),
-    "clip_grad": ("clip_grad", float),
-    "loss_scale": ("loss_scale", lambda scale: float(scale) if scale else None),
-    "initial_scale_power": ("initial_loss_scale", lambda power: 2.0 ** power),
-    "loss_scale_window": ("loss_scale_window", int), "hysteresis": ("hysteresis", int),
-    "consecutive_hysteresis": ("consecutive_hysteresis", bool),
-    "min_loss_scale": ("min_loss_scale", float),
-}
-_LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                 "consecutive_hysteresis", "min_loss_scale")
-_ADAM_PARAMS = ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam")
-_SGD_PARAMS = ("lr", "momentum", "weight_decay")
+# accepted without a row: DeepSpeed's Adam switches (adam_w_mode must stay true)
+_ADAM_ONLY_KEYS = ("adam_w_mode", "torch_adam")
+_OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adam", "sgd": "sgd"}
 
 # dest -> (JSON key, JSON value, flag value, same(explicit flag value, flag value) or None)
-_Entry = Tuple[str, Any, Any, Optional[Callable[[Any, Any], bool]]]
+Entry = Tuple[str, Any, Any, Optional[Callable[[Any, Any], bool]]]
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+def _rows() -> List[Row]:
+    return [r for r in table() if r.spec.ds]
 
 
-def _reject_placeholders(node: Any, path: str = "") -> None:
+def _path(key: str) -> List[str]:
+    """'optimizer.params.betas[1]' -> ['optimizer', 'params', 'betas']."""
+    return [re.sub(r"\[\d+\]$", "", part) for part in key.split(".")]
+
+
+def _tree() -> Dict[str, Any]:
+    """The JSON sections the table knows, as nested dicts (leaves are None)."""
+    tree: Dict[str, Any] = {}
+    for r in _rows():
+        node = tree
+        *sections, leaf = _path(r.spec.ds)
+        for s in sections:
+            node = node.setdefault(s, {})
+        node.setdefault(leaf, None)
+    return tree
+
+
+def _close(key: str, known) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _known(node: Dict[str, Any], prefix: str, ds_type: Any) -> set:
+    """The keys of a section; optimizer.params depends on the optimizer type."""
+    if prefix != "optimizer.params.":
+        return set(node)
+    kind = _OPTIMIZER_TYPES.get(str(ds_type).lower())
+    known = {k for k in node if _params_kind(k) in (None, kind)}
+    return known | (set(_ADAM_ONLY_KEYS) if kind == "adam" else set())
+
+
+def _unknown(key: str, prefix: str, known: set, ds_type: Any) -> str:
+    if not prefix:
+        hint = _INSTEAD.get(key, f"supported keys: {', '.join(sorted(known))}")
+        return f"{key} is not supported: {hint}{_close(key, known)}"
+    if prefix == "optimizer.params.":
+        hint = "; use gradient_clipping" if key == "max_grad_norm" else ""
+        return (f"optimizer.params.{key} is not supported for {ds_type}; known: "
+                f"{', '.join(sorted(known))}{hint}")
+    return f"{prefix}{key} is not supported; known keys: {sorted(known)}{_close(key, known)}"
+
+
+def _check_keys(section: Mapping, node: Dict[str, Any], prefix: str, out: List[str],
+                ds_type: Any = None) -> None:
+    """Unknown keys at every level the table knows, each with a hint."""
+    known = _known(node, prefix, ds_type)
+    for key, value in section.items():
+        if key not in known:
+            out.append(_unknown(key, prefix, known, ds_type))
+        elif isinstance(node.get(key), dict):
+            if not isinstance(value, dict):
+                example = ' like {"enabled": true}' if key in ("fp16", "bf16") else ""
+                out.append(f"{prefix}{key} must be a JSON object{example}, got {value!r}")
+                continue
+            _check_keys(value, node[key], f"{prefix}{key}.", out,
+                        section.get("type") if key == "params" else ds_type)
+
+
+def _params_kind(param: str) -> Optional[str]:
+    """'adam' or 'sgd' for optimizer.params keys of one optimizer type only."""
+    kinds = {r.spec.ds_when for r in _rows() if _path(r.spec.ds)[-1] == param
+             and r.spec.ds.startswith("optimizer.params.")}
+    return next(iter(kinds)) if len(kinds) == 1 else None
+
+
+def _reject_placeholders(node: Any, path: str, out: List[str]) -> None:
     """HuggingFace's "auto" is filled by its Trainer; here there is nothing to fill it."""
     if isinstance(node, dict):
         for key, value in node.items():
-            _reject_placeholders(value, f"{path}.{key}" if path else key)
+            _reject_placeholders(value, f"{path}.{key}" if path else key, out)
     elif node == "auto":
-        raise ValueError(f'{path} is "auto" (a HuggingFace Trainer placeholder): give the value '
-                         f"or drop the key and use the pretrain_gpt.py flag")
+        out.append(f'{path} is "auto" (a HuggingFace Trainer placeholder): give the value '
+                   f"or drop the key and use the pretrain_gpt.py flag")
 
 
-def _check_keys(ds: Mapping) -> None:
-    for key in ds:
-        if key in _HANDLED:
-            continue
-        hint = _INSTEAD.get(key, f"supported keys: {', '.join(sorted(_HANDLED))}")
-        raise ValueError(f"{key} is not supported: {hint}")
+def _lookup(ds: Mapping, key: str) -> Tuple[bool, Any]:
+    """(present, value) of a dotted key; 'betas[1]' indexes a two-element list."""
+    node: Any = ds
+    for part in key.split("."):
+        match = re.fullmatch(r"(\w+)\[(\d+)\]", part)
+        name = match.group(1) if match else part
+        if not isinstance(node, dict) or name not in node:
+            return False, None
+        node = node[name]
+        if match:
+            if not (isinstance(node, list) and len(node) == 2):
+                raise ValueError(f"{key[:key.index('[')]} must be [beta1, beta2], got {node!r}")
+            node = node[int(match.group(2))]
+    return True, node
 
 
 def _number(key: str, value: Any, integer: bool = False) -> Any:
@@ -113,114 +147,114 @@ def _number(key: str, value: Any, integer: bool = False) -> Any:
     return value
 
 
-def _enabled(ds: Mapping, section: str) -> Optional[bool]:
-    if section not in ds:
-        return None
-    body = ds[section]
-    if not isinstance(body, dict):
-        raise ValueError(f'{section} must be a JSON object like {{"enabled": true}}')
-    if section == "bf16" and set(body) - {"enabled"}:
-        raise ValueError(f"bf16.{sorted(set(body) - {'enabled'})[0]} is not supported; "
-                         f"known keys: ['enabled']")
-    enabled = body.get("enabled", False)
-    if not isinstance(enabled, bool):
-        raise ValueError(f"{section}.enabled must be true or false, got {enabled!r}")
-    return enabled
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
-def _batch_and_logging(ds: Mapping, out: Dict[str, _Entry]) -> None:
-    for key, dest in _TOP_LEVEL.items():
-        if key in ds:
-            out[dest] = (key, ds[key], _number(key, ds[key], integer=True), None)
-    if "wall_clock_breakdown" in ds:
-        on = ds["wall_clock_breakdown"]
-        if not isinstance(on, bool):
-            raise ValueError(f"wall_clock_breakdown must be true or false, got {on!r}")
-        # the phase timers are always logged; true synchronises the device around them
-        out["timing_log_level"] = (
-            "wall_clock_breakdown", on, int(on), lambda given, _: (given >= 1) == on)
+def _count(key: str, value: Any) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # DeepSpeed configs often write 5e8
+    return _number(key, value, integer=True)
 
 
-def _precision(ds: Mapping, out: Dict[str, _Entry]) -> None:
-    fp16, bf16 = _enabled(ds, "fp16"), _enabled(ds, "bf16")
-    if fp16 is not None:
-        out["fp16"] = ("fp16.enabled", fp16, fp16, None)
-    if bf16 is not None:
-        out["bf16"] = ("bf16.enabled", bf16, bf16, None)
-    for field, (key, value) in deepspeed_fields(ds).items():
-        if field in _LOSS_SCALING and not fp16:
-            continue  # DeepSpeed reads loss scaling only with fp16 enabled
-        _check_type(field, key, value)
-        dest, convert = _ZERO_DESTS[field]
-        out[dest] = (key, value, convert(value), None)
+def _offload(key: str, value: Any) -> bool:
+    """offload_optimizer {device, pin_memory} -> --optimizer-cpu-offload."""
+    if not isinstance(value, dict):
+        raise ValueError(f'{key} must be a JSON object like {{"device": "cpu"}}, got {value!r}')
+    unknown = sorted(set(value) - {"device", "pin_memory"})
+    if unknown:
+        raise ValueError(f"{key}.{unknown[0]} is not supported; known keys: "
+                         f"['device', 'pin_memory']")
+    if value.get("pin_memory", True) is not True:
+        raise ValueError(f"{key}.pin_memory false is not supported: offloaded state is always "
+                         f"pinned on CUDA (set it to true or drop it)")
+    device = value.get("device", "none")
+    if device not in ("cpu", "none"):
+        raise ValueError(f'{key}.device {device!r} is not supported: use "cpu" or "none"')
+    return device == "cpu"
 
 
-def _check_type(field: str, key: str, value: Any) -> None:
-    """Types and ranges of the zero_optimization/fp16 values, named by their JSON key."""
-    if field in ("overlap_comm", "consecutive_hysteresis"):
-        if not isinstance(value, bool):
-            raise ValueError(f"{key} must be true or false, got {value!r}")
-    elif field == "offload_optimizer":
-        if value not in ("cpu", "none"):
-            raise ValueError(f'{key}.device {value!r} is not supported: use "cpu" or "none"')
-    elif field == "zero_stage":
-        if _number(key, value, integer=True) not in (0, 1, 2, 3):
-            raise ValueError(f"{key} must be 0, 1, 2 or 3, got {value!r}")
-    else:
-        _number(key, value)
-
-
-def _optimizer(ds: Mapping, out: Dict[str, _Entry]) -> None:
-    if "optimizer" not in ds:
-        return
-    section = ds["optimizer"]
-    if not isinstance(section, dict) or set(section) - {"type", "params"}:
-        raise ValueError('optimizer must be {"type": "AdamW", "params": {...}}; got keys '
-                         f"{sorted(section) if isinstance(section, dict) else section!r}")
-    kind = str(section.get("type", "")).lower()
-    params = section.get("params", {})
-    if kind not in ("adam", "adamw", "sgd"):
-        raise ValueError(f"optimizer.type {section.get('type')!r} is not supported: use Adam, "
-                         f"AdamW or SGD")
-    known = _SGD_PARAMS if kind == "sgd" else _ADAM_PARAMS
-    for key in params:
-        if key not in known:
-            hint = "; use gradient_clipping" if key == "max_grad_norm" else ""
-            raise ValueError(f"optimizer.params.{key} is not supported for "
-                             f"{section['type']}; known: {', '.join(known)}{hint}")
-    if kind == "adam" and params.get("adam_w_mode", True) is not True:
-        raise ValueError("optimizer.params.adam_w_mode false (Adam with L2 weight decay) is not "
-                         "supported: pretrain_gpt.py's adam is AdamW (decoupled weight decay)")
+def _optimizer_type(key: str, value: Any) -> str:
     # DeepSpeed's "Adam" runs in adam_w_mode by default, so Adam and AdamW are both AdamW
-    flag = "sgd" if kind == "sgd" else "adam"
-    out["optimizer"] = ("optimizer.type", section["type"], flag, None)
-    simple = {"lr": "lr", "eps": "adam_eps", "weight_decay": "weight_decay",
-              "momentum": "sgd_momentum"}
-    for key, dest in simple.items():
-        if key in params:
-            value = float(_number(f"optimizer.params.{key}", params[key]))
-            out[dest] = (f"optimizer.params.{key}", params[key], value, None)
-    if "betas" in params:
-        betas = params["betas"]
-        if not (isinstance(betas, list) and len(betas) == 2):
-            raise ValueError(f"optimizer.params.betas must be [beta1, beta2], got {betas!r}")
-        for i, dest in enumerate(("adam_beta1", "adam_beta2")):
-            value = float(_number("optimizer.params.betas", betas[i]))
-            out[dest] = (f"optimizer.params.betas[{i}]", betas[i], value, None)
+    kind = _OPTIMIZER_TYPES.get(str(value).lower())
+    if kind is None:
+        raise ValueError(f"{key} {value!r} is not supported: use Adam, AdamW or SGD")
+    return kind
+
+
+_CONVERT: Dict[str, Callable[[str, Any], Any]] = {
+    "timing": lambda key, on: int(_boolean(key, on)),
+    "loss_scale": lambda key, v: float(_number(key, v)) or None,  # 0 = dynamic
+    "power_of_2": lambda key, power: 2.0 ** _number(key, power, integer=True),
+    "count": _count, "offload": _offload, "optimizer_type": _optimizer_type,
+}
+_SAME: Dict[str, Callable[[Any, Any], bool]] = {
+    "timing": lambda given, value: (given >= 1) == bool(value)}
+
+
+def _convert(row: Row, key: str, raw: Any) -> Any:
+    """The flag value of a JSON value: by the row's ds_as, else by the row's type."""
+    if row.spec.ds_as:
+        value = _CONVERT[row.spec.ds_as](key, raw)
+    elif row.type is bool:
+        value = _boolean(key, raw)
+    elif row.type is int:
+        value = _number(key, raw, integer=True)
+    elif row.type is float:
+        value = float(_number(key, raw))
+    else:
+        value = raw
+    choices = row.spec.choices
+    if choices is not None and value not in choices:
+        listed = ", ".join(map(str, choices[:-1])) + f" or {choices[-1]}"
+        raise ValueError(f"{key} must be {listed}, got {raw!r}")
+    return value
+
+
+def _applies(row: Row, ds: Mapping) -> bool:
+    """fp16 loss scaling needs fp16 on; Adam/SGD params need that optimizer type."""
+    when = row.spec.ds_when
+    if when == "fp16":
+        return isinstance(ds.get("fp16"), dict) and ds["fp16"].get("enabled") is True
+    if when in ("adam", "sgd"):
+        optimizer = ds.get("optimizer")
+        kind = optimizer.get("type") if isinstance(optimizer, dict) else None
+        return _OPTIMIZER_TYPES.get(str(kind).lower()) == when
+    return True
+
+
+def read_deepspeed_config(ds: Mapping) -> Tuple[Dict[str, Entry], List[str]]:
+    """(dest -> entry for every table key present in `ds`, every problem found)."""
+    if not isinstance(ds, dict):
+        return {}, ["a DeepSpeed config must be a JSON object"]
+    problems: List[str] = []
+    _reject_placeholders(ds, "", problems)
+    _check_keys(ds, _tree(), "", problems)
+    optimizer = ds.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict) and \
+            optimizer["params"].get("adam_w_mode", True) is not True:
+        problems.append("optimizer.params.adam_w_mode false (Adam with L2 weight decay) is not "
+                        "supported: pretrain_gpt.py's adam is AdamW (decoupled weight decay)")
+    entries: Dict[str, Entry] = {}
+    for row in _rows():
+        try:
+            present, raw = _lookup(ds, row.spec.ds)
+            if present and raw != "auto" and _applies(row, ds):
+                entries[row.dest] = (row.spec.ds, raw, _convert(row, row.spec.ds, raw),
+                                     _SAME.get(row.spec.ds_as or ""))
+        except ValueError as err:
+            problems.append(str(err))
+    return entries, dedupe(problems)
 
 
 def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
                            explicit: Set[str]) -> argparse.Namespace:
     """The flags with the DeepSpeed config's values filled in; `explicit` holds the dests given
-    on the command line, which must agree with the config. Raises a one-line ValueError."""
-    if not isinstance(ds, dict):
-        raise ValueError("a DeepSpeed config must be a JSON object")
-    _reject_placeholders(ds)
-    _check_keys(ds)
-    entries: Dict[str, _Entry] = {}
-    _batch_and_logging(ds, entries)
-    _precision(ds, entries)
-    _optimizer(ds, entries)
+    on the command line, which must agree with the config. Raises a ConfigError listing every
+    problem (one line each)."""
+    entries, problems = read_deepspeed_config(ds)
     if ("gradient_accumulation_steps" not in entries and "global_batch_size" in entries
             and "micro_batch_size" not in entries and flags.micro_batch_size is None):
         entries["gradient_accumulation_steps"] = (
@@ -228,16 +262,15 @@ def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
     out = argparse.Namespace(**vars(flags))
     for dest, (key, raw, value, same) in entries.items():
         given = getattr(flags, dest, None)
-        if dest in explicit:
-            agrees = same(given, value) if same else given == value
-            if not agrees:
-                shown = "" if isinstance(given, bool) else f" {given}"
-                raise ValueError(
-                    f"{_flag(dest)}{shown} on the command line conflicts with "
-                    f"{key}: {json.dumps(raw)} in the DeepSpeed config: drop one or make "
-                    f"them agree")
-            continue
-        setattr(out, dest, value)
+        if dest not in explicit:
+            setattr(out, dest, value)
+        elif not (same(given, value) if same else given == value):
+            shown = "" if isinstance(given, bool) else f" {given}"
+            problems.append(f"{flag_name(dest)}{shown} on the command line conflicts with "
+                            f"{key}: {json.dumps(raw)} in the DeepSpeed config: drop one or "
+                            f"make them agree")
+    if problems:
+        raise ConfigError(problems)
     return out
 
 
@@ -274,3 +307,14 @@ def load_deepspeed_config(path: str) -> Dict[str, Any]:
     if not isinstance(ds, dict):
         raise ValueError(f"--deepspeed-config {path} must hold a JSON object")
     return ds
+
+
+def from_deepspeed_config(ds: Mapping, world_size: int = 1, tp: int = 1, pp: int = 1):
+    """The config objects a DeepSpeed JSON alone defines (for `gigatron.initialize`): a
+    RunConfig with zero, parallel, train, checkpoint and logging set; model, data and
+    lr_schedule are None (the JSON does not describe them). Unset keys keep the defaults."""
+    from gigatron.training.arguments import build_engine_config
+
+    flags = argparse.Namespace(**defaults())
+    flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size = tp, pp
+    return build_engine_config(apply_deepspeed_config(ds, flags, set()), world_size)

@@ -27,16 +27,17 @@ def _configure(argv: Optional[List[str]], launch):
     from gigatron.parallel.launch import require_world_size
     from gigatron.training.arguments import build_run_config, parse_flags
     from gigatron.training.builders import build_tokenizer
-    from gigatron.training.validation import check_data
+    from gigatron.training.validation import Problems, check_data
 
     flags = parse_flags(argv)
     if launch.launcher == "none":  # a plain `python pretrain_gpt.py`: say how to launch
         require_world_size(launch, flags.tensor_model_parallel_size *
                            flags.pipeline_model_parallel_size)
-    world_size = launch.world_size
-    check_data(flags)
-    tokenizer = build_tokenizer(vars(flags)) if flags.tokenizer_type else None
-    run = build_run_config(flags, world_size, tokenizer.vocab_size if tokenizer else None)
+    data_problems = Problems()  # reported with all others by build_run_config
+    check_data(flags, data_problems)
+    tokenizer = build_tokenizer(vars(flags)) if flags.tokenizer_type and not data_problems \
+        else None
+    run = build_run_config(flags, launch.world_size, tokenizer.vocab_size if tokenizer else None)
     if tokenizer is None:
         tokenizer = build_tokenizer(vars(flags), run.model.vocab_size)
     return run, tokenizer

@@ -1,15 +1,19 @@
-"""Checks of the flags taken together; each failure is one line naming the flags and the fix.
+"""Validation of a run's settings, in one place: every problem is found, then all are raised.
 
-Called by `arguments.build_run_config` before any process group, model or data exists.
+Each check adds one line per problem (naming the flag or JSON key and the fix) to a
+`Problems` list instead of stopping at the first; `ConfigError` (a ValueError) carries them
+all. The ZeRO rules come from `gigatron.parallel.zero.config.zero_problems` and the model's
+from `TransformerConfig.problems`, so a rule is written once for flags, JSON and Python users.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from gigatron.training.config import LRScheduleConfig, ParallelConfig
+from gigatron.training.config_table import flag_name
 from gigatron.training.lr_schedule import validate_schedule
 
 # flag dest -> TransformerConfig field, for flags that map one to one
@@ -26,18 +30,63 @@ MODEL_FIELDS = {
     "recompute_num_layers": "recompute_num_layers",
     "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
 }
+_POSITIVE_MODEL = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                   "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
+                   "init_method_std", "recompute_num_layers")
 REQUIRED_WITHOUT_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+def dedupe(lines: Iterable[str]) -> List[str]:
+    """The lines without repeats, in order."""
+    return list(dict.fromkeys(lines))
 
 
-def _positive(flags: argparse.Namespace, *dests: str) -> None:
-    for dest in dests:
-        value = getattr(flags, dest)
-        if value is not None and value <= 0:
-            raise ValueError(f"{_flag(dest)} must be > 0, got {value}")
+def join_problems(problems: Sequence[str]) -> str:
+    """One problem: its line. Several: a count, then one indented line each."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems)
+
+
+class ConfigError(ValueError):
+    """Every problem of a command line or DeepSpeed config, one line each."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = dedupe(problems)
+        super().__init__(join_problems(self.problems))
+
+
+class Problems:
+    """Collects problem lines; `raise_if_any` raises them together as one ConfigError."""
+
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+    def run(self, fn, *args: Any, **kwargs: Any) -> Any:
+        """fn(*args) or None; a ValueError it raises is recorded (each of its lines)."""
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as err:
+            self.lines += err.problems
+        except ValueError as err:
+            self.lines += str(err).splitlines()
+        return None
+
+    def positive(self, flags: argparse.Namespace, *dests: str) -> None:
+        for dest in dests:
+            value = getattr(flags, dest)
+            if value is not None and value <= 0:
+                self.add(f"{flag_name(dest)} must be > 0, got {value}")
+
+    def raise_if_any(self) -> None:
+        if self.lines:
+            raise ConfigError(self.lines)
 
 
 def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
@@ -47,26 +96,23 @@ def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
 
     for dest, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if size < 1:
-            raise ValueError(f"{_flag(dest)} must be >= 1, got {size}")
+            raise ValueError(f"{flag_name(dest)} must be >= 1, got {size}")
     return Topology.from_world_size(world_size, tp=tp, pp=pp).dp
 
 
-def check_parallel(flags: argparse.Namespace, tp: int, pp: int) -> None:
+def check_parallel(flags: argparse.Namespace, p: Problems) -> None:
     """Parallel flags that contradict each other."""
     if flags.use_distributed_optimizer and flags.zero_stage == 0:
-        raise ValueError("--use-distributed-optimizer (ZeRO stage 1) contradicts --zero-stage 0:"
-                         " drop one of them")
-    _positive(flags, "ddp_bucket_size", "distributed_timeout_minutes")
-    if flags.zero_stage == 3 and pp > 1:
-        raise ValueError("--zero-stage 3 needs --pipeline-model-parallel-size 1 (a pipeline stage "
-                         "would re-gather every layer per micro-batch): use --zero-stage 2")
-    if flags.optimizer_cpu_offload and (flags.zero_stage or
-                                        (1 if flags.use_distributed_optimizer else 0)) < 1:
-        raise ValueError("--optimizer-cpu-offload needs a sharded optimizer: add --zero-stage 1 "
-                         "(or 2, 3) or --use-distributed-optimizer")
+        p.add("--use-distributed-optimizer (ZeRO stage 1) contradicts --zero-stage 0: drop one "
+              "of them")
+    p.positive(flags, "distributed_timeout_minutes")
+    if flags.zero_stage == 3 and flags.pipeline_model_parallel_size > 1:
+        p.add("--zero-stage 3 needs --pipeline-model-parallel-size 1 (a pipeline stage would "
+              "re-gather every layer per micro-batch): use --zero-stage 2")
 
 
-def _model_overrides(flags: argparse.Namespace, vocab_size: Optional[int]) -> Dict[str, Any]:
+def _model_overrides(flags: argparse.Namespace, vocab_size: Optional[int],
+                     p: Problems) -> Dict[str, Any]:
     """TransformerConfig fields set by flags (only those given, so zoo values show through)."""
     fields = {f: getattr(flags, d) for d, f in MODEL_FIELDS.items()
               if getattr(flags, d) is not None}
@@ -74,12 +120,11 @@ def _model_overrides(flags: argparse.Namespace, vocab_size: Optional[int]) -> Di
         fields["activation"] = "swiglu"
     if flags.disable_bias_linear:
         fields["add_bias_linear"] = False
-    if flags.group_query_attention:
-        if flags.num_query_groups is None:
-            raise ValueError("--group-query-attention needs --num-query-groups N")
-        fields["num_query_groups"] = flags.num_query_groups
-    elif flags.num_query_groups is not None and flags.model is None:
-        raise ValueError("--num-query-groups is used only with --group-query-attention: add it")
+    if flags.group_query_attention and flags.num_query_groups is None:
+        p.add("--group-query-attention needs --num-query-groups N")
+    elif not flags.group_query_attention and flags.num_query_groups is not None \
+            and flags.model is None:
+        p.add("--num-query-groups is used only with --group-query-attention: add it")
     elif flags.num_query_groups is not None:
         fields["num_query_groups"] = flags.num_query_groups
     vocab = vocab_size if vocab_size is not None else flags.vocab_size
@@ -87,11 +132,12 @@ def _model_overrides(flags: argparse.Namespace, vocab_size: Optional[int]) -> Di
         fields["vocab_size"] = vocab
     fields["sequence_parallel"] = bool(flags.sequence_parallel and
                                        flags.tensor_model_parallel_size > 1)
-    fields["params_dtype"] = _params_dtype(flags)
+    fields["params_dtype"] = params_dtype(flags)
     return fields
 
 
-def _params_dtype(flags: argparse.Namespace):
+def params_dtype(flags: argparse.Namespace):
+    """The parameters' dtype of --fp16 / --bf16 (fp32 without either)."""
     import torch
 
     return torch.bfloat16 if flags.bf16 else torch.float16 if flags.fp16 else torch.float32
@@ -104,157 +150,186 @@ def _megatron_defaults(fields: Dict[str, Any]) -> None:
     fields.setdefault("max_position_embeddings", fields["seq_length"])
 
 
-def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[int]):
-    """The TransformerConfig: --model's zoo config (if given) overridden by model flags."""
-    fields = _model_overrides(flags, vocab_size)
-    _positive(flags, *[d for d in MODEL_FIELDS if d not in (
-        "hidden_dropout", "attention_dropout", "rotary_base", "norm_epsilon",
-        "position_embedding_type", "normalization", "attention_backend",
-        "recompute_granularity", "recompute_method", "untie_embeddings_and_output_weights")])
+def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[int],
+                       p: Problems):
+    """The TransformerConfig: --model's zoo config (if given) overridden by model flags;
+    None (with the problems recorded) when it cannot be built."""
+    n = len(p.lines)
+    fields = _model_overrides(flags, vocab_size, p)
+    p.positive(flags, *_POSITIVE_MODEL)
     if flags.model is not None:
         from gigatron.models.zoo import list_models, load_config
 
         if flags.model not in list_models():
-            raise ValueError(f"--model {flags.model} is not in the zoo: choose one of "
-                             f"{', '.join(list_models())}")
-        config = load_config(flags.model, **fields)
+            p.add(f"--model {flags.model} is not in the zoo: choose one of "
+                  f"{', '.join(list_models())}")
+            return None
+        build = load_config
+        args: Tuple = (flags.model,)
     else:
-        missing = [_flag(d) for d in REQUIRED_WITHOUT_MODEL if getattr(flags, d) is None]
+        missing = [flag_name(d) for d in REQUIRED_WITHOUT_MODEL if getattr(flags, d) is None]
         if missing:
-            raise ValueError(f"{', '.join(missing)} required (or name a zoo model with --model)")
+            p.add(f"{', '.join(missing)} required (or name a zoo model with --model)")
         if "vocab_size" not in fields:
-            raise ValueError("the vocabulary size is unknown: give --tokenizer-type and its "
-                             "files, or --vocab-size with --mock-data")
+            p.add("the vocabulary size is unknown: give --tokenizer-type and its files, or "
+                  "--vocab-size with --mock-data")
+        if len(p.lines) > n:
+            return None
         _megatron_defaults(fields)
         from gigatron.models.config import TransformerConfig
 
-        config = TransformerConfig(**fields)
-    config.validate(tp)
-    return config
+        build, args = TransformerConfig, ()
+    if len(p.lines) > n:
+        return None
+    config = p.run(build, *args, **fields)
+    if config is not None:
+        p.lines += config.problems(tp)
+    return config if len(p.lines) == n else None
 
 
-def microbatches(flags: argparse.Namespace, dp: int) -> Tuple[int, int, int]:
+def microbatches(flags: argparse.Namespace, dp: int,
+                 p: Problems) -> Optional[Tuple[int, int, int]]:
     """(micro batch, global batch, micro-batches per step); gbs defaults to mbs x dp."""
-    grad_acc = getattr(flags, "gradient_accumulation_steps", None)  # --deepspeed-config only
+    n = len(p.lines)
+    p.positive(flags, "micro_batch_size", "global_batch_size")
+    grad_acc = flags.gradient_accumulation_steps  # --deepspeed-config only
     if grad_acc is not None:
         from gigatron.training.deepspeed_config import deepspeed_batch_sizes
 
-        _positive(flags, "micro_batch_size", "global_batch_size")
-        mbs, gbs = deepspeed_batch_sizes(flags.global_batch_size, flags.micro_batch_size,
-                                         grad_acc, dp)
-        return mbs, gbs, grad_acc
+        sizes = None if len(p.lines) > n else p.run(
+            deepspeed_batch_sizes, flags.global_batch_size, flags.micro_batch_size, grad_acc,
+            dp)
+        return None if sizes is None else (*sizes, grad_acc)
     if flags.micro_batch_size is None:
-        raise ValueError("--micro-batch-size is required")
-    _positive(flags, "micro_batch_size", "global_batch_size")
+        p.add("--micro-batch-size is required")
+    if len(p.lines) > n:
+        return None
     mbs = flags.micro_batch_size
     gbs = flags.global_batch_size if flags.global_batch_size is not None else mbs * dp
     if gbs % (mbs * dp):
-        raise ValueError(
-            f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x "
-            f"data-parallel size {dp} = {mbs * dp}: change one of them")
+        p.add(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x "
+              f"data-parallel size {dp} = {mbs * dp}: change one of them")
+        return None
     return mbs, gbs, gbs // (mbs * dp)
 
 
 def check_train(flags: argparse.Namespace, parallel: ParallelConfig, model,
-                num_microbatches: int) -> None:
+                num_microbatches: Optional[int], p: Problems) -> None:
     """Loop flags and the pipeline's needs on layers and micro-batches."""
     if flags.train_iters is None:
-        raise ValueError("--train-iters is required")
-    _positive(flags, "train_iters", "eval_interval", "log_interval", "exit_interval",
-              "save_interval")
+        p.add("--train-iters is required")
+    p.positive(flags, "train_iters", "eval_interval", "log_interval", "exit_interval",
+               "save_interval")
     if flags.eval_iters < 0:
-        raise ValueError(f"--eval-iters must be >= 0, got {flags.eval_iters}")
+        p.add(f"--eval-iters must be >= 0, got {flags.eval_iters}")
+    if model is None:
+        return
     from gigatron.parallel.pipeline.partition import partition_layers
     from gigatron.parallel.pipeline.schedules import check_num_microbatches
 
-    partition = partition_layers(
-        model.num_layers, parallel.pp,
-        first_stage_layers=parallel.decoder_first_pipeline_num_layers,
-        last_stage_layers=parallel.decoder_last_pipeline_num_layers,
-        num_layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage)
-    check_num_microbatches(num_microbatches, parallel.pp, partition.virtual_chunks)
+    partition = p.run(partition_layers, model.num_layers, parallel.pp,
+                      first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+                      last_stage_layers=parallel.decoder_last_pipeline_num_layers,
+                      num_layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage)
+    if partition is not None and num_microbatches is not None:
+        p.run(check_num_microbatches, num_microbatches, parallel.pp, partition.virtual_chunks)
 
 
-def check_optimizer(flags: argparse.Namespace, parallel: ParallelConfig) -> None:
-    """Precision, loss-scale and optimizer flags."""
+def check_optimizer(flags: argparse.Namespace, p: Problems) -> None:
+    """Precision and loss-scale flags (the ZeroConfig rules are in zero_problems)."""
     if flags.lr is None:
-        raise ValueError("--lr is required")
+        p.add("--lr is required")
     if flags.fp16 and flags.bf16:
-        raise ValueError("--fp16 and --bf16 are exclusive: pick one")
+        p.add("--fp16 and --bf16 are exclusive: pick one")
     if flags.loss_scale is not None and not flags.fp16:
-        raise ValueError("--loss-scale applies to --fp16 only: add --fp16 or drop it")
-    _positive(flags, "loss_scale", "initial_loss_scale", "loss_scale_window", "hysteresis")
-    power = math.log2(flags.initial_loss_scale)
-    if power != int(power):
-        raise ValueError(f"--initial-loss-scale {flags.initial_loss_scale} must be a power of 2 "
-                         f"(dynamic scaling moves in factors of 2 from 2**initial_scale_power)")
-    if flags.clip_grad < 0:
-        raise ValueError(f"--clip-grad must be >= 0 (0 disables clipping), got {flags.clip_grad}")
-    if flags.weight_decay < 0:
-        raise ValueError(f"--weight-decay must be >= 0, got {flags.weight_decay}")
-    for dest in ("adam_beta1", "adam_beta2"):
-        if not 0.0 <= getattr(flags, dest) < 1.0:
-            raise ValueError(f"{_flag(dest)} must be in [0, 1), got {getattr(flags, dest)}")
+        p.add("--loss-scale applies to --fp16 only: add --fp16 or drop it")
+    if flags.initial_loss_scale <= 0:
+        p.add(f"--initial-loss-scale must be > 0, got {flags.initial_loss_scale}")
+    elif not math.log2(flags.initial_loss_scale).is_integer():
+        p.add(f"--initial-loss-scale {flags.initial_loss_scale} must be a power of 2 "
+              f"(dynamic scaling moves in factors of 2 from 2**initial_scale_power)")
 
 
-def build_lr_schedule(flags: argparse.Namespace, global_batch_size: int) -> LRScheduleConfig:
-    """Megatron's schedule in samples: iterations x global batch."""
+def build_lr_schedule(flags: argparse.Namespace, global_batch_size: int,
+                      p: Optional[Problems] = None) -> Optional[LRScheduleConfig]:
+    """Megatron's schedule in samples: iterations x global batch (None if it cannot be
+    built; without `p`, problems raise)."""
+    own = p is None
+    p = Problems() if p is None else p
+    n = len(p.lines)
     if flags.lr_warmup_fraction is not None and flags.lr_warmup_iters:
-        raise ValueError("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
-    _positive(flags, "lr_decay_iters", "lr_wsd_decay_iters")
+        p.add("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
+    p.positive(flags, "lr_decay_iters", "lr_wsd_decay_iters")
+    if flags.lr_warmup_fraction is not None and not 0.0 <= flags.lr_warmup_fraction < 1.0:
+        p.add(f"--lr-warmup-fraction must be in [0, 1), got {flags.lr_warmup_fraction}")
+    if flags.lr_warmup_iters < 0:
+        p.add(f"--lr-warmup-iters must be >= 0, got {flags.lr_warmup_iters}")
     decay_iters = flags.lr_decay_iters if flags.lr_decay_iters is not None else flags.train_iters
+    if len(p.lines) > n or flags.lr is None or decay_iters is None or decay_iters <= 0:
+        if own:
+            p.raise_if_any()
+        return None
     decay_steps = decay_iters * global_batch_size
     if flags.lr_warmup_fraction is not None:
-        if not 0.0 <= flags.lr_warmup_fraction < 1.0:
-            raise ValueError(f"--lr-warmup-fraction must be in [0, 1), got "
-                             f"{flags.lr_warmup_fraction}")
         warmup_steps = int(flags.lr_warmup_fraction * decay_steps)
     else:
-        if flags.lr_warmup_iters < 0:
-            raise ValueError(f"--lr-warmup-iters must be >= 0, got {flags.lr_warmup_iters}")
         warmup_steps = flags.lr_warmup_iters * global_batch_size
     wsd = flags.lr_wsd_decay_iters * global_batch_size if flags.lr_wsd_decay_iters else None
     cfg = LRScheduleConfig(max_lr=flags.lr, min_lr=flags.min_lr,
                            decay_style=flags.lr_decay_style, warmup_steps=warmup_steps,
                            decay_steps=decay_steps, init_lr=flags.lr_warmup_init,
                            wsd_decay_steps=wsd, wsd_decay_style=flags.lr_wsd_decay_style)
-    validate_schedule(cfg)
-    return cfg
+    p.run(validate_schedule, cfg)
+    if own:
+        p.raise_if_any()
+    return cfg if len(p.lines) == n else None
 
 
-def check_data(flags: argparse.Namespace) -> None:
-    """Exactly one data source, and the tokenizer's files for its type."""
+_TOKENIZER_NEEDS = {"SentencePieceTokenizer": ("tokenizer_model",),
+                    "HuggingFaceTokenizer": ("tokenizer_model",),
+                    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+                    "NullTokenizer": ("vocab_size",)}
+
+
+def check_data(flags: argparse.Namespace, p: Optional[Problems] = None) -> None:
+    """Exactly one data source, and the tokenizer's files for its type (without `p`, the
+    problems raise as one ConfigError)."""
+    own = p is None
+    p = Problems() if p is None else p
     sources = [name for name, given in (
         ("--data-path", flags.data_path), ("--train-data-path", flags.train_data_path),
         ("--mock-data", flags.mock_data)) if given]
     if not sources:
-        raise ValueError("no training data: give --data-path PREFIX (or --train-data-path/"
-                         "--valid-data-path/--test-data-path, or --mock-data)")
+        p.add("no training data: give --data-path PREFIX (or --train-data-path/"
+              "--valid-data-path/--test-data-path, or --mock-data)")
     if len(sources) > 1:
-        raise ValueError(f"{' and '.join(sources)} are exclusive: give one data source")
+        p.add(f"{' and '.join(sources)} are exclusive: give one data source")
     if flags.data_path and len(flags.data_path) > 1 and len(flags.data_path) % 2:
-        raise ValueError("--data-path with several datasets takes weight/prefix pairs: "
-                         "--data-path 0.3 prefixA 0.7 prefixB")
+        p.add("--data-path with several datasets takes weight/prefix pairs: "
+              "--data-path 0.3 prefixA 0.7 prefixB")
     if (flags.valid_data_path or flags.test_data_path) and not flags.train_data_path:
-        raise ValueError("--valid-data-path/--test-data-path need --train-data-path")
-    _check_split(flags.split)
-    if flags.mock_data:
-        return
-    needs = {"SentencePieceTokenizer": ("tokenizer_model",),
-             "HuggingFaceTokenizer": ("tokenizer_model",),
-             "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-             "NullTokenizer": ("vocab_size",)}
+        p.add("--valid-data-path/--test-data-path need --train-data-path")
+    p.run(_check_split, flags.split)
+    if not flags.mock_data:
+        _check_tokenizer_and_files(flags, p)
+    if own:
+        p.raise_if_any()
+
+
+def _check_tokenizer_and_files(flags: argparse.Namespace, p: Problems) -> None:
     if flags.tokenizer_type is None:
-        raise ValueError("--tokenizer-type is required with real data (e.g. "
-                         "SentencePieceTokenizer with --tokenizer-model)")
-    missing = [_flag(d) for d in needs[flags.tokenizer_type] if getattr(flags, d) is None]
-    if missing:
-        raise ValueError(f"--tokenizer-type {flags.tokenizer_type} needs {', '.join(missing)}")
-    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        _check_prefixes(_flag(flag), getattr(flags, flag))
+        p.add("--tokenizer-type is required with real data (e.g. SentencePieceTokenizer "
+              "with --tokenizer-model)")
+    else:
+        missing = [flag_name(d) for d in _TOKENIZER_NEEDS[flags.tokenizer_type]
+                   if getattr(flags, d) is None]
+        if missing:
+            p.add(f"--tokenizer-type {flags.tokenizer_type} needs {', '.join(missing)}")
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        _check_prefixes(flag_name(dest), getattr(flags, dest), p)
 
 
-def _check_prefixes(flag: str, values) -> None:
+def _check_prefixes(flag: str, values, p: Problems) -> None:
     """Each dataset prefix names an existing .bin/.idx pair (weights come before prefixes)."""
     if not values:
         return
@@ -265,7 +340,8 @@ def _check_prefixes(flag: str, values) -> None:
                 hint = " (give the prefix without .bin/.idx)" if \
                     prefix.endswith((".bin", ".idx")) else \
                     " (the prefix tools/preprocess_data.py wrote, e.g. data/corpus_text_document)"
-                raise ValueError(f"{flag} {prefix}: {prefix + ext} does not exist{hint}")
+                p.add(f"{flag} {prefix}: {prefix + ext} does not exist{hint}")
+                break
 
 
 def _check_split(split: str) -> None:
@@ -278,14 +354,14 @@ def _check_split(split: str) -> None:
                          f"(train,valid,test) with a positive sum, like 969,30,1")
 
 
-def check_checkpointing(flags: argparse.Namespace) -> None:
+def check_checkpointing(flags: argparse.Namespace, p: Problems) -> None:
     """--save/--load companions."""
     if flags.save_interval is not None and flags.save is None:
-        raise ValueError("--save-interval needs --save DIR")
+        p.add("--save-interval needs --save DIR")
     if flags.finetune and flags.load is None:
-        raise ValueError("--finetune needs --load DIR (the checkpoint to start from)")
+        p.add("--finetune needs --load DIR (the checkpoint to start from)")
 
 
-def check_logging(flags: argparse.Namespace) -> None:
+def check_logging(flags: argparse.Namespace, p: Problems) -> None:
     """Logging flags that need a value in range."""
-    _positive(flags, "peak_tflops")
+    p.positive(flags, "peak_tflops")

@@ -1,7 +1,9 @@
 """ZeroConfig: every knob of the ZeRO optimizer wrapper, named as DeepSpeed / Megatron name it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, List, Mapping, Optional
+
 import torch
 
 _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,101 +67,56 @@ class ZeroConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise a ValueError naming the bad field and the fix."""
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.reduce_bucket_size < 1:
-            raise ValueError(f"reduce_bucket_size must be a positive element count, got "
-                             f"{self.reduce_bucket_size!r}")
-        if self.optimizer not in _OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r} is not supported: use one of "
-                             f"{', '.join(_OPTIMIZERS)}")
-        if self.offload_optimizer not in ("none", "cpu"):
-            raise ValueError(f"offload_optimizer must be 'none' or 'cpu', got "
-                             f"{self.offload_optimizer!r}")
-        if self.offload_optimizer == "cpu" and self.zero_stage < 1:
-            raise ValueError("offload_optimizer='cpu' needs zero_stage >= 1 (the offloaded "
-                             "state is the sharded optimizer state): set zero_stage to 1-3")
-        if self.grad_reduce_dtype not in _REDUCE_DTYPES:
-            raise ValueError(f"grad_reduce_dtype must be one of {sorted(_REDUCE_DTYPES)}, got "
-                             f"{self.grad_reduce_dtype!r}")
-        if self.clip_grad < 0:
-            raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got "
-                             f"{self.clip_grad!r}")
-        if self.loss_scale < 0:
-            raise ValueError(f"loss_scale must be >= 0 (0 = dynamic), got {self.loss_scale!r}")
-        if self.loss_scale_window < 1 or self.hysteresis < 1:
-            raise ValueError("loss_scale_window and hysteresis must be >= 1, got "
-                             f"{self.loss_scale_window!r} and {self.hysteresis!r}")
-        if self.min_loss_scale <= 0:
-            raise ValueError(f"min_loss_scale must be > 0, got {self.min_loss_scale!r}")
+        """Raise a ValueError listing every bad field (one per line) and its fix."""
+        problems = zero_problems(vars(self))
+        if problems:
+            raise ValueError("\n".join(problems))
 
     @property
     def reduce_dtype(self) -> torch.dtype:
         return _REDUCE_DTYPES[self.grad_reduce_dtype]
 
-    @classmethod
-    def from_deepspeed(cls, ds: dict, **overrides) -> "ZeroConfig":
-        """Read the `zero_optimization`, `fp16` and `gradient_clipping` parts of a DeepSpeed
-        JSON config; unknown keys in those sections are errors."""
-        kw = {field: value for field, (_, value) in deepspeed_fields(ds).items()}
-        kw.update(overrides)
-        return cls(**kw)
+
+def zero_problems(values: Mapping[str, Any],
+                  names: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Every bad ZeroConfig value in `values` (field -> value), one line each naming the
+    field as `names` spells it (a flag or JSON key; default the field name) and the fix.
+    The one place these rules live: ZeroConfig and pretrain_gpt.py's validation both use it."""
+    def n(field: str) -> str:
+        return (names or {}).get(field, field)
+
+    v = {**_DEFAULTS, **values}
+    rules = [
+        (v["zero_stage"] in (0, 1, 2, 3),
+         f"{n('zero_stage')} must be 0, 1, 2 or 3, got {v['zero_stage']!r}"),
+        (v["reduce_bucket_size"] >= 1,
+         f"{n('reduce_bucket_size')} must be a positive element count, got "
+         f"{v['reduce_bucket_size']!r}"),
+        (v["optimizer"] in _OPTIMIZERS,
+         f"{n('optimizer')} {v['optimizer']!r} is not supported: use one of "
+         f"{', '.join(_OPTIMIZERS)}"),
+        (v["offload_optimizer"] in ("none", "cpu"),
+         f"{n('offload_optimizer')} must be 'none' or 'cpu', got {v['offload_optimizer']!r}"),
+        (v["offload_optimizer"] != "cpu" or v["zero_stage"] not in (0, None),
+         f"{n('offload_optimizer')} needs a sharded optimizer (the offloaded state is the "
+         f"sharded optimizer state): set {n('zero_stage')} to 1, 2 or 3"),
+        (v["grad_reduce_dtype"] in _REDUCE_DTYPES,
+         f"{n('grad_reduce_dtype')} must be one of {sorted(_REDUCE_DTYPES)}, got "
+         f"{v['grad_reduce_dtype']!r}"),
+        (v["clip_grad"] >= 0,
+         f"{n('clip_grad')} must be >= 0 (0 disables clipping), got {v['clip_grad']!r}"),
+        (v["weight_decay"] >= 0, f"{n('weight_decay')} must be >= 0, got {v['weight_decay']!r}"),
+        (v["loss_scale"] >= 0, f"{n('loss_scale')} must be >= 0 (0 = dynamic), got "
+                               f"{v['loss_scale']!r}"),
+        (v["loss_scale_window"] >= 1,
+         f"{n('loss_scale_window')} must be >= 1, got {v['loss_scale_window']!r}"),
+        (v["hysteresis"] >= 1, f"{n('hysteresis')} must be >= 1, got {v['hysteresis']!r}"),
+        (v["min_loss_scale"] > 0,
+         f"{n('min_loss_scale')} must be > 0, got {v['min_loss_scale']!r}"),
+    ]
+    rules += [(0.0 <= v[b] < 1.0, f"{n(b)} must be in [0, 1), got {v[b]!r}")
+              for b in ("adam_beta1", "adam_beta2")]
+    return [message for ok, message in rules if not ok]
 
 
-# DeepSpeed JSON key -> ZeroConfig field: the ONE mapping of these sections (pretrain_gpt.py's
-# --deepspeed-config reads them through deepspeed_fields too).
-DEEPSPEED_ZERO_KEYS = {"stage": "zero_stage", "reduce_bucket_size": "reduce_bucket_size",
-                       "overlap_comm": "overlap_comm", "offload_optimizer": "offload_optimizer"}
-DEEPSPEED_FP16_KEYS = {key: key for key in (
-    "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-    "consecutive_hysteresis", "min_loss_scale")}
-_OFFLOAD_KEYS = ("device", "pin_memory")
-
-
-def _section(ds: dict, name: str) -> dict:
-    section = ds.get(name, {})
-    if not isinstance(section, dict):
-        raise ValueError(f"{name} must be a JSON object, got {section!r}")
-    return section
-
-
-def _offload_device(offload) -> str:
-    """offload_optimizer {device, pin_memory} -> 'cpu' or 'none'."""
-    if not isinstance(offload, dict):
-        raise ValueError(f"zero_optimization.offload_optimizer must be a JSON object like "
-                         f'{{"device": "cpu"}}, got {offload!r}')
-    for key in offload:
-        if key not in _OFFLOAD_KEYS:
-            raise ValueError(f"zero_optimization.offload_optimizer.{key} is not supported; "
-                             f"known keys: {list(_OFFLOAD_KEYS)}")
-    if offload.get("pin_memory", True) is not True:
-        raise ValueError("zero_optimization.offload_optimizer.pin_memory false is not "
-                         "supported: offloaded state is always pinned on CUDA (set it to true "
-                         "or drop it)")
-    return offload.get("device", "none")
-
-
-def deepspeed_fields(ds: dict) -> dict:
-    """ZeroConfig field -> (DeepSpeed key, value) for the `zero_optimization`, `fp16` (all but
-    `enabled`) and `gradient_clipping` entries present in `ds`; unknown keys are errors."""
-    out: dict = {}
-    for key, value in _section(ds, "zero_optimization").items():
-        if key not in DEEPSPEED_ZERO_KEYS:
-            raise ValueError(f"zero_optimization.{key} is not supported; known keys: "
-                             f"{sorted(DEEPSPEED_ZERO_KEYS)}")
-        if key == "offload_optimizer":
-            value = _offload_device(value)
-        elif key == "reduce_bucket_size" and isinstance(value, float) and value.is_integer():
-            value = int(value)  # DeepSpeed configs often write 5e8
-        out[DEEPSPEED_ZERO_KEYS[key]] = (f"zero_optimization.{key}", value)
-    for key, value in _section(ds, "fp16").items():
-        if key == "enabled":
-            continue
-        if key not in DEEPSPEED_FP16_KEYS:
-            raise ValueError(f"fp16.{key} is not supported; known keys: "
-                             f"{['enabled'] + list(DEEPSPEED_FP16_KEYS)}")
-        out[DEEPSPEED_FP16_KEYS[key]] = (f"fp16.{key}", value)
-    if "gradient_clipping" in ds:
-        out["clip_grad"] = ("gradient_clipping", float(ds["gradient_clipping"]))
-    return out
+_DEFAULTS = {f.name: f.default for f in fields(ZeroConfig)}

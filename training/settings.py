@@ -1,0 +1,197 @@
+"""The flags of concerns whose runtime config is owned elsewhere, one dataclass per concern.
+
+`validation.py` turns them into the owner's config: ModelSettings -> the model's
+TransformerConfig (a flag left at None lets the --model zoo value show through),
+PrecisionSettings + OptimizerSettings -> the ZeRO wrapper's ZeroConfig and the
+LRScheduleConfig, DataSettings -> GPTDataConfig and the tokenizer. Each field is one row of
+the config table (see `config_field.setting`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from gigatron.training.config_field import setting
+from gigatron.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
+
+TOKENIZERS = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+              "NullTokenizer")
+
+
+@dataclass
+class ModelSettings:
+    """Model flags; each overrides the --model zoo config (None: the zoo's or the default)."""
+
+    model: Optional[str] = setting(None, "zoo model name (e.g. gpt2-124m, llama3-8b)",
+                                   "--model", metavar="NAME")
+    num_layers: Optional[int] = setting(None, "transformer layers", "--num-layers")
+    hidden_size: Optional[int] = setting(None, "width of the residual stream",
+                                         "--hidden-size")
+    ffn_hidden_size: Optional[int] = setting(None, "MLP inner width (default 4 x hidden; "
+                                             "SwiGLU: 8/3 x hidden, rounded to 64)",
+                                             "--ffn-hidden-size")
+    num_attention_heads: Optional[int] = setting(None, "query heads",
+                                                 "--num-attention-heads")
+    num_query_groups: Optional[int] = setting(None, "key/value heads with "
+                                              "--group-query-attention", "--num-query-groups")
+    seq_length: Optional[int] = setting(None, "tokens per sample", "--seq-length")
+    max_position_embeddings: Optional[int] = setting(
+        None, "rows of the learned position table (default --seq-length)",
+        "--max-position-embeddings")
+    make_vocab_size_divisible_by: Optional[int] = setting(
+        None, "pad the vocabulary to a multiple of this x tp (model default 128)",
+        "--make-vocab-size-divisible-by")
+    position_embedding_type: Optional[str] = setting(
+        None, "learned_absolute (GPT) or rope (Llama)", "--position-embedding-type",
+        choices=("learned_absolute", "rope"))
+    rotary_base: Optional[float] = setting(None, "RoPE base theta (model default 10000)",
+                                           "--rotary-base")
+    normalization: Optional[str] = setting(None, "norm layer (model default LayerNorm)",
+                                           "--normalization", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: Optional[float] = setting(None, "epsilon of the norms (model default 1e-5)",
+                                            "--norm-epsilon")
+    group_query_attention: Optional[bool] = setting(
+        None, "use --num-query-groups key/value groups", "--group-query-attention")
+    swiglu: Optional[bool] = setting(None, "SwiGLU MLP (Llama style)", "--swiglu")
+    untie_embeddings_and_output_weights: Optional[bool] = setting(
+        None, "separate output layer", "--untie-embeddings-and-output-weights")
+    disable_bias_linear: Optional[bool] = setting(None, "no biases in linear layers",
+                                                  "--disable-bias-linear")
+    hidden_dropout: Optional[float] = setting(None, "dropout on residual branches (model "
+                                              "default 0.1)", "--hidden-dropout")
+    attention_dropout: Optional[float] = setting(None, "dropout on attention probabilities "
+                                                 "(model default 0.1)", "--attention-dropout")
+    init_method_std: Optional[float] = setting(None, "std of the weights' normal init (model "
+                                               "default 0.02)", "--init-method-std")
+    attention_backend: Optional[str] = setting(None, "core attention (model default sdpa)",
+                                               "--attention-backend",
+                                               choices=("sdpa", "unfused"))
+    recompute_granularity: Optional[str] = setting(
+        None, "activation recomputation: whole layers or core attention",
+        "--recompute-granularity", choices=("full", "selective"))
+    recompute_method: Optional[str] = setting(
+        None, "with full: chunks of N layers (uniform) or the first N (block)",
+        "--recompute-method", choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = setting(None, "N of --recompute-method",
+                                                  "--recompute-num-layers")
+
+
+@dataclass
+class PrecisionSettings:
+    """Mixed precision, loss scaling and ZeRO flags (-> ZeroConfig and params dtype)."""
+
+    fp16: bool = setting(False, "fp16 parameters with dynamic loss scaling", "--fp16",
+                         ds="fp16.enabled")
+    bf16: bool = setting(False, "bf16 parameters with fp32 master weights", "--bf16",
+                         ds="bf16.enabled")
+    loss_scale: Optional[float] = setting(
+        None, "static loss scale for --fp16 (default: dynamic)", "--loss-scale",
+        ds="fp16.loss_scale", ds_as="loss_scale", ds_when="fp16", ds_doc="0 = dynamic")
+    initial_loss_scale: float = setting(
+        2.0 ** 16, "first dynamic loss scale (a power of 2)", "--initial-loss-scale",
+        ds="fp16.initial_scale_power", ds_as="power_of_2", ds_when="fp16",
+        ds_doc="2**power")
+    min_loss_scale: float = setting(1.0, "floor of the dynamic loss scale",
+                                    "--min-loss-scale", ds="fp16.min_loss_scale",
+                                    ds_when="fp16")
+    loss_scale_window: int = setting(1000, "clean steps before the loss scale doubles",
+                                     "--loss-scale-window", ds="fp16.loss_scale_window",
+                                     ds_when="fp16")
+    hysteresis: int = setting(2, "overflows tolerated before the loss scale halves",
+                              "--hysteresis", ds="fp16.hysteresis", ds_when="fp16")
+    consecutive_hysteresis: Optional[bool] = setting(
+        None, "refill the hysteresis on every clean step (JSON only; default false)",
+        ds="fp16.consecutive_hysteresis", ds_when="fp16")
+    zero_stage: Optional[int] = setting(
+        None, "ZeRO stage: 1 shards optimizer state, 2 also grads, 3 also parameters "
+        "(default 0, or 1 with --use-distributed-optimizer)", "--zero-stage",
+        choices=(0, 1, 2, 3), ds="zero_optimization.stage")
+    use_distributed_optimizer: bool = setting(False, "Megatron's name for ZeRO stage 1",
+                                              "--use-distributed-optimizer")
+    ddp_bucket_size: Optional[int] = setting(
+        None, "gradient bucket size in elements (default 500000000)", "--ddp-bucket-size",
+        ds="zero_optimization.reduce_bucket_size", ds_as="count")
+    overlap_comm: Optional[bool] = setting(
+        None, "reduce buckets during backward (JSON only; default true)",
+        ds="zero_optimization.overlap_comm")
+    grad_reduce_in_bf16: bool = setting(False, "reduce gradients in bf16",
+                                        "--grad-reduce-in-bf16")
+    optimizer_cpu_offload: bool = setting(
+        False, "keep master weights and optimizer state on the host (ZeRO >= 1)",
+        "--optimizer-cpu-offload", ds="zero_optimization.offload_optimizer",
+        ds_as="offload", ds_doc='{"device": "cpu"} = on, "none" = off')
+
+
+@dataclass
+class OptimizerSettings:
+    """Optimizer, clipping and Megatron's learning-rate schedule (in iterations)."""
+
+    optimizer: str = setting("adam", "adam is AdamW (decoupled weight decay)", "--optimizer",
+                             choices=("adam", "sgd"), ds="optimizer.type",
+                             ds_as="optimizer_type", ds_doc="Adam, AdamW = adam; SGD = sgd")
+    lr: Optional[float] = setting(None, "peak learning rate (required)", "--lr",
+                                  ds="optimizer.params.lr")
+    min_lr: float = setting(0.0, "learning rate at the end of the decay", "--min-lr")
+    lr_decay_style: str = setting("linear", "decay after warm-up", "--lr-decay-style",
+                                  choices=DECAY_STYLES)
+    lr_decay_iters: Optional[int] = setting(None, "iterations of warm-up + decay (default "
+                                            "--train-iters)", "--lr-decay-iters")
+    lr_warmup_iters: int = setting(0, "warm-up iterations", "--lr-warmup-iters")
+    lr_warmup_fraction: Optional[float] = setting(
+        None, "warm-up as a fraction of --lr-decay-iters", "--lr-warmup-fraction")
+    lr_warmup_init: float = setting(0.0, "learning rate at the start of warm-up",
+                                    "--lr-warmup-init")
+    lr_wsd_decay_style: str = setting("exponential", "annealing of the WSD schedule",
+                                      "--lr-wsd-decay-style", choices=WSD_DECAY_STYLES)
+    lr_wsd_decay_iters: Optional[int] = setting(None, "annealing iterations of WSD",
+                                                "--lr-wsd-decay-iters")
+    weight_decay: float = setting(0.01, "decoupled weight decay (not on biases and norms)",
+                                  "--weight-decay", ds="optimizer.params.weight_decay")
+    adam_beta1: float = setting(0.9, "Adam beta1", "--adam-beta1",
+                                ds="optimizer.params.betas[0]", ds_when="adam")
+    adam_beta2: float = setting(0.999, "Adam beta2", "--adam-beta2",
+                                ds="optimizer.params.betas[1]", ds_when="adam")
+    adam_eps: float = setting(1e-8, "Adam epsilon", "--adam-eps", ds="optimizer.params.eps",
+                              ds_when="adam")
+    sgd_momentum: float = setting(0.9, "SGD momentum", "--sgd-momentum",
+                                  ds="optimizer.params.momentum", ds_when="sgd")
+    clip_grad: float = setting(1.0, "clip the global gradient norm to this (0: off)",
+                               "--clip-grad", ds="gradient_clipping")
+
+
+@dataclass
+class DataSettings:
+    """Data sources and the tokenizer (-> GPTDataConfig and the tokenizer)."""
+
+    data_path: Optional[List[str]] = setting(None, "prefix, or weight prefix weight prefix ...",
+                                             "--data-path", metavar="PATH")
+    split: str = setting("969,30,1", "train,valid,test weights of --data-path", "--split")
+    train_data_path: Optional[List[str]] = setting(None, "training prefixes (weighted)",
+                                                   "--train-data-path", metavar="PATH")
+    valid_data_path: Optional[List[str]] = setting(None, "validation prefixes (weighted)",
+                                                   "--valid-data-path", metavar="PATH")
+    test_data_path: Optional[List[str]] = setting(None, "test prefixes (weighted)",
+                                                  "--test-data-path", metavar="PATH")
+    mock_data: bool = setting(False, "random tokens instead of a corpus", "--mock-data")
+    data_cache_path: Optional[str] = setting(None, "where sample indices are cached",
+                                             "--data-cache-path")
+    tokenizer_type: Optional[str] = setting(None, "tokenizer of the corpus",
+                                            "--tokenizer-type", choices=TOKENIZERS)
+    tokenizer_model: Optional[str] = setting(None, "SentencePiece / HuggingFace model",
+                                             "--tokenizer-model")
+    vocab_file: Optional[str] = setting(None, "GPT-2 BPE vocab.json", "--vocab-file")
+    merge_file: Optional[str] = setting(None, "GPT-2 BPE merges.txt", "--merge-file")
+    vocab_size: Optional[int] = setting(None, "vocabulary of NullTokenizer / --mock-data",
+                                        "--vocab-size")
+    eod_mask_loss: bool = setting(False, "no loss on end-of-document tokens",
+                                  "--eod-mask-loss")
+
+
+@dataclass
+class SourceSettings:
+    """Where else settings come from."""
+
+    deepspeed_config: Optional[str] = setting(
+        None, "a DeepSpeed JSON config: fills flags not given; a flag that disagrees with it, "
+        "or an unsupported key, is an error", "--deepspeed-config", "--deepspeed_config",
+        metavar="PATH")
