@@ -173,9 +173,8 @@ def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[
         if "vocab_size" not in fields:
             p.add("the vocabulary size is unknown: give --tokenizer-type and its files, or "
                   "--vocab-size with --mock-data")
-        if len(p.lines) > n:
-            return None
-        _megatron_defaults(fields)
+        if len(p.lines) == n:
+            _megatron_defaults(fields)
         from gigatron.models.config import TransformerConfig
 
         build, args = TransformerConfig, ()
