@@ -78,7 +78,7 @@ def gpt_reference_norm():
 
 def _tp2_pp2_dp2(rank, world):
     from gigatron.parallel.pipeline.executor import PipelineExecutor
-    from gigatron.parallel.pipeline.model_chunks import build_model_chunks
+    from gigatron.models.pipeline_chunks import build_model_chunks
     from gigatron.parallel.pipeline.p2p import PipelineP2P
     from gigatron.parallel.pipeline.partition import partition_layers
     from gigatron.parallel.pipeline.schedules import build_schedule
