@@ -133,6 +133,16 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     return StepOutcome(_local_mean(losses), lr, step.grad_norm, step.loss_scale, step.skipped)
 
 
+def advance(progress: TrainProgress, outcome: StepOutcome, global_batch_size: int) -> None:
+    """Count the step: samples always, the lr schedule only if the step was applied."""
+    progress.iteration += 1
+    progress.consumed_train_samples += global_batch_size
+    if outcome.skipped:
+        progress.skipped_iterations += 1
+    else:
+        progress.lr_steps += global_batch_size
+
+
 def evaluate(s: Session, split: int, consumed: int, iterations: int) -> Optional[float]:
     """Mean lm loss over `iterations` global batches of split 0/1/2 from sample `consumed`."""
     dataset = s.datasets[split]
@@ -237,12 +247,7 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
     interval = _Interval()
     while progress.iteration < t.train_iters:
         outcome = train_step(s, _next_batches(it, t.num_microbatches, s.timers), progress)
-        progress.iteration += 1
-        progress.consumed_train_samples += t.global_batch_size
-        if outcome.skipped:
-            progress.skipped_iterations += 1
-        else:
-            progress.lr_steps += t.global_batch_size
+        advance(progress, outcome, t.global_batch_size)
         interval.add(outcome)
         sigterm = False
         if progress.iteration % s.run.logging.log_interval == 0:
