@@ -1,11 +1,11 @@
 """Pipeline schedules as data: each rank's ordered list of instructions for one training step.
 
 A schedule is a pure function `(pp_rank, pp_size, num_microbatches, virtual_chunks) -> list`
-(docs/DESIGN.md: schedules are data), so it can be tested without processes, simulated
-across all ranks (`simulate.py`), printed, and run by the one executor (`executor.py`).
-A schedule holds what differs between schedules: compute and point-to-point messages.
-What every training step does after it (wait for the gradient reductions, step the
-optimizer) is the training loop's, in that order, so the executor owns no optimizer.
+so it can be tested without processes, simulated across all ranks (`simulate.py`),
+printed, and run by the one executor (`executor.py`). It holds what differs between
+schedules: compute and point-to-point messages. What every training step does after it
+(wait for the gradient reductions, step the optimizer) is the training loop's, in that
+order, so the executor owns no optimizer.
 
 Instructions name a micro-batch and a model chunk (virtual pipeline stage on this rank):
 `Forward`, `Backward`, and the point-to-point messages around them. Virtual stage
