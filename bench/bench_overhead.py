@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """gigatron's training step vs a plain PyTorch loop: same model, same data, one CPU rank.
 
-    python bench/bench_overhead.py                    # 4 layers x hidden 256, seq 256, 2 micro-batches
+    python bench/bench_overhead.py     # 4 layers x hidden 256, seq 256, 2 micro-batches
     python bench/bench_overhead.py --rounds 4 --block 3 --hidden 128   # a quick look
 
 gigatron side: the real step of `pretrain_gpt.py` (the session `training.pretrain` builds

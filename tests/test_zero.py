@@ -296,3 +296,13 @@ def test_fp32_master_is_the_parameter_storage_so_parameter_memory_is_1x(stage, b
     zero.step()
     after = full_params(model, zero)
     assert all(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_zero_plain_and_timed_grad_syncs_implement_the_executor_protocol():
+    from gigatron.parallel.pipeline.grad_sync import AllReduceGradSync, GradSync
+    from gigatron.training.timers import TimedGradSync, Timers
+
+    zero = build_zero(TinyLM(), ZeroConfig(zero_stage=1, lr=LR))
+    syncs = [zero, AllReduceGradSync([]), TimedGradSync(zero, Timers())]
+    assert all(isinstance(s, GradSync) for s in syncs)
+    assert not isinstance(object(), GradSync)

@@ -264,7 +264,8 @@ class ZeroOptimizer:
         return {"format": STATE_FORMAT, "zero_stage": self.stage,
                 "dp_size": comm.group_size(self.process_groups.dp),
                 "dp_rank": comm.group_rank(self.process_groups.dp),
-                "layout": [(g.chunk, g.kind, g.full_numel, g.shard_numel) for g in self.flat_groups],
+                "layout": [(g.chunk, g.kind, g.full_numel, g.shard_numel)
+                           for g in self.flat_groups],
                 "master": [g.master.detach().cpu().clone() for g in self.flat_groups],
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
