@@ -96,7 +96,7 @@ def mean_loss_over_ranks(s: Session, local_sum: Optional[torch.Tensor], steps: i
         terms[0] = local_sum.detach().to(terms.dtype)
     comm.all_reduce(terms)  # last-stage ranks (each tp rank holds the same loss) contribute
     total, ranks = terms.tolist()
-    return total / (ranks * steps)
+    return total / (ranks * steps) if ranks else float("nan")
 
 
 def max_over_ranks(s: Session, values: Sequence[float]) -> List[float]:
