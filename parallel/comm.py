@@ -140,12 +140,3 @@ def send_recv(sends: Sequence = (), recvs: Sequence = (), group=None) -> List:
 def barrier(group=None) -> None:
     if group_size(group) > 1:
         dist.barrier(group=group)
-
-
-def all_reduce_scalar(value: float, group=None, op=ReduceOp.SUM,
-                      device: Optional[torch.device] = None) -> float:
-    """All-reduce one Python number (found-inf flags, loss sums) and return it."""
-    t = torch.tensor([float(value)], dtype=torch.float64 if device is None or
-                     device.type == "cpu" else torch.float32, device=device)
-    all_reduce(t, group=group, op=op)
-    return t.item()

@@ -15,7 +15,7 @@ def _bf16_stages(rank, world):
         model = TinyLM(dtype=torch.bfloat16)
         model, zero, log = train(rank, world, stage, 1, model=model)
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-        assert all(g.master.dtype == torch.float32 for g in zero.groups)
+        assert all(g.master.dtype == torch.float32 for g in zero.flat_groups)
         out[stage] = full_params(model, zero)
     return out
 
@@ -104,7 +104,7 @@ def _fp16_overflow(rank, world):
         zero.backward(loss.mean())
         zero.finish_sync()
         if SCHEDULE[step][0] and rank == 0:  # an inf in rank 0's gradient shard only
-            zero.groups[0].shard_views[0][0] = float("inf")
+            zero.flat_groups[0].shard_views[0][0] = float("inf")
         before = [p.detach().clone() for p in model.parameters()]
         result = zero.step()
         unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

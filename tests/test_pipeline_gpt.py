@@ -15,7 +15,7 @@ from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
 from gigatron.parallel.pipeline.executor import PipelineExecutor, masked_mean_loss
 from gigatron.parallel.pipeline.grad_sync import AllReduceGradSync
-from gigatron.parallel.pipeline.model_chunks import build_model_chunks
+from gigatron.models.pipeline_chunks import build_model_chunks
 from gigatron.parallel.pipeline.p2p import PipelineP2P
 from gigatron.parallel.pipeline.partition import partition_layers
 from gigatron.parallel.pipeline.schedules import build_schedule
@@ -98,7 +98,9 @@ def _run_case(groups, config, num_microbatches, virtual, dp_index):
                                              partition.virtual_chunks, forward_only=True),
                               batches)
     assert all(p.grad is None for p in params), "forward-only must not touch grads"
-    losses = executor.run(schedule, batches, optimizer_step=sgd)
+    losses = executor.run(schedule, batches)
+    sync.finish_sync()  # the loop's order: schedule, grad sync, optimizer step
+    sgd()
     torch.testing.assert_close(evaluation, losses, rtol=0, atol=0)
     return {"losses": torch.stack(losses) if losses else None, "init": init,
             "grads": {n: gather_full_parameter(p, tp_group, p.grad) for n, p in named},

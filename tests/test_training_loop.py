@@ -106,3 +106,14 @@ def test_fp16_overflow_is_a_skipped_step_that_keeps_the_lr(tmp_path):
     assert train[1]["loss scale"] == 2.0 ** 23  # halved after one overflow (hysteresis 1)
     first_ok = next(r for r in train if not r["skipped"])
     assert first_ok["lr"] == pytest.approx(1e-2)  # the schedule did not advance on skips
+
+
+def test_sigterm_is_acted_on_at_the_next_log_interval_on_every_rank(tmp_path):
+    """The exit flag rides on the log line's all-reduce: no per-step collective."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = FLAGS + ["--train-iters", "8", "--save", ckpt, "--exit-signal-handler",
+                    "--log-interval", "3", "--eval-iters", "0"]
+    results = _program_on(2, argv, sigterm_at=4)
+    assert [r[0] for r in results] == [0, 0]
+    assert "exiting on SIGTERM at iteration 6" in results[0][2]
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "6"

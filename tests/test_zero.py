@@ -54,7 +54,7 @@ def _stages_dp4(rank, world):
             model, zero, log = train(rank, world, stage, accum)
             out[(stage, accum)] = {
                 "params": full_params(model, zero), "memory": measure_memory(zero),
-                "comm": log[-1][1], "padded": sum(g.full_numel for g in zero.groups),
+                "comm": log[-1][1], "padded": sum(g.full_numel for g in zero.flat_groups),
                 "numel": sum(p.numel() for p in model.parameters())}
     return out
 
@@ -66,7 +66,7 @@ def _stages_dp2(rank, world):
             model, zero, _ = train(rank, world, stage, accum)
             out[(stage, accum)] = full_params(model, zero)
     model, zero, _ = train(rank, world, 1, 1, offload_optimizer="cpu")
-    out["offload"] = (full_params(model, zero), zero.groups[0].master.device.type)
+    out["offload"] = (full_params(model, zero), zero.flat_groups[0].master.device.type)
     model, zero, log = train(rank, world, 2, 1, grad_reduce_in_bf16=True)
     out["bf16_reduce"] = (full_params(model, zero), log[-1][1])
     out["resume"] = {stage: _resume(rank, world, stage) for stage in (1, 3)}
@@ -87,7 +87,7 @@ def _launches_during_backward(rank, world):
     with zero.no_sync():
         zero.backward(model(tokens, labels).mean())
     zero.backward(model(tokens, labels).mean())
-    return seen, len(zero.groups[0].buckets) + len(zero.groups[1].buckets)
+    return seen, len(zero.flat_groups[0].buckets) + len(zero.flat_groups[1].buckets)
 
 
 def _resume(rank, world, stage):
@@ -123,10 +123,12 @@ def test_stages_0_to_3_dp4_match_single_device_adamw_memory_and_comm(reference):
     numel = res[0]["numel"]
     mem = {s: res[s]["memory"] for s in range(4)}
     pad = 12 * (res[1]["padded"] - numel)  # master + Adam moments of padding elements
-    # stage 1: master + optimizer state are a quarter of stage 0's (up to padding)
-    s0, s1 = mem[0].master_params + mem[0].optimizer_state, \
-        mem[1].master_params + mem[1].optimizer_state
-    assert abs(s1 - s0 / 4) <= pad, (s0, s1)
+    # stage 1: optimizer state is a quarter of stage 0's (up to padding); fp32 stage 0 keeps
+    # no master copy (the optimizer steps the parameter buffer), stage 1 at most a quarter
+    # (single-bucket groups alias their shard of the parameter buffer too)
+    assert abs(mem[1].optimizer_state - mem[0].optimizer_state / 4) <= pad
+    assert mem[0].master_params == 0 and mem[3].master_params == 0
+    assert 0 < mem[1].master_params <= 4 * numel / 4 + pad
     assert mem[1].grads == mem[0].grads and mem[1].params == mem[0].params + \
         4 * (res[1]["padded"] - numel)
     # stage 2: grads a quarter too; stage 3: parameters too (measured after the step, outside
@@ -135,11 +137,17 @@ def test_stages_0_to_3_dp4_match_single_device_adamw_memory_and_comm(reference):
     assert abs(mem[3].params - mem[0].params / 4) <= 4 * (res[3]["padded"] - numel)
     assert abs(mem[3].grads - mem[0].grads / 4) <= 4 * (res[3]["padded"] - numel)
     for stage in range(4):  # the ZeRO-paper formula (fp32 params, grads, master; Adam) within 2%
-        want = zero_memory_formula(numel, 4, stage, param_bytes=4, grad_bytes=4)
+        # fp32 stages 0 and 3: the master shard is the parameter storage itself (1-2: checked
+        # above, single-bucket groups alias it too)
+        want = zero_memory_formula(numel, 4, stage, param_bytes=4, grad_bytes=4,
+                                   master_bytes=0 if stage in (0, 3) else 4)
         got = mem[stage]
-        for field in ("params", "grads", "master_params", "optimizer_state"):
+        fields = ("params", "grads", "optimizer_state") + (("master_params",)
+                                                           if stage in (0, 3) else ())
+        for field in fields:
             w, g = getattr(want, field), getattr(got, field)
-            assert abs(g - w) <= 0.02 * w, f"stage {stage} {field}: measured {g}, formula {w}"
+            assert abs(g - w) <= 0.02 * w or g == w == 0, \
+                f"stage {stage} {field}: measured {g}, formula {w}"
     norm_bytes = 2 * 3 / 4 * 8  # the grad-norm/overflow all-reduce of two fp32 numbers
     for stage in range(4):
         sent = sum(res[stage]["comm"].values()) - norm_bytes
@@ -245,7 +253,7 @@ def test_cuda_offloaded_stage1_matches_torch_adamw_on_gpu():
     model = TinyLM().cuda()
     zero = build_zero(model, ZeroConfig(zero_stage=1, lr=LR, weight_decay=WD,
                                         offload_optimizer="cpu", reduce_bucket_size=BUCKET))
-    assert all(g.master.is_pinned() for g in zero.groups)
+    assert all(g.master.is_pinned() for g in zero.flat_groups)
     for tokens, labels in batches(STEPS, BATCH):
         tokens, labels = tokens.cuda(), labels.cuda()
         opt.zero_grad()
@@ -264,8 +272,38 @@ def test_stage2_3_accumulation_keeps_one_reduction_per_bucket_in_flight(stage):
     pending or memory grows with the number of micro-batches."""
     model = TinyLM()
     zero = build_zero(model, ZeroConfig(zero_stage=stage, reduce_bucket_size=BUCKET))
-    buckets = sum(len(g.buckets) for g in zero.groups)
+    buckets = sum(len(g.buckets) for g in zero.flat_groups)
     (tokens, labels), = batches(1, 8)
     for i in range(4):
         zero.backward(model(tokens[2 * i:2 * i + 2], labels[2 * i:2 * i + 2]).mean())
         assert len(zero.grad_sync._inflight) <= buckets
+
+
+@pytest.mark.parametrize("stage, bucket", [(0, BUCKET), (3, BUCKET), (1, 10 ** 9)])
+def test_fp32_master_is_the_parameter_storage_so_parameter_memory_is_1x(stage, bucket):
+    """fp32 needs no second copy of the weights (torch DDP keeps one): the optimizer steps
+    the parameter storage; stages 1-2 alias it when the group is one bucket."""
+    model = TinyLM()
+    numel = sum(p.numel() for p in model.parameters())
+    zero = build_zero(model, ZeroConfig(zero_stage=stage, lr=LR, reduce_bucket_size=bucket))
+    mem = measure_memory(zero)
+    padded = sum(g.full_numel for g in zero.flat_groups)
+    assert mem.master_params == 0 and mem.params == 4 * padded <= 4 * (numel + 64)
+    assert all(g.master_aliases_params for g in zero.flat_groups)
+    before = full_params(model, zero)
+    tokens, labels = batches(1, BATCH)[0]
+    zero.zero_grad()
+    zero.backward(model(tokens, labels).mean())
+    zero.step()
+    after = full_params(model, zero)
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_zero_plain_and_timed_grad_syncs_implement_the_executor_protocol():
+    from gigatron.parallel.pipeline.grad_sync import AllReduceGradSync, GradSync
+    from gigatron.training.timers import TimedGradSync, Timers
+
+    zero = build_zero(TinyLM(), ZeroConfig(zero_stage=1, lr=LR))
+    syncs = [zero, AllReduceGradSync([]), TimedGradSync(zero, Timers())]
+    assert all(isinstance(s, GradSync) for s in syncs)
+    assert not isinstance(object(), GradSync)

@@ -114,5 +114,5 @@ def test_stage3_gathers_gpt_layer_by_layer_also_under_recomputation(early_stop):
         assert all(u.state == "free" for u in gatherer.units)
         assert sorted(gathered.count(u) for u in gatherer.units) == [2] * 4
         zero.finish_sync()
-        grads.append(torch.cat([g.flat_grad_shard() for g in zero.groups]))
+        grads.append(torch.cat([g.flat_grad_shard() for g in zero.flat_groups]))
     assert torch.equal(grads[0], grads[1])

@@ -1,7 +1,7 @@
 """Build a run's pieces from its RunConfig: tokenizer, model chunks, ZeRO, pipeline, data.
 
 Nothing here reimplements a piece: the model is `gigatron.models.gpt.GPTModel` built per
-pipeline chunk, the optimizer is `gigatron.parallel.zero` (every stage, also stage 0), the
+pipeline chunk (`gigatron.models.pipeline_chunks`), the optimizer is `gigatron.parallel.zero` (every stage, also stage 0), the
 schedule and executor are `gigatron.parallel.pipeline`'s, the data is `gigatron.data`'.
 """
 from __future__ import annotations
@@ -11,7 +11,11 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from gigatron.parallel.pipeline.executor import PipelineExecutor
+from gigatron.parallel.pipeline.grad_sync import GradSync
+from gigatron.parallel.pipeline.schedules import Instruction
 from gigatron.training.config import RunConfig
+from gigatron.training.timers import TimedP2P, Timers
 
 
 def build_tokenizer(flags: Dict[str, Any], model_vocab: Optional[int] = None):
@@ -42,7 +46,7 @@ def partition(run: RunConfig):
 
 def build_model_chunks(run: RunConfig, groups, device: torch.device) -> List[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`."""
-    from gigatron.parallel.pipeline.model_chunks import build_model_chunks as build
+    from gigatron.models.pipeline_chunks import build_model_chunks as build
 
     return build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
                  seed=run.train.seed, device=device)
@@ -52,16 +56,18 @@ def build_model_chunks(run: RunConfig, groups, device: torch.device) -> List[tor
 class Pipeline:
     """The executor and the step's schedules for this rank."""
 
-    executor: Any
-    train_schedule: list
-    eval_schedule: list
+    executor: PipelineExecutor
+    train_schedule: List[Instruction]
+    eval_schedule: List[Instruction]
     needs_inputs: bool  # this rank runs the first virtual stage: reads input ids
     needs_labels: bool  # this rank runs the last virtual stage: reads labels and loss mask
 
 
-def build_pipeline(run: RunConfig, groups, chunks, grad_sync, device) -> Pipeline:
-    """The pipeline executor (pp = 1 runs the no-pipelining schedule) and its schedules."""
-    from gigatron.parallel.pipeline.executor import PipelineExecutor
+def build_pipeline(run: RunConfig, groups, chunks: List[torch.nn.Module],
+                   grad_sync: Optional[GradSync], device: torch.device,
+                   timers: Optional[Timers] = None) -> Pipeline:
+    """The pipeline executor (pp = 1 runs the no-pipelining schedule) and its schedules;
+    with `timers`, its p2p transfers are timed as 'comm'."""
     from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
     from gigatron.parallel.pipeline.schedules import build_schedule
 
@@ -70,7 +76,8 @@ def build_pipeline(run: RunConfig, groups, chunks, grad_sync, device) -> Pipelin
                              p.sequence_parallel)
     p2p = PipelineP2P(shape, m.params_dtype, device, groups.pp, rank=groups.rank)
     pp_rank, v = groups.index("pp"), len(chunks)
-    executor = PipelineExecutor(chunks, p2p, pp_rank, groups.ranks("pp"), grad_sync=grad_sync)
+    executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
+                                pp_rank, groups.ranks("pp"), grad_sync=grad_sync)
     n = run.train.num_microbatches
     return Pipeline(executor, build_schedule(pp_rank, p.pp, n, v),
                     build_schedule(pp_rank, p.pp, n, v, forward_only=True),

@@ -1,20 +1,34 @@
 """The training loop: steps through the pipeline schedule, evaluation, logging, checkpoints.
 
-One iteration: set the lr from the schedule's position, zero grads, run the step's
-micro-batches through the pipeline executor (ZeRO is its grad_sync hook and its optimizer
-step), reduce the loss for logging. A skipped step (fp16 overflow) still consumes its
-samples but does not advance the lr schedule (Megatron's rule).
+One iteration reads as the data flows:
+
+    lr from the schedule's position -> zero grads -> executor runs the schedule (forward,
+    backward, p2p; reductions start as backward produces grads) -> grad sync finishes ->
+    optimizer step (ZeRO: norm, clip, update) -> the step's loss joins the interval's
+
+No step between two log lines waits for the host: losses and the grad norm stay device
+tensors, the interval's losses are reduced by ONE all-reduce at --log-interval, and the
+exit signal (SIGTERM) is checked there too, folded into the peak-memory all-reduce, so every
+rank sees it at the same iteration (SIGTERM is therefore acted on at the next multiple of
+--log-interval). The one exception is fp16: its overflow flag decides the skip and the
+loss-scale update on the host, one read per step (see ZeroOptimizer.step). A skipped step
+(fp16 overflow) still consumes its samples but does not advance the lr schedule (Megatron's
+rule); the lr schedule stays exact without any extra read because bf16/fp32 never skip and
+fp16 already knows its skip on the host.
 """
 from __future__ import annotations
 
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 
 from gigatron.parallel import comm
+from gigatron.parallel.pipeline.grad_sync import GradSync
+from gigatron.parallel.topology import ProcessGroups
+from gigatron.parallel.zero import ZeroOptimizer
 from gigatron.training import state as checkpoint_state
 from gigatron.training.builders import Pipeline, micro_batches
 from gigatron.training.config import RunConfig
@@ -27,13 +41,14 @@ from gigatron.training.timers import Timers
 
 @dataclass
 class Session:
-    """Everything the loop works with, built once by pretrain_gpt.py."""
+    """Everything the loop works with, built once by `pretrain._build_session`."""
 
     run: RunConfig
-    groups: Any  # ProcessGroups
+    groups: ProcessGroups
     device: torch.device
     chunks: List[torch.nn.Module]
-    zero: Any  # ZeroOptimizer
+    zero: ZeroOptimizer
+    grad_sync: GradSync  # the executor's hook: `zero`, or `zero` with its wait timed
     pipeline: Pipeline
     datasets: List[Optional[object]]  # train, valid, test
     logger: MetricsLogger
@@ -45,37 +60,50 @@ class Session:
 
 @dataclass
 class StepOutcome:
-    loss: float
+    """One step's results; tensors stay on the device until the next log line reads them."""
+
+    loss: Optional[torch.Tensor]  # mean over this rank's micro-batches; last stage only
     lr: float
-    grad_norm: Optional[float]
+    grad_norm: Optional[torch.Tensor]
     loss_scale: float
     skipped: bool
 
 
 class ExitSignal:
-    """SIGTERM sets a flag; every rank learns at the same iteration if any rank got it."""
+    """SIGTERM sets a flag; the loop reduces it over ranks at log intervals."""
 
-    def __init__(self, enabled: bool, device: torch.device) -> None:
-        self.enabled, self.received, self.device = enabled, False, device
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.received = enabled, False
         if enabled:
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.received = True
 
-    def any_rank(self) -> bool:
-        if not self.enabled:
-            return False
-        return comm.all_reduce_scalar(float(self.received), op=comm.ReduceOp.MAX,
-                                      device=self.device) > 0
+
+def _as_values(s: Session, values: Sequence[float]) -> torch.Tensor:
+    """Host numbers as one tensor on the session's device (NCCL takes no CPU tensors)."""
+    dtype = torch.float64 if s.device.type == "cpu" else torch.float32
+    return torch.tensor(list(values), dtype=dtype, device=s.device)
 
 
-def _global_mean(local: Optional[float], s: Session) -> float:
-    """The step's loss on every rank: last-stage values averaged over dp, sent along pp.
-    The reductions run on the session's device: NCCL takes no CPU tensors."""
-    value = local if s.pipeline.needs_labels and local is not None else 0.0
-    mean = comm.all_reduce_scalar(value, group=s.groups.dp, device=s.device) / s.run.parallel.dp
-    return comm.all_reduce_scalar(mean, group=s.groups.pp, device=s.device)
+def mean_loss_over_ranks(s: Session, local_sum: Optional[torch.Tensor], steps: int) -> float:
+    """Mean of `steps` step losses (summed in `local_sum` on the last pipeline stage) over
+    data-parallel replicas, known on every rank: one all-reduce and one host read."""
+    contributes = s.pipeline.needs_labels and local_sum is not None
+    terms = _as_values(s, [0.0, float(contributes)])
+    if contributes:
+        terms[0] = local_sum.detach().to(terms.dtype)
+    comm.all_reduce(terms)  # last-stage ranks (each tp rank holds the same loss) contribute
+    total, ranks = terms.tolist()
+    return total / (ranks * steps) if ranks else float("nan")
+
+
+def max_over_ranks(s: Session, values: Sequence[float]) -> List[float]:
+    """Element-wise max of host numbers over all ranks (peak memory, exit flag)."""
+    terms = _as_values(s, values)
+    comm.all_reduce(terms, op=comm.ReduceOp.MAX)
+    return terms.tolist()
 
 
 def _next_batches(it: Iterator[dict], n: int, timers: Optional[Timers] = None) -> List[dict]:
@@ -87,24 +115,32 @@ def _next_batches(it: Iterator[dict], n: int, timers: Optional[Timers] = None) -
     return batches
 
 
+def _local_mean(losses: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    return torch.stack(losses).mean() if losses else None
+
+
 def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> StepOutcome:
     """One optimizer step over the global batch (this rank's micro-batches)."""
     lr = learning_rate(progress.lr_steps, s.run.lr_schedule)
     s.zero.set_lr(lr)
     s.zero.zero_grad()
-    result: Dict[str, Any] = {}
-
-    def optimizer_step() -> None:
-        s.timers.start("optimizer")
-        result["step"] = s.zero.step()
-        s.timers.stop("optimizer")
-
     losses = s.pipeline.executor.run(s.pipeline.train_schedule, batches,
-                                     loss_scale=s.zero.loss_scale,
-                                     optimizer_step=optimizer_step)
-    step = result["step"]  # every training schedule ends with OptimizerStep
-    local = torch.stack(losses).mean().item() if losses else None
-    return StepOutcome(_global_mean(local, s), lr, step.grad_norm, step.loss_scale, step.skipped)
+                                     loss_scale=s.zero.loss_scale)
+    s.grad_sync.finish_sync()
+    s.timers.start("optimizer")
+    step = s.zero.step()
+    s.timers.stop("optimizer")
+    return StepOutcome(_local_mean(losses), lr, step.grad_norm, step.loss_scale, step.skipped)
+
+
+def advance(progress: TrainProgress, outcome: StepOutcome, global_batch_size: int) -> None:
+    """Count the step: samples always, the lr schedule only if the step was applied."""
+    progress.iteration += 1
+    progress.consumed_train_samples += global_batch_size
+    if outcome.skipped:
+        progress.skipped_iterations += 1
+    else:
+        progress.lr_steps += global_batch_size
 
 
 def evaluate(s: Session, split: int, consumed: int, iterations: int) -> Optional[float]:
@@ -115,49 +151,57 @@ def evaluate(s: Session, split: int, consumed: int, iterations: int) -> Optional
     it = micro_batches(s.run, dataset, consumed, s.groups.index("dp"), s.device, s.pipeline)
     for chunk in s.chunks:
         chunk.eval()
-    total, timed = 0.0, dict(s.timers.elapsed)  # eval forwards are not the step's
+    total: Optional[torch.Tensor] = None
+    timed = dict(s.timers.elapsed)  # eval forwards are not the step's
     try:
         with torch.no_grad():
             for _ in range(iterations):
                 batches = _next_batches(it, s.run.train.num_microbatches)
-                losses = s.pipeline.executor.run(s.pipeline.eval_schedule, batches)
-                local = torch.stack(losses).mean().item() if losses else None
-                total += _global_mean(local, s)
+                local = _local_mean(s.pipeline.executor.run(s.pipeline.eval_schedule, batches))
+                if local is not None:
+                    total = local if total is None else total + local
     finally:
         for chunk in s.chunks:
             chunk.train()
         s.timers.elapsed.clear()
         s.timers.elapsed.update(timed)
-    return total / iterations
+    return mean_loss_over_ranks(s, total, iterations)
 
 
 class _Interval:
-    """What accumulates between two log lines."""
+    """What accumulates between two log lines (the loss sum on the device)."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
-        self.losses: List[float] = []
+        self.loss_sum: Optional[torch.Tensor] = None
+        self.steps = 0
         self.skipped = 0
 
     def add(self, outcome: StepOutcome) -> None:
-        self.losses.append(outcome.loss)
+        if outcome.loss is not None:
+            self.loss_sum = (outcome.loss if self.loss_sum is None
+                             else self.loss_sum + outcome.loss)
+        self.steps += 1
         self.skipped += int(outcome.skipped)
 
 
-def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _Interval) -> None:
+def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _Interval,
+         exit_signal: ExitSignal) -> bool:
+    """Reduce and write the interval's record; returns whether any rank got SIGTERM."""
     elapsed = time.perf_counter() - interval.start
-    n = len(interval.losses)
+    n = interval.steps
     t = s.run.train
+    loss = mean_loss_over_ranks(s, interval.loss_sum, n)
+    memory, stop = max_over_ranks(s, [peak_memory_bytes(s.device), float(exit_signal.received)])
     tokens = n * t.global_batch_size * s.run.model.seq_length
     rates = throughput(tokens, elapsed, s.flops_per_token, s.run.parallel.world_size,
                        s.peak_tflops)
-    memory = comm.all_reduce_scalar(peak_memory_bytes(s.device), op=comm.ReduceOp.MAX,
-                                    device=s.device)
     phases = s.timers.reset()
     accounted = sum(phases.values())
+    grad_norm = None if outcome.grad_norm is None else float(outcome.grad_norm)
     record = {
         "iteration": progress.iteration, "consumed_samples": progress.consumed_train_samples,
-        "lm loss": sum(interval.losses) / n, "lr": outcome.lr, "grad norm": outcome.grad_norm,
+        "lm loss": loss, "lr": outcome.lr, "grad norm": grad_norm,
         "loss scale": outcome.loss_scale, "skipped": interval.skipped,
         "global_batch_size": t.global_batch_size, "ms_per_iteration": 1000 * elapsed / n,
         **rates, "peak_memory_mib": memory / 2 ** 20,
@@ -166,6 +210,8 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
     if "forward" in phases:  # backward is what the measured phases leave of the step
         record["timers_ms"]["backward"] = max(0.0, 1000 * (elapsed - accounted) / n)
     s.logger.train(record)
+    s.logger.progress(progress.iteration, loss)
+    return exit_signal.enabled and stop > 0
 
 
 def _save(s: Session, progress: TrainProgress) -> None:
@@ -197,20 +243,15 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
     t, ck = s.run.train, s.run.checkpoint
     it = micro_batches(s.run, s.datasets[0], progress.consumed_train_samples,
                        s.groups.index("dp"), s.device, s.pipeline)
-    exit_signal = ExitSignal(t.exit_signal_handler, s.device)
+    exit_signal = ExitSignal(t.exit_signal_handler)
     interval = _Interval()
     while progress.iteration < t.train_iters:
         outcome = train_step(s, _next_batches(it, t.num_microbatches, s.timers), progress)
-        progress.iteration += 1
-        progress.consumed_train_samples += t.global_batch_size
-        if outcome.skipped:
-            progress.skipped_iterations += 1
-        else:
-            progress.lr_steps += t.global_batch_size
+        advance(progress, outcome, t.global_batch_size)
         interval.add(outcome)
-        s.logger.progress(progress.iteration, outcome.loss)
+        sigterm = False
         if progress.iteration % s.run.logging.log_interval == 0:
-            _log(s, progress, outcome, interval)
+            sigterm = _log(s, progress, outcome, interval, exit_signal)
             interval = _Interval()
         paused = time.perf_counter()  # eval and saving are not the interval's step time
         if t.eval_iters and progress.iteration % t.eval_interval == 0:
@@ -218,7 +259,7 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
         if ck.save_interval and progress.iteration % ck.save_interval == 0:
             _save(s, progress)
         interval.start += time.perf_counter() - paused
-        if exit_signal.any_rank():
+        if sigterm:
             s.logger.print(f"exiting on SIGTERM at iteration {progress.iteration}")
             _save(s, progress)
             return progress

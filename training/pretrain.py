@@ -57,8 +57,7 @@ def _build_session(run, tokenizer, launch, device):
     from gigatron.training import builders, metrics, state
     from gigatron.training.logger import MetricsLogger
     from gigatron.training.loop import Session
-    from gigatron.training.timers import (TimedGradSync, TimedP2P, Timers, device_sync,
-                                          time_module_forward)
+    from gigatron.training.timers import TimedGradSync, Timers, device_sync, time_module_forward
 
     p = run.parallel
     groups = ProcessGroups(Topology(tp=p.tp, dp=p.dp, pp=p.pp), launch.rank)
@@ -70,8 +69,8 @@ def _build_session(run, tokenizer, launch, device):
     timers = Timers(device_sync(device) if run.logging.timing_log_level >= 1 else None)
     for chunk in chunks:
         time_module_forward(chunk, timers)
-    pipeline = builders.build_pipeline(run, groups, chunks, TimedGradSync(zero, timers), device)
-    pipeline.executor.p2p = TimedP2P(pipeline.executor.p2p, timers)
+    grad_sync = TimedGradSync(zero, timers)
+    pipeline = builders.build_pipeline(run, groups, chunks, grad_sync, device, timers)
     datasets = builders.build_datasets(run, tokenizer)
     log = run.logging
     logger = MetricsLogger(launch.rank == 0, run.train.train_iters, log.metrics_file,
@@ -80,8 +79,8 @@ def _build_session(run, tokenizer, launch, device):
     if progress.iteration > 0:
         logger.truncate_after(progress.iteration)
     peak = log.peak_tflops or metrics.device_peak_tflops(device, run.model.params_dtype)
-    session = Session(run, groups, device, chunks, zero, pipeline, datasets, logger, timers,
-                      metrics.flops_per_token(run.model, p.tp), peak)
+    session = Session(run, groups, device, chunks, zero, grad_sync, pipeline, datasets, logger,
+                      timers, metrics.flops_per_token(run.model, p.tp), peak)
     return session, progress, shard
 
 

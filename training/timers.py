@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from gigatron.parallel.pipeline.executor import PointToPoint
+from gigatron.parallel.pipeline.grad_sync import GradSync
 
 
 class Timers:
@@ -55,26 +58,24 @@ def time_module_forward(module: torch.nn.Module, timers: Timers, name: str = "fo
 
 
 class TimedP2P:
-    """The pipeline's p2p with its transfers timed as 'comm'."""
+    """The pipeline's p2p (a `PointToPoint`) with its transfers timed as 'comm'."""
 
-    def __init__(self, p2p, timers: Timers) -> None:
+    def __init__(self, p2p: PointToPoint, timers: Timers) -> None:
         self._p2p, self._timers = p2p, timers
 
-    def communicate(self, sends, recv_from):
+    def communicate(self, sends: Sequence[Tuple[torch.Tensor, int]],
+                    recv_from: Sequence[int]) -> List[torch.Tensor]:
         self._timers.start("comm")
         try:
             return self._p2p.communicate(sends, recv_from)
         finally:
             self._timers.stop("comm")
 
-    def __getattr__(self, name: str):
-        return getattr(self._p2p, name)
-
 
 class TimedGradSync:
-    """The executor's grad_sync hook with the end-of-step reductions timed as 'comm'."""
+    """A `GradSync` with the end-of-step wait for its reductions timed as 'comm'."""
 
-    def __init__(self, grad_sync, timers: Timers) -> None:
+    def __init__(self, grad_sync: GradSync, timers: Timers) -> None:
         self._sync, self._timers = grad_sync, timers
 
     def enable_sync(self, chunk: int, enabled: bool) -> None:

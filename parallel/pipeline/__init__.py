@@ -3,18 +3,18 @@
 A training step on one rank:
 
     partition = partition_layers(num_layers, pp, num_layers_per_virtual_stage=...)
-    chunks = build_model_chunks(config, partition, pp_rank, groups.tp, seed, device)
+    chunks = ...  # this rank's model chunks (a GPT: gigatron.models.pipeline_chunks)
     p2p = PipelineP2P.for_config(config, micro_batch_size, groups.pp, tp_size, device)
     executor = PipelineExecutor(chunks, p2p, pp_rank, groups.ranks("pp"), grad_sync)
     losses = executor.run(build_schedule(pp_rank, pp, num_microbatches,
                                          partition.virtual_chunks), micro_batches)
+    grad_sync.finish_sync()   # then the optimizer step: the executor owns no optimizer
 
 `python -m gigatron.parallel.pipeline.render --pp 4 --num-microbatches 8` draws a schedule
 (`simulate.py` checks one across all ranks; both are pure, import them from their modules).
 """
 from gigatron.parallel.pipeline.executor import PipelineExecutor, masked_mean_loss
-from gigatron.parallel.pipeline.grad_sync import AllReduceGradSync
-from gigatron.parallel.pipeline.model_chunks import build_model_chunks
+from gigatron.parallel.pipeline.grad_sync import AllReduceGradSync, GradSync
 from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
 from gigatron.parallel.pipeline.partition import (PipelinePartition, partition_layers,
                                                   stage_layer_counts)
@@ -23,7 +23,7 @@ from gigatron.parallel.pipeline.schedules import (build_schedule, check_num_micr
                                                   one_f_one_b)
 
 __all__ = [
-    "PipelineExecutor", "masked_mean_loss", "AllReduceGradSync", "build_model_chunks",
+    "PipelineExecutor", "masked_mean_loss", "AllReduceGradSync", "GradSync",
     "PipelineP2P", "p2p_tensor_shape", "PipelinePartition", "partition_layers",
     "stage_layer_counts", "build_schedule", "check_num_microbatches",
     "interleaved_one_f_one_b", "no_pipelining", "one_f_one_b",

@@ -11,22 +11,32 @@ is), so the executor keeps a scalar anchor into the graph instead of the output 
 the output as soon as it is sent (Megatron frees it the same way, through private API); a
 stage's stored input is released as soon as its backward has run.
 
-`grad_sync` (optional) gets `enable_sync(chunk, enabled)` before every backward, True only
-for that chunk's last micro-batch, and `finish_sync()` at the schedule's ReduceGrads.
+`grad_sync` (optional, a `GradSync`) gets `enable_sync(chunk, enabled)` before every
+backward, True only for that chunk's last micro-batch, so reductions overlap backward; the
+caller waits for them (`grad_sync.finish_sync()`) after `run`, then steps its optimizer.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from .p2p import PipelineP2P
-from .schedules import (Backward, Forward, Instruction, OptimizerStep, RecvActivation, RecvGrad,
-                        ReduceGrads, SendActivation, SendGrad, comm_batches, is_first_stage,
-                        is_last_stage, last_backward_per_chunk, peer)
+from .grad_sync import GradSync
+from .schedules import (Backward, Forward, Instruction, RecvActivation, RecvGrad,
+                        SendActivation, SendGrad, comm_batches, is_first_stage, is_last_stage,
+                        last_backward_per_chunk, peer)
 
 Batch = Mapping[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+class PointToPoint(Protocol):
+    """What the executor needs of the pipeline's p2p (PipelineP2P, or a timed wrapper)."""
+
+    def communicate(self, sends: Sequence[Tuple[torch.Tensor, int]],
+                    recv_from: Sequence[int]) -> List[torch.Tensor]:
+        """Send (tensor, global rank) pairs, receive one tensor from each rank in one batch."""
+        ...
 
 
 def masked_mean_loss(per_token_loss: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -55,8 +65,8 @@ class _OutputAnchor(torch.autograd.Function):
 class PipelineExecutor:
     """Runs schedules for this rank's model chunks (`chunks[c]` = virtual chunk c)."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], p2p: PipelineP2P, pp_rank: int,
-                 pp_ranks: Sequence[int], grad_sync: Any = None,
+    def __init__(self, chunks: Sequence[torch.nn.Module], p2p: PointToPoint, pp_rank: int,
+                 pp_ranks: Sequence[int], grad_sync: Optional[GradSync] = None,
                  loss_fn: LossFn = masked_mean_loss) -> None:
         self.chunks = list(chunks)
         self.p2p = p2p
@@ -71,11 +81,12 @@ class PipelineExecutor:
         return len(self.pp_ranks)
 
     def run(self, schedule: Sequence[Instruction], batches: Sequence[Batch],
-            loss_scale: float = 1.0, optimizer_step: Optional[Callable[[], Any]] = None
-            ) -> List[torch.Tensor]:
-        """Execute one step; returns the detached per-micro-batch losses (last stage only).
+            loss_scale: float = 1.0) -> List[torch.Tensor]:
+        """Run one step's forwards, backwards and messages; returns the detached
+        per-micro-batch losses (device tensors, last stage only).
 
-        Grads accumulate into `.grad` (zero them before the step); `batches[mb]` holds
+        Grads accumulate into `.grad` or the grad sync's buffers (zero them before the
+        step; finish the grad sync after it); `batches[mb]` holds
         micro-batch mb's `input_ids`, `labels` (and optional `loss_mask`, `position_ids`).
         """
         self._check_inputs(schedule, batches)
@@ -97,12 +108,6 @@ class PipelineExecutor:
                 self._forward(step.microbatch, step.chunk)
             elif isinstance(step, Backward):
                 self._backward(step.microbatch, step.chunk)
-            elif isinstance(step, ReduceGrads):
-                if self.grad_sync is not None:
-                    self.grad_sync.finish_sync()
-            elif isinstance(step, OptimizerStep):
-                if optimizer_step is not None:
-                    optimizer_step()
         leftover = (len(self._outputs) + len(self._input_grads) + len(self._to_send) +
                     sum(len(d) for d in self._received.values()))
         if leftover:

@@ -1,7 +1,8 @@
-"""Plain gradient reduction after backward: the simple `grad_sync` until ZeRO replaces it.
+"""The executor's gradient-sync contract (`GradSync`) and its plain implementation.
 
-Implements the executor's hook (`enable_sync(chunk, enabled)`, `finish_sync()`) without
-overlap: at `finish_sync` it all-reduces, in three phases every rank runs in the same order
+`GradSync` is what the pipeline executor calls before every backward and what the training
+loop finishes after the schedule; ZeroOptimizer implements it with bucketed, overlapped
+reductions. `AllReduceGradSync` implements it without overlap: at `finish_sync` it all-reduces, in three phases every rank runs in the same order
 (so no two groups wait on each other):
 1. grads of params marked `sequence_parallel` over tp (each tp rank saw only its sequence
    slice; the model marks them only when sequence parallelism is on);
@@ -11,11 +12,25 @@ overlap: at `finish_sync` it all-reduces, in three phases every rank runs in the
 """
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Iterable, List, Protocol, runtime_checkable
 
 import torch
 
 from gigatron.parallel import comm
+
+
+@runtime_checkable
+class GradSync(Protocol):
+    """Gradient reduction across data (and embedding, sequence-parallel) groups."""
+
+    def enable_sync(self, chunk: int, enabled: bool) -> None:
+        """Before each backward: may chunk's grads be reduced during it (its last
+        micro-batch) or only accumulated?"""
+        ...
+
+    def finish_sync(self) -> None:
+        """After the step's last backward: every reduction done, grads ready to step."""
+        ...
 
 
 def _all_reduce_flat(grads: List[torch.Tensor], group, average: bool) -> None:

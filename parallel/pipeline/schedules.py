@@ -1,8 +1,11 @@
 """Pipeline schedules as data: each rank's ordered list of instructions for one training step.
 
 A schedule is a pure function `(pp_rank, pp_size, num_microbatches, virtual_chunks) -> list`
-(DESIGN decision 5), so it can be tested without processes, simulated across all ranks
-(`simulate.py`), printed, and run by the one executor (`executor.py`).
+so it can be tested without processes, simulated across all ranks (`simulate.py`),
+printed, and run by the one executor (`executor.py`). It holds what differs between
+schedules: compute and point-to-point messages. What every training step does after it
+(wait for the gradient reductions, step the optimizer) is the training loop's, in that
+order, so the executor owns no optimizer.
 
 Instructions name a micro-batch and a model chunk (virtual pipeline stage on this rank):
 `Forward`, `Backward`, and the point-to-point messages around them. Virtual stage
@@ -65,19 +68,9 @@ class SendGrad:
     chunk: int
 
 
-@dataclass(frozen=True)
-class ReduceGrads:
-    """Wait for every gradient reduction of the step (grad_sync.finish_sync())."""
-
-
-@dataclass(frozen=True)
-class OptimizerStep:
-    """Apply the optimizer (if the executor was given one)."""
-
-
 Compute = Union[Forward, Backward]
 Communication = Union[RecvActivation, SendActivation, RecvGrad, SendGrad]
-Instruction = Union[Compute, Communication, ReduceGrads, OptimizerStep]
+Instruction = Union[Compute, Communication]
 COMMUNICATION = (RecvActivation, SendActivation, RecvGrad, SendGrad)
 
 
@@ -146,8 +139,7 @@ def _finish(pp_rank: int, pp_size: int, virtual_chunks: int, groups: List[List[C
             forward_only: bool) -> List[Instruction]:
     if forward_only:
         groups = [[s] for g in groups for s in g if isinstance(s, Forward)]
-    out = _with_communication(pp_rank, pp_size, virtual_chunks, groups)
-    return out if forward_only else out + [ReduceGrads(), OptimizerStep()]
+    return _with_communication(pp_rank, pp_size, virtual_chunks, groups)
 
 
 def _check_rank(pp_rank: int, pp_size: int) -> None:

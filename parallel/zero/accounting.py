@@ -61,7 +61,7 @@ def zero_comm_bytes_formula(num_params: int, dp_size: int, zero_stage: int, grad
 def measure_memory(zero) -> MemoryBytes:
     """What this rank's ZeroOptimizer holds right now (stage 3 counts gathered buffers too)."""
     params = grads = master = state = 0
-    for g in zero.groups:
+    for g in zero.flat_groups:
         if g.stage == 3:
             params += _nbytes(g.param_shard)
             params += sum(b.param_full.untyped_storage().nbytes() for b in g.buckets)
@@ -70,7 +70,7 @@ def measure_memory(zero) -> MemoryBytes:
         grads += _nbytes(g.grad_buffer if g.grad_buffer is not None else g.grad_shard)
         grads += sum(_nbytes(b.grad_full) for b in g.buckets
                      if g.stage >= 2 and b.grad_full is not None)
-        master += _nbytes(g.master)
+        master += 0 if g.master_aliases_params else _nbytes(g.master)
         for value in zero.optimizer.state.get(g.master, {}).values():
             if isinstance(value, torch.Tensor) and value.shape == g.master.shape:
                 state += _nbytes(value)

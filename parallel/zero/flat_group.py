@@ -2,8 +2,9 @@
 
 Holds the model parameters (as views into a flat buffer, or for stage 3 a persistent shard
 plus per-bucket full buffers that exist only while gathered), the fp32 gradient storage
-(full buffer for stages 0-1, this rank's shard for stages 2-3), this rank's fp32 master shard,
-and the per-bucket reductions over data parallelism.
+(full buffer for stages 0-1, this rank's shard for stages 2-3), this rank's fp32 master shard
+(for fp32 params a view of the parameter storage where possible, see `_make_master`), and
+the per-bucket reductions over data parallelism.
 """
 from __future__ import annotations
 
@@ -73,6 +74,18 @@ class FlatGroup:
         return self.param_buffer[start:start + S]
 
     def _make_master(self, device: torch.device) -> torch.Tensor:
+        """This rank's fp32 master shard. fp32 params on the optimizer's device need no
+        second copy where the shard is contiguous in the parameter storage (stage 0: the
+        whole buffer; stage 3: the persistent shard; stages 1-2: a single-bucket group), so
+        the optimizer steps the parameters in place (1x parameter memory, like torch DDP)."""
+        contiguous = self.stage in (0, 3) or len(self.buckets) == 1
+        self.master_aliases_params = (self.dtype == torch.float32 and device == self.device
+                                      and contiguous)
+        if self.master_aliases_params:
+            if self.stage == 0:
+                return self.param_buffer
+            return self.param_shard if self.stage == 3 else \
+                self.param_shard_piece(self.buckets[0])
         pin = device.type == "cpu" and self.device.type == "cuda"
         master = torch.empty(self.shard_numel, dtype=torch.float32, device=device,
                              pin_memory=pin)
@@ -162,9 +175,10 @@ class FlatGroup:
         full buckets (returns the handles to wait on)."""
         handles = []
         for b in self.buckets:
-            src = self.master[b.shard_offset:b.shard_offset + b.shard_numel]
             piece = self.param_shard_piece(b)
-            piece.copy_(src, non_blocking=True)
+            if not self.master_aliases_params:
+                src = self.master[b.shard_offset:b.shard_offset + b.shard_numel]
+                piece.copy_(src, non_blocking=True)
             if self.stage in (1, 2):
                 handles.append(comm.all_gather(b.param_full, piece.clone(),
                                                group=self.dp_group, async_op=True))

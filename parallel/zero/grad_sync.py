@@ -1,7 +1,7 @@
 """Gradient synchronisation: backward hooks fill buckets and launch their dp reductions.
 
-Implements the pipeline executor's `grad_sync` contract: `enable_sync(chunk, enabled)` before
-every backward (True only for a chunk's last micro-batch) and `finish_sync()` once after all
+Implements the pipeline executor's `GradSync` protocol (parallel/pipeline/grad_sync.py):
+`enable_sync(chunk, enabled)` before every backward (True only for a chunk's last micro-batch) and `finish_sync()` once after all
 backwards, which also all-reduces tied-embedding grads over the embedding group and
 sequence-parallel grads over tp.
 """
@@ -18,20 +18,20 @@ from gigatron.parallel.zero.flat_group import FlatGroup
 from gigatron.parallel.zero.layout import Bucket
 
 
-class GradSync:
+class BucketedGradSync:
     """Owns the post-accumulate-grad hooks of every parameter in `groups`."""
 
-    def __init__(self, groups: List[FlatGroup], num_chunks: int, stage: int,
+    def __init__(self, flat_groups: List[FlatGroup], num_chunks: int, stage: int,
                  overlap_comm: bool = True, tp_group=None, embedding_group=None,
                  on_param_grad: Optional[Callable[[torch.nn.Parameter], None]] = None) -> None:
-        self.groups, self.stage, self.overlap_comm = groups, stage, overlap_comm
+        self.flat_groups, self.stage, self.overlap_comm = flat_groups, stage, overlap_comm
         self.tp_group, self.embedding_group = tp_group, embedding_group
         self.on_param_grad = on_param_grad
         self._sync_enabled = [True] * num_chunks
         self._inflight: list = []
         self.synced = True
         self._hooks = []
-        for group in groups:
+        for group in flat_groups:
             for b in group.buckets:
                 self._reset_bucket(b)
                 b.launched_this_step = False
@@ -100,7 +100,7 @@ class GradSync:
     def finish_sync(self) -> None:
         """Reduce what backward left (unused params, no overlap), wait for every reduction,
         then the extra reductions over the embedding group and tp."""
-        for group in self.groups:
+        for group in self.flat_groups:
             for b in group.buckets:
                 if b.dirty or not b.launched_this_step:
                     self._launch(group, b)
@@ -108,7 +108,7 @@ class GradSync:
             handle.wait()
             finish()
         self._inflight.clear()
-        for group in self.groups:
+        for group in self.flat_groups:
             extra = {"shared_embedding": self.embedding_group,
                      "sequence_parallel": self.tp_group}.get(group.kind)
             if extra is not None and comm.group_size(extra) > 1:
@@ -118,7 +118,7 @@ class GradSync:
 
     def new_step(self) -> None:
         """Forget this step's reductions (called by zero_grad)."""
-        for group in self.groups:
+        for group in self.flat_groups:
             for b in group.buckets:
                 self._reset_bucket(b)
                 b.launched_this_step = False

@@ -1,4 +1,4 @@
-"""ZeroOptimizer: the data-parallel optimizer the training loop and pipeline executor call.
+"""ZeroOptimizer: the data-parallel optimizer of the training loop (and grad sync of the executor).
 
     zero = build_zero(model_chunks, ZeroConfig(zero_stage=1, clip_grad=1.0), groups)
     zero.zero_grad()
@@ -7,8 +7,9 @@
             zero.backward(loss_fn(model, batch) / len(micro_batches))
     result = zero.step()                                  # StepResult(success, skipped, ...)
 
-Under a pipeline schedule pass `zero` as the executor's `grad_sync` and multiply the last
-stage's loss by `zero.loss_scale` before backward (`zero.scale_loss`).
+Under a pipeline schedule pass `zero` as the executor's `grad_sync` (it implements the
+`GradSync` protocol), run the schedule with `loss_scale=zero.loss_scale`, then
+`zero.finish_sync()` and `zero.step()`.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from gigatron.parallel import comm
 from gigatron.parallel.zero.config import ZeroConfig
 from gigatron.parallel.zero.flat_group import FlatGroup
 from gigatron.parallel.zero.grad_norm import (clip_coefficient, counts_in_norm,
-                                             global_norm_and_overflow)
-from gigatron.parallel.zero.grad_sync import GradSync
+                                             global_norm_and_nonfinite)
+from gigatron.parallel.zero.grad_sync import BucketedGradSync
 from gigatron.parallel.zero.loss_scaler import DynamicLossScaler, LossScaler
 from gigatron.parallel.zero.stage3 import ParamGatherer, find_units
 
@@ -36,8 +37,8 @@ class StepResult:
     """What one optimizer step did, for logging."""
 
     success: bool
-    skipped: bool
-    grad_norm: Optional[float]
+    skipped: bool  # known on the host: fp16 reads its overflow flag, bf16/fp32 never skip
+    grad_norm: Optional[torch.Tensor]  # 0-dim, on the device (read it at log time); None if skipped
     loss_scale: float
 
 
@@ -59,8 +60,7 @@ def zero_groups_from(groups) -> ZeroGroups:
         embedding = groups["embedding"]
     except KeyError:  # middle pipeline stages hold no tied embedding
         embedding = None
-    dp = groups["dp-cp"] if groups.size("cp") > 1 else groups.dp
-    return ZeroGroups(dp=dp, tp=groups.tp, embedding=embedding, tp_rank=groups.index("tp"),
+    return ZeroGroups(dp=groups.dp, tp=groups.tp, embedding=embedding, tp_rank=groups.index("tp"),
                       pp_rank=groups.index("pp"), pp_size=groups.size("pp"))
 
 
@@ -83,10 +83,10 @@ class ZeroOptimizer:
     """Flat ZeRO buffers + gradient sync + torch optimizer on this rank's fp32 master shard."""
 
     def __init__(self, model_chunks: List[nn.Module], config: ZeroConfig,
-                 groups: ZeroGroups) -> None:
-        self.config, self.groups_info, self.chunks = config, groups, model_chunks
+                 process_groups: ZeroGroups) -> None:
+        self.config, self.process_groups, self.chunks = config, process_groups, model_chunks
         self.stage = config.zero_stage
-        if self.stage == 3 and (groups.pp_size > 1 or len(model_chunks) > 1):
+        if self.stage == 3 and (process_groups.pp_size > 1 or len(model_chunks) > 1):
             raise ValueError(
                 "zero_stage 3 with pipeline parallelism is not supported: a pipeline stage "
                 "runs many micro-batches' forwards before their backwards, so every layer "
@@ -95,16 +95,17 @@ class ZeroOptimizer:
                 "<= 2 with --pipeline-model-parallel-size > 1")
         self.param_dtype = self._check_dtypes(model_chunks)
         self.scaler = self._make_scaler()
-        self.groups: List[FlatGroup] = []
+        self.flat_groups: List[FlatGroup] = []  # one per (chunk, kind, decay): flat buffers
         units = find_units(model_chunks[0]) if self.stage == 3 else None
         for chunk, model in enumerate(model_chunks):
             self._build_groups(chunk, model, units)
         self.optimizer = self._make_optimizer()
-        self.gatherer = (ParamGatherer(units, self.groups, groups.dp, config.stage3_prefetch)
-                         if self.stage == 3 else None)
-        self.grad_sync = GradSync(
-            self.groups, len(model_chunks), self.stage, config.overlap_comm, groups.tp,
-            groups.embedding, self.gatherer.on_param_grad if self.gatherer else None)
+        self.gatherer = (ParamGatherer(units, self.flat_groups, process_groups.dp,
+                                       config.stage3_prefetch) if self.stage == 3 else None)
+        self.grad_sync = BucketedGradSync(
+            self.flat_groups, len(model_chunks), self.stage, config.overlap_comm,
+            process_groups.tp, process_groups.embedding,
+            self.gatherer.on_param_grad if self.gatherer else None)
         self._norm_views = self._counted_views()
         self.skipped_steps = 0
 
@@ -145,28 +146,28 @@ class ZeroOptimizer:
             # tied embeddings: one bucket per param, so first and last stage shard alike
             bucket_size = 1 if kind == "shared_embedding" else c.reduce_bucket_size
             unit_ids = [unit_of[id(p)] for p in ps] if units is not None else None
-            self.groups.append(FlatGroup(
+            self.flat_groups.append(FlatGroup(
                 ps, chunk=chunk, kind=kind, weight_decay=c.weight_decay if decay else 0.0,
-                stage=self.stage, dp_group=self.groups_info.dp, bucket_size=bucket_size,
+                stage=self.stage, dp_group=self.process_groups.dp, bucket_size=bucket_size,
                 unit_ids=unit_ids, master_device=master_device or ps[0].device,
                 reduce_dtype=c.reduce_dtype))
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
         param_groups = [{"params": [g.master], "weight_decay": g.weight_decay}
-                        for g in self.groups]
+                        for g in self.flat_groups]
         if c.optimizer == "sgd":
             return torch.optim.SGD(param_groups, lr=c.lr, momentum=c.sgd_momentum)
         cls = torch.optim.AdamW if c.optimizer == "adamw" else torch.optim.Adam
         return cls(param_groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
 
     def _counted_views(self) -> List[torch.Tensor]:
-        gi = self.groups_info
-        if self.stage == 0 and comm.group_rank(gi.dp) != 0:
+        pg = self.process_groups
+        if self.stage == 0 and comm.group_rank(pg.dp) != 0:
             return []  # stage-0 grads are identical on every dp rank: dp rank 0 counts them
         views = []
-        for g in self.groups:
-            counts = [counts_in_norm(p, gi.tp_rank, gi.pp_rank) for p in g.params]
+        for g in self.flat_groups:
+            counts = [counts_in_norm(p, pg.tp_rank, pg.pp_rank) for p in g.params]
             views += g.counted_views(counts)
         return views
 
@@ -197,7 +198,7 @@ class ZeroOptimizer:
             self.gatherer.release_all()
 
     def zero_grad(self) -> None:
-        for g in self.groups:
+        for g in self.flat_groups:
             g.zero_grad()
         self.grad_sync.new_step()
 
@@ -206,35 +207,45 @@ class ZeroOptimizer:
             group["lr"] = lr
 
     def step(self) -> StepResult:
-        """Unscale, check overflow on all ranks, clip to the global norm, step the shard,
-        publish updated parameters."""
+        """Unscale, clip to the global norm, step the shard, publish updated parameters.
+
+        Nothing here waits for the host except fp16's overflow check: the norm, the clip
+        coefficient and the update stay on the device. bf16/fp32 never skip a step (as in
+        Megatron, no loss scaler, no found-inf check); fp16 reads one flag per step to decide
+        the skip and the loss-scale update (DeepSpeed's hysteresis runs on the host)."""
         if not self.grad_sync.synced:
             self.finish_sync()
         scale = self.scaler.scale
-        device = self.groups[0].device if self.groups else None
-        check = [v for g in self.groups for v in g.shard_views]
-        norm, overflow = global_norm_and_overflow(self._norm_views, check, device=device)
-        if overflow:
+        fp16 = self.param_dtype == torch.float16
+        check = [v for g in self.flat_groups for v in g.shard_views] if fp16 else []
+        norm, nonfinite = global_norm_and_nonfinite(self._norm_views, check,
+                                                    device=self._device())
+        if fp16 and bool(torch.logical_or(nonfinite > 0, ~torch.isfinite(norm))):
             self.scaler.update(True)
             self.skipped_steps += 1
             return StepResult(False, True, None, scale)
-        norm /= scale
-        coeff = clip_coefficient(norm, self.config.clip_grad) / scale
-        for g in self.groups:
-            if coeff != 1.0:
+        if scale != 1.0:
+            norm = norm / scale
+        factor = (clip_coefficient(norm, self.config.clip_grad) / scale
+                  if self.config.clip_grad > 0 else 1.0 / scale)
+        for g in self.flat_groups:
+            if not (isinstance(factor, float) and factor == 1.0):
                 for view in g.shard_views:
-                    view.mul_(coeff)
+                    view.mul_(factor)
             flat = g.flat_grad_shard()
             g.master.grad = flat.to(g.master.device) if flat.device != g.master.device else flat
         self.optimizer.step()
-        for g in self.groups:
+        for g in self.flat_groups:
             g.master.grad = None
         self._publish_params()
         self.scaler.update(False)
         return StepResult(True, False, norm, scale)
 
+    def _device(self) -> Optional[torch.device]:
+        return self.flat_groups[0].device if self.flat_groups else None
+
     def _publish_params(self) -> None:
-        handles = [h for g in self.groups for h in g.write_back()]
+        handles = [h for g in self.flat_groups for h in g.write_back()]
         for h in handles:
             h.wait()
 
@@ -251,10 +262,11 @@ class ZeroOptimizer:
     def state_dict(self) -> dict:
         """This rank's shard: master weights, optimizer state, loss scaler."""
         return {"format": STATE_FORMAT, "zero_stage": self.stage,
-                "dp_size": comm.group_size(self.groups_info.dp),
-                "dp_rank": comm.group_rank(self.groups_info.dp),
-                "layout": [(g.chunk, g.kind, g.full_numel, g.shard_numel) for g in self.groups],
-                "master": [g.master.detach().cpu().clone() for g in self.groups],
+                "dp_size": comm.group_size(self.process_groups.dp),
+                "dp_rank": comm.group_rank(self.process_groups.dp),
+                "layout": [(g.chunk, g.kind, g.full_numel, g.shard_numel)
+                           for g in self.flat_groups],
+                "master": [g.master.detach().cpu().clone() for g in self.flat_groups],
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
 
@@ -262,14 +274,14 @@ class ZeroOptimizer:
         """Restore this rank's shard and refresh the model parameters from it."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a ZeRO optimizer checkpoint (format {state.get('format')!r})")
-        here = [(g.chunk, g.kind, g.full_numel, g.shard_numel) for g in self.groups]
-        dp = comm.group_size(self.groups_info.dp)
+        here = [(g.chunk, g.kind, g.full_numel, g.shard_numel) for g in self.flat_groups]
+        dp = comm.group_size(self.process_groups.dp)
         if state["dp_size"] != dp or [tuple(x) for x in state["layout"]] != here:
             raise ValueError(
                 f"the ZeRO checkpoint was saved with dp size {state['dp_size']} and layout "
                 f"{state['layout']}; this run has dp size {dp} and layout {here}: resume with "
                 f"the same parallel sizes, zero_stage and reduce_bucket_size")
-        for g, master in zip(self.groups, state["master"]):
+        for g, master in zip(self.flat_groups, state["master"]):
             g.load_master(master)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])

@@ -60,12 +60,12 @@ class _Unit:
 class ParamGatherer:
     """Installs the module and tensor hooks that gather and free stage-3 parameters."""
 
-    def __init__(self, units: List[Tuple[nn.Module, List[nn.Parameter]]], groups,
+    def __init__(self, units: List[Tuple[nn.Module, List[nn.Parameter]]], flat_groups,
                  dp_group, prefetch: bool = True) -> None:
         self.dp_group, self.prefetch = dp_group, prefetch
         self.units = [_Unit(m, ps) for m, ps in units]
         owner = {id(p): u for u in self.units for p in u.params}
-        for g in groups:
+        for g in flat_groups:
             for b in g.buckets:
                 unit = owner[id(g.params[b.param_indices[0]])]
                 unit.pieces.append((g, b))

@@ -1,15 +1,23 @@
-"""Build this pipeline rank's model chunks (one GPTModel per virtual chunk)."""
+"""Build this pipeline rank's GPT model chunks (one GPTModel per virtual chunk).
+
+Lives with the model, not in parallel/pipeline/: the pipeline knows only the pure layer
+partition (parallel/pipeline/partition.py), never GPT.
+"""
 from __future__ import annotations
 
 from typing import List, Optional
 
 import torch
 
-from .partition import PipelinePartition
+from gigatron.models.config import TransformerConfig
+from gigatron.models.gpt import GPTModel
+from gigatron.parallel.pipeline.partition import PipelinePartition
+from gigatron.parallel.tensor import TensorParallelRNGTracker, model_parallel_seed, tp_rank
+from gigatron.parallel.tensor.random import MODEL_PARALLEL_RNG
 
 
-def build_model_chunks(config, partition: PipelinePartition, pp_rank: int, tp_group=None,
-                       seed: int = 1234, device: Optional[torch.device] = None
+def build_model_chunks(config: TransformerConfig, partition: PipelinePartition, pp_rank: int,
+                       tp_group=None, seed: int = 1234, device: Optional[torch.device] = None
                        ) -> List[torch.nn.Module]:
     """`chunks[c]` holds the layers of virtual stage (c, pp_rank); embedding on the first
     virtual stage, final norm + output layer on the last. Name-seeded init makes every
@@ -18,10 +26,6 @@ def build_model_chunks(config, partition: PipelinePartition, pp_rank: int, tp_gr
     The chunks share one tensor-parallel RNG tracker seeded as Megatron does
     (seed + 100 * pp_rank, then per tp rank), so no two chunks or stages draw the same
     dropout masks."""
-    from gigatron.models.gpt import GPTModel  # the pipeline's pure parts need no model
-    from gigatron.parallel.tensor import TensorParallelRNGTracker, model_parallel_seed, tp_rank
-    from gigatron.parallel.tensor.random import MODEL_PARALLEL_RNG
-
     if partition.layers and sum(len(r) for rs in partition.layers for r in rs) \
             != config.num_layers:
         raise ValueError(f"the pipeline partition covers "
