@@ -29,26 +29,27 @@ Record = Tuple[str, int, str]
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--input", nargs="+", required=True,
                    help="JSON-lines files, plain text files, or folders of them")
     p.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys of each JSON line to tokenize (one output per key)")
-    p.add_argument("--output-prefix", required=True)
-    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+                   help="keys of each JSON line to tokenize (one output per key) (default: %(default)s)")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes PREFIX_KEY_document.bin/.idx for each JSON key")
+    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES,
+                   help="Megatron tokenizer name")
     p.add_argument("--tokenizer-model", help="SentencePiece .model, or tokenizer.json/folder")
-    p.add_argument("--vocab-file")
-    p.add_argument("--merge-file")
+    p.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
     p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
     p.add_argument("--append-eod", action="store_true", help="end each document with eod")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    p.add_argument("--log-interval", type=int, default=1000, help="documents between reports")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: %(default)s)")
+    p.add_argument("--log-interval", type=int, default=1000, help="documents between reports (default: %(default)s)")
     p.add_argument("--dataset-impl", choices=("mmap",), default="mmap",
-                   help="accepted for older Megatron scripts; mmap is the only format")
+                   help="accepted for older Megatron scripts; mmap is the only format (default: %(default)s)")
     p.add_argument("--invalid-json", choices=("error", "skip"), default="error",
                    help="a malformed JSON line stops the run (error) or is reported and "
-                        "skipped (skip)")
+                        "skipped (skip) (default: %(default)s)")
     return p
 
 

@@ -9,7 +9,7 @@ A training step on one rank:
     losses = executor.run(build_schedule(pp_rank, pp, num_microbatches,
                                          partition.virtual_chunks), micro_batches)
 
-`python -m gigatron.parallel.pipeline.render --pp 4 --num-microbatches 8` draws a schedule
+`gigatron schedule --pp 4 --num-microbatches 8` draws a schedule
 (`simulate.py` checks one across all ranks; both are pure, import them from their modules).
 """
 from gigatron.parallel.pipeline.executor import PipelineExecutor, masked_mean_loss
