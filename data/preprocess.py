@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import sys
 import time
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -115,14 +115,16 @@ class Encoder:
                 out.append(("bad", record[0], record[1], str(err)))
         good = [p for p in parsed if p is not None]
         ids = {k: self.tokenizer.tokenize_batch([p[k] for p in good]) for k in self.keys}
-        results, g = [], 0
+        results: List[tuple] = []
+        g = 0
         eod = [self.tokenizer.eod] if self.append_eod else []
         bad = iter(out)
         for p in parsed:
             if p is None:
                 results.append(next(bad))
                 continue
-            arrays = {k: np.asarray(ids[k][g] + eod, dtype=self.dtype) for k in self.keys}
+            arrays: Dict[str, np.ndarray] = {
+                k: np.asarray(ids[k][g] + eod, dtype=self.dtype) for k in self.keys}
             nbytes = sum(len(p[k].encode("utf-8")) for k in self.keys)
             results.append(("ok", arrays, nbytes))
             g += 1
@@ -138,6 +140,7 @@ def _init_worker(args: argparse.Namespace) -> None:
 
 
 def _encode_in_worker(chunk: List[Record]) -> List[tuple]:
+    assert _WORKER_ENCODER is not None, "the pool initializer builds the encoder"
     return _WORKER_ENCODER.encode(chunk)
 
 
@@ -164,7 +167,8 @@ class _Progress:
                 f"({self.docs / dt:.1f} docs/s, {self.bytes / dt / 1e6:.2f} MB/s)")
 
 
-def _encoded_chunks(args, files: List[str]) -> Iterator[List[tuple]]:
+def _encoded_chunks(args: argparse.Namespace,
+                    files: List[str]) -> Generator[List[tuple], None, None]:
     chunks = _chunks(_records(files))
     if args.workers <= 1:
         encoder = Encoder(args)

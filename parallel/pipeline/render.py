@@ -12,6 +12,7 @@ from .simulate import simulate
 
 
 def _cell(step: Instruction, virtual_chunks: int, width: int) -> str:
+    assert isinstance(step, (Forward, Backward)), step  # simulate() times only compute steps
     letter = "F" if isinstance(step, Forward) else "B"
     chunk = f"{'abcdefghijklmnopqrstuvwxyz'[step.chunk]}" if virtual_chunks > 1 else ""
     return f"{letter}{step.microbatch}{chunk}".ljust(width)[:width]
