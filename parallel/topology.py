@@ -131,12 +131,6 @@ class Topology:
         """First and last pipeline stage of each pipeline group (they share tied embeddings)."""
         return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
 
-    def pipeline_neighbours(self, rank: int) -> Tuple[int, int]:
-        """(previous, next) stage's rank in this rank's pipeline, wrapping around."""
-        group = self.group_of(rank, "pp")
-        i = group.index(rank)
-        return group[(i - 1) % len(group)], group[(i + 1) % len(group)]
-
     def describe(self) -> str:
         """The whole layout as text: each rank's coordinates, then each group's ranks."""
         lines = [f"world size {self.world_size}: tp={self.tp} dp={self.dp} pp={self.pp}, "

@@ -78,11 +78,10 @@ def test_group_of_agrees_with_groups():
                 assert topo.group_of(r, axes) == g
 
 
-def test_embedding_groups_and_pipeline_neighbours():
+def test_embedding_groups_are_first_and_last_stage():
     topo = Topology(tp=2, dp=2, pp=4)
     assert topo.embedding_groups()[0] == [0, 12]
-    assert topo.pipeline_neighbours(0) == (12, 4)
-    assert topo.pipeline_neighbours(12) == (8, 0)
+    assert topo.group_of(0, "pp") == [0, 4, 8, 12]
     single_stage = Topology(tp=2, dp=2, pp=1)
     assert single_stage.embedding_groups() == [[0], [1], [2], [3]]
 
