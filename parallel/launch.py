@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 if TYPE_CHECKING:  # torch is imported lazily at run time
     import torch
@@ -134,8 +134,8 @@ def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
         # ncclCommSplit, inside new_group, with all members present). Lazily, a group's first
         # batched isend/irecv must involve all its ranks (torch leaves it undefined
         # otherwise), and a pipeline batch pairs two stages only.
+        bind: Dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
         dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
                                 world_size=launch.world_size,
-                                timeout=timedelta(minutes=timeout_minutes),
-                                device_id=device if device.type != "cpu" else None)
+                                timeout=timedelta(minutes=timeout_minutes), **bind)
     return launch, device
