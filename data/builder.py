@@ -46,21 +46,6 @@ class GPTDataConfig:
             raise ValueError("--mock-data needs the tokenizer's vocab_size and eod")
 
 
-def config_from_args(args, tokenizer=None) -> GPTDataConfig:
-    """A `GPTDataConfig` from an argparse namespace with Megatron's field names."""
-    def get(name: str, default: Any = None) -> Any:
-        return getattr(args, name, default)
-
-    return GPTDataConfig(
-        seq_length=get("seq_length"), seed=get("seed", 1234), data_path=get("data_path"),
-        split=get("split") or "969,30,1", train_data_path=get("train_data_path"),
-        valid_data_path=get("valid_data_path"), test_data_path=get("test_data_path"),
-        mock_data=bool(get("mock_data", False)), data_cache_path=get("data_cache_path"),
-        eod_mask_loss=bool(get("eod_mask_loss", False)),
-        eod=None if tokenizer is None else tokenizer.eod,
-        vocab_size=None if tokenizer is None else tokenizer.vocab_size)
-
-
 def _gpt(config: GPTDataConfig, indexed, documents, num_samples: int, name: str, group):
     cache = config.data_cache_path or default_cache_dir(
         None if isinstance(indexed, MockIndexedDataset) else indexed.path_prefix)
