@@ -1,8 +1,8 @@
 """Pipeline schedules as data: each rank's ordered list of instructions for one training step.
 
 A schedule is a pure function `(pp_rank, pp_size, num_microbatches, virtual_chunks) -> list`
-(docs/DESIGN.md, 'Schedules are data'), so it can be tested without processes, simulated
-across all ranks (`simulate.py`), printed, and run by the one executor (`executor.py`).
+(DESIGN decision 5), so it can be tested without processes, simulated across all ranks
+(`simulate.py`), printed, and run by the one executor (`executor.py`).
 
 Instructions name a micro-batch and a model chunk (virtual pipeline stage on this rank):
 `Forward`, `Backward`, and the point-to-point messages around them. Virtual stage

@@ -1,6 +1,4 @@
-"""Global gradient norm computed once, correctly.
-
-docs/DESIGN.md, 'Global gradient norm is computed once, correctly'.
+"""Global gradient norm computed once, correctly (DESIGN decision 7).
 
 Each rank sums the squares of the gradient elements it is responsible for: parameters
 replicated across tp are counted on tp rank 0 only, the tied embedding on the first pipeline

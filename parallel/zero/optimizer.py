@@ -59,8 +59,7 @@ def zero_groups_from(groups) -> ZeroGroups:
         embedding = groups["embedding"]
     except KeyError:  # middle pipeline stages hold no tied embedding
         embedding = None
-    dp = groups.dp
-    return ZeroGroups(dp=dp, tp=groups.tp, embedding=embedding, tp_rank=groups.index("tp"),
+    return ZeroGroups(dp=groups.dp, tp=groups.tp, embedding=embedding, tp_rank=groups.index("tp"),
                       pp_rank=groups.index("pp"), pp_size=groups.size("pp"))
 
 
