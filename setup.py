@@ -2,16 +2,31 @@
 
 The repository root shows the architecture (parallel/, models/, ops/, ...); `package_dir`
 maps each folder to `gigatron.<folder>` so code imports `gigatron.parallel.topology`.
+`package/` holds the namespace's own files (`python -m gigatron`), `csrc/` is installed as
+`gigatron/csrc` for the just-in-time kernel build, and the Megatron-style scripts
+(pretrain_gpt.py, tools/*.py) are installed as scripts next to the `gigatron` command.
+
+Contributors: `pip install -e '.[test]' --config-settings editable_mode=strict` builds a
+static link tree that editors, mypy and pyright resolve (re-run it after adding a file).
 """
 import os
 
 from setuptools import find_packages, setup
 
-TOP_LEVEL = ["parallel", "models", "ops", "training", "data"]
+TOP_LEVEL = ["parallel", "models", "ops", "training", "data", "cli"]
+# files that are not Python modules but that an installed gigatron needs
+PACKAGE_DATA = {
+    "gigatron.models.zoo": ["*.json"],
+    "gigatron.csrc": ["*.cpp", "*.cu", "*.cuh", "*.h", "*.sh"],
+    "gigatron": ["py.typed"],
+}
+SCRIPTS = ["pretrain_gpt.py", "tools/preprocess_data.py", "tools/train_tokenizer.py"]
 
 
 def _packages():
-    packages, package_dir = [], {}
+    """Every package under the top-level folders, plus `gigatron` itself and its csrc/ data."""
+    packages, package_dir = ["gigatron", "gigatron.csrc"], {"gigatron": "package",
+                                                            "gigatron.csrc": "csrc"}
     for top in TOP_LEVEL:
         for sub in [top] + [f"{top}.{p}" for p in find_packages(top)]:
             name = "gigatron." + sub
@@ -52,6 +67,10 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=package_dir,
+    package_data=PACKAGE_DATA,
+    include_package_data=False,
+    scripts=SCRIPTS,
+    entry_points={"console_scripts": ["gigatron = gigatron.cli:main"]},
     install_requires=["torch>=2.4", "numpy", "einops", "sentencepiece", "tokenizers"],
     extras_require={
         # the tests cover every optional path, so they need the optional packages too

@@ -54,9 +54,9 @@ def blend_indices(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.n
         times.append((k + 0.5) / wd)
         ids.append(np.full(len(k), d, dtype=np.int16))
         ks.append(k)
-    times, ids, ks = np.concatenate(times), np.concatenate(ids), np.concatenate(ks)
-    order = np.lexsort((ids, times))[:size]
-    return ids[order].astype(np.int16), ks[order]
+    all_times, all_ids, all_ks = np.concatenate(times), np.concatenate(ids), np.concatenate(ks)
+    order = np.lexsort((all_ids, all_times))[:size]
+    return all_ids[order].astype(np.int16), all_ks[order]
 
 
 def samples_per_dataset(weights: Sequence[float], size: int) -> List[int]:

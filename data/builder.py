@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -53,7 +53,7 @@ def _gpt(config: GPTDataConfig, indexed, documents, num_samples: int, name: str,
                       config.eod, config.eod_mask_loss, cache, group, name)
 
 
-def _blend(config: GPTDataConfig, sources: Sequence[Tuple[object, np.ndarray]],
+def _blend(config: GPTDataConfig, sources: Sequence[Tuple[Any, np.ndarray]],
            weights: Optional[List[float]], num_samples: int, name: str, group):
     """One split over several (indexed dataset, documents) sources."""
     if len(sources) == 1:
@@ -84,12 +84,14 @@ def build_train_valid_test_datasets(config: GPTDataConfig,
     if len(wanted) != 3:
         raise ValueError("train_valid_test_num_samples needs three numbers")
     if config.mock_data or config.data_path:
+        indexed: List[Union[MockIndexedDataset, IndexedDataset]]
         if config.mock_data:
+            assert config.vocab_size is not None and config.eod is not None  # validate() checked
             indexed, weights = [MockIndexedDataset(config.vocab_size, config.eod,
                                                    seed=config.seed)], None
         else:
-            prefixes, weights = parse_data_path(config.data_path)
-            indexed = _open(prefixes)
+            prefixes, weights = parse_data_path(config.data_path or [])
+            indexed = list(_open(prefixes))
         fractions = parse_split(config.split)
         ranges = [split_ranges(fractions, len(ds)) for ds in indexed]
         result = []

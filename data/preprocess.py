@@ -13,7 +13,7 @@ import multiprocessing
 import os
 import sys
 import time
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -29,26 +29,27 @@ Record = Tuple[str, int, str]
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--input", nargs="+", required=True,
                    help="JSON-lines files, plain text files, or folders of them")
     p.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys of each JSON line to tokenize (one output per key)")
-    p.add_argument("--output-prefix", required=True)
-    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+                   help="keys of each JSON line to tokenize (one output per key) (default: %(default)s)")
+    p.add_argument("--output-prefix", required=True,
+                   help="writes PREFIX_KEY_document.bin/.idx for each JSON key")
+    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES,
+                   help="Megatron tokenizer name")
     p.add_argument("--tokenizer-model", help="SentencePiece .model, or tokenizer.json/folder")
-    p.add_argument("--vocab-file")
-    p.add_argument("--merge-file")
+    p.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
     p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
     p.add_argument("--append-eod", action="store_true", help="end each document with eod")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    p.add_argument("--log-interval", type=int, default=1000, help="documents between reports")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: %(default)s)")
+    p.add_argument("--log-interval", type=int, default=1000, help="documents between reports (default: %(default)s)")
     p.add_argument("--dataset-impl", choices=("mmap",), default="mmap",
-                   help="accepted for older Megatron scripts; mmap is the only format")
+                   help="accepted for older Megatron scripts; mmap is the only format (default: %(default)s)")
     p.add_argument("--invalid-json", choices=("error", "skip"), default="error",
                    help="a malformed JSON line stops the run (error) or is reported and "
-                        "skipped (skip)")
+                        "skipped (skip) (default: %(default)s)")
     return p
 
 
@@ -114,14 +115,16 @@ class Encoder:
                 out.append(("bad", record[0], record[1], str(err)))
         good = [p for p in parsed if p is not None]
         ids = {k: self.tokenizer.tokenize_batch([p[k] for p in good]) for k in self.keys}
-        results, g = [], 0
+        results: List[tuple] = []
+        g = 0
         eod = [self.tokenizer.eod] if self.append_eod else []
         bad = iter(out)
         for p in parsed:
             if p is None:
                 results.append(next(bad))
                 continue
-            arrays = {k: np.asarray(ids[k][g] + eod, dtype=self.dtype) for k in self.keys}
+            arrays: Dict[str, np.ndarray] = {
+                k: np.asarray(ids[k][g] + eod, dtype=self.dtype) for k in self.keys}
             nbytes = sum(len(p[k].encode("utf-8")) for k in self.keys)
             results.append(("ok", arrays, nbytes))
             g += 1
@@ -137,6 +140,7 @@ def _init_worker(args: argparse.Namespace) -> None:
 
 
 def _encode_in_worker(chunk: List[Record]) -> List[tuple]:
+    assert _WORKER_ENCODER is not None, "the pool initializer builds the encoder"
     return _WORKER_ENCODER.encode(chunk)
 
 
@@ -163,7 +167,8 @@ class _Progress:
                 f"({self.docs / dt:.1f} docs/s, {self.bytes / dt / 1e6:.2f} MB/s)")
 
 
-def _encoded_chunks(args, files: List[str]) -> Iterator[List[tuple]]:
+def _encoded_chunks(args: argparse.Namespace,
+                    files: List[str]) -> Generator[List[tuple], None, None]:
     chunks = _chunks(_records(files))
     if args.workers <= 1:
         encoder = Encoder(args)

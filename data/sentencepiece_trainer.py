@@ -5,8 +5,11 @@ fallback for unseen characters), which matters for code and for round-trip check
 """
 from __future__ import annotations
 
+import argparse
 import os
-from typing import Iterator, List, Sequence
+import sys
+import time
+from typing import Iterator, List, Optional, Sequence
 
 TEXT_SUFFIXES_SKIPPED = (".bin", ".idx", ".npy", ".model", ".gz", ".zip", ".pyc")
 
@@ -72,3 +75,38 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=num_threads,
         max_sentence_length=16384, minloglevel=2)
     return model_prefix + ".model"
+
+
+def get_parser() -> argparse.ArgumentParser:
+    """Flags of `gigatron train-tokenizer` (and tools/train_tokenizer.py)."""
+    p = argparse.ArgumentParser(description="Train a SentencePiece model", allow_abbrev=False)
+    p.add_argument("--input", nargs="+", required=True, help="text files or folders")
+    p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--vocab-size", type=int, default=32000, help="pieces in the vocabulary (default: %(default)s)")
+    p.add_argument("--model-type", choices=("bpe", "unigram", "char", "word"), default="bpe",
+                   help="SentencePiece algorithm (default: %(default)s)")
+    p.add_argument("--input-sentence-size", type=int, default=1_000_000,
+                   help="lines sampled for training (0 = all) (default: %(default)s)")
+    p.add_argument("--max-bytes", type=int, default=0,
+                   help="read at most this much text (0 = all) (default: %(default)s)")
+    p.add_argument("--character-coverage", type=float, default=0.9999,
+                   help="share of characters the vocabulary must cover (default: %(default)s)")
+    p.add_argument("--suffixes", nargs="*", default=[],
+                   help="in folders, only files ending so (e.g. .txt .py) (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="trainer threads (default: %(default)s)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Train a tokenizer from the command line; errors are one line, exit status 1."""
+    args = get_parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        model = train_sentencepiece(args.input, args.model_prefix, args.vocab_size,
+                                    args.model_type, args.input_sentence_size, args.max_bytes,
+                                    args.character_coverage, args.threads, args.suffixes)
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {model} in {time.perf_counter() - start:.1f} s")
+    return 0

@@ -6,7 +6,9 @@ from __future__ import annotations
 import abc
 import json
 import os
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
                    "NullTokenizer")
@@ -208,20 +210,28 @@ def build_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = Non
                     vocab_size: Optional[int] = None) -> Tokenizer:
     """The tokenizer Megatron's `--tokenizer-type` and its file flags describe."""
     if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(tokenizer_model)
+        return SentencePieceTokenizer(_needs(tokenizer_type, "--tokenizer-model", tokenizer_model))
     if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(vocab_file, merge_file)
+        return GPT2BPETokenizer(_needs(tokenizer_type, "--vocab-file", vocab_file),
+                                _needs(tokenizer_type, "--merge-file", merge_file))
     if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(tokenizer_model)
+        return HuggingFaceTokenizer(_needs(tokenizer_type, "--tokenizer-model", tokenizer_model))
     if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(vocab_size)
+        return NullTokenizer(_needs(tokenizer_type, "--vocab-size", vocab_size))
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
                      f"{', '.join(TOKENIZER_TYPES)}")
 
 
+def _needs(tokenizer_type: str, flag: str, value: Optional[T]) -> T:
+    """`value`, or a one-line error naming the flag this tokenizer type needs."""
+    if value is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    return value
+
+
 def tokenizer_from_args(args) -> Tokenizer:
     """`build_tokenizer` from an argparse namespace with Megatron's field names."""
-    return build_tokenizer(getattr(args, "tokenizer_type", None),
+    return build_tokenizer(getattr(args, "tokenizer_type", ""),
                            tokenizer_model=getattr(args, "tokenizer_model", None),
                            vocab_file=getattr(args, "vocab_file", None),
                            merge_file=getattr(args, "merge_file", None),

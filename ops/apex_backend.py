@@ -22,11 +22,15 @@ def load_apex() -> Tuple[Optional[SimpleNamespace], str]:
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """Apex fused LayerNorm (weight and bias cast to x's dtype, as apex expects)."""
-    apex, _ = load_apex()
+    apex, why = load_apex()
+    if apex is None:
+        raise RuntimeError(why)
     return apex.layer_norm.apply(x, weight.to(x.dtype), bias.to(x.dtype), (x.shape[-1],), eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Apex fused RMSNorm."""
-    apex, _ = load_apex()
+    apex, why = load_apex()
+    if apex is None:
+        raise RuntimeError(why)
     return apex.rms_norm.apply(x, weight.to(x.dtype), (x.shape[-1],), eps)

@@ -11,6 +11,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+# csrc/ sits next to ops/ both in a checkout (csrc/, ops/) and in an installed wheel
+# (gigatron/csrc, gigatron/ops: setup.py ships it as package data).
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ("binding.cpp", "softmax.cu", "norms.cu")
 JIT_NAME = "gigatron_fused_kernels"
@@ -36,7 +38,8 @@ def toolchain_problem() -> Optional[str]:
         return "ninja not found: pip install ninja"
     missing = [str(p) for p in source_files() if not p.is_file()]
     if missing:
-        return f"kernel sources missing ({', '.join(missing)}): use a source checkout"
+        return (f"kernel sources missing ({', '.join(missing)}): reinstall gigatron "
+                f"(the wheel ships them as gigatron/csrc)")
     return None
 
 

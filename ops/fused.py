@@ -15,7 +15,7 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[t
     backend = chosen_backend("layer_norm", x, weight)
     if backend == "kernel":
         return FusedNormFunction.apply(x, weight, bias, eps, False, load_kernels()[0])
-    if backend == "apex" and bias is not None:
+    if backend == "apex" and weight is not None and bias is not None:
         return apex_backend.layer_norm(x, weight, bias, eps)
     return reference.layer_norm(x, weight, bias, eps)
 
@@ -25,7 +25,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float = 1e-5)
     backend = chosen_backend("rms_norm", x, weight)
     if backend == "kernel":
         return FusedNormFunction.apply(x, weight, None, eps, True, load_kernels()[0])
-    if backend == "apex":
+    if backend == "apex" and weight is not None:
         return apex_backend.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 

@@ -11,7 +11,10 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
+
+if TYPE_CHECKING:  # torch is imported lazily at run time
+    import torch
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT_MINUTES = 10.0
@@ -87,7 +90,7 @@ def require_world_size(launch: LaunchEnv, needed: int) -> None:
                          f"{launch.world_size}: change the launch or the parallel sizes")
 
 
-def device_and_backend(local_rank: int = 0):
+def device_and_backend(local_rank: int = 0) -> Tuple["torch.device", str]:
     """(torch.device, backend): cuda + nccl when a GPU is present, else cpu + gloo."""
     import torch
 
@@ -96,19 +99,20 @@ def device_and_backend(local_rank: int = 0):
     return torch.device("cpu"), "gloo"
 
 
-def current_device():
+def current_device() -> "torch.device":
     """The device this process computes on: the accelerator `init_distributed` selected
     (torch's current device index), else the CPU."""
     import torch
 
-    if torch.accelerator.is_available():
-        accelerator = torch.accelerator.current_accelerator()
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() \
+        else None
+    if accelerator is not None:
         return torch.device(accelerator.type, torch.accelerator.current_device_index())
     return torch.device("cpu")
 
 
 def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
-                     env: Optional[Mapping[str, str]] = None) -> Tuple[LaunchEnv, object]:
+                     env: Optional[Mapping[str, str]] = None) -> Tuple[LaunchEnv, "torch.device"]:
     """Join the job's default process group; returns (launch env, device).
 
     The collective timeout is finite (Megatron's --distributed-timeout-minutes) so a dead
@@ -130,7 +134,7 @@ def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
         # ncclCommSplit, inside new_group, with all members present). Lazily, a group's first
         # batched isend/irecv must involve all its ranks (torch leaves it undefined
         # otherwise), and a pipeline batch pairs two stages only.
-        bind = {"device_id": device} if device.type != "cpu" else {}
+        bind: Dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
         dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
                                 world_size=launch.world_size,
                                 timeout=timedelta(minutes=timeout_minutes), **bind)

@@ -1,11 +1,10 @@
-"""Process-group topology: which rank does what along tp, cp, dp and pp.
+"""Process-group topology: which rank does what along tp, dp and pp.
 
 `Topology` is pure rank math over a grid (no I/O, no torch): rank <-> coordinates and the
 rank lists of any axis or combination of axes. `ProcessGroups` creates the torch groups for
 the current rank once, and modules receive the groups they need explicitly.
 
-Run `python -m gigatron.parallel.topology --world-size 16 --tp 2 --pp 2 --cp 2` to print
-a layout.
+Run `gigatron topology --world-size 16 --tp 2 --pp 2` to print a layout.
 """
 from __future__ import annotations
 
@@ -14,11 +13,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-AXES = ("tp", "cp", "dp", "pp")
-DEFAULT_ORDER = "tp-cp-dp-pp"
+AXES = ("tp", "dp", "pp")
+DEFAULT_ORDER = "tp-dp-pp"
 
 # Groups every training job needs; callers may ask for more combinations.
-STANDARD_GROUPS = ("tp", "cp", "dp", "pp", "tp-pp", "dp-cp", "tp-cp", "tp-dp-cp")
+STANDARD_GROUPS = ("tp", "dp", "pp", "tp-pp")
 
 
 def _parse_axes(spec: str, what: str) -> Tuple[str, ...]:
@@ -35,10 +34,9 @@ def _parse_axes(spec: str, what: str) -> Tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Topology:
-    """A grid of ranks over axes tp, cp, dp, pp; the leftmost axis of `order` varies fastest."""
+    """A grid of ranks over axes tp, dp, pp; the leftmost axis of `order` varies fastest."""
 
     tp: int = 1
-    cp: int = 1
     dp: int = 1
     pp: int = 1
     order: str = DEFAULT_ORDER
@@ -57,20 +55,19 @@ class Topology:
         object.__setattr__(self, "_axes", axes)
 
     @classmethod
-    def from_world_size(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
+    def from_world_size(cls, world_size: int, tp: int = 1, pp: int = 1,
                         order: str = DEFAULT_ORDER) -> "Topology":
-        """Derive dp = world / (tp*cp*pp), as Megatron does from the launch size."""
-        for name, size in (("world size", world_size), ("tp", tp), ("cp", cp), ("pp", pp)):
+        """Derive dp = world / (tp*pp), as Megatron does from the launch size."""
+        for name, size in (("world size", world_size), ("tp", tp), ("pp", pp)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be a positive integer, got {size!r}")
-        model = tp * cp * pp
+        model = tp * pp
         if world_size % model:
             raise ValueError(
-                f"world size {world_size} is not divisible by tensor x context x pipeline = "
-                f"{tp} x {cp} x {pp} = {model}: launch a multiple of {model} ranks or change "
-                f"--tensor-model-parallel-size / --context-parallel-size / "
-                f"--pipeline-model-parallel-size")
-        return cls(tp=tp, cp=cp, dp=world_size // model, pp=pp, order=order)
+                f"world size {world_size} is not divisible by tensor x pipeline = "
+                f"{tp} x {pp} = {model}: launch a multiple of {model} ranks or change "
+                f"--tensor-model-parallel-size / --pipeline-model-parallel-size")
+        return cls(tp=tp, dp=world_size // model, pp=pp, order=order)
 
     @property
     def axes(self) -> Tuple[str, ...]:
@@ -79,7 +76,7 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
+        return self.tp * self.dp * self.pp
 
     def size(self, axes: str) -> int:
         """Number of ranks in one group of `axes` (e.g. 'tp-pp')."""
@@ -134,16 +131,10 @@ class Topology:
         """First and last pipeline stage of each pipeline group (they share tied embeddings)."""
         return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
 
-    def pipeline_neighbours(self, rank: int) -> Tuple[int, int]:
-        """(previous, next) stage's rank in this rank's pipeline, wrapping around."""
-        group = self.group_of(rank, "pp")
-        i = group.index(rank)
-        return group[(i - 1) % len(group)], group[(i + 1) % len(group)]
-
     def describe(self) -> str:
         """The whole layout as text: each rank's coordinates, then each group's ranks."""
-        lines = [f"world size {self.world_size}: tp={self.tp} cp={self.cp} dp={self.dp} "
-                 f"pp={self.pp}, order {self.order} (leftmost varies fastest)", "", "rank coords"]
+        lines = [f"world size {self.world_size}: tp={self.tp} dp={self.dp} pp={self.pp}, "
+                 f"order {self.order} (leftmost varies fastest)", "", "rank coords"]
         for r in range(self.world_size):
             c = self.coords(r)
             lines.append(f"{r:4d} " + " ".join(f"{a}={c[a]}" for a in AXES))
@@ -173,7 +164,7 @@ class ProcessGroups:
         if dist.get_world_size() != topology.world_size:
             raise ValueError(
                 f"the job has {dist.get_world_size()} ranks but the topology needs "
-                f"tp*cp*dp*pp = {topology.world_size}: fix the parallel sizes or the launch")
+                f"tp*dp*pp = {topology.world_size}: fix the parallel sizes or the launch")
         self.topology = topology
         self.rank = rank
         self.coords = topology.coords(rank)
@@ -219,22 +210,25 @@ class ProcessGroups:
         return self._ranks[name].index(self.rank)
 
 
-def _main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1, dest="tp")
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print a layout (`gigatron topology`): each rank's coordinates and every group."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    parser.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1, dest="tp",
+                        help="tensor-parallel size (default: %(default)s)")
     parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1,
-                        dest="pp")
-    parser.add_argument("--cp", "--context-parallel-size", type=int, default=1, dest="cp")
-    parser.add_argument("--order", default=DEFAULT_ORDER)
+                        dest="pp", help="pipeline-parallel size (default: %(default)s)")
+    parser.add_argument("--order", default=DEFAULT_ORDER,
+                        help="axes from fastest- to slowest-varying rank index (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        topo = Topology.from_world_size(args.world_size, tp=args.tp, cp=args.cp, pp=args.pp,
+        topo = Topology.from_world_size(args.world_size, tp=args.tp, pp=args.pp,
                                         order=args.order)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     print(topo.describe())
+    return 0
 
 
 if __name__ == "__main__":
-    _main()
+    raise SystemExit(main())

@@ -73,8 +73,8 @@ def test_zero_stage_flag():
 BAD_FLAGS = [  # (extra flags, world size, message)
     ("--bogus-flag 3", 1, r"unknown flag\(s\) --bogus-flag 3"),
     ("--num-layer 3", 1, r"did you mean --num-layers\?"),
-    ("--tensor-model-parallel-size 3", 8, r"world size 8 is not divisible by tensor x context "
-                                          r"x pipeline = 3 x 1 x 1 = 3: launch a multiple of "
+    ("--tensor-model-parallel-size 3", 8, r"world size 8 is not divisible by tensor x "
+                                          r"pipeline = 3 x 1 = 3: launch a multiple of "
                                           r"3 ranks or change --tensor-model-parallel-size"),
     ("--global-batch-size 6", 2, r"--global-batch-size 6 is not a multiple of "
                                  r"--micro-batch-size 2 x data-parallel size 2"),

@@ -1,5 +1,5 @@
-"""The global gradient norm equals the single-device norm (DESIGN decision 7), and clipping
-to it trains the single-device model.
+"""The global gradient norm equals the single-device norm, and clipping to it trains the
+single-device model (docs/DESIGN.md, 'Global gradient norm is computed once, correctly').
 
 - TinyLM, dp=2, stages 0-3, clip_grad below the norm: each step's norm within 1e-5 relative
   of torch.nn.utils.clip_grad_norm_'s, parameters after 5 clipped AdamW steps within 1e-5 x

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tokenize JSON lines or plain text into Megatron .bin/.idx files.
+"""Tokenize JSON lines or plain text into Megatron .bin/.idx files (= `gigatron preprocess-data`).
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \

@@ -35,7 +35,7 @@ def rng_state(chunks: List[torch.nn.Module], device: torch.device) -> Dict[str, 
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state(),
-             "tracker": [[[name, dev, s] for (name, dev), s in c.rng_tracker.get_states().items()]
+             "tracker": [[[name, dev, s] for (name, dev), s in _tracker(c).get_states().items()]
                          for c in chunks]}
     if device.type != "cpu":
         state["accelerator"] = get_rng_state(device)
@@ -53,8 +53,13 @@ def restore_rng(state: Dict[str, Any], chunks: List[torch.nn.Module],
     if device.type != "cpu" and "accelerator" in state:
         set_rng_state(state["accelerator"], device)
     for chunk, saved in zip(chunks, state["tracker"]):
-        chunk.rng_tracker.set_states({(name, _this_device(dev, device)): s
+        _tracker(chunk).set_states({(name, _this_device(dev, device)): s
                                       for name, dev, s in saved})
+
+
+def _tracker(chunk: torch.nn.Module) -> Any:
+    """The chunk's tensor-parallel RNG tracker (a plain attribute nn.Module's typing hides)."""
+    return getattr(chunk, "rng_tracker")
 
 
 def _this_device(saved: str, device: torch.device) -> str:
@@ -75,6 +80,9 @@ def save(run: RunConfig, groups, progress: TrainProgress, chunks, zero,
          device: torch.device) -> str:
     """Collective: write this rank's shard of iteration `progress.iteration`."""
     from gigatron.parallel import comm
+
+    if run.checkpoint.save is None:
+        raise ValueError("saving a checkpoint needs --save DIR")
 
     with zero.gathered_parameters():
         model = [{k: v.detach().cpu().clone() for k, v in c.state_dict().items()}

@@ -10,7 +10,7 @@ A training step on one rank:
                                          partition.virtual_chunks), micro_batches)
     grad_sync.finish_sync()   # then the optimizer step: the executor owns no optimizer
 
-`python -m gigatron.parallel.pipeline.render --pp 4 --num-microbatches 8` draws a schedule
+`gigatron schedule --pp 4 --num-microbatches 8` draws a schedule
 (`simulate.py` checks one across all ranks; both are pure, import them from their modules).
 """
 from gigatron.parallel.pipeline.executor import PipelineExecutor, masked_mean_loss

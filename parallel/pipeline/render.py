@@ -1,16 +1,18 @@
 """Draw pipeline schedules as a per-rank text time grid, so a user sees the bubble.
 
-    python -m gigatron.parallel.pipeline.render --pp 4 --num-microbatches 8 --virtual-chunks 2
+    gigatron schedule --pp 4 --num-microbatches 8 --virtual-chunks 2
 """
 from __future__ import annotations
 
-from typing import Sequence
+import argparse
+from typing import Optional, Sequence
 
 from .schedules import Backward, Forward, Instruction, build_schedule
 from .simulate import simulate
 
 
 def _cell(step: Instruction, virtual_chunks: int, width: int) -> str:
+    assert isinstance(step, (Forward, Backward)), step  # simulate() times only compute steps
     letter = "F" if isinstance(step, Forward) else "B"
     chunk = f"{'abcdefghijklmnopqrstuvwxyz'[step.chunk]}" if virtual_chunks > 1 else ""
     return f"{letter}{step.microbatch}{chunk}".ljust(width)[:width]
@@ -36,15 +38,16 @@ def render(schedules: Sequence[Sequence[Instruction]], forward_time: int = 1,
     return "\n".join(lines)
 
 
-def _main(argv=None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a time grid.")
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Print one schedule for every stage (`gigatron schedule`)."""
+    parser = argparse.ArgumentParser(description="Print a pipeline schedule as a time grid.",
+                                     allow_abbrev=False)
     parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, required=True,
-                        dest="pp")
-    parser.add_argument("--num-microbatches", type=int, required=True)
+                        dest="pp", help="pipeline stages")
+    parser.add_argument("--num-microbatches", type=int, required=True,
+                        help="micro-batches per step")
     parser.add_argument("--virtual-chunks", type=int, default=1,
-                        help="model chunks per stage (interleaved schedule when > 1)")
+                        help="model chunks per stage (interleaved schedule when > 1) (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         schedules = [build_schedule(r, args.pp, args.num_microbatches, args.virtual_chunks)
@@ -52,7 +55,8 @@ def _main(argv=None) -> None:
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     print(render(schedules))
+    return 0
 
 
 if __name__ == "__main__":
-    _main()
+    raise SystemExit(main())

@@ -16,7 +16,6 @@ from gigatron.parallel.tensor.mappings import (
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
     tp_rank,
     tp_size,
@@ -30,7 +29,6 @@ from gigatron.parallel.tensor.utils import (
     allreduce_sequence_parallel_grads,
     divide,
     gather_full_parameter,
-    pad_vocab_size,
 )
 
 __all__ = [
@@ -38,8 +36,8 @@ __all__ = [
     "vocab_parallel_cross_entropy", "InitSpec", "initialize_parameter", "name_seed",
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
-    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "tp_rank", "tp_size",
     "TensorParallelRNGTracker", "checkpoint", "model_parallel_seed",
-    "allreduce_sequence_parallel_grads", "divide", "gather_full_parameter", "pad_vocab_size",
+    "allreduce_sequence_parallel_grads", "divide", "gather_full_parameter",
 ]

@@ -1,4 +1,6 @@
-"""Parallelism-invariant initialisation (DESIGN decision 4) and slicing of full tensors.
+"""Parallelism-invariant initialisation and slicing of full tensors.
+
+docs/DESIGN.md, 'Parallelism-invariant initialisation'.
 
 Every parameter is initialised as its FULL tensor on CPU from a generator seeded by
 (seed, parameter name), then this rank keeps its slice. So any tp size and any pipeline

@@ -38,6 +38,9 @@ class ColumnParallelLinear(nn.Module):
     output made of stacked blocks each split across tp (SwiGLU's gate and up).
     """
 
+    weight: Optional[nn.Parameter]
+    bias: Optional[nn.Parameter]
+
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, skip_weight_param: bool = False,
@@ -86,6 +89,9 @@ class RowParallelLinear(nn.Module):
     The reduction is an all-reduce, or a reduce-scatter along the sequence under sequence
     parallelism. The bias is replicated and added after the reduction.
     """
+
+    weight: nn.Parameter
+    bias: Optional[nn.Parameter]
 
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,

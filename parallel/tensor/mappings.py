@@ -110,17 +110,6 @@ class _GatherFromTP(torch.autograd.Function):
         return _split(grad, -1, ctx.group), None
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, 0, ctx.group), None
-
-
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, tensor_parallel_output_grad):
@@ -166,11 +155,6 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tens
 def gather_from_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather along the last dimension; backward keeps this rank's slice."""
     return _GatherFromTP.apply(x, group)
-
-
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Keep this rank's 1/tp of the sequence (dim 0); backward all-gathers."""
-    return _ScatterToSP.apply(x, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group=None,

@@ -17,12 +17,6 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp_size: int) -> int:
-    """Vocab rounded up to a multiple of make_vocab_size_divisible_by x tp (Megatron's rule)."""
-    multiple = make_vocab_size_divisible_by * tp_size
-    return -(-vocab_size // multiple) * multiple
-
-
 def gather_full_parameter(param: torch.Tensor, tp_group=None,
                           data: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The full (unsharded) tensor of `param`, or of `data` shaped like it (e.g. its grad).

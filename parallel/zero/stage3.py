@@ -11,7 +11,7 @@ the unit whose backward comes next), and freed once all its parameters have grad
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Set, Tuple
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ LAYER_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 def find_units(model: nn.Module) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
     """Split the trainable parameters into gather units: layer-list children, then the root."""
     units: List[Tuple[nn.Module, List[nn.Parameter]]] = []
-    seen = set()
+    seen: Set[int] = set()
 
     def visit(module: nn.Module) -> None:
         for child in module.children():

@@ -1,0 +1,60 @@
+"""The `gigatron` console command: one subcommand per module of this package.
+
+A subcommand is a module `gigatron.cli.<name>` (underscores become dashes on the command
+line) whose docstring's first line is its help line and whose `main(argv) -> int` runs it.
+Adding a command is adding a module; modules whose name starts with `_` are not commands.
+Command modules import their heavy code inside `main`, so `gigatron --help` stays fast.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from types import ModuleType
+from typing import Dict, List, Optional, Sequence
+
+PROG = "gigatron"
+
+
+def commands() -> Dict[str, str]:
+    """Command name -> module name, for every command module in this package."""
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            found[info.name.replace("_", "-")] = f"{__name__}.{info.name}"
+    return dict(sorted(found.items()))
+
+
+def _help_line(module: ModuleType) -> str:
+    return (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
+
+
+def usage() -> str:
+    """`gigatron --help`: the subcommands, one line each."""
+    table = commands()
+    width = max(len(name) for name in table)
+    lines = [f"usage: {PROG} COMMAND [ARGS ...]   ({PROG} COMMAND --help for a command's flags)",
+             "", "commands:"]
+    for name, module in table.items():
+        lines.append(f"  {name:<{width}}  {_help_line(importlib.import_module(module))}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Dispatch `gigatron COMMAND ARGS` to `gigatron.cli.<command>.main(ARGS)`."""
+    args: List[str] = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print(usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    table = commands()
+    if name not in table:
+        print(f"{PROG}: unknown command {name!r}; choose from {', '.join(table)} "
+              f"({PROG} --help lists them)", file=sys.stderr)
+        return 2
+    # argparse names the program after sys.argv[0]: make usage lines read `gigatron COMMAND`
+    sys.argv = [f"{PROG} {name}"] + rest
+    return int(importlib.import_module(table[name]).main(rest) or 0)

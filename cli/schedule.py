@@ -1,0 +1,11 @@
+"""Draw a pipeline schedule as a per-rank time grid, bubbles included."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`gigatron schedule --pp 4 --num-microbatches 8 --virtual-chunks 2`."""
+    from gigatron.parallel.pipeline.render import main as render_main
+
+    return render_main(argv)

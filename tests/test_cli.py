@@ -1,0 +1,97 @@
+"""The `gigatron` console command: subcommands, their help, and the root scripts delegating."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gigatron import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMANDS = ["preprocess-data", "pretrain", "schedule", "topology", "train-tokenizer"]
+
+
+def gigatron(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "gigatron", *args], capture_output=True,
+                          text=True, cwd=cwd)
+
+
+def test_every_module_of_gigatron_cli_is_a_command():
+    assert list(cli.commands()) == COMMANDS
+
+
+def test_help_lists_each_command_on_one_line():
+    proc = gigatron("--help")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for name in COMMANDS:
+        (line,) = [l for l in lines if l.startswith(f"  {name} ")]
+        assert len(line.split(None, 1)[1]) > 20, line  # a real description, not blank
+
+
+@pytest.mark.parametrize("name", [c for c in COMMANDS if c != "pretrain"])
+def test_subcommand_help_shows_defaults(name):
+    proc = gigatron(name, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: gigatron {name} ")
+    assert "(default: " in proc.stdout
+
+
+def test_pretrain_help_is_megatrons_parser():
+    proc = gigatron("pretrain", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--tensor-model-parallel-size" in proc.stdout
+
+
+def test_unknown_command_is_one_line_naming_the_choices():
+    proc = gigatron("pretrian")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "unknown command 'pretrian'" in proc.stderr and "pretrain" in proc.stderr
+
+
+def test_no_command_prints_usage_and_fails():
+    proc = gigatron()
+    assert proc.returncode == 2 and "commands:" in proc.stderr
+
+
+def test_topology_and_schedule_print_the_views():
+    out = gigatron("topology", "--world-size", "4", "--tp", "2").stdout
+    assert "world size 4: tp=2 dp=2 pp=1" in out
+    out = gigatron("schedule", "--pp", "2", "--num-microbatches", "2").stdout
+    assert out.startswith("stage 0: |F0 |F1 |") and "bubble 33.3%" in out
+
+
+def test_bad_layout_is_one_line_not_a_traceback():
+    proc = gigatron("topology", "--world-size", "6", "--tp", "4")
+    assert proc.returncode == 2 and "not divisible" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_pretrain_bad_flag_is_one_line(tmp_path):
+    proc = gigatron("pretrain", "--model", "no-such-model", "--mock-data", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "no-such-model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("script, name", [("tools/train_tokenizer.py", "train-tokenizer"),
+                                          ("tools/preprocess_data.py", "preprocess-data")])
+def test_root_tools_delegate_to_the_same_parser(script, name):
+    tool = subprocess.run([sys.executable, os.path.join(REPO, script), "--help"],
+                          capture_output=True, text=True)
+    command = gigatron(name, "--help")
+    assert tool.returncode == command.returncode == 0
+    # the same flags and help: only the program name in the usage line differs
+    assert tool.stdout.split("options:")[1] == command.stdout.split("options:")[1]
+
+
+def test_train_tokenizer_end_to_end(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of a tiny corpus with words" for i in range(200)))
+    proc = gigatron("train-tokenizer", "--input", str(corpus), "--model-prefix",
+                    str(tmp_path / "spm"), "--vocab-size", "300", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "spm.model").is_file()
+    proc = gigatron("train-tokenizer", "--input", str(tmp_path / "missing"), "--model-prefix",
+                    str(tmp_path / "x"), cwd=tmp_path)
+    assert proc.returncode == 1 and "no such file or directory" in proc.stderr
