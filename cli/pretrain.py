@@ -9,4 +9,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from gigatron.training.pretrain import main as pretrain_main
 
     args: Optional[List[str]] = None if argv is None else list(argv)
-    return pretrain_main(args)
+    return pretrain_main(args, prog="gigatron pretrain")

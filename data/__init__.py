@@ -14,12 +14,11 @@ from gigatron.data.gpt_dataset import GPTDataset, MockIndexedDataset
 from gigatron.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
                                                IndexedDatasetError, token_dtype_for_vocab)
 from gigatron.data.samplers import PretrainingSampler, build_pretraining_data_loader
-from gigatron.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_from_args
+from gigatron.data.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
     "BlendedDataset", "blend_indices", "parse_data_path", "GPTDataConfig",
     "build_train_valid_test_datasets", "GPTDataset", "MockIndexedDataset",
     "IndexedDataset", "IndexedDatasetBuilder", "IndexedDatasetError", "token_dtype_for_vocab",
     "PretrainingSampler", "build_pretraining_data_loader", "Tokenizer", "build_tokenizer",
-    "tokenizer_from_args",
 ]

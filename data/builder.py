@@ -8,9 +8,11 @@ import numpy as np
 
 from gigatron.data.blended_dataset import (BlendedDataset, normalise_weights,
                                                parse_data_path, samples_per_dataset)
-from gigatron.data.gpt_dataset import GPTDataset, MockIndexedDataset, default_cache_dir
+from gigatron.data.gpt_dataset import (GPTDataset, MockIndexedDataset, SampleDataset,
+                                       default_cache_dir)
 from gigatron.data.indexed_dataset import IndexedDataset
 from gigatron.data.sample_index import parse_split, split_ranges
+from gigatron.parallel.comm import Group
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -73,7 +75,7 @@ def _open(prefixes: Sequence[str]) -> List[IndexedDataset]:
 
 def build_train_valid_test_datasets(config: GPTDataConfig,
                                     train_valid_test_num_samples: Sequence[int],
-                                    group=None) -> List[Optional[object]]:
+                                    group: Group = None) -> List[Optional[SampleDataset]]:
     """[train, valid, test] datasets with at least the requested samples each (None for 0).
 
     Index files are built by rank 0 of `group` (ranks sharing the cache filesystem; None =

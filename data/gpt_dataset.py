@@ -7,12 +7,16 @@ once and shared between ranks.
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional, Protocol
 
 import numpy as np
 
 from gigatron.data.index_cache import array_digest, cached_indices
 from gigatron.data.sample_index import build_gpt_indices, num_epochs_needed
+from gigatron.parallel.comm import Group
+
+if TYPE_CHECKING:
+    from gigatron.data.indexed_dataset import IndexedDataset
 
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 
@@ -24,6 +28,15 @@ def default_cache_dir(path_prefix: Optional[str]) -> Optional[str]:
     return os.path.dirname(os.path.abspath(path_prefix))
 
 
+class SampleDataset(Protocol):
+    """What training reads from a split: its length and sample dicts by index
+    (GPTDataset, BlendedDataset)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]: ...
+
+
 class GPTDataset:
     """Samples {tokens, labels, loss_mask, position_ids} from one indexed dataset's split.
 
@@ -31,10 +44,10 @@ class GPTDataset:
     `path_prefix`); `documents` are the sequence ids of this split.
     """
 
-    def __init__(self, indexed_dataset, documents: np.ndarray, num_samples: int,
+    def __init__(self, indexed_dataset: "IndexedDataset", documents: np.ndarray, num_samples: int,
                  seq_length: int, seed: int, eod: Optional[int] = None,
                  eod_mask_loss: bool = False, cache_dir: Optional[str] = None,
-                 group=None, name: str = "train") -> None:
+                 group: Group = None, name: str = "train") -> None:
         if eod_mask_loss and eod is None:
             raise ValueError("--eod-mask-loss needs the tokenizer's eod id")
         self.indexed_dataset, self.seq_length, self.name = indexed_dataset, seq_length, name

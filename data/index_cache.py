@@ -15,6 +15,7 @@ import tempfile
 from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
+from gigatron.parallel.comm import Group
 
 INDEX_FORMAT_VERSION = 1
 
@@ -53,7 +54,7 @@ def _build_and_save(base: str, paths: Dict[str, str], build: Callable,
 
 def cached_indices(names: Sequence[str], build: Callable[[], Dict[str, np.ndarray]],
                    description: dict, cache_dir: Optional[str], file_prefix: str,
-                   group=None) -> Dict[str, np.ndarray]:
+                   group: Group = None) -> Dict[str, np.ndarray]:
     """The arrays `build()` returns, from the cache when present (built by group rank 0)."""
     if cache_dir is None:
         return build()

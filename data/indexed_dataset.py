@@ -16,6 +16,7 @@ import struct
 from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
+import numpy.typing as npt
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -45,9 +46,10 @@ def token_dtype_for_vocab(vocab_size: int) -> type:
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
 
 
-def write_index(path: str, dtype, sizes: np.ndarray, document_index: np.ndarray) -> None:
+def write_index(path: str, token_dtype: "npt.DTypeLike", sizes: np.ndarray,
+                document_index: np.ndarray) -> None:
     """Write a `.idx` file for sequences of `sizes` tokens laid out back to back in `.bin`."""
-    dtype = np.dtype(dtype)
+    dtype: np.dtype = np.dtype(token_dtype)
     if dtype not in CODE_OF_DTYPE:
         raise ValueError(f"token dtype {dtype} has no MMIDIDX code; use one of "
                          f"{sorted(str(d) for d in CODE_OF_DTYPE)}")
@@ -70,8 +72,8 @@ def write_index(path: str, dtype, sizes: np.ndarray, document_index: np.ndarray)
 class IndexedDatasetBuilder:
     """Streams sequences into `.bin` and writes the matching `.idx` at `finalize`."""
 
-    def __init__(self, bin_path: str, dtype=np.int32) -> None:
-        self.dtype = np.dtype(dtype)
+    def __init__(self, bin_path: str, dtype: "npt.DTypeLike" = np.int32) -> None:
+        self.dtype: np.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"token dtype {self.dtype} has no MMIDIDX code")
         self.bin_path = bin_path

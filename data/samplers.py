@@ -7,9 +7,14 @@ depend on the data-parallel size.
 """
 from __future__ import annotations
 
-from typing import Iterator, List
+from typing import TYPE_CHECKING, Iterator, List, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from gigatron.data.gpt_dataset import SampleDataset
 
 
 class PretrainingSampler:
@@ -59,9 +64,10 @@ def collate_samples(samples: List[dict]) -> dict:
             for key in samples[0]}
 
 
-def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
-                                  data_parallel_rank: int, data_parallel_size: int,
-                                  num_workers: int = 0, drop_last: bool = True):
+def build_pretraining_data_loader(dataset: Optional["SampleDataset"], consumed_samples: int,
+                                  micro_batch_size: int, data_parallel_rank: int,
+                                  data_parallel_size: int, num_workers: int = 0,
+                                  drop_last: bool = True) -> Optional["DataLoader"]:
     """A torch DataLoader yielding this rank's micro-batch dicts {tokens, labels, loss_mask,
     position_ids}, starting after `consumed_samples` samples; None when `dataset` is None."""
     import torch
@@ -70,6 +76,8 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size, drop_last)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+    # DataLoader needs only __len__/__getitem__ (a map-style dataset), not the Dataset base class
+    return torch.utils.data.DataLoader(dataset,  # type: ignore[arg-type]
+                                       batch_sampler=sampler, num_workers=num_workers,
                                        collate_fn=collate_samples, pin_memory=False,
                                        persistent_workers=num_workers > 0)

@@ -227,12 +227,3 @@ def _needs(tokenizer_type: str, flag: str, value: Optional[T]) -> T:
     if value is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     return value
-
-
-def tokenizer_from_args(args) -> Tokenizer:
-    """`build_tokenizer` from an argparse namespace with Megatron's field names."""
-    return build_tokenizer(getattr(args, "tokenizer_type", ""),
-                           tokenizer_model=getattr(args, "tokenizer_model", None),
-                           vocab_file=getattr(args, "vocab_file", None),
-                           merge_file=getattr(args, "merge_file", None),
-                           vocab_size=getattr(args, "vocab_size", None))

@@ -26,6 +26,7 @@ from gigatron.parallel.tensor import (
 )
 from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
 from gigatron.parallel.tensor.random import MODEL_PARALLEL_RNG
+from gigatron.parallel.comm import Group
 
 WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 
@@ -33,7 +34,9 @@ WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 class LanguageModelEmbedding(nn.Module):
     """Word embeddings (vocab-parallel) + learned positions, dropout; output [s(/tp), b, h]."""
 
-    def __init__(self, config: TransformerConfig, tp_group, tracker, device=None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: Group,
+                 tracker: Optional[TensorParallelRNGTracker],
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.sequence_parallel = config.sequence_parallel and tp_size(tp_group) > 1
@@ -54,7 +57,8 @@ class LanguageModelEmbedding(nn.Module):
         self.p = config.hidden_dropout
         self.tracker = tracker
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor]):
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: Optional[torch.Tensor]) -> torch.Tensor:
         x = self.word_embeddings(input_ids)
         if not self.sequence_parallel:
             x = x.transpose(0, 1)
@@ -74,9 +78,9 @@ class LanguageModelEmbedding(nn.Module):
 class GPTModel(nn.Module):
     """A GPT decoder (or one pipeline stage of it) on one tensor-parallel group."""
 
-    def __init__(self, config: TransformerConfig, tp_group=None, pre_process: bool = True,
+    def __init__(self, config: TransformerConfig, tp_group: Group = None, pre_process: bool = True,
                  post_process: bool = True, layer_range: Optional[Sequence[int]] = None,
-                 seed: int = 1234, device=None,
+                 seed: int = 1234, device: Optional[torch.device] = None,
                  rng_tracker: Optional[TensorParallelRNGTracker] = None) -> None:
         """`rng_tracker`: the rank's tracker, shared by all its pipeline chunks so their
         dropout masks differ (default: a tracker of this model's own, from `seed`)."""

@@ -14,10 +14,11 @@ from gigatron.models.gpt import GPTModel
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.parallel.tensor import TensorParallelRNGTracker, model_parallel_seed, tp_rank
 from gigatron.parallel.tensor.random import MODEL_PARALLEL_RNG
+from gigatron.parallel.comm import Group
 
 
 def build_model_chunks(config: TransformerConfig, partition: PipelinePartition, pp_rank: int,
-                       tp_group=None, seed: int = 1234, device: Optional[torch.device] = None
+                       tp_group: Group = None, seed: int = 1234, device: Optional[torch.device] = None
                        ) -> List[torch.nn.Module]:
     """`chunks[c]` holds the layers of virtual stage (c, pp_rank); embedding on the first
     virtual stage, final norm + output layer on the last. Name-seeded init makes every

@@ -7,7 +7,7 @@ Built from tensor-parallel layers; hidden states are sequence-first `[s, b, h]` 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from gigatron.parallel.tensor import (
     tp_size,
 )
 from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
+from gigatron.parallel.comm import Group
 
 
 def dropout(x: torch.Tensor, p: float, training: bool,
@@ -39,7 +40,7 @@ def dropout(x: torch.Tensor, p: float, training: bool,
 class Norm(nn.Module):
     """LayerNorm or RMSNorm over the hidden dim; params replicated across tp."""
 
-    def __init__(self, config: TransformerConfig, sequence_parallel: bool, device=None) -> None:
+    def __init__(self, config: TransformerConfig, sequence_parallel: bool, device: Optional[torch.device] = None) -> None:
         super().__init__()
         h, dtype = config.hidden_size, config.params_dtype
         self.rms = config.normalization == "RMSNorm"
@@ -59,7 +60,8 @@ class Norm(nn.Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device) -> tuple:
+def rotary_cos_sin(seq_len: int, head_dim: int, base: float,
+                   device: Optional[torch.device]) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [s, 1, 1, head_dim] (fp32) for rotate-half RoPE."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                             device=device) / head_dim))
@@ -112,7 +114,9 @@ class CoreAttention(nn.Module):
 class SelfAttention(nn.Module):
     """Causal self-attention with fused QKV (grouped per query group) and RoPE option."""
 
-    def __init__(self, config: TransformerConfig, tp_group, tracker, device=None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: Group,
+                 tracker: Optional[TensorParallelRNGTracker],
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         tp = tp_size(tp_group)
         self.config = config
@@ -156,7 +160,8 @@ def output_init_std(config: TransformerConfig) -> float:
 class MLP(nn.Module):
     """fc1 (column-parallel) -> GELU or SwiGLU -> fc2 (row-parallel)."""
 
-    def __init__(self, config: TransformerConfig, tp_group, device=None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: Group,
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.swiglu = config.activation == "swiglu"
         ffn = config.ffn_hidden_size
@@ -183,7 +188,9 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, config: TransformerConfig, tp_group, tracker, device=None) -> None:
+    def __init__(self, config: TransformerConfig, tp_group: Group,
+                 tracker: Optional[TensorParallelRNGTracker],
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         sp = config.sequence_parallel and tp_size(tp_group) > 1
         self.input_layernorm = Norm(config, sp, device)
@@ -204,8 +211,9 @@ class TransformerLayer(nn.Module):
 class TransformerBlock(nn.Module):
     """The layers `layer_range` (global numbers), plus the final norm on the last stage."""
 
-    def __init__(self, config: TransformerConfig, layer_range: Sequence[int], tp_group,
-                 tracker, post_process: bool = True, device=None) -> None:
+    def __init__(self, config: TransformerConfig, layer_range: Sequence[int], tp_group: Group,
+                 tracker: Optional[TensorParallelRNGTracker], post_process: bool = True,
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.config = config
         self.tracker = tracker

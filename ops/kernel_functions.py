@@ -1,6 +1,6 @@
 """Autograd wrappers around the compiled kernels (forward saves what backward needs)."""
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -18,7 +18,7 @@ class FusedNormFunction(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor):
+    def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         x, weight, mean, rstd = ctx.saved_tensors
         has_bias = ctx.bias_dtype is not None
         dx, dweight, dbias = ctx.kernels.norm_backward(dy.contiguous(), x, weight, mean, rstd,
@@ -39,7 +39,7 @@ class FusedSoftmaxFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor):
+    def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         (y,) = ctx.saved_tensors
         dx = ctx.kernels.softmax_backward(dy.contiguous(), y, ctx.scale, ctx.causal)
         return dx, None, None, None, None

@@ -11,12 +11,20 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
+# a process group; None means the default (world) group, as in torch.distributed
+Group = Optional[dist.ProcessGroup]
+
+
+class Work(Protocol):
+    """The handle of an asynchronous collective (torch's Work, or `_Done` for a group of one)."""
+
+    def wait(self) -> Any: ...
 # torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -58,11 +66,11 @@ class _Done:
         return True
 
 
-def group_size(group=None) -> int:
+def group_size(group: Group = None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def group_rank(group=None) -> int:
+def group_rank(group: Group = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
@@ -77,7 +85,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, group: Group = None, op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
+               async_op: bool = False) -> Optional[Work]:
     """In-place all-reduce of `tensor` over `group`."""
     n = group_size(group)
     if n == 1:
@@ -86,8 +95,8 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM,
-                   async_op: bool = False):
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = None,
+                   op: dist.ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
     """Reduce `input` over `group` and keep this rank's contiguous 1/n slice in `output`."""
     n = group_size(group)
     if input.numel() != output.numel() * n:
@@ -100,7 +109,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=Red
     return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,
+               async_op: bool = False) -> Optional[Work]:
     """Concatenate every rank's `input` (in group-rank order) into `output` along dim 0."""
     n = group_size(group)
     if output.numel() != input.numel() * n:
@@ -113,7 +123,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     return _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
+              async_op: bool = False) -> Optional[Work]:
     """Broadcast `tensor` from global rank `src` to `group`."""
     n = group_size(group)
     if n == 1:
@@ -123,7 +134,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
-def send_recv(sends: Sequence = (), recvs: Sequence = (), group=None) -> List:
+def send_recv(sends: Sequence = (), recvs: Sequence = (), group: Group = None) -> List:
     """Batched point-to-point: `sends`/`recvs` are (tensor, global peer rank) pairs.
 
     Returns the request handles; wait on them before reading a received tensor.
@@ -137,6 +148,6 @@ def send_recv(sends: Sequence = (), recvs: Sequence = (), group=None) -> List:
     return dist.batch_isend_irecv(ops)
 
 
-def barrier(group=None) -> None:
+def barrier(group: Group = None) -> None:
     if group_size(group) > 1:
         dist.barrier(group=group)

@@ -95,3 +95,14 @@ def test_train_tokenizer_end_to_end(tmp_path):
     proc = gigatron("train-tokenizer", "--input", str(tmp_path / "missing"), "--model-prefix",
                     str(tmp_path / "x"), cwd=tmp_path)
     assert proc.returncode == 1 and "no such file or directory" in proc.stderr
+
+
+def test_gigatron_pretrain_names_itself_in_its_errors(capsys):
+    """The console command's usage and error lines say `gigatron pretrain`, the script's
+    say `pretrain_gpt.py` (tests/test_e2e_training.py checks the script)."""
+    from gigatron.cli import main
+
+    assert main(["pretrain", "--bogus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gigatron pretrain: error: unknown flag"), err
+    assert "see gigatron pretrain --help" in err

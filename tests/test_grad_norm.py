@@ -79,7 +79,7 @@ def gpt_reference_norm():
 def _tp2_pp2_dp2(rank, world):
     from gigatron.parallel.pipeline.executor import PipelineExecutor
     from gigatron.models.pipeline_chunks import build_model_chunks
-    from gigatron.parallel.pipeline.p2p import PipelineP2P
+    from test_pipeline_gpt import p2p_for
     from gigatron.parallel.pipeline.partition import partition_layers
     from gigatron.parallel.pipeline.schedules import build_schedule
     from gigatron.parallel.topology import ProcessGroups, Topology
@@ -92,7 +92,7 @@ def _tp2_pp2_dp2(rank, world):
         partition = partition_layers(config.num_layers, 2)
         chunks = build_model_chunks(config, partition, pp_rank, groups.tp, SEED)
         zero = build_zero(chunks, ZeroConfig(zero_stage=stage, lr=LR), groups)
-        p2p = PipelineP2P.for_config(config, 2, groups.pp, groups.size("tp"))
+        p2p = p2p_for(config, 2, groups.pp, groups.size("tp"))
         executor = PipelineExecutor(chunks, p2p, pp_rank, groups.ranks("pp"), grad_sync=zero)
         zero.zero_grad()
         executor.run(build_schedule(pp_rank, 2, 2), gpt_micro_batches(groups.index("dp")),

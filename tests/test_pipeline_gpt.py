@@ -16,7 +16,7 @@ from gigatron.models.gpt import GPTModel
 from gigatron.parallel.pipeline.executor import PipelineExecutor, masked_mean_loss
 from gigatron.parallel.pipeline.grad_sync import AllReduceGradSync
 from gigatron.models.pipeline_chunks import build_model_chunks
-from gigatron.parallel.pipeline.p2p import PipelineP2P
+from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
 from gigatron.parallel.pipeline.partition import partition_layers
 from gigatron.parallel.pipeline.schedules import build_schedule
 from gigatron.parallel.tensor import gather_full_parameter
@@ -25,6 +25,13 @@ RTOL, ATOL = 1e-5, 1e-7
 MICRO_BATCH, SEED, LR = 2, 1234, 0.1
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
+
+
+def p2p_for(config, micro_batch_size, pp_group=None, tp_size=1):
+    """p2p buffers shaped as training builds them (training/builders.build_pipeline)."""
+    shape = p2p_tensor_shape(config.seq_length, micro_batch_size, config.hidden_size, tp_size,
+                             bool(config.sequence_parallel) and tp_size > 1)
+    return PipelineP2P(shape, config.params_dtype, torch.device("cpu"), pp_group)
 
 def tiny_config(sequence_parallel=False):
     return TransformerConfig(num_layers=8, hidden_size=32, num_attention_heads=4,
@@ -73,7 +80,7 @@ def _run_case(groups, config, num_microbatches, virtual, dp_index):
             if n in (EMBEDDING, OUTPUT)}
     embedding = groups.embedding if groups.ranks("embedding") else None
     sync = AllReduceGradSync(params, groups.dp, embedding, tp_group)
-    p2p = PipelineP2P.for_config(config, MICRO_BATCH, groups.pp, groups.size("tp"))
+    p2p = p2p_for(config, MICRO_BATCH, groups.pp, groups.size("tp"))
     executor = PipelineExecutor(chunks, p2p, pp_rank, groups.ranks("pp"), grad_sync=sync)
     schedule = build_schedule(pp_rank, pp, num_microbatches, partition.virtual_chunks)
 
@@ -159,7 +166,7 @@ def test_single_stage_executor_is_gradient_accumulation():
     config = tiny_config()
     chunks = build_model_chunks(config, partition_layers(config.num_layers, 1), 0, None, SEED)
     sync = AllReduceGradSync(chunks[0].parameters())
-    executor = PipelineExecutor(chunks, PipelineP2P.for_config(config, MICRO_BATCH), 0, [0],
+    executor = PipelineExecutor(chunks, p2p_for(config, MICRO_BATCH), 0, [0],
                                 grad_sync=sync)
     losses = executor.run(build_schedule(0, 1, 3), micro_batches(3))
     torch.testing.assert_close(torch.stack(losses), ref_losses, rtol=RTOL, atol=0)
@@ -171,7 +178,7 @@ def test_single_stage_executor_is_gradient_accumulation():
 
 
 def test_p2p_rejects_stage_outputs_of_the_wrong_shape():
-    p2p = PipelineP2P.for_config(tiny_config(), MICRO_BATCH)
+    p2p = p2p_for(tiny_config(), MICRO_BATCH)
     assert p2p.tensor_shape == (16, MICRO_BATCH, 32)
     with pytest.raises(ValueError, match="--seq-length"):
         p2p.communicate([(torch.zeros(16, MICRO_BATCH, 33), 1)], [])

@@ -6,8 +6,7 @@ import pytest
 
 from gigatron.data.sentencepiece_trainer import list_text_files
 from gigatron.data.tokenizer import (GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer,
-                                         SentencePieceTokenizer, build_tokenizer,
-                                         tokenizer_from_args)
+                                         SentencePieceTokenizer, build_tokenizer)
 
 STDLIB = os.path.dirname(os.__file__)
 CORPUS_DIRS = [os.path.join(STDLIB, d) for d in ("json", "email", "http", "logging")]
@@ -99,10 +98,8 @@ def test_null_tokenizer_round_trips_ids_and_puts_eod_after_the_vocab():
 def test_build_tokenizer_by_megatron_name_with_clear_errors(bpe_files, tmp_path):
     folder, vocab, merges = bpe_files
 
-    class Args:
-        tokenizer_type, vocab_file, merge_file = "GPT2BPETokenizer", vocab, merges
-
-    assert isinstance(tokenizer_from_args(Args), GPT2BPETokenizer)
+    assert isinstance(build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges),
+                      GPT2BPETokenizer)
     assert isinstance(build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder),
                       HuggingFaceTokenizer)
     assert build_tokenizer("NullTokenizer", vocab_size=10).eod == 10

@@ -38,16 +38,18 @@ ZERO_FLAGS = {"zero_stage": "zero_stage", "optimizer": "optimizer", "lr": "lr",
               "consecutive_hysteresis": "consecutive_hysteresis"}
 
 
-def make_parser() -> argparse.ArgumentParser:
-    """The parser of pretrain_gpt.py: Megatron's flag names and meanings, from the table."""
-    return build_parser("pretrain_gpt.py", "Pretrain a GPT model with tensor, pipeline and "
+def make_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    """The parser of pretrain_gpt.py (or `gigatron pretrain`): Megatron's flag names and
+    meanings, from the table."""
+    return build_parser(prog, "Pretrain a GPT model with tensor, pipeline and "
                         "ZeRO parallelism. Every flag, its DeepSpeed key and default: "
                         "docs/FLAGS.md.")
 
 
-def parse_flags(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_flags(argv: Optional[Sequence[str]] = None,
+                prog: str = "pretrain_gpt.py") -> argparse.Namespace:
     """Parse argv; unknown flags and bad values raise one ValueError naming them all."""
-    flags = make_parser().parse_args(argv)
+    flags = make_parser(prog).parse_args(argv)
     if flags.deepspeed_config is not None:
         ds = load_deepspeed_config(flags.deepspeed_config)
         try:
@@ -134,6 +136,7 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
     check_checkpointing(flags, p)
     check_logging(flags, p)
     p.raise_if_any()
+    assert model is not None  # raise_if_any: the model config was built
     data = GPTDataConfig(seq_length=model.seq_length, seed=flags.seed, data_path=flags.data_path,
                          split=flags.split, train_data_path=flags.train_data_path,
                          valid_data_path=flags.valid_data_path,

@@ -7,7 +7,7 @@ schedule and executor are `gigatron.parallel.pipeline`'s, the data is `gigatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -17,8 +17,15 @@ from gigatron.parallel.pipeline.schedules import Instruction
 from gigatron.training.config import RunConfig
 from gigatron.training.timers import TimedP2P, Timers
 
+if TYPE_CHECKING:
+    from gigatron.data.gpt_dataset import SampleDataset
+    from gigatron.data.tokenizer import Tokenizer
+    from gigatron.parallel.pipeline.partition import PipelinePartition
+    from gigatron.parallel.topology import ProcessGroups
 
-def build_tokenizer(flags: Dict[str, Any], model_vocab: Optional[int] = None):
+
+def build_tokenizer(flags: Dict[str, Any],
+                    model_vocab: Optional[int] = None) -> Optional["Tokenizer"]:
     """The tokenizer the data flags name; for --mock-data without one, a null tokenizer
     whose vocabulary is --vocab-size (or the zoo model's) with eod as its last id."""
     from gigatron.data.tokenizer import NullTokenizer, build_tokenizer as build
@@ -33,7 +40,7 @@ def build_tokenizer(flags: Dict[str, Any], model_vocab: Optional[int] = None):
     return NullTokenizer(vocab - 1)
 
 
-def partition(run: RunConfig):
+def partition(run: RunConfig) -> "PipelinePartition":
     """Which layers each (pipeline rank, virtual chunk) builds."""
     from gigatron.parallel.pipeline.partition import partition_layers
 
@@ -44,7 +51,7 @@ def partition(run: RunConfig):
                             num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage)
 
 
-def build_model_chunks(run: RunConfig, groups, device: torch.device) -> List[torch.nn.Module]:
+def build_model_chunks(run: RunConfig, groups: "ProcessGroups", device: torch.device) -> List[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`."""
     from gigatron.models.pipeline_chunks import build_model_chunks as build
 
@@ -63,7 +70,7 @@ class Pipeline:
     needs_labels: bool  # this rank runs the last virtual stage: reads labels and loss mask
 
 
-def build_pipeline(run: RunConfig, groups, chunks: List[torch.nn.Module],
+def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.nn.Module],
                    grad_sync: Optional[GradSync], device: torch.device,
                    timers: Optional[Timers] = None) -> Pipeline:
     """The pipeline executor (pp = 1 runs the no-pipelining schedule) and its schedules;
@@ -92,7 +99,8 @@ def sample_counts(run: RunConfig) -> List[int]:
             t.eval_iters * t.global_batch_size]
 
 
-def build_datasets(run: RunConfig, tokenizer) -> List[Optional[object]]:
+def build_datasets(run: RunConfig,
+                   tokenizer: Optional["Tokenizer"]) -> List[Optional["SampleDataset"]]:
     """[train, valid, test] datasets (collective: index caches are built by one rank)."""
     from gigatron.data.builder import build_train_valid_test_datasets
 
@@ -102,7 +110,7 @@ def build_datasets(run: RunConfig, tokenizer) -> List[Optional[object]]:
     return build_train_valid_test_datasets(config, sample_counts(run))
 
 
-def micro_batches(run: RunConfig, dataset, consumed_samples: int, dp_rank: int,
+def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_samples: int, dp_rank: int,
                   device: torch.device, pipeline: Pipeline) -> Optional[Iterator[dict]]:
     """This rank's micro-batches (executor keys), from `consumed_samples` on; None if the
     split is empty. Ranks of middle pipeline stages get empty dicts (they read nothing)."""

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import typing
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelConfig,
                                       TrainConfig)
@@ -145,7 +145,7 @@ def _converter(row: Row, problems: List[str]):
     return convert
 
 
-def add_row(group, row: Row, problems: List[str]) -> None:
+def add_row(group: "argparse._ArgumentGroup", row: Row, problems: List[str]) -> None:
     """The argparse argument(s) of one row."""
     if row.type is bool:
         default = None if row.optional else False
@@ -170,10 +170,11 @@ class ConfigParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.problems: List[str] = []
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise ParseProblems(message)
 
-    def parse_args(self, args: Optional[Sequence[str]] = None, namespace=None):
+    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
         """Parse; unknown flags and bad values raise one ParseProblems listing them all."""
         from gigatron.training.validation import join_problems
 

@@ -15,10 +15,13 @@ import argparse
 import difflib
 import json
 import re
-from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from gigatron.training.config_table import Row, defaults, flag_name, table
 from gigatron.training.validation import ConfigError, dedupe
+
+if TYPE_CHECKING:
+    from gigatron.training.config import RunConfig
 
 _INSTEAD = {
     "scheduler": "use --lr-decay-style/--lr-warmup-iters/--lr-decay-iters/--min-lr",
@@ -309,7 +312,8 @@ def load_deepspeed_config(path: str) -> Dict[str, Any]:
     return ds
 
 
-def from_deepspeed_config(ds: Mapping, world_size: int = 1, tp: int = 1, pp: int = 1):
+def from_deepspeed_config(ds: Mapping, world_size: int = 1, tp: int = 1,
+                          pp: int = 1) -> "RunConfig":
     """The config objects a DeepSpeed JSON alone defines (for `gigatron.initialize`): a
     RunConfig with zero, parallel, train, checkpoint and logging set; model, data and
     lr_schedule are None (the JSON does not describe them). Unset keys keep the defaults."""

@@ -15,9 +15,12 @@ across recomputation settings.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
+
+if TYPE_CHECKING:
+    from gigatron.models.config import TransformerConfig
 
 # Dense peak TFLOP/s per device by params dtype (vendor datasheets, no sparsity). fp32 is
 # plain fp32 (torch's default disallows TF32 for matmuls). First matching key wins.
@@ -46,7 +49,7 @@ def _get(config, name: str, default=None):
     return default if value is None else value
 
 
-def matmul_parameter_count(config, tp: int = 1) -> int:
+def matmul_parameter_count(config: "TransformerConfig", tp: int = 1) -> int:
     """N of the FLOPs formula: decoder layers + final norm + output layer (see module doc)."""
     h, layers = config.hidden_size, config.num_layers
     heads = config.num_attention_heads
@@ -64,7 +67,7 @@ def matmul_parameter_count(config, tp: int = 1) -> int:
     return layers * (attention + mlp + 2 * norm) + norm + vocab * h
 
 
-def flops_per_token(config, tp: int = 1) -> float:
+def flops_per_token(config: "TransformerConfig", tp: int = 1) -> float:
     """Model FLOPs (forward + backward) per trained token: 6N + 12 L h s."""
     return 6.0 * matmul_parameter_count(config, tp) + \
         12.0 * config.num_layers * config.hidden_size * config.seq_length
@@ -73,16 +76,16 @@ def flops_per_token(config, tp: int = 1) -> float:
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def device_peak_tflops(device: torch.device, dtype) -> Optional[float]:
+def device_peak_tflops(device: torch.device, dtype: Union[torch.dtype, str]) -> Optional[float]:
     """The table's peak for this device and params dtype (torch dtype or 'bf16'|'fp16'|
     'fp32'); None if unknown."""
     if device.type != "cuda":
         return None
-    dtype = _DTYPE_NAMES.get(dtype, dtype)
+    dtype_name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype, str(dtype))
     name = torch.cuda.get_device_name(device)
     for key, peaks in PEAK_TFLOPS:
         if key in name:
-            return peaks.get(dtype)
+            return peaks.get(dtype_name)
     return None
 
 

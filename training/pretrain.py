@@ -16,20 +16,26 @@ from __future__ import annotations
 import os
 import random
 import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from gigatron.data.tokenizer import Tokenizer
+    from gigatron.parallel.launch import LaunchEnv
+    from gigatron.training.config import RunConfig
 
-def _configure(argv: Optional[List[str]], launch):
+
+def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pretrain_gpt.py"
+               ) -> Tuple[RunConfig, Optional[Tokenizer]]:
     """Flags -> (RunConfig, tokenizer); raises ValueError with one clear line."""
     from gigatron.parallel.launch import require_world_size
     from gigatron.training.arguments import build_run_config, parse_flags
     from gigatron.training.builders import build_tokenizer
     from gigatron.training.validation import Problems, check_data
 
-    flags = parse_flags(argv)
+    flags = parse_flags(argv, prog)
     if launch.launcher == "none":  # a plain `python pretrain_gpt.py`: say how to launch
         require_world_size(launch, flags.tensor_model_parallel_size *
                            flags.pipeline_model_parallel_size)
@@ -122,17 +128,18 @@ def _summary(s, progress) -> None:
     s.logger.print("\n".join(lines))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, prog: str = "pretrain_gpt.py") -> int:
+    """Pretrain from Megatron's flags; `prog` names the program in usage and error lines."""
     from gigatron.parallel.launch import init_distributed, read_launch_env
 
     rank = 0
     try:
         launch = read_launch_env()
         rank = launch.rank
-        run, tokenizer = _configure(argv, launch)
+        run, tokenizer = _configure(argv, launch, prog)
     except ValueError as err:
         if rank == 0:  # every rank finds the same error: one copy is enough
-            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+            print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     import torch.distributed as dist
     from gigatron.training.loop import train
@@ -145,7 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         _summary(session, progress)
         session.logger.close()
     except ValueError as err:  # layout/checkpoint mismatches found after launch
-        print(f"pretrain_gpt.py: error (rank {launch.rank}): {err}", file=sys.stderr)
+        print(f"{prog}: error (rank {launch.rank}): {err}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

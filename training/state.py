@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from gigatron.training import checkpointing as files
 from gigatron.training.config import RunConfig
+
+if TYPE_CHECKING:
+    from gigatron.parallel.topology import ProcessGroups
+    from gigatron.parallel.zero.optimizer import ZeroOptimizer
 
 
 @dataclass
@@ -76,7 +80,8 @@ def layout(run: RunConfig, num_chunks: int) -> Dict[str, int]:
     return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_chunks": num_chunks}
 
 
-def save(run: RunConfig, groups, progress: TrainProgress, chunks, zero,
+def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
+         chunks: List[torch.nn.Module], zero: "ZeroOptimizer",
          device: torch.device) -> str:
     """Collective: write this rank's shard of iteration `progress.iteration`."""
     from gigatron.parallel import comm
@@ -101,7 +106,8 @@ def save(run: RunConfig, groups, progress: TrainProgress, chunks, zero,
                                  run.checkpoint.ckpt_format)
 
 
-def load_model_weights(run: RunConfig, groups, chunks) -> Optional[Dict[str, Any]]:
+def load_model_weights(run: RunConfig, groups: "ProcessGroups",
+                       chunks: List[torch.nn.Module]) -> Optional[Dict[str, Any]]:
     """Phase 1 of --load: weights into the chunks; returns this rank's shard (None: none)."""
     root = run.checkpoint.load
     if root is None:
@@ -122,7 +128,8 @@ def load_model_weights(run: RunConfig, groups, chunks) -> Optional[Dict[str, Any
     return shard
 
 
-def restore_training_state(run: RunConfig, shard: Optional[Dict[str, Any]], chunks, zero,
+def restore_training_state(run: RunConfig, shard: Optional[Dict[str, Any]],
+                           chunks: List[torch.nn.Module], zero: "ZeroOptimizer",
                            device: torch.device) -> TrainProgress:
     """Phase 2 of --load: optimizer shard, scaler, RNG and progress (per the --no-load-*
     and --finetune flags); a fresh TrainProgress without a checkpoint."""

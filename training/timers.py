@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from gigatron.parallel.pipeline.executor import PointToPoint
 from gigatron.parallel.pipeline.grad_sync import GradSync
@@ -51,7 +52,8 @@ def device_sync(device: torch.device) -> Optional[Callable[[], None]]:
     return torch.accelerator.synchronize
 
 
-def time_module_forward(module: torch.nn.Module, timers: Timers, name: str = "forward"):
+def time_module_forward(module: torch.nn.Module, timers: Timers,
+                        name: str = "forward") -> Tuple[RemovableHandle, RemovableHandle]:
     """Time every forward of `module` (hooks); returns the hook handles."""
     return (module.register_forward_pre_hook(lambda *_: timers.start(name)),
             module.register_forward_hook(lambda *_: timers.stop(name)))

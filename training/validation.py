@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from gigatron.training.config import LRScheduleConfig, ParallelConfig
 from gigatron.training.config_table import flag_name
 from gigatron.training.lr_schedule import validate_schedule
+
+if TYPE_CHECKING:
+    import torch
+    from gigatron.models.config import TransformerConfig
 
 # flag dest -> TransformerConfig field, for flags that map one to one
 MODEL_FIELDS = {
@@ -68,7 +72,7 @@ class Problems:
     def add(self, line: str) -> None:
         self.lines.append(line)
 
-    def run(self, fn, *args: Any, **kwargs: Any) -> Any:
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """fn(*args) or None; a ValueError it raises is recorded (each of its lines)."""
         try:
             return fn(*args, **kwargs)
@@ -136,7 +140,7 @@ def _model_overrides(flags: argparse.Namespace, vocab_size: Optional[int],
     return fields
 
 
-def params_dtype(flags: argparse.Namespace):
+def params_dtype(flags: argparse.Namespace) -> "torch.dtype":
     """The parameters' dtype of --fp16 / --bf16 (fp32 without either)."""
     import torch
 
@@ -151,7 +155,7 @@ def _megatron_defaults(fields: Dict[str, Any]) -> None:
 
 
 def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[int],
-                       p: Problems):
+                       p: Problems) -> Optional["TransformerConfig"]:
     """The TransformerConfig: --model's zoo config (if given) overridden by model flags;
     None (with the problems recorded) when it cannot be built."""
     n = len(p.lines)
@@ -212,7 +216,8 @@ def microbatches(flags: argparse.Namespace, dp: int,
     return mbs, gbs, gbs // (mbs * dp)
 
 
-def check_train(flags: argparse.Namespace, parallel: ParallelConfig, model,
+def check_train(flags: argparse.Namespace, parallel: ParallelConfig,
+                model: Optional["TransformerConfig"],
                 num_microbatches: Optional[int], p: Problems) -> None:
     """Loop flags and the pipeline's needs on layers and micro-batches."""
     if flags.train_iters is None:

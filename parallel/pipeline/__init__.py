@@ -4,7 +4,8 @@ A training step on one rank:
 
     partition = partition_layers(num_layers, pp, num_layers_per_virtual_stage=...)
     chunks = ...  # this rank's model chunks (a GPT: gigatron.models.pipeline_chunks)
-    p2p = PipelineP2P.for_config(config, micro_batch_size, groups.pp, tp_size, device)
+    p2p = PipelineP2P(p2p_tensor_shape(seq_length, micro_batch_size, hidden_size, tp_size,
+                                       sequence_parallel), params_dtype, device, groups.pp)
     executor = PipelineExecutor(chunks, p2p, pp_rank, groups.ranks("pp"), grad_sync)
     losses = executor.run(build_schedule(pp_rank, pp, num_microbatches,
                                          partition.virtual_chunks), micro_batches)

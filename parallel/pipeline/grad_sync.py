@@ -17,6 +17,8 @@ from typing import Iterable, List, Protocol, runtime_checkable
 import torch
 
 from gigatron.parallel import comm
+from gigatron.parallel.comm import Group
+from gigatron.parallel.tensor.utils import allreduce_sequence_parallel_grads
 
 
 @runtime_checkable
@@ -54,8 +56,8 @@ def _all_reduce_flat(grads: List[torch.Tensor], group, average: bool) -> None:
 class AllReduceGradSync:
     """Reduce grads of `params` over dp (average), the embedding group and tp (SP params)."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group=None,
-                 embedding_group=None, tp_group=None) -> None:
+    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group: Group = None,
+                 embedding_group: Group = None, tp_group: Group = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.dp_group = dp_group
         self.embedding_group = embedding_group
@@ -71,8 +73,7 @@ class AllReduceGradSync:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        sp = [p.grad for p in self.params if getattr(p, "sequence_parallel", False)]
-        _all_reduce_flat(sp, self.tp_group, average=False)
+        allreduce_sequence_parallel_grads(self.params, self.tp_group)
         shared = [p.grad for p in self.params if getattr(p, "shared_embedding", False)]
         _all_reduce_flat(shared, self.embedding_group, average=False)
         _all_reduce_flat([p.grad for p in self.params], self.dp_group, average=True)

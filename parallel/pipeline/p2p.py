@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from gigatron.parallel import comm
+from gigatron.parallel.comm import Group
 
 
 def p2p_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int,
@@ -32,25 +33,13 @@ class PipelineP2P:
     """Sends/receives fixed-shape tensors to/from pipeline neighbours (global ranks)."""
 
     def __init__(self, tensor_shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-                 pp_group=None, rank: Optional[int] = None) -> None:
+                 pp_group: Group = None, rank: Optional[int] = None) -> None:
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
         self.device = torch.device(device)
         self.pp_group = pp_group
         self.rank = comm.group_rank() if rank is None else rank
         self._to_self: deque = deque()
-
-    @classmethod
-    def for_config(cls, config, micro_batch_size: int, pp_group=None, tp_size: int = 1,
-                   device: Optional[torch.device] = None,
-                   dtype: Optional[torch.dtype] = None) -> "PipelineP2P":
-        """Buffers shaped from a TransformerConfig; dtype defaults to its params_dtype,
-        device to the one this process computes on."""
-        from gigatron.parallel.launch import current_device
-
-        shape = p2p_tensor_shape(config.seq_length, micro_batch_size, config.hidden_size,
-                                 tp_size, bool(config.sequence_parallel) and tp_size > 1)
-        return cls(shape, dtype or config.params_dtype, device or current_device(), pp_group)
 
     def _check(self, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype:

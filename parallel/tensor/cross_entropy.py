@@ -14,6 +14,7 @@ import torch
 
 from gigatron.parallel import comm
 from gigatron.parallel.tensor.mappings import tp_rank, tp_size
+from gigatron.parallel.comm import Group
 
 
 def _all_reduce(t: torch.Tensor, group, op=comm.ReduceOp.SUM) -> None:
@@ -71,7 +72,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group: Group = None,
                                  vocab_size: Optional[int] = None,
                                  label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-token fp32 loss from this rank's vocab slice of `logits` ([..., V_pad/tp]).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -67,7 +67,7 @@ def shard(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
 
 
-def unshard(parts, dim: int, stride: int = 1) -> torch.Tensor:
+def unshard(parts: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
     """Inverse of `shard`: the full tensor from every rank's slice (in rank order)."""
     if stride == 1:
         return torch.cat(list(parts), dim=dim)

@@ -24,6 +24,7 @@ from gigatron.parallel.tensor.mappings import (
     tp_size,
 )
 from gigatron.parallel.tensor.utils import divide
+from gigatron.parallel.comm import Group
 
 
 def _empty(shape, dtype, device) -> nn.Parameter:
@@ -41,11 +42,11 @@ class ColumnParallelLinear(nn.Module):
     weight: Optional[nn.Parameter]
     bias: Optional[nn.Parameter]
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
+    def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, skip_weight_param: bool = False,
                  partition_stride: int = 1, valid_rows: Optional[int] = None,
-                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.gather_output = gather_output
@@ -93,10 +94,10 @@ class RowParallelLinear(nn.Module):
     weight: nn.Parameter
     bias: Optional[nn.Parameter]
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group=None, bias: bool = True,
+    def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
                  init_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
-                 device=None) -> None:
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.input_is_parallel = input_is_parallel
@@ -135,10 +136,10 @@ class VocabParallelEmbedding(nn.Module):
     output is sequence-first and reduce-scattered: [s/tp, b, h]; else [b, s, h].
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group=None,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group = None,
                  vocab_size: Optional[int] = None, init_std: float = 0.02,
                  reduce_scatter_embeddings: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and tp_size(tp_group) > 1

@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 
 from gigatron.parallel import comm
+from gigatron.parallel.comm import Group
 
 
-def tp_size(group) -> int:
+def tp_size(group: Group) -> int:
     """Size of a tensor-parallel group; None means no tensor parallelism (not the world)."""
     return 1 if group is None else comm.group_size(group)
 
 
-def tp_rank(group) -> int:
+def tp_rank(group: Group) -> int:
     """This rank's index in the tensor-parallel group (0 without one)."""
     return 0 if group is None else comm.group_rank(group)
 
@@ -137,33 +138,33 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return _gather(grad, 0, ctx.group), None
 
 
-def copy_to_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Identity forward, all-reduce backward: entry of a column-parallel region."""
     return _CopyToTP.apply(x, group)
 
 
-def reduce_from_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """All-reduce forward, identity backward: exit of a row-parallel region."""
     return _ReduceFromTP.apply(x, group)
 
 
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension; backward all-gathers it."""
     return _ScatterToTP.apply(x, group)
 
 
-def gather_from_tensor_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """All-gather along the last dimension; backward keeps this rank's slice."""
     return _GatherFromTP.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group=None,
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group = None,
                                          tensor_parallel_output_grad: bool = True
                                          ) -> torch.Tensor:
     """All-gather the sequence (dim 0); backward reduce-scatters (or splits) the grad."""
     return _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Sum partial results over tp and keep this rank's 1/tp of the sequence."""
     return _ReduceScatterToSP.apply(x, group)

@@ -8,6 +8,7 @@ import torch
 from gigatron.parallel import comm
 from gigatron.parallel.tensor.init import unshard
 from gigatron.parallel.tensor.mappings import tp_size
+from gigatron.parallel.comm import Group
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -17,7 +18,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def gather_full_parameter(param: torch.Tensor, tp_group=None,
+def gather_full_parameter(param: torch.Tensor, tp_group: Group = None,
                           data: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The full (unsharded) tensor of `param`, or of `data` shaped like it (e.g. its grad).
 
@@ -39,7 +40,7 @@ def gather_full_parameter(param: torch.Tensor, tp_group=None,
 
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter],
-                                      tp_group=None) -> None:
+                                      tp_group: Group = None) -> None:
     """Sum over tp the grads of parameters marked `sequence_parallel` (norms, row biases).
 
     Under sequence parallelism each tp rank saw only its slice of the sequence, so these

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from gigatron.parallel.zero.optimizer import ZeroOptimizer
 
 
 @dataclass
@@ -58,7 +61,7 @@ def zero_comm_bytes_formula(num_params: int, dp_size: int, zero_stage: int, grad
     return share * (grad_bytes + gathers * param_bytes)
 
 
-def measure_memory(zero) -> MemoryBytes:
+def measure_memory(zero: "ZeroOptimizer") -> MemoryBytes:
     """What this rank's ZeroOptimizer holds right now (stage 3 counts gathered buffers too)."""
     params = grads = master = state = 0
     for g in zero.flat_groups:

@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from gigatron.parallel import comm
+from gigatron.parallel.comm import Group
 from gigatron.parallel.zero.layout import Bucket, group_sizes, plan_buckets, shard_overlaps
 
 
@@ -20,7 +21,7 @@ class FlatGroup:
     """Flat buffers and bucketed dp reductions for parameters sharing one optimizer group."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, chunk: int, kind: str,
-                 weight_decay: float, stage: int, dp_group, bucket_size: int,
+                 weight_decay: float, stage: int, dp_group: Group, bucket_size: int,
                  unit_ids: Optional[Sequence[int]], master_device: torch.device,
                  reduce_dtype: torch.dtype) -> None:
         self.params = list(params)

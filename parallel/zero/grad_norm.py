@@ -14,6 +14,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from gigatron.parallel import comm
+from gigatron.parallel.comm import Group
 
 
 def counts_in_norm(param: torch.nn.Parameter, tp_rank: int, pp_rank: int) -> bool:
@@ -26,7 +27,7 @@ def counts_in_norm(param: torch.nn.Parameter, tp_rank: int, pp_rank: int) -> boo
 
 
 def global_norm_and_nonfinite(norm_views: Iterable[torch.Tensor],
-                              check_views: Iterable[torch.Tensor] = (), group=None,
+                              check_views: Iterable[torch.Tensor] = (), group: Group = None,
                               device: Optional[torch.device] = None
                               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(L2 norm of all counted grads over `group`, count of non-finite elements in

@@ -16,13 +16,14 @@ import torch
 from gigatron.parallel import comm
 from gigatron.parallel.zero.flat_group import FlatGroup
 from gigatron.parallel.zero.layout import Bucket
+from gigatron.parallel.comm import Group
 
 
 class BucketedGradSync:
     """Owns the post-accumulate-grad hooks of every parameter in `groups`."""
 
     def __init__(self, flat_groups: List[FlatGroup], num_chunks: int, stage: int,
-                 overlap_comm: bool = True, tp_group=None, embedding_group=None,
+                 overlap_comm: bool = True, tp_group: Group = None, embedding_group: Group = None,
                  on_param_grad: Optional[Callable[[torch.nn.Parameter], None]] = None) -> None:
         self.flat_groups, self.stage, self.overlap_comm = flat_groups, stage, overlap_comm
         self.tp_group, self.embedding_group = tp_group, embedding_group

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (TYPE_CHECKING, ContextManager, Dict, Iterator, List, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 from torch import nn
@@ -28,6 +29,10 @@ from gigatron.parallel.zero.grad_norm import (clip_coefficient, counts_in_norm,
 from gigatron.parallel.zero.grad_sync import BucketedGradSync
 from gigatron.parallel.zero.loss_scaler import DynamicLossScaler, LossScaler
 from gigatron.parallel.zero.stage3 import ParamGatherer, find_units
+from gigatron.parallel.comm import Group
+
+if TYPE_CHECKING:
+    from gigatron.parallel.topology import ProcessGroups
 
 STATE_FORMAT = "gigatron-zero-v1"
 
@@ -54,7 +59,7 @@ class ZeroGroups:
     pp_size: int = 1
 
 
-def zero_groups_from(groups) -> ZeroGroups:
+def zero_groups_from(groups: "ProcessGroups") -> ZeroGroups:
     """Pick ZeRO's groups out of a `gigatron.parallel.topology.ProcessGroups`."""
     try:
         embedding = groups["embedding"]
@@ -65,7 +70,8 @@ def zero_groups_from(groups) -> ZeroGroups:
 
 
 def build_zero(model_chunks: Union[nn.Module, Sequence[nn.Module]], config: ZeroConfig,
-               groups=None, dp_group=None) -> "ZeroOptimizer":
+               groups: Union["ProcessGroups", ZeroGroups, None] = None,
+               dp_group: Group = None) -> "ZeroOptimizer":
     """Wrap the model chunks' parameters in ZeRO buffers; `groups` is a ProcessGroups (or a
     ZeroGroups); with neither, `dp_group` alone (None = the whole world) is used."""
     if isinstance(model_chunks, nn.Module):
@@ -187,7 +193,7 @@ class ZeroOptimizer:
         """Pipeline-executor contract: reduce chunk's grads in the coming backward?"""
         self.grad_sync.enable_sync(chunk, enabled)
 
-    def no_sync(self):
+    def no_sync(self) -> ContextManager[None]:
         """Context for all but the last micro-batch of gradient accumulation."""
         return self.grad_sync.no_sync()
 

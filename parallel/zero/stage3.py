@@ -11,12 +11,16 @@ the unit whose backward comes next), and freed once all its parameters have grad
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Set, Tuple
 
 import torch
 from torch import nn
 
 from gigatron.parallel import comm
+from gigatron.parallel.comm import Group
+
+if TYPE_CHECKING:
+    from gigatron.parallel.zero.flat_group import FlatGroup
 
 LAYER_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -60,8 +64,8 @@ class _Unit:
 class ParamGatherer:
     """Installs the module and tensor hooks that gather and free stage-3 parameters."""
 
-    def __init__(self, units: List[Tuple[nn.Module, List[nn.Parameter]]], flat_groups,
-                 dp_group, prefetch: bool = True) -> None:
+    def __init__(self, units: List[Tuple[nn.Module, List[nn.Parameter]]], flat_groups: List["FlatGroup"],
+                 dp_group: Group, prefetch: bool = True) -> None:
         self.dp_group, self.prefetch = dp_group, prefetch
         self.units = [_Unit(m, ps) for m, ps in units]
         owner = {id(p): u for u in self.units for p in u.params}
