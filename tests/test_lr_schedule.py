@@ -78,3 +78,18 @@ def test_schedule_is_monotone_after_warmup():
 def test_validate_rejects_unknown_style():
     with pytest.raises(ValueError, match="--lr-decay-style 'bogus' is not one of"):
         validate_schedule(cfg("bogus"))
+
+
+def test_every_schedule_problem_is_reported_at_once():
+    """Three independent schedule mistakes: three lines, each naming its flag."""
+    import pytest
+
+    from gigatron.training.arguments import parse_args
+
+    argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--vocab-size 128 --mock-data --micro-batch-size 1 --train-iters 10 --lr 1e-4 "
+            "--min-lr 1e-3 --lr-warmup-iters 20 --lr-decay-style WSD").split()
+    with pytest.raises(ValueError) as err:
+        parse_args(argv, world_size=1)
+    text = str(err.value)
+    assert "--min-lr" in text and "warm-up" in text and "--lr-wsd-decay-iters" in text, text

@@ -16,6 +16,7 @@ iteration of a warm-up runs at --lr-warmup-init (0 by default).
 from __future__ import annotations
 
 import math
+from typing import List
 
 from gigatron.training.config import LRScheduleConfig
 
@@ -66,29 +67,35 @@ def lr_for_iteration(iteration: int, global_batch_size: int, cfg: LRScheduleConf
     return learning_rate((iteration - 1) * global_batch_size, cfg)
 
 
-def validate_schedule(cfg: LRScheduleConfig) -> None:
-    """Raise a flag-naming ValueError for a schedule Megatron would reject."""
+def schedule_problems(cfg: LRScheduleConfig) -> List[str]:
+    """Every reason Megatron would reject this schedule, one flag-naming line each."""
+    out: List[str] = []
     if cfg.decay_style not in DECAY_STYLES:
-        raise ValueError(f"--lr-decay-style {cfg.decay_style!r} is not one of "
-                         f"{', '.join(DECAY_STYLES)}")
+        out.append(f"--lr-decay-style {cfg.decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
     if cfg.max_lr < 0 or cfg.min_lr < 0:
-        raise ValueError(f"--lr ({cfg.max_lr}) and --min-lr ({cfg.min_lr}) must be >= 0")
-    if cfg.min_lr > cfg.max_lr:
-        raise ValueError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.max_lr}: "
-                         f"lower --min-lr")
+        out.append(f"--lr ({cfg.max_lr}) and --min-lr ({cfg.min_lr}) must be >= 0")
+    elif cfg.min_lr > cfg.max_lr:
+        out.append(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.max_lr}: lower --min-lr")
     if cfg.decay_steps <= 0:
-        raise ValueError("--lr-decay-iters must be > 0")
-    if cfg.decay_style != "constant" and cfg.warmup_steps >= cfg.decay_steps:
-        raise ValueError(
-            f"warm-up ({cfg.warmup_steps} samples) is not shorter than the decay "
-            f"({cfg.decay_steps} samples): lower --lr-warmup-iters/--lr-warmup-fraction or "
-            f"raise --lr-decay-iters")
+        out.append("--lr-decay-iters must be > 0")
+    elif cfg.decay_style != "constant" and cfg.warmup_steps >= cfg.decay_steps:
+        out.append(f"warm-up ({cfg.warmup_steps} samples) is not shorter than the decay "
+                   f"({cfg.decay_steps} samples): lower --lr-warmup-iters/--lr-warmup-fraction "
+                   f"or raise --lr-decay-iters")
     if cfg.decay_style == "WSD":
         if cfg.wsd_decay_style not in WSD_DECAY_STYLES:
-            raise ValueError(f"--lr-wsd-decay-style {cfg.wsd_decay_style!r} is not one of "
-                             f"{', '.join(WSD_DECAY_STYLES)}")
+            out.append(f"--lr-wsd-decay-style {cfg.wsd_decay_style!r} is not one of "
+                       f"{', '.join(WSD_DECAY_STYLES)}")
         if not cfg.wsd_decay_steps or cfg.wsd_decay_steps <= 0:
-            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters > 0")
-        if cfg.wsd_decay_steps > cfg.decay_steps - cfg.warmup_steps:
-            raise ValueError("--lr-wsd-decay-iters is longer than the decay after warm-up: "
-                             "lower it or raise --lr-decay-iters")
+            out.append("--lr-decay-style WSD needs --lr-wsd-decay-iters > 0")
+        elif cfg.wsd_decay_steps > cfg.decay_steps - cfg.warmup_steps:
+            out.append("--lr-wsd-decay-iters is longer than the decay after warm-up: "
+                       "lower it or raise --lr-decay-iters")
+    return out
+
+
+def validate_schedule(cfg: LRScheduleConfig) -> None:
+    """Raise one ValueError listing every problem of the schedule (one line each)."""
+    problems = schedule_problems(cfg)
+    if problems:
+        raise ValueError("\n".join(problems))
