@@ -30,12 +30,21 @@ def array_digest(array: np.ndarray) -> str:
     return hashlib.md5(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
+def _umask_mode() -> int:
+    """The mode a plain open() gives a new file (0666 minus the umask): mkstemp's 0600 would
+    lock other users of a shared cache out."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _save_atomic(path: str, array: np.ndarray) -> None:
     folder = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npy", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, array, allow_pickle=False)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -18,10 +18,9 @@ from typing import Dict, Generator, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from gigatron.data.indexed_dataset import IndexedDatasetBuilder, token_dtype_for_vocab
-from gigatron.data.sentencepiece_trainer import list_text_files
+from gigatron.data.sentencepiece_trainer import JSON_SUFFIXES, list_text_files
 from gigatron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
-JSON_SUFFIXES = (".json", ".jsonl")
 CHUNK_RECORDS, CHUNK_BYTES = 256, 1 << 18  # small enough to balance the workers
 
 # A record is (file, line number or 0 for a whole text file, raw text).

@@ -6,11 +6,13 @@ fallback for unseen characters), which matters for code and for round-trip check
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from typing import Iterator, List, Optional, Sequence
 
+JSON_SUFFIXES = (".json", ".jsonl")  # JSON lines, read as tools/preprocess_data.py reads them
 TEXT_SUFFIXES_SKIPPED = (".bin", ".idx", ".npy", ".model", ".gz", ".zip", ".pyc")
 
 
@@ -36,25 +38,49 @@ def list_text_files(inputs: Sequence[str], suffixes: Sequence[str] = ()) -> List
     return files
 
 
-def iter_lines(files: Sequence[str], max_bytes: int = 0) -> Iterator[str]:
+def _documents(path: str, json_keys: Sequence[str]) -> Iterator[str]:
+    """The text of one file: its lines, or for JSON lines (.json/.jsonl, as preprocessing
+    reads them) the `json_keys` string fields of each record, never the JSON syntax."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        if not path.endswith(JSON_SUFFIXES):
+            yield from f
+            return
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({err.msg}); a .json/.jsonl "
+                                 f"input holds one JSON object per line") from None
+            texts = [record.get(k) for k in json_keys] if isinstance(record, dict) else [None]
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError(f"{path}:{lineno}: no string field {list(json_keys)} "
+                                 f"(--json-keys names the text fields)")
+            for text in texts:
+                yield from text.splitlines()
+
+
+def iter_lines(files: Sequence[str], max_bytes: int = 0,
+               json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
     """Non-empty lines of `files` (undecodable bytes replaced), up to `max_bytes` in total."""
     total = 0
     for path in files:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                total += len(line)
-                yield line
-                if max_bytes and total >= max_bytes:
-                    return
+        for line in _documents(path, json_keys):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            total += len(line)
+            yield line
+            if max_bytes and total >= max_bytes:
+                return
 
 
 def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: int = 32000,
                         model_type: str = "bpe", input_sentence_size: int = 1_000_000,
                         max_bytes: int = 0, character_coverage: float = 0.9999,
-                        num_threads: int = 2, suffixes: Sequence[str] = ()) -> str:
+                        num_threads: int = 2, suffixes: Sequence[str] = (),
+                        json_keys: Sequence[str] = ("text",)) -> str:
     """Train on the lines of `inputs` (files or folders); returns the `.model` path.
 
     Ids: 0 <unk>, 1 <s> (bos), 2 </s> (eos, used as end-of-document), no pad.
@@ -67,7 +93,7 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
     folder = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(folder, exist_ok=True)
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter_lines(files, max_bytes), model_prefix=model_prefix,
+        sentence_iterator=iter_lines(files, max_bytes, json_keys), model_prefix=model_prefix,
         vocab_size=vocab_size, model_type=model_type, input_sentence_size=input_sentence_size,
         shuffle_input_sentence=True, character_coverage=character_coverage,
         normalization_rule_name="identity", remove_extra_whitespaces=False,
@@ -94,6 +120,9 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffixes", nargs="*", default=[],
                    help="in folders, only files ending so (e.g. .txt .py) (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="trainer threads (default: %(default)s)")
+    p.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="in .json/.jsonl inputs, the fields holding the text, as "
+                        "preprocess-data reads them (default: %(default)s)")
     return p
 
 
@@ -104,7 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         model = train_sentencepiece(args.input, args.model_prefix, args.vocab_size,
                                     args.model_type, args.input_sentence_size, args.max_bytes,
-                                    args.character_coverage, args.threads, args.suffixes)
+                                    args.character_coverage, args.threads, args.suffixes,
+                                    args.json_keys)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -272,3 +272,19 @@ def test_indices_built_once_by_rank_zero_while_other_ranks_wait(tmp_path):
     digest = hashlib.md5(np.concatenate([train.sample_tokens(i) for i in range(300)] +
                                         [valid.sample_tokens(i) for i in range(40)]).tobytes())
     assert digest.hexdigest() == results[0][1]
+
+
+def test_index_cache_files_respect_the_umask(tmp_path):
+    """A shared cache folder: the .npy files get the mode a plain open() would (0666 minus the
+    umask), not mkstemp's 0600 that locks other users out."""
+    import stat
+
+    from gigatron.data.index_cache import cached_indices
+
+    old = os.umask(0o022)
+    try:
+        cached_indices(["a"], lambda: {"a": np.arange(3)}, {"k": 1}, str(tmp_path), "t")
+    finally:
+        os.umask(old)
+    files = [f for f in os.listdir(tmp_path) if f.endswith(".npy")]
+    assert files and all(stat.S_IMODE(os.stat(tmp_path / f).st_mode) == 0o644 for f in files)

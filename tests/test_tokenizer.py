@@ -134,3 +134,19 @@ def test_train_tokenizer_tool_writes_a_usable_model(tmp_path, capsys):
     assert tok.detokenize(tok.tokenize("def f(x):\n    return x\n")) == "def f(x):\n    return x\n"
     assert tool.main(["--input", str(tmp_path / "missing"), "--model-prefix", prefix]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+def test_tokenizer_training_reads_the_text_field_of_json_lines(tmp_path):
+    """A .jsonl corpus: the tokenizer learns the records' text (--json-keys), not the JSON
+    syntax around it; a malformed line names the file and line."""
+    from gigatron.data.sentencepiece_trainer import iter_lines
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "first line\\nsecond line", "id": 1}\n\n{"text": "third"}\n')
+    assert list(iter_lines([str(corpus)])) == ["first line", "second line", "third"]
+    plain = tmp_path / "notes.txt"
+    plain.write_text('{"text": "kept as is"}\n')
+    assert list(iter_lines([str(plain)])) == ['{"text": "kept as is"}']
+    corpus.write_text('{"text": "ok"}\n{"body": "no text field"}\n')
+    with pytest.raises(ValueError, match=r"corpus.jsonl:2: no string field \['text'\]"):
+        list(iter_lines([str(corpus)]))
