@@ -53,8 +53,9 @@ def _documents(path: str, json_keys: Sequence[str]) -> Iterator[str]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: malformed JSON ({err.msg}); a .json/.jsonl "
                                  f"input holds one JSON object per line") from None
-            texts = [record.get(k) for k in json_keys] if isinstance(record, dict) else [None]
-            if not all(isinstance(t, str) for t in texts):
+            fields = [record.get(k) for k in json_keys] if isinstance(record, dict) else [None]
+            texts = [t for t in fields if isinstance(t, str)]
+            if len(texts) != len(fields):
                 raise ValueError(f"{path}:{lineno}: no string field {list(json_keys)} "
                                  f"(--json-keys names the text fields)")
             for text in texts:
