@@ -66,6 +66,13 @@ def test_console_line_has_megatron_fields():
                  "number of skipped iterations:   0", "elapsed time per iteration (ms): 12.5"):
         assert text in line, line
     assert "MFU" not in line  # unknown peak: left out, not printed as 0
+    assert "throughput per GPU (TFLOP/s/GPU): 0.5" in line
+
+
+def test_cpu_throughput_is_shown_in_gflops_not_as_zero_tflops():
+    line = format_train_line(dict(RECORD, tflops_per_device=0.00123), 100)
+    assert "throughput per device (GFLOP/s/device): 1.23" in line, line
+    assert "TFLOP/s" not in line
 
 
 def test_metrics_file_and_tensorboard(tmp_path):
@@ -96,3 +103,10 @@ def test_progress_bar_renders_fraction_and_eta():
     text = bar.render(50, 3.0, now=10.0)
     assert text.startswith("[#####.....] 50/100 (50%) loss 3.0000")
     assert text.endswith("ETA 0:10")  # 50 its in 10 s -> 50 more take 10 s
+
+
+def test_banner_counts_ranks_in_english():
+    from gigatron.training.pretrain import _ranks_phrase
+
+    assert _ranks_phrase(1, "none") == "1 rank (no launcher)"
+    assert _ranks_phrase(8, "torchrun") == "8 ranks (torchrun)"

@@ -44,6 +44,8 @@ def format_train_line(record: Dict, train_iters: int) -> str:
         value = record.get(key)
         if value is None or (isinstance(value, float) and math.isnan(value) and key != "lm loss"):
             continue
+        if key == "tflops_per_device" and value < 0.1:  # a CPU: 0.0 TFLOP/s would say nothing
+            label, fmt, value = "throughput per device (GFLOP/s/device)", "{:.2f}", 1e3 * value
         parts.append(f"{label}: {fmt.format(value)}")
     timers = record.get("timers_ms")
     if timers:

@@ -90,13 +90,19 @@ def _build_session(run, tokenizer, launch, device):
     return session, progress, shard
 
 
+def _ranks_phrase(world_size: int, launcher: str) -> str:
+    """'1 rank (no launcher)', '8 ranks (torchrun)': the banner in English."""
+    ranks = f"{world_size} rank{'s' if world_size != 1 else ''}"
+    return f"{ranks} ({'no launcher' if launcher == 'none' else launcher})"
+
+
 def _banner(s, progress, shard, launch, device) -> None:
     from gigatron.models.gpt import count_parameters
     from gigatron.training.builders import partition
 
     run, p, t = s.run, s.run.parallel, s.run.train
     s.logger.print(
-        f"gigatron: {launch.world_size} ranks ({launch.launcher} launch, {device.type}), "
+        f"gigatron: {_ranks_phrase(launch.world_size, launch.launcher)} on {device.type}, "
         f"tp={p.tp} pp={p.pp} dp={p.dp} zero stage {run.zero.zero_stage}"
         f"{' sequence-parallel' if p.sequence_parallel else ''}\n"
         f"model: {run.model_name or 'custom'}, {count_parameters(run.model):,} parameters, "
