@@ -106,3 +106,16 @@ def test_gigatron_pretrain_names_itself_in_its_errors(capsys):
     err = capsys.readouterr().err
     assert err.startswith("gigatron pretrain: error: unknown flag"), err
     assert "see gigatron pretrain --help" in err
+
+
+def test_schedule_view_explains_its_bubble_and_names_its_own_flags(capsys):
+    from gigatron.parallel.pipeline.render import main
+
+    assert main(["--pp", "2", "--num-microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 33.3%" in out and "bubble: share of the step a stage sits idle" in out
+    with pytest.raises(SystemExit):
+        main(["--pp", "4", "--num-microbatches", "3", "--virtual-chunks", "2"])
+    err = capsys.readouterr().err
+    assert "--num-microbatches 3" in err and "--pp=4" in err, err
+    assert "--global-batch-size" not in err and "--pipeline-model-parallel-size" not in err

@@ -144,7 +144,8 @@ def test_simulator_catches_mismatched_order_and_deadlock():
 def test_render_shows_each_stage_and_its_bubble():
     text = render(all_ranks(4, 8, 1))
     lines = text.splitlines()
-    assert len(lines) == 4 and all("bubble 27.3%" in line for line in lines)
+    assert len(lines) == 5 and all("bubble 27.3%" in line for line in lines[:4])
+    assert lines[4].startswith("bubble: share of the step a stage sits idle")
     assert lines[3].split("|")[4].strip() == "F0"  # last stage starts after 3 forwards
     assert "F0a" in render(all_ranks(2, 4, 2)) and "B3b" in render(all_ranks(2, 4, 2))
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
-from .schedules import Backward, Forward, Instruction, build_schedule
+from .schedules import (BATCH_FLAGS, PP_FLAG, VIRTUAL_FLAG, Backward, Forward, Instruction,
+                        build_schedule)
 from .simulate import simulate
 
 
@@ -35,7 +36,23 @@ def render(schedules: Sequence[Sequence[Instruction]], forward_time: int = 1,
                 row[t] = _cell(step, virtual_chunks, width)
         lines.append(f"stage {r}: |" + "|".join(row) + f"|  bubble "
                      f"{result.bubble_fraction(r):.1%}")
+    lines.append(f"bubble: share of the step a stage sits idle ('.'), simulated with backward = "
+                 f"{backward_time / forward_time:g} x forward and free communication (a model of "
+                 f"the schedule, not a measurement)")
     return "\n".join(lines)
+
+
+# the schedule's errors name pretrain's flags; here the user typed this command's flags
+_OWN_FLAGS = ((f"({BATCH_FLAGS} = ", "(--num-microbatches "), (BATCH_FLAGS, "--num-microbatches"),
+              (VIRTUAL_FLAG, "--virtual-chunks"), (PP_FLAG, "--pp"),
+              ("change --global-batch-size or drop --virtual-chunks",
+               "change --num-microbatches or use --virtual-chunks 1"))
+
+
+def _in_own_flags(message: str) -> str:
+    for theirs, ours in _OWN_FLAGS:
+        message = message.replace(theirs, ours)
+    return message
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -49,11 +66,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--virtual-chunks", type=int, default=1,
                         help="model chunks per stage (interleaved schedule when > 1) (default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.pp < 1:
+        parser.exit(2, f"error: --pp must be >= 1, got {args.pp}\n")
     try:
         schedules = [build_schedule(r, args.pp, args.num_microbatches, args.virtual_chunks)
                      for r in range(args.pp)]
     except ValueError as err:
-        parser.exit(2, f"error: {err}\n")
+        parser.exit(2, f"error: {_in_own_flags(str(err))}\n")
     print(render(schedules))
     return 0
 
