@@ -136,7 +136,7 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
     check_checkpointing(flags, p)
     check_logging(flags, p)
     p.raise_if_any()
-    assert model is not None  # raise_if_any: the model config was built
+    assert model is not None and lr_schedule is not None  # raise_if_any: both were built
     data = GPTDataConfig(seq_length=model.seq_length, seed=flags.seed, data_path=flags.data_path,
                          split=flags.split, train_data_path=flags.train_data_path,
                          valid_data_path=flags.valid_data_path,

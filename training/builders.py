@@ -78,8 +78,9 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
     from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
     from gigatron.parallel.pipeline.schedules import build_schedule
 
-    m, p = run.model, run.parallel
-    shape = p2p_tensor_shape(m.seq_length, run.train.micro_batch_size, m.hidden_size, p.tp,
+    m, p, mbs = run.model, run.parallel, run.train.micro_batch_size
+    assert mbs is not None, "build_run_config sets the micro batch size"
+    shape = p2p_tensor_shape(m.seq_length, mbs, m.hidden_size, p.tp,
                              p.sequence_parallel)
     p2p = PipelineP2P(shape, m.params_dtype, device, groups.pp, rank=groups.rank)
     pp_rank, v = groups.index("pp"), len(chunks)
@@ -94,6 +95,8 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
 def sample_counts(run: RunConfig) -> List[int]:
     """Samples each split must provide: Megatron's train/valid/test arithmetic."""
     t = run.train
+    assert t.train_iters is not None and t.global_batch_size is not None, \
+        "build_run_config requires --train-iters and sets the global batch size"
     evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
     return [t.train_iters * t.global_batch_size, evals * t.global_batch_size,
             t.eval_iters * t.global_batch_size]
@@ -110,8 +113,9 @@ def build_datasets(run: RunConfig,
     return build_train_valid_test_datasets(config, sample_counts(run))
 
 
-def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_samples: int, dp_rank: int,
-                  device: torch.device, pipeline: Pipeline) -> Optional[Iterator[dict]]:
+def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_samples: int,
+                  dp_rank: int, device: torch.device,
+                  pipeline: Pipeline) -> Optional[Iterator[dict]]:
     """This rank's micro-batches (executor keys), from `consumed_samples` on; None if the
     split is empty. Ranks of middle pipeline stages get empty dicts (they read nothing)."""
     from gigatron.data.samplers import build_pretraining_data_loader
@@ -120,8 +124,10 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
         return None
     if not (pipeline.needs_inputs or pipeline.needs_labels):
         return _empty_batches()
-    loader = build_pretraining_data_loader(dataset, consumed_samples,
-                                           run.train.micro_batch_size, dp_rank, run.parallel.dp,
+    mbs = run.train.micro_batch_size
+    assert mbs is not None, "build_run_config sets the micro batch size"
+    loader = build_pretraining_data_loader(dataset, consumed_samples, mbs, dp_rank,
+                                           run.parallel.dp,
                                            num_workers=run.train.num_workers)
     return _to_executor(loader, device, pipeline)
 

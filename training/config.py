@@ -137,7 +137,7 @@ class RunConfig:
     model_name: Optional[str]
     parallel: ParallelConfig
     zero: Any  # gigatron.parallel.zero.ZeroConfig: stage, optimizer, loss scaling, clipping
-    lr_schedule: LRScheduleConfig
+    lr_schedule: Optional[LRScheduleConfig]  # None in build_engine_config's (JSON-only) runs
     data: Any  # gigatron.data.GPTDataConfig (eod and vocab filled from the tokenizer)
     train: TrainConfig
     checkpoint: CheckpointConfig
