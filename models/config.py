@@ -7,7 +7,7 @@ field and the fix); `validate(tp_size)` raises them as one ValueError, one per l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
@@ -180,7 +180,3 @@ class TransformerConfig:
             return [f"recompute_method={self.recompute_method!r} needs "
                     f"recompute_granularity='full' (selective takes no method)"]
         return []
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
