@@ -126,8 +126,9 @@ class SelfAttention(nn.Module):
         self.local_groups = config.num_query_groups // tp
         d, sp = config.head_dim, config.sequence_parallel
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * d
-        common: Dict[str, Any] = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=sp,
-                      params_dtype=config.params_dtype, device=device)
+        common: Dict[str, Any] = dict(tp_group=tp_group, bias=config.add_bias_linear,
+                                      sequence_parallel=sp, params_dtype=config.params_dtype,
+                                      device=device)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size,
                                                init_std=config.init_method_std, **common)
         self.core_attention = CoreAttention(config, tracker)
@@ -168,8 +169,8 @@ class MLP(nn.Module):
         self.swiglu = config.activation == "swiglu"
         ffn = config.ffn_hidden_size
         common: Dict[str, Any] = dict(tp_group=tp_group, bias=config.add_bias_linear,
-                      sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype, device=device)
+                                      sequence_parallel=config.sequence_parallel,
+                                      params_dtype=config.params_dtype, device=device)
         # SwiGLU's fc1 holds [gate; up]: stride 2 so each rank gets its slice of both.
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * ffn if self.swiglu else ffn,
