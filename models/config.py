@@ -7,8 +7,8 @@ field and the fix); `validate(tp_size)` raises them as one ValueError, one per l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import List, Optional, Union
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 import torch
 
@@ -22,6 +22,9 @@ _CHOICES = {
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
 }
+# Default of the fields __post_init__ derives from others: None at run time (so flags, JSON
+# and callers keep passing None for "derive it"), and the field is typed as the resolved value.
+_DERIVED: Any = None
 
 
 @dataclass
@@ -38,11 +41,11 @@ class TransformerConfig:
     """Real tokenizer vocab; padded up for the embedding table (see below)."""
     seq_length: int = 1024
     """Tokens per sample (--seq-length)."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int = _DERIVED
     """MLP inner width (--ffn-hidden-size); default 4 x hidden_size."""
-    num_query_groups: Optional[int] = None
+    num_query_groups: int = _DERIVED
     """Key/value heads for GQA/MQA (--num-query-groups); default = num_attention_heads."""
-    max_position_embeddings: Optional[int] = None
+    max_position_embeddings: int = _DERIVED
     """Rows of the learned position table (--max-position-embeddings); default seq_length."""
     make_vocab_size_divisible_by: int = 128
     """Pad vocab to a multiple of this x tp (--make-vocab-size-divisible-by)."""
@@ -68,8 +71,8 @@ class TransformerConfig:
     """Std of the normal init of weights (--init-method-std)."""
     apply_scaled_init: bool = True
     """Output projections (attention proj, fc2) get std / sqrt(2 * num_layers)."""
-    params_dtype: Union[str, torch.dtype] = torch.float32
-    """Dtype of parameters: fp32 | bf16 | fp16 (strings accepted)."""
+    params_dtype: torch.dtype = torch.float32
+    """Dtype of parameters: fp32 | bf16 | fp16 (the names are accepted and resolved)."""
     attention_backend: str = "sdpa"
     """'sdpa' (torch scaled_dot_product_attention) or 'unfused' (softmax via gigatron.ops)."""
     sequence_parallel: bool = False
@@ -177,7 +180,3 @@ class TransformerConfig:
             return [f"recompute_method={self.recompute_method!r} needs "
                     f"recompute_granularity='full' (selective takes no method)"]
         return []
-
-    @classmethod
-    def field_names(cls) -> tuple:
-        return tuple(f.name for f in fields(cls))

@@ -24,7 +24,7 @@ from gigatron.parallel.tensor import (
     tp_size,
     vocab_parallel_cross_entropy,
 )
-from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
+from gigatron.parallel.tensor.init import InitSpec, mark_shared_embedding, set_parallel_attributes
 from gigatron.parallel.tensor.random import MODEL_PARALLEL_RNG
 from gigatron.parallel.comm import Group
 
@@ -119,9 +119,11 @@ class GPTModel(nn.Module):
         if not self.tied or (self.pre_process and self.post_process):
             return
         if self.pre_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            mark_shared_embedding(self.embedding.word_embeddings.weight)
         if self.post_process:
-            self.output_layer.weight.shared_embedding = True
+            weight = self.output_layer.weight
+            assert weight is not None, "a last stage without the embedding owns its weight"
+            mark_shared_embedding(weight)
 
     def _initialize(self, seed: int) -> None:
         rank, size = tp_rank(self.tp_group), tp_size(self.tp_group)
@@ -169,5 +171,5 @@ class GPTModel(nn.Module):
 
 def count_parameters(config: TransformerConfig) -> int:
     """Parameters of the full model, computed on the meta device (nothing allocated)."""
-    model = GPTModel(config, device="meta")
+    model = GPTModel(config, device=torch.device("meta"))
     return sum(p.numel() for p in model.parameters())

@@ -7,7 +7,7 @@ Built from tensor-parallel layers; hidden states are sequence-first `[s, b, h]` 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -98,9 +98,11 @@ class CoreAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         p = self.p if self.training else 0.0
         if self.backend == "sdpa":
-            if p > 0:
+            if p > 0 and self.tracker is not None:
                 with self.tracker.fork(q.device):
                     out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            elif p > 0:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -124,8 +126,9 @@ class SelfAttention(nn.Module):
         self.local_groups = config.num_query_groups // tp
         d, sp = config.head_dim, config.sequence_parallel
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * d
-        common = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=sp,
-                      params_dtype=config.params_dtype, device=device)
+        common: Dict[str, Any] = dict(tp_group=tp_group, bias=config.add_bias_linear,
+                                      sequence_parallel=sp, params_dtype=config.params_dtype,
+                                      device=device)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size,
                                                init_std=config.init_method_std, **common)
         self.core_attention = CoreAttention(config, tracker)
@@ -165,9 +168,9 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
         ffn = config.ffn_hidden_size
-        common = dict(tp_group=tp_group, bias=config.add_bias_linear,
-                      sequence_parallel=config.sequence_parallel,
-                      params_dtype=config.params_dtype, device=device)
+        common: Dict[str, Any] = dict(tp_group=tp_group, bias=config.add_bias_linear,
+                                      sequence_parallel=config.sequence_parallel,
+                                      params_dtype=config.params_dtype, device=device)
         # SwiGLU's fc1 holds [gate; up]: stride 2 so each rank gets its slice of both.
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * ffn if self.swiglu else ffn,
@@ -235,6 +238,7 @@ class TransformerBlock(nn.Module):
         cfg = self.config
         if cfg.recompute_granularity == "full" and torch.is_grad_enabled():
             n = cfg.recompute_num_layers
+            assert n is not None, "TransformerConfig.validate requires it with 'full'"
             if cfg.recompute_method == "uniform":
                 for start in range(0, len(layers), n):
                     x = checkpoint(self._run(layers[start:start + n]), self.tracker, x, *rot)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Protocol, Sequence
+from typing import Any, Dict, List, Literal, Optional, Protocol, Sequence, overload
 
 import torch
 import torch.distributed as dist
@@ -85,7 +85,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, group: Group = None, op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
+Op = dist.ReduceOp.RedOpType
+
+
+# async_op=True always gives a handle to wait on; a blocking call gives None.
+@overload
+def all_reduce(tensor: torch.Tensor, group: Group = ..., op: Op = ..., *,
+               async_op: Literal[True]) -> Work: ...
+@overload
+def all_reduce(tensor: torch.Tensor, group: Group = ..., op: Op = ...,
+               async_op: bool = ...) -> Optional[Work]: ...
+
+
+def all_reduce(tensor: torch.Tensor, group: Group = None, op: Op = ReduceOp.SUM,
                async_op: bool = False) -> Optional[Work]:
     """In-place all-reduce of `tensor` over `group`."""
     n = group_size(group)
@@ -95,8 +107,16 @@ def all_reduce(tensor: torch.Tensor, group: Group = None, op: dist.ReduceOp.RedO
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+@overload
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = ..., op: Op = ...,
+                   *, async_op: Literal[True]) -> Work: ...
+@overload
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = ..., op: Op = ...,
+                   async_op: bool = ...) -> Optional[Work]: ...
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = None,
-                   op: dist.ReduceOp.RedOpType = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
+                   op: Op = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
     """Reduce `input` over `group` and keep this rank's contiguous 1/n slice in `output`."""
     n = group_size(group)
     if input.numel() != output.numel() * n:
@@ -107,6 +127,14 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = Non
         return _Done() if async_op else None
     _record("reduce_scatter", (n - 1) / n * _nbytes(input), input, n)
     return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+@overload
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = ..., *,
+               async_op: Literal[True]) -> Work: ...
+@overload
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = ...,
+               async_op: bool = ...) -> Optional[Work]: ...
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,

@@ -136,7 +136,8 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
     check_checkpointing(flags, p)
     check_logging(flags, p)
     p.raise_if_any()
-    assert model is not None  # raise_if_any: the model config was built
+    # raise_if_any: each of these was built
+    assert model is not None and lr_schedule is not None and zero is not None
     data = GPTDataConfig(seq_length=model.seq_length, seed=flags.seed, data_path=flags.data_path,
                          split=flags.split, train_data_path=flags.train_data_path,
                          valid_data_path=flags.valid_data_path,
@@ -168,6 +169,7 @@ def build_engine_config(flags: argparse.Namespace, world_size: int) -> RunConfig
     check_checkpointing(flags, p)
     check_logging(flags, p)
     p.raise_if_any()
+    assert zero is not None  # raise_if_any: it was built
     return RunConfig(model=None, model_name=None, parallel=_parallel(flags, dp), zero=zero,
                      lr_schedule=None, data=None, train=_train(flags, batches),
                      checkpoint=CheckpointConfig(**values(CheckpointConfig, flags)),

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from gigatron.parallel.topology import ProcessGroups
 
 
+# What the builders assert of their RunConfig: build_run_config fills model, data and batch
+# sizes; build_engine_config's (a DeepSpeed JSON's parts) leaves them None.
+_NEEDS_RUN_CONFIG = "a RunConfig from build_run_config (model, data and batch sizes set)"
+
+
 def build_tokenizer(flags: Dict[str, Any],
                     model_vocab: Optional[int] = None) -> Optional["Tokenizer"]:
     """The tokenizer the data flags name; for --mock-data without one, a null tokenizer
@@ -45,16 +50,19 @@ def partition(run: RunConfig) -> "PipelinePartition":
     from gigatron.parallel.pipeline.partition import partition_layers
 
     p = run.parallel
+    assert run.model is not None, _NEEDS_RUN_CONFIG
     return partition_layers(run.model.num_layers, p.pp,
                             first_stage_layers=p.decoder_first_pipeline_num_layers,
                             last_stage_layers=p.decoder_last_pipeline_num_layers,
                             num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage)
 
 
-def build_model_chunks(run: RunConfig, groups: "ProcessGroups", device: torch.device) -> List[torch.nn.Module]:
+def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
+                       device: torch.device) -> List[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`."""
     from gigatron.models.pipeline_chunks import build_model_chunks as build
 
+    assert run.model is not None, _NEEDS_RUN_CONFIG
     return build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
                  seed=run.train.seed, device=device)
 
@@ -78,8 +86,9 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
     from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
     from gigatron.parallel.pipeline.schedules import build_schedule
 
-    m, p = run.model, run.parallel
-    shape = p2p_tensor_shape(m.seq_length, run.train.micro_batch_size, m.hidden_size, p.tp,
+    m, p, mbs = run.model, run.parallel, run.train.micro_batch_size
+    assert m is not None and mbs is not None, _NEEDS_RUN_CONFIG
+    shape = p2p_tensor_shape(m.seq_length, mbs, m.hidden_size, p.tp,
                              p.sequence_parallel)
     p2p = PipelineP2P(shape, m.params_dtype, device, groups.pp, rank=groups.rank)
     pp_rank, v = groups.index("pp"), len(chunks)
@@ -94,6 +103,7 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
 def sample_counts(run: RunConfig) -> List[int]:
     """Samples each split must provide: Megatron's train/valid/test arithmetic."""
     t = run.train
+    assert t.train_iters is not None and t.global_batch_size is not None, _NEEDS_RUN_CONFIG
     evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
     return [t.train_iters * t.global_batch_size, evals * t.global_batch_size,
             t.eval_iters * t.global_batch_size]
@@ -105,13 +115,15 @@ def build_datasets(run: RunConfig,
     from gigatron.data.builder import build_train_valid_test_datasets
 
     config = run.data
+    assert config is not None, _NEEDS_RUN_CONFIG
     if tokenizer is not None:
         config = replace(config, eod=tokenizer.eod, vocab_size=tokenizer.vocab_size)
     return build_train_valid_test_datasets(config, sample_counts(run))
 
 
-def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_samples: int, dp_rank: int,
-                  device: torch.device, pipeline: Pipeline) -> Optional[Iterator[dict]]:
+def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_samples: int,
+                  dp_rank: int, device: torch.device,
+                  pipeline: Pipeline) -> Optional[Iterator[dict]]:
     """This rank's micro-batches (executor keys), from `consumed_samples` on; None if the
     split is empty. Ranks of middle pipeline stages get empty dicts (they read nothing)."""
     from gigatron.data.samplers import build_pretraining_data_loader
@@ -120,8 +132,10 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
         return None
     if not (pipeline.needs_inputs or pipeline.needs_labels):
         return _empty_batches()
-    loader = build_pretraining_data_loader(dataset, consumed_samples,
-                                           run.train.micro_batch_size, dp_rank, run.parallel.dp,
+    mbs = run.train.micro_batch_size
+    assert mbs is not None, _NEEDS_RUN_CONFIG
+    loader = build_pretraining_data_loader(dataset, consumed_samples, mbs, dp_rank,
+                                           run.parallel.dp,
                                            num_workers=run.train.num_workers)
     return _to_executor(loader, device, pipeline)
 

@@ -11,9 +11,14 @@ are declared in `settings.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from gigatron.training.config_field import setting
+
+if TYPE_CHECKING:  # the run's parts are built by their own packages, imported lazily
+    from gigatron.data import GPTDataConfig
+    from gigatron.models.config import TransformerConfig
+    from gigatron.parallel.zero import ZeroConfig
 
 
 @dataclass(frozen=True)
@@ -133,12 +138,12 @@ class LoggingConfig:
 class RunConfig:
     """Everything one run needs, built once from the flags and handed down explicitly."""
 
-    model: Any  # gigatron.models.config.TransformerConfig
+    model: Optional["TransformerConfig"]  # None in build_engine_config's (JSON-only) runs
     model_name: Optional[str]
     parallel: ParallelConfig
-    zero: Any  # gigatron.parallel.zero.ZeroConfig: stage, optimizer, loss scaling, clipping
-    lr_schedule: LRScheduleConfig
-    data: Any  # gigatron.data.GPTDataConfig (eod and vocab filled from the tokenizer)
+    zero: "ZeroConfig"  # stage, optimizer, loss scaling, clipping
+    lr_schedule: Optional[LRScheduleConfig]  # None in build_engine_config's (JSON-only) runs
+    data: Optional["GPTDataConfig"]  # eod and vocab filled from the tokenizer; None: JSON-only
     train: TrainConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig

@@ -47,8 +47,9 @@ _OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adam", "sgd": "sgd"}
 Entry = Tuple[str, Any, Any, Optional[Callable[[Any, Any], bool]]]
 
 
-def _rows() -> List[Row]:
-    return [r for r in table() if r.spec.ds]
+def _rows() -> List[Tuple[str, Row]]:
+    """(DeepSpeed key, row) of every table row that has a DeepSpeed key."""
+    return [(r.spec.ds, r) for r in table() if r.spec.ds]
 
 
 def _path(key: str) -> List[str]:
@@ -59,9 +60,9 @@ def _path(key: str) -> List[str]:
 def _tree() -> Dict[str, Any]:
     """The JSON sections the table knows, as nested dicts (leaves are None)."""
     tree: Dict[str, Any] = {}
-    for r in _rows():
+    for key, _ in _rows():
         node = tree
-        *sections, leaf = _path(r.spec.ds)
+        *sections, leaf = _path(key)
         for s in sections:
             node = node.setdefault(s, {})
         node.setdefault(leaf, None)
@@ -111,8 +112,8 @@ def _check_keys(section: Mapping, node: Dict[str, Any], prefix: str, out: List[s
 
 def _params_kind(param: str) -> Optional[str]:
     """'adam' or 'sgd' for optimizer.params keys of one optimizer type only."""
-    kinds = {r.spec.ds_when for r in _rows() if _path(r.spec.ds)[-1] == param
-             and r.spec.ds.startswith("optimizer.params.")}
+    kinds = {r.spec.ds_when for key, r in _rows() if _path(key)[-1] == param
+             and key.startswith("optimizer.params.")}
     return next(iter(kinds)) if len(kinds) == 1 else None
 
 
@@ -241,11 +242,11 @@ def read_deepspeed_config(ds: Mapping) -> Tuple[Dict[str, Entry], List[str]]:
         problems.append("optimizer.params.adam_w_mode false (Adam with L2 weight decay) is not "
                         "supported: pretrain_gpt.py's adam is AdamW (decoupled weight decay)")
     entries: Dict[str, Entry] = {}
-    for row in _rows():
+    for key, row in _rows():
         try:
-            present, raw = _lookup(ds, row.spec.ds)
+            present, raw = _lookup(ds, key)
             if present and raw != "auto" and _applies(row, ds):
-                entries[row.dest] = (row.spec.ds, raw, _convert(row, row.spec.ds, raw),
+                entries[row.dest] = (key, raw, _convert(row, key, raw),
                                      _SAME.get(row.spec.ds_as or ""))
         except ValueError as err:
             problems.append(str(err))
@@ -286,6 +287,7 @@ def deepspeed_batch_sizes(train: Optional[int], micro: Optional[int], grad_acc: 
         raise ValueError("give train_batch_size or train_micro_batch_size_per_gpu in the "
                          "DeepSpeed config (or --micro-batch-size)")
     if micro is None:
+        assert train is not None  # one of the two is given (checked above)
         micro = max(train // (grad_acc * dp), 1)
     if train is None:
         train = micro * grad_acc * dp

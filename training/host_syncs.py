@@ -52,7 +52,7 @@ class HostSyncCounter:
         for module in (torch.cuda, getattr(torch, "accelerator", None)):
             if module is not None and hasattr(module, "synchronize"):
                 self._sync_saved.append((module, module.synchronize))
-                module.synchronize = self._counted("synchronize", module.synchronize)
+                setattr(module, "synchronize", self._counted("synchronize", module.synchronize))
         return self
 
     def __exit__(self, *exc: Any) -> None:

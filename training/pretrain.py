@@ -45,6 +45,7 @@ def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pret
         else None
     run = build_run_config(flags, launch.world_size, tokenizer.vocab_size if tokenizer else None)
     if tokenizer is None:
+        assert run.model is not None  # build_run_config built it
         tokenizer = build_tokenizer(vars(flags), run.model.vocab_size)
     return run, tokenizer
 

@@ -168,7 +168,7 @@ def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[
             p.add(f"--model {flags.model} is not in the zoo: choose one of "
                   f"{', '.join(list_models())}")
             return None
-        build = load_config
+        build: Callable[..., "TransformerConfig"] = load_config
         args: Tuple = (flags.model,)
     else:
         missing = [flag_name(d) for d in REQUIRED_WITHOUT_MODEL if getattr(flags, d) is None]

@@ -9,6 +9,7 @@ Each file holds TransformerConfig fields plus optional "description" and "source
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -35,7 +36,7 @@ def model_fields(name: str) -> Dict[str, Any]:
 
 def load_config(name: str, **overrides: Any) -> TransformerConfig:
     """The TransformerConfig of zoo model `name`, with `overrides` replacing its fields."""
-    known = set(TransformerConfig.field_names())
+    known = {f.name for f in fields(TransformerConfig)}
     values = model_fields(name)
     for source, keys in ((f"zoo file {name}.json", values), ("override", overrides)):
         unknown = sorted(set(keys) - known)

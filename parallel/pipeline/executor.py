@@ -97,7 +97,9 @@ class PipelineExecutor:
         self._outputs: Dict[tuple, torch.Tensor] = {}  # loss, or anchor of a sent output
         self._to_send: Dict[tuple, torch.Tensor] = {}
         self._grad_holders: Dict[tuple, list] = {}
-        self._received = {RecvActivation: {}, RecvGrad: {}}  # type -> {(mb, chunk): tensor}
+        # instruction type -> {(mb, chunk): tensor}
+        self._received: Dict[type, Dict[tuple, torch.Tensor]] = {RecvActivation: {},
+                                                                 RecvGrad: {}}
         self._input_grads: Dict[tuple, torch.Tensor] = {}
         self._losses: Dict[int, torch.Tensor] = {}
         self.peak_stored = 0
@@ -171,6 +173,7 @@ class PipelineExecutor:
             self._grad_holders.pop(key).append(self._received[RecvGrad].pop(key))
             torch.autograd.backward(output)
         if not is_first_stage(self.pp_rank, chunk):
+            assert hidden is not None and hidden.grad is not None  # received, requires grad
             self._input_grads[key] = hidden.grad
 
     def _communicate(self, ops: tuple) -> None:

@@ -70,10 +70,12 @@ class AllReduceGradSync:
 
     def finish_sync(self) -> None:
         """Run the three reductions; every param gets a grad (zeros if backward left None)."""
+        grads: List[torch.Tensor] = []
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
         allreduce_sequence_parallel_grads(self.params, self.tp_group)
-        shared = [p.grad for p in self.params if getattr(p, "shared_embedding", False)]
+        shared = [g for p, g in zip(self.params, grads) if getattr(p, "shared_embedding", False)]
         _all_reduce_flat(shared, self.embedding_group, average=False)
-        _all_reduce_flat([p.grad for p in self.params], self.dp_group, average=True)
+        _all_reduce_flat(grads, self.dp_group, average=True)

@@ -76,17 +76,25 @@ def unshard(parts: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.T
                      dim=dim)
 
 
-def set_parallel_attributes(param: torch.nn.Parameter, spec: InitSpec,
+def set_parallel_attributes(param: torch.Tensor, spec: InitSpec,
                             partition_dim: Optional[int] = None, stride: int = 1,
                             sequence_parallel: bool = False) -> None:
-    """Tag a parameter with its init spec and how it is split across tp."""
-    param.init_spec = spec
-    param.tensor_model_parallel = partition_dim is not None
+    """Tag a parameter with its init spec and how it is split across tp.
+
+    Megatron's idiom: the tags are attributes of the Parameter object itself, so they follow
+    it through optimizers and state dicts; read them with getattr (torch does not declare them).
+    """
+    tags = {"init_spec": spec, "tensor_model_parallel": partition_dim is not None,
+            "sequence_parallel": sequence_parallel, "shared_embedding": False}
     if partition_dim is not None:
-        param.partition_dim = partition_dim
-        param.partition_stride = stride
-    param.sequence_parallel = sequence_parallel
-    param.shared_embedding = False
+        tags.update(partition_dim=partition_dim, partition_stride=stride)
+    for key, value in tags.items():
+        setattr(param, key, value)
+
+
+def mark_shared_embedding(param: torch.Tensor) -> None:
+    """Tag the word-embedding / output weight that the first and last stages keep in sync."""
+    setattr(param, "shared_embedding", True)
 
 
 @torch.no_grad()
@@ -95,7 +103,8 @@ def initialize_parameter(param: torch.nn.Parameter, seed: int, name: str, tp_ran
     """Fill `param` with its slice of the name-seeded full tensor (no-op on meta)."""
     if param.is_meta:
         return
-    full = full_tensor(param.init_spec, seed, name)
+    full = full_tensor(getattr(param, "init_spec"), seed, name)
     if getattr(param, "tensor_model_parallel", False):
-        full = shard(full, param.partition_dim, tp_rank, tp_size, param.partition_stride)
+        full = shard(full, getattr(param, "partition_dim"), tp_rank, tp_size,
+                     getattr(param, "partition_stride"))
     param.copy_(full.to(dtype=param.dtype))

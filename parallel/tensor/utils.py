@@ -30,7 +30,7 @@ def gather_full_parameter(param: torch.Tensor, tp_group: Group = None,
     n = tp_size(tp_group)
     if n == 1:
         return local.clone()
-    dim = param.partition_dim
+    dim: int = getattr(param, "partition_dim")
     moved = local.movedim(dim, 0).contiguous()
     out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=moved.dtype,
                       device=moved.device)

@@ -70,9 +70,9 @@ def measure_memory(zero: "ZeroOptimizer") -> MemoryBytes:
             params += sum(b.param_full.untyped_storage().nbytes() for b in g.buckets)
         else:
             params += _nbytes(g.param_buffer)
-        grads += _nbytes(g.grad_buffer if g.grad_buffer is not None else g.grad_shard)
-        grads += sum(_nbytes(b.grad_full) for b in g.buckets
-                     if g.stage >= 2 and b.grad_full is not None)
+        for grad in [g.grad_buffer, g.grad_shard] + [b.grad_full for b in g.buckets
+                                                     if g.stage >= 2]:
+            grads += 0 if grad is None else _nbytes(grad)
         master += 0 if g.master_aliases_params else _nbytes(g.master)
         for value in zero.optimizer.state.get(g.master, {}).values():
             if isinstance(value, torch.Tensor) and value.shape == g.master.shape:

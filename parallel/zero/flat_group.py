@@ -95,7 +95,8 @@ class FlatGroup:
         return master
 
     def _make_grad_storage(self) -> None:
-        self.grad_buffer = self.grad_shard = None
+        self.grad_buffer: Optional[torch.Tensor] = None  # stages 0-1: every bucket's grads
+        self.grad_shard: Optional[torch.Tensor] = None  # stages 2-3: this rank's shard only
         if self.stage <= 1:
             self.grad_buffer = torch.zeros(self.full_numel, dtype=torch.float32,
                                            device=self.device)
@@ -112,6 +113,7 @@ class FlatGroup:
         if self.grad_shard is not None:
             return self.grad_shard[b.shard_offset:b.shard_offset + S]
         start = b.group_offset + self.rank_in_shard * S
+        assert self.grad_buffer is not None  # stages 0-1 (the others hold a grad shard)
         return self.grad_buffer[start:start + S]
 
     # ---- gradients ----------------------------------------------------------------
@@ -122,7 +124,7 @@ class FlatGroup:
         off = b.offsets[pos]
         b.grad_full[off:off + grad.numel()].add_(grad.reshape(-1))
 
-    def start_reduce(self, b: Bucket) -> Tuple[object, Callable[[], None]]:
+    def start_reduce(self, b: Bucket) -> Tuple[comm.Work, Callable[[], object]]:
         """Launch bucket `b`'s average over dp; returns (handle, finish callback)."""
         grad = b.grad_full
         if grad is None:  # no parameter of this bucket received a gradient on this rank
@@ -146,8 +148,11 @@ class FlatGroup:
         """This rank's fp32 gradient shard as one tensor, laid out like the master shard."""
         if self.grad_shard is not None:
             return self.grad_shard
-        if self.stage == 0 or len(self.buckets) == 1:
-            return self.shard_views[0] if self.stage == 1 else self.grad_buffer
+        if self.stage == 1 and len(self.buckets) == 1:
+            return self.shard_views[0]
+        if self.stage == 0:
+            assert self.grad_buffer is not None  # stage 0 keeps the full grad buffer
+            return self.grad_buffer
         return torch.cat(self.shard_views)
 
     def zero_grad(self) -> None:
@@ -155,7 +160,7 @@ class FlatGroup:
             p.grad = None
         if self.grad_buffer is not None:
             self.grad_buffer.zero_()
-        else:
+        elif self.grad_shard is not None:
             self.grad_shard.zero_()
             for b in self.buckets:
                 b.grad_full = None
@@ -171,7 +176,7 @@ class FlatGroup:
         return views
 
     # ---- parameters after the step ----------------------------------------------------
-    def write_back(self) -> List[object]:
+    def write_back(self) -> List[comm.Work]:
         """Copy the updated master shard into the parameters; stages 1-2 all-gather the
         full buckets (returns the handles to wait on)."""
         handles = []

@@ -65,6 +65,7 @@ class BucketedGradSync:
                 "a gradient arrived for a bucket already reduced this step: with gradient "
                 "accumulation wrap all but the last micro-batch's backward in zero.no_sync() "
                 "(or call enable_sync(chunk, False)), and call zero_grad() after each step")
+        assert param.grad is not None  # the hook runs once the gradient is accumulated
         group.accumulate(b, pos, param.grad)
         param.grad = None
         self.synced = False

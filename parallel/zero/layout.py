@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+import torch
+
 
 @dataclass
 class Bucket:
@@ -24,6 +26,19 @@ class Bucket:
     shard_numel: int = 0
     group_offset: int = 0
     shard_offset: int = 0
+    # Run-time state of a FlatGroup / BucketedGradSync, not part of the plan (not compared):
+    param_full: torch.Tensor = field(default_factory=lambda: torch.empty(0), repr=False,
+                                     compare=False)
+    """The bucket's full parameter buffer, placed by FlatGroup (a view of the flat buffer;
+    stage 3: its own buffer, whose storage exists only while gathered)."""
+    grad_full: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    """The bucket's full fp32 gradient (stages 2-3: only until it is reduced)."""
+    pending: int = field(default=0, repr=False, compare=False)
+    """Parameters whose gradient has not arrived yet in this backward."""
+    dirty: bool = field(default=False, repr=False, compare=False)
+    """Some gradient was accumulated since the bucket's last reduction."""
+    launched_this_step: bool = field(default=False, repr=False, compare=False)
+    """The bucket's reduction was launched during this step's backward."""
 
 
 def plan_buckets(numels: Sequence[int], bucket_size: int, shard_ways: int,
