@@ -208,3 +208,15 @@ def test_example_commands_are_valid_at_their_world_size(name, world):
     cfg = parse_args(example_flags(name), world)
     assert cfg.parallel.world_size == world and cfg.data.mock_data
     assert cfg.model_name in ("gpt2-124m", "gpt3-1.3b", "llama3-8b")
+
+
+def test_save_or_load_pointing_at_a_file_fails_before_training(tmp_path):
+    """--save at an existing file would fail only at the first save, after training time
+    was spent; it is refused with the other flag problems instead."""
+    afile = tmp_path / "ckpt"
+    afile.write_text("not a folder")
+    with pytest.raises(ValueError, match=r"--save .*ckpt is a file, not a checkpoint directory"):
+        run(f"--save {afile}")
+    with pytest.raises(ValueError, match=r"--load .*ckpt is a file"):
+        run(f"--load {afile}")
+    run(f"--save {tmp_path / 'new-folder'}")  # a missing folder is fine: save creates it

@@ -364,6 +364,12 @@ def check_checkpointing(flags: argparse.Namespace, p: Problems) -> None:
         p.add("--save-interval needs --save DIR")
     if flags.finetune and flags.load is None:
         p.add("--finetune needs --load DIR (the checkpoint to start from)")
+    for flag, path in (("--save", flags.save), ("--load", flags.load)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            p.add(f"{flag} {path} is a file, not a checkpoint directory: give a directory "
+                  f"(it is created if missing)" if flag == "--save" else
+                  f"{flag} {path} is a file, not a checkpoint directory: give the folder "
+                  f"--save wrote")
 
 
 def check_logging(flags: argparse.Namespace, p: Problems) -> None:
