@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from multirank import run_on_ranks
 
@@ -16,7 +17,7 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--eval-iters 1 --no-progress --make-vocab-size-divisible-by 8").split()
 
 
-def _main(rank, world, argv, sigterm_at=None):
+def _main(rank, world, argv, sigterm_at=None, nan_at=None):
     """pretrain_gpt.main on this rank; returns (exit code, stderr text)."""
     from gigatron.training import pretrain as pretrain_gpt
     from gigatron.training import loop
@@ -29,6 +30,15 @@ def _main(rank, world, argv, sigterm_at=None):
                 os.kill(os.getpid(), signal.SIGTERM)  # as SLURM does before the time limit
             return real_step(s, batches, progress)
         loop.train_step = step
+    if nan_at is not None and rank == 0:
+        real_step_nan = loop.train_step
+
+        def poisoned(s, batches, progress):
+            if progress.iteration + 1 == nan_at:  # rank 0's first weight becomes NaN
+                with torch.no_grad():
+                    next(s.chunks[0].parameters()).fill_(float("nan"))
+            return real_step_nan(s, batches, progress)
+        loop.train_step = poisoned
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = pretrain_gpt.main(argv)
@@ -117,3 +127,28 @@ def test_sigterm_is_acted_on_at_the_next_log_interval_on_every_rank(tmp_path):
     assert [r[0] for r in results] == [0, 0]
     assert "exiting on SIGTERM at iteration 6" in results[0][2]
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "6"
+
+
+def test_nan_loss_stops_every_rank_naming_iteration_rank_and_last_good_checkpoint(tmp_path):
+    """--check-for-nan-in-loss-and-grad (on by default): a NaN at iteration 3 is found before
+    the next save (no checkpoint is written after it) and at the log line even when the log
+    interval is longer; every rank exits non-zero with the same line; the named checkpoint
+    resumes."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = FLAGS + ["--train-iters", "6", "--save", ckpt, "--save-interval", "2",
+                    "--log-interval", "4"]
+    results = _program_on(2, argv, nan_at=3)
+    assert [r[0] for r in results] == [2, 2], results
+    for _, err, _ in results:
+        assert "non-finite loss or grad norm at iteration 3 (first seen on rank 0)" in err, err
+        assert "last good checkpoint is iteration 2" in err, err
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+    results = _program_on(2, argv + ["--load", ckpt])
+    assert [r[0] for r in results] == [0, 0]
+    assert "loaded checkpoint" in results[0][2]
+
+
+def test_nan_check_can_be_turned_off(tmp_path):
+    argv = FLAGS + ["--train-iters", "3", "--no-check-for-nan-in-loss-and-grad"]
+    results = _program_on(1, argv, nan_at=2)
+    assert results[0][0] == 0, results

@@ -91,6 +91,10 @@ class TrainConfig:
     exit_signal_handler: bool = setting(False, "save and stop on SIGTERM",
                                         "--exit-signal-handler")
     num_workers: int = setting(0, "data loader worker processes per rank", "--num-workers")
+    check_for_nan_in_loss_and_grad: bool = setting(
+        True, "stop at the first non-finite loss or grad norm (checked on the device, read at "
+        "each log line and before each save)", "--check-for-nan-in-loss-and-grad",
+        negative="--no-check-for-nan-in-loss-and-grad")
 
 
 @dataclass(frozen=True)

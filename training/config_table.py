@@ -148,7 +148,7 @@ def _converter(row: Row, problems: List[str]):
 def add_row(group: "argparse._ArgumentGroup", row: Row, problems: List[str]) -> None:
     """The argparse argument(s) of one row."""
     if row.type is bool:
-        default = None if row.optional else False
+        default = None if row.optional else bool(row.default)  # a True default: --no-X turns it off
         group.add_argument(*row.spec.flags, dest=row.dest, action="store_true",
                            default=default, help=_help(row))
         if row.spec.negative:

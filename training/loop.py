@@ -32,6 +32,7 @@ from gigatron.parallel.zero import ZeroOptimizer
 from gigatron.training import state as checkpoint_state
 from gigatron.training.builders import Pipeline, micro_batches
 from gigatron.training.config import RunConfig
+from gigatron.training.nan_check import NonFiniteWatch
 from gigatron.training.logger import MetricsLogger
 from gigatron.training.lr_schedule import learning_rate
 from gigatron.training.metrics import peak_memory_bytes, throughput
@@ -56,6 +57,7 @@ class Session:
     flops_per_token: float
     peak_tflops: Optional[float]
     saved_iterations: List[int] = field(default_factory=list)
+    nonfinite: Optional[NonFiniteWatch] = None  # --check-for-nan-in-loss-and-grad, set by train
 
 
 @dataclass
@@ -189,6 +191,8 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
          exit_signal: ExitSignal) -> bool:
     """Reduce and write the interval's record; returns whether any rank got SIGTERM."""
     elapsed = time.perf_counter() - interval.start
+    if s.nonfinite is not None:
+        s.nonfinite.check(s.saved_iterations)
     n = interval.steps
     t = s.run.train
     loss = mean_loss_over_ranks(s, interval.loss_sum, n)
@@ -215,6 +219,9 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
 
 
 def _save(s: Session, progress: TrainProgress) -> None:
+    """Check for a non-finite step first (never checkpoint after one), then save if asked."""
+    if s.nonfinite is not None:
+        s.nonfinite.check(s.saved_iterations)
     if s.run.checkpoint.save is None or progress.iteration in s.saved_iterations:
         return
     start = time.perf_counter()
@@ -244,10 +251,18 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
     it = micro_batches(s.run, s.datasets[0], progress.consumed_train_samples,
                        s.groups.index("dp"), s.device, s.pipeline)
     exit_signal = ExitSignal(t.exit_signal_handler)
+    if t.check_for_nan_in_loss_and_grad:
+        # fp16 overflow steps have inf grads by design (skipped, scale backed off): loss only
+        s.nonfinite = NonFiniteWatch(s.device, s.groups.rank, s.run.parallel.world_size,
+                                     check_grad_norm=s.zero.param_dtype != torch.float16,
+                                     loaded_iteration=progress.iteration,
+                                     save_dir=ck.save)
     interval = _Interval()
     while progress.iteration < t.train_iters:
         outcome = train_step(s, _next_batches(it, t.num_microbatches, s.timers), progress)
         advance(progress, outcome, t.global_batch_size)
+        if s.nonfinite is not None:
+            s.nonfinite.observe(progress.iteration, outcome.loss, outcome.grad_norm)
         interval.add(outcome)
         sigterm = False
         if progress.iteration % s.run.logging.log_interval == 0:
