@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Iterator, List, Optional
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
     from torch.utils.data import DataLoader
 
     from gigatron.data.gpt_dataset import SampleDataset
@@ -67,9 +68,16 @@ def collate_samples(samples: List[dict]) -> dict:
 def build_pretraining_data_loader(dataset: Optional["SampleDataset"], consumed_samples: int,
                                   micro_batch_size: int, data_parallel_rank: int,
                                   data_parallel_size: int, num_workers: int = 0,
-                                  drop_last: bool = True) -> Optional["DataLoader"]:
+                                  drop_last: bool = True, seed: int = 0
+                                  ) -> Optional["DataLoader"]:
     """A torch DataLoader yielding this rank's micro-batch dicts {tokens, labels, loss_mask,
-    position_ids}, starting after `consumed_samples` samples; None when `dataset` is None."""
+    position_ids}, starting after `consumed_samples` samples; None when `dataset` is None.
+
+    The loader draws (its workers' base seed) from its own generator, derived from `seed`
+    and `consumed_samples`, never from torch's default generator: that one feeds dropout,
+    and a loader made for evaluation or on resume would otherwise shift its stream. Both
+    numbers are in every checkpoint, so a resumed loader is the uninterrupted run's loader.
+    """
     import torch
 
     if dataset is None:
@@ -80,4 +88,14 @@ def build_pretraining_data_loader(dataset: Optional["SampleDataset"], consumed_s
     return torch.utils.data.DataLoader(dataset,  # type: ignore[arg-type]
                                        batch_sampler=sampler, num_workers=num_workers,
                                        collate_fn=collate_samples, pin_memory=False,
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0,
+                                       generator=loader_generator(seed, consumed_samples))
+
+
+def loader_generator(seed: int, consumed_samples: int) -> "torch.Generator":
+    """The data loader's own generator: a pure function of the run's seed and position."""
+    import torch
+
+    generator = torch.Generator()
+    generator.manual_seed((seed * 1_000_003 + consumed_samples) % 2 ** 63)
+    return generator

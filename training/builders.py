@@ -136,7 +136,8 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
     assert mbs is not None, _NEEDS_RUN_CONFIG
     loader = build_pretraining_data_loader(dataset, consumed_samples, mbs, dp_rank,
                                            run.parallel.dp,
-                                           num_workers=run.train.num_workers)
+                                           num_workers=run.train.num_workers,
+                                           seed=run.train.seed)
     return _to_executor(loader, device, pipeline)
 
 
