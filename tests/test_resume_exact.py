@@ -60,3 +60,40 @@ def test_data_loader_never_draws_from_the_default_generator():
     batch = next(iter(build_pretraining_data_loader(Samples(), 4, 2, 0, 1, seed=7)))
     assert batch["tokens"][:, 0].tolist() == [4, 5]
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_changed_schedule_on_resume_is_an_error_unless_told_which_wins(tmp_path):
+    """Megatron's --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler."""
+    ckpt = str(tmp_path / "ckpt")
+    base = FLAGS + ["--eval-iters", "0", "--lr-decay-style", "linear"]
+    results = _program_on(1, base + ["--train-iters", "4", "--save", ckpt])
+    assert results[0][0] == 0, results
+    longer = base + ["--train-iters", "6", "--load", ckpt]
+
+    code, err, _ = _program_on(1, longer)[0]
+    assert code == 2
+    assert "lr schedule of checkpoint" in err and "decay_steps" in err, err
+    assert "32 in the checkpoint, 48 from the flags" in err, err
+    assert "--use-checkpoint-opt_param-scheduler" in err and "--override-opt_param-scheduler" \
+        in err
+    assert len(err.strip().splitlines()) == 1, err
+
+    def lr_at_5(extra):
+        metrics = str(tmp_path / f"{extra[0]}.jsonl")
+        code, err, out = _program_on(1, longer + extra + ["--metrics-file", metrics])[0]
+        assert code == 0, err
+        assert "lr schedule from the" in out
+        return next(r["lr"] for r in _records(metrics) if r.get("iteration") == 5
+                    and r["type"] == "train")
+
+    from gigatron.training.config import LRScheduleConfig
+    from gigatron.training.lr_schedule import learning_rate
+    at = 4 * 8  # samples consumed before iteration 5
+    assert lr_at_5(["--use-checkpoint-opt_param-scheduler"]) == pytest.approx(
+        learning_rate(at, LRScheduleConfig(max_lr=1e-2, decay_steps=4 * 8)))
+    assert lr_at_5(["--override-opt_param-scheduler"]) == pytest.approx(
+        learning_rate(at, LRScheduleConfig(max_lr=1e-2, decay_steps=6 * 8)))
+
+    code, err, _ = _program_on(1, longer + ["--override-opt_param-scheduler",
+                                            "--use-checkpoint-opt_param-scheduler"])[0]
+    assert code == 2 and "contradict" in err

@@ -115,6 +115,12 @@ class CheckpointConfig:
     no_save_rng: bool = setting(False, "do not save the RNG state", "--no-save-rng")
     ckpt_format: str = setting("torch", "checkpoint file format", "--ckpt-format",
                                choices=("torch", "safetensors"))
+    override_opt_param_scheduler: bool = setting(
+        False, "on --load, follow the flags' lr schedule, not the checkpoint's",
+        "--override-opt_param-scheduler")
+    use_checkpoint_opt_param_scheduler: bool = setting(
+        False, "on --load, follow the checkpoint's lr schedule, not the flags' (neither: "
+        "a difference is an error)", "--use-checkpoint-opt_param-scheduler")
 
 
 @dataclass(frozen=True)

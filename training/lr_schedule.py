@@ -16,7 +16,8 @@ iteration of a warm-up runs at --lr-warmup-init (0 by default).
 from __future__ import annotations
 
 import math
-from typing import List
+from dataclasses import asdict, fields
+from typing import Any, Dict, List, Optional, Tuple
 
 from gigatron.training.config import LRScheduleConfig
 
@@ -99,3 +100,44 @@ def validate_schedule(cfg: LRScheduleConfig) -> None:
     problems = schedule_problems(cfg)
     if problems:
         raise ValueError("\n".join(problems))
+
+
+# each field of LRScheduleConfig and the flag(s) that set it (steps count samples)
+SCHEDULE_FLAGS = {
+    "max_lr": "--lr", "min_lr": "--min-lr", "decay_style": "--lr-decay-style",
+    "warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction",
+    "decay_steps": "--lr-decay-iters (--train-iters when unset)",
+    "init_lr": "--lr-warmup-init", "wsd_decay_steps": "--lr-wsd-decay-iters",
+    "wsd_decay_style": "--lr-wsd-decay-style",
+}
+OVERRIDE_FLAG = "--override-opt_param-scheduler"
+USE_CHECKPOINT_FLAG = "--use-checkpoint-opt_param-scheduler"
+
+
+def resume_schedule(saved: Optional[Dict[str, Any]], flags: LRScheduleConfig, override: bool,
+                    use_checkpoint: bool, folder: str) -> Tuple[LRScheduleConfig, Optional[str]]:
+    """The schedule a resumed run follows, and a line to log when the two differ.
+
+    Megatron's rule: the checkpoint's schedule and the flags' must agree unless
+    --override-opt_param-scheduler (the flags win) or --use-checkpoint-opt_param-scheduler
+    (the checkpoint wins) says which to keep; otherwise a difference is an error naming
+    each differing value and both fixes. `saved` is None for a checkpoint without one.
+    """
+    if saved is None:
+        return flags, None
+    known = {f.name for f in fields(LRScheduleConfig)}
+    checkpoint = LRScheduleConfig(**{k: v for k, v in saved.items() if k in known})
+    ours = asdict(flags)
+    differ = [f"{name} ({SCHEDULE_FLAGS.get(name, name)}) {value!r} in the checkpoint, "
+              f"{ours[name]!r} from the flags"
+              for name, value in asdict(checkpoint).items() if value != ours[name]]
+    if not differ:
+        return flags, None
+    what = "; ".join(differ)
+    if override:
+        return flags, f"lr schedule from the flags ({OVERRIDE_FLAG}): {what}"
+    if use_checkpoint:
+        return checkpoint, f"lr schedule from the checkpoint ({USE_CHECKPOINT_FLAG}): {what}"
+    raise ValueError(f"the lr schedule of checkpoint {folder} differs from the flags: {what} "
+                     f"(steps count samples): add {USE_CHECKPOINT_FLAG} to keep the "
+                     f"checkpoint's schedule, or {OVERRIDE_FLAG} to use the flags'")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
@@ -73,6 +74,8 @@ def _build_session(run, tokenizer, launch, device):
     shard = state.load_model_weights(run, groups, chunks)
     zero = build_zero(chunks, run.zero, groups)
     progress = state.restore_training_state(run, shard, chunks, zero, device)
+    schedule, schedule_note = state.resumed_schedule(run, shard)
+    run = replace(run, lr_schedule=schedule)
     timers = Timers(device_sync(device) if run.logging.timing_log_level >= 1 else None)
     for chunk in chunks:
         time_module_forward(chunk, timers)
@@ -85,6 +88,8 @@ def _build_session(run, tokenizer, launch, device):
                            start_iteration=progress.iteration)
     if progress.iteration > 0:
         logger.truncate_after(progress.iteration)
+    if schedule_note:
+        logger.print(schedule_note)
     peak = log.peak_tflops or metrics.device_peak_tflops(device, run.model.params_dtype)
     session = Session(run, groups, device, chunks, zero, grad_sync, pipeline, datasets, logger,
                       timers, metrics.flops_per_token(run.model, p.tp), peak)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from gigatron.training import checkpointing as files
 from gigatron.training.config import RunConfig
 
 if TYPE_CHECKING:
+    from gigatron.training.config import LRScheduleConfig
     from gigatron.parallel.topology import ProcessGroups
     from gigatron.parallel.zero.optimizer import ZeroOptimizer
 
@@ -93,6 +94,8 @@ def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
         model = [{k: v.detach().cpu().clone() for k, v in c.state_dict().items()}
                  for c in chunks]
     state: Dict[str, Any] = {"progress": asdict(progress), "model": model}
+    if run.lr_schedule is not None:  # checked against the flags on resume
+        state["lr_schedule"] = asdict(run.lr_schedule)
     if not run.checkpoint.no_save_optim:
         state["optimizer"] = zero.state_dict()
     if not run.checkpoint.no_save_rng:
@@ -126,6 +129,22 @@ def load_model_weights(run: RunConfig, groups: "ProcessGroups",
         chunk.load_state_dict(weights, strict=True)
     shard["_folder"], shard["_zero_stage"] = folder, meta.get("zero_stage")
     return shard
+
+
+def resumed_schedule(run: RunConfig, shard: Optional[Dict[str, Any]]
+                     ) -> Tuple[Optional["LRScheduleConfig"], Optional[str]]:
+    """The lr schedule a resumed run follows (the checkpoint's and the flags' must agree
+    unless --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler says which
+    wins), and a line to log when they differ. Fresh, --finetune and --no-load-optim runs
+    follow the flags, as in Megatron."""
+    from gigatron.training.lr_schedule import resume_schedule
+
+    ck = run.checkpoint
+    if shard is None or ck.finetune or ck.no_load_optim or run.lr_schedule is None:
+        return run.lr_schedule, None
+    return resume_schedule(shard.get("lr_schedule"), run.lr_schedule,
+                           ck.override_opt_param_scheduler,
+                           ck.use_checkpoint_opt_param_scheduler, shard["_folder"])
 
 
 def restore_training_state(run: RunConfig, shard: Optional[Dict[str, Any]],

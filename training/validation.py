@@ -364,6 +364,9 @@ def check_checkpointing(flags: argparse.Namespace, p: Problems) -> None:
         p.add("--save-interval needs --save DIR")
     if flags.finetune and flags.load is None:
         p.add("--finetune needs --load DIR (the checkpoint to start from)")
+    if flags.override_opt_param_scheduler and flags.use_checkpoint_opt_param_scheduler:
+        p.add("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+              "contradict each other: give one")
     for flag, path in (("--save", flags.save), ("--load", flags.load)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             p.add(f"{flag} {path} is a file, not a checkpoint directory: give a directory "
