@@ -48,6 +48,10 @@ def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pret
     if tokenizer is None:
         assert run.model is not None  # build_run_config built it
         tokenizer = build_tokenizer(vars(flags), run.model.vocab_size)
+    from gigatron.parallel.launch import device_and_backend
+    from gigatron.training.resources import check_run_fits
+
+    check_run_fits(run, device_and_backend(launch.local_rank)[0], os.environ)
     return run, tokenizer
 
 
@@ -103,8 +107,10 @@ def _ranks_phrase(world_size: int, launcher: str) -> str:
 
 
 def _banner(s, progress, shard, launch, device) -> None:
+    import torch.distributed as dist
     from gigatron.models.gpt import count_parameters
     from gigatron.training.builders import partition
+    from gigatron.training.resources import device_notes
 
     run, p, t = s.run, s.run.parallel, s.run.train
     s.logger.print(
@@ -118,6 +124,8 @@ def _banner(s, progress, shard, launch, device) -> None:
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {p.dp} x "
         f"{t.num_microbatches} micro-batches; {s.flops_per_token / 1e6:.2f} MFLOP/token\n"
         f"{partition(run).describe()}")
+    for line in device_notes(device, dist.get_backend(), run, os.environ):
+        s.logger.print(line)
     if shard is not None:
         s.logger.print(f"loaded checkpoint {shard['_folder']} (iteration {progress.iteration}, "
                        f"{progress.consumed_train_samples} samples consumed)")
