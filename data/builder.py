@@ -12,6 +12,7 @@ from gigatron.data.gpt_dataset import (GPTDataset, MockIndexedDataset, SampleDat
                                        default_cache_dir)
 from gigatron.data.indexed_dataset import IndexedDataset
 from gigatron.data.sample_index import parse_split, split_ranges
+from gigatron.data.token_range import check_token_range
 from gigatron.parallel.comm import Group
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -69,8 +70,23 @@ def _blend(config: GPTDataConfig, sources: Sequence[Tuple[Any, np.ndarray]],
     return BlendedDataset(datasets, weights, num_samples)
 
 
-def _open(prefixes: Sequence[str]) -> List[IndexedDataset]:
-    return [IndexedDataset(p) for p in prefixes]
+def _open(prefixes: Sequence[str], config: GPTDataConfig, group: Group) -> List[IndexedDataset]:
+    """Open each dataset and check its ids against the vocabulary (once per file)."""
+    opened = [IndexedDataset(p) for p in prefixes]
+    for ds in opened:
+        check_token_range(ds, config.vocab_size,
+                          config.data_cache_path or default_cache_dir(ds.path_prefix), group)
+    return opened
+
+
+def _empty_split_error(config: GPTDataConfig, name: str, indexed: Sequence[Any],
+                       needed: int) -> str:
+    sources = ", ".join(f"{len(ds)} in {ds.path_prefix}" for ds in indexed)
+    use = "evaluation" if name != "train" else "training"
+    return (f"the {name} split is empty: --split {config.split} gives it no documents "
+            f"(documents: {sources}), but {use} needs {needed} {name} samples: give it a "
+            f"larger share in --split (each non-zero share needs at least one document), "
+            f"more documents{', or --eval-iters 0' if name != 'train' else ''}")
 
 
 def build_train_valid_test_datasets(config: GPTDataConfig,
@@ -93,13 +109,16 @@ def build_train_valid_test_datasets(config: GPTDataConfig,
                                                    seed=config.seed)], None
         else:
             prefixes, weights = parse_data_path(config.data_path or [])
-            indexed = list(_open(prefixes))
+            indexed = list(_open(prefixes, config, group))
         fractions = parse_split(config.split)
+        fractions += [0.0] * (3 - len(fractions))
         ranges = [split_ranges(fractions, len(ds)) for ds in indexed]
         result = []
         for s, (name, n) in enumerate(zip(SPLIT_NAMES, wanted)):
             sources = [(ds, np.arange(*r[s])) for ds, r in zip(indexed, ranges)]
             empty = all(len(docs) == 0 for _, docs in sources)
+            if n and empty and fractions[s] > 0:  # a share was asked for but got nothing
+                raise ValueError(_empty_split_error(config, name, indexed, n))
             result.append(None if n == 0 or empty else
                           _blend(config, sources, weights, n, name, group))
         return result
@@ -111,6 +130,35 @@ def build_train_valid_test_datasets(config: GPTDataConfig,
             result.append(None)
             continue
         prefixes, weights = parse_data_path(paths, f"--{name}-data-path")
-        sources = [(ds, np.arange(len(ds))) for ds in _open(prefixes)]
+        sources = [(ds, np.arange(len(ds))) for ds in _open(prefixes, config, group)]
         result.append(_blend(config, sources, weights, n, name, group))
     return result
+
+
+def describe_datasets(datasets: Sequence[Optional[SampleDataset]]) -> List[str]:
+    """The run's data, one line per split and per blended source: samples, documents,
+    tokens per epoch and epochs (a split without data says so)."""
+    lines = []
+    for name, dataset in zip(SPLIT_NAMES, datasets):
+        if dataset is None:
+            lines.append(f"data {name}: none (its --split share is 0, or no samples are "
+                         f"asked of it)")
+        elif isinstance(dataset, BlendedDataset) and len(dataset.datasets) > 1:
+            parts = dataset.datasets
+            lines.append(f"data {name}: {len(dataset):,} samples blended from "
+                         f"{len(parts)} sources")
+            used = np.bincount(dataset.dataset_index, minlength=len(parts))
+            lines += [f"  weight {w:.3f}: {n:,} samples{_source(p)}"
+                      for p, w, n in zip(parts, dataset.weights, used.tolist())]
+        else:
+            only = dataset.datasets[0] if isinstance(dataset, BlendedDataset) else dataset
+            lines.append(f"data {name}: {len(dataset):,} samples{_source(only)}")
+    return lines
+
+
+def _source(ds: Any) -> str:
+    if not isinstance(ds, GPTDataset):
+        return ""
+    docs = "document" if ds.num_documents == 1 else "documents"
+    return (f" from {ds.num_documents:,} {docs}, {ds.tokens_per_epoch:,} tokens, "
+            f"{ds.num_epochs} epoch{'s' if ds.num_epochs != 1 else ''} of {ds.source}")

@@ -66,6 +66,10 @@ class GPTDataset:
             "sizes_md5": array_digest(sizes[documents]),
         }
 
+        # for the run's dataset summary
+        self.source, self.num_documents = str(indexed_dataset.path_prefix), len(documents)
+        self.tokens_per_epoch, self.num_epochs = tokens_per_epoch, description["num_epochs"]
+
         def build() -> Dict[str, np.ndarray]:
             return dict(zip(INDEX_NAMES, build_gpt_indices(sizes, documents, seq_length,
                                                            num_samples, seed)))

@@ -110,6 +110,7 @@ def _banner(s, progress, shard, launch, device) -> None:
     import torch.distributed as dist
     from gigatron.models.gpt import count_parameters
     from gigatron.training.builders import partition
+    from gigatron.data.builder import describe_datasets
     from gigatron.training.resources import device_notes
 
     run, p, t = s.run, s.run.parallel, s.run.train
@@ -124,7 +125,8 @@ def _banner(s, progress, shard, launch, device) -> None:
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {p.dp} x "
         f"{t.num_microbatches} micro-batches; {s.flops_per_token / 1e6:.2f} MFLOP/token\n"
         f"{partition(run).describe()}")
-    for line in device_notes(device, dist.get_backend(), run, os.environ):
+    for line in device_notes(device, dist.get_backend(), run, os.environ) + \
+            describe_datasets(s.datasets):
         s.logger.print(line)
     if shard is not None:
         s.logger.print(f"loaded checkpoint {shard['_folder']} (iteration {progress.iteration}, "

@@ -69,6 +69,7 @@ def estimate_memory(run: "RunConfig", parameters: int, device: torch.device) -> 
     optimizer = 0.0 if offloaded else local * per_param / (p.dp if stage >= 1 else 1)
     s, b, h = model.seq_length, t.micro_batch_size, model.hidden_size
     a = model.num_attention_heads
+    per_layer: float
     if model.recompute_granularity == "full":
         per_layer = s * b * h * width  # only each layer's input is kept
     else:  # Megatron's 34 + 5as/h bytes per (token x hidden) at 2-byte activations
