@@ -26,17 +26,16 @@ CHILD = textwrap.dedent("""
     coords = {"tp": 0, "pp": 0, "dp": 0}
     meta = {"tp": 1, "pp": 1, "dp": 1, "virtual_chunks": 1}
     state = lambda it: {"iteration": it, "w": torch.full((256, 256), float(it))}
-    files.save_checkpoint(root, 1, state(1), coords, meta, lambda: None, True)
+    files.save_checkpoint(root, 1, state(1), coords, meta)
 
     def die(*_a, **_k):
         os.kill(os.getpid(), signal.SIGKILL)
 
     real_save, real_replace = torch.save, os.replace
     if where == "mid-shard":  # half the bytes of the shard are on disk
-        def torch_save(obj, path):
-            with open(path, "wb") as f:
-                f.write(b"\\x80" * 1000)
-                f.flush()
+        def torch_save(obj, f):
+            f.write(b"\\x80" * 1000)
+            f.flush()
             die()
         torch.save = torch_save
     elif where == "before-publish":  # every shard written, folder not yet renamed
@@ -49,7 +48,7 @@ CHILD = textwrap.dedent("""
                 die()
             real_replace(src, dst)
         os.replace = replace
-    files.save_checkpoint(root, 2, state(2), coords, meta, lambda: None, True)
+    files.save_checkpoint(root, 2, state(2), coords, meta)
     print("not killed")
 """)
 
@@ -67,7 +66,7 @@ def test_kill_9_during_save_leaves_previous_checkpoint_loadable(tmp_path, where)
     assert shard["iteration"] == 1 and torch.equal(shard["w"], torch.full((256, 256), 1.0))
     files.check_layout(files.read_metadata(folder), META, folder)
     # the next save after the crash succeeds and becomes the tracked checkpoint
-    files.save_checkpoint(root, 2, {"iteration": 2}, COORDS, META, lambda: None, True)
+    files.save_checkpoint(root, 2, {"iteration": 2}, COORDS, META)
     assert files.find_checkpoint(root)[0] == 2
     assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", files.TRACKER] or \
         where == "mid-tracker"  # a dead writer's tracker temp file may remain; harmless
@@ -76,7 +75,7 @@ def test_kill_9_during_save_leaves_previous_checkpoint_loadable(tmp_path, where)
 def test_resaving_an_iteration_replaces_it(tmp_path):
     root = str(tmp_path)
     for value in (1.0, 2.0):
-        files.save_checkpoint(root, 5, {"x": value}, COORDS, META, lambda: None, True)
+        files.save_checkpoint(root, 5, {"x": value}, COORDS, META)
     _, folder = files.find_checkpoint(root)
     assert files.read_shard(files.rank_file(folder, COORDS))["x"] == 2.0
     assert sorted(os.listdir(root)) == ["iter_0000005", files.TRACKER]
@@ -84,7 +83,7 @@ def test_resaving_an_iteration_replaces_it(tmp_path):
 
 def test_crash_while_resaving_an_iteration_keeps_its_old_copy(tmp_path):
     root = str(tmp_path)
-    files.save_checkpoint(root, 5, {"x": 1.0}, COORDS, META, lambda: None, True)
+    files.save_checkpoint(root, 5, {"x": 1.0}, COORDS, META)
     final = files.iteration_dir(root, 5)
     # the state a kill leaves between "move the old copy aside" and "publish the new one"
     os.replace(final, f"{final}.old.4242")
@@ -107,7 +106,7 @@ def test_bad_tracker_and_missing_folder_are_clear_errors(tmp_path):
 
 
 def test_loading_under_another_layout_is_a_clear_error(tmp_path):
-    files.save_checkpoint(str(tmp_path), 3, {}, COORDS, META, lambda: None, True)
+    files.save_checkpoint(str(tmp_path), 3, {}, COORDS, META)
     folder = files.iteration_dir(str(tmp_path), 3)
     with pytest.raises(ValueError, match=r"saved with tp=1 pp=1 dp=1 virtual_chunks=1 but this "
                                          r"run has tp=2 pp=1 dp=1 virtual_chunks=1: loading "
@@ -116,10 +115,10 @@ def test_loading_under_another_layout_is_a_clear_error(tmp_path):
 
 
 def _rank_saves(rank, world, root):
-    from gigatron.parallel import comm
+    from gigatron.training.checkpoint_integrity import job_gather
     coords = {"tp": rank % 2, "pp": 0, "dp": rank // 2}
     files.save_checkpoint(root, 4, {"rank": rank}, coords, {"tp": 2, "pp": 1, "dp": 2},
-                          comm.barrier, rank == 0)
+                          job_gather(torch.device("cpu")), rank == 0)
     return files.read_shard(files.rank_file(files.iteration_dir(root, 4), coords))["rank"]
 
 

@@ -49,15 +49,22 @@ def _decode(obj: Any, tensors: Dict[str, torch.Tensor]) -> Any:
     return {k: _decode(v, tensors) for k, v in obj["__dict__"]}
 
 
-def save_state(state: Dict[str, Any], path: str) -> None:
-    """Write a nested state (tensors anywhere inside) to a safetensors file."""
-    from safetensors.torch import save_file
+def dumps_state(state: Dict[str, Any]) -> bytes:
+    """A nested state (tensors anywhere inside) as the bytes of a safetensors file."""
+    from safetensors.torch import save
 
     tensors: Dict[str, torch.Tensor] = {}
     structure = _encode(state, "s", tensors)
     # safetensors refuses tensors sharing memory; checkpoints own their copies anyway
     tensors = {k: v.clone() for k, v in tensors.items()}
-    save_file(tensors, path, metadata={_KEY: json.dumps(structure)})
+    return save(tensors, metadata={_KEY: json.dumps(structure)})
+
+
+def save_state(state: Dict[str, Any], path: str) -> None:
+    """Write a nested state (tensors anywhere inside) to a safetensors file."""
+    data = dumps_state(state)
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def load_state(path: str) -> Dict[str, Any]:

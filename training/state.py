@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gigatron.training import checkpointing as files
+from gigatron.training.checkpoint_shapes import check_model_shapes
 from gigatron.training.config import RunConfig
 
 if TYPE_CHECKING:
@@ -84,8 +85,9 @@ def layout(run: RunConfig, num_chunks: int) -> Dict[str, int]:
 def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
          chunks: List[torch.nn.Module], zero: "ZeroOptimizer",
          device: torch.device) -> str:
-    """Collective: write this rank's shard of iteration `progress.iteration`."""
-    from gigatron.parallel import comm
+    """Collective: write this rank's shard of iteration `progress.iteration`; a failed save
+    (say, a full disk on any rank) raises the same ValueError on every rank."""
+    from gigatron.training.checkpoint_integrity import job_gather
 
     if run.checkpoint.save is None:
         raise ValueError("saving a checkpoint needs --save DIR")
@@ -105,7 +107,7 @@ def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
             progress.consumed_train_samples, "model_name": run.model_name,
             "flags": run.flags}
     return files.save_checkpoint(run.checkpoint.save, progress.iteration, state,
-                                 groups.coords, meta, comm.barrier, groups.rank == 0,
+                                 groups.coords, meta, job_gather(device), groups.rank == 0,
                                  run.checkpoint.ckpt_format)
 
 
@@ -123,10 +125,15 @@ def load_model_weights(run: RunConfig, groups: "ProcessGroups",
         return None
     meta = files.read_metadata(folder)
     files.check_layout(meta, layout(run, len(chunks)), folder)
-    shard = files.read_shard(files.rank_file(folder, groups.coords, run.checkpoint.ckpt_format),
-                             run.checkpoint.ckpt_format)
+    fmt = run.checkpoint.ckpt_format
+    shard = files.read_shard(files.rank_file(folder, groups.coords, fmt), fmt, meta)
+    check_model_shapes(shard["model"], chunks, meta.get("flags"), run.flags, folder)
     for chunk, weights in zip(chunks, shard["model"]):
-        chunk.load_state_dict(weights, strict=True)
+        try:
+            chunk.load_state_dict(weights, strict=True)
+        except RuntimeError as err:  # shapes and names were checked: say what is left
+            raise ValueError(f"checkpoint {folder} does not load into this run's model: "
+                             f"{str(err).strip().splitlines()[-1].strip()}") from None
     shard["_folder"], shard["_zero_stage"] = folder, meta.get("zero_stage")
     return shard
 
