@@ -3,7 +3,8 @@
 #   1. train a SentencePiece tokenizer on the Python standard library's source,
 #   2. tokenize that source into Megatron .bin/.idx files,
 #   3. train a small GPT on 8 CPU processes with tp=2, pp=2, dp=2 (torchrun, gloo) until the
-#      validation loss has clearly fallen; metrics and the checkpoint land in $OUT.
+#      validation loss has clearly fallen; metrics and the checkpoint land in $OUT,
+#   4. charts of the run (gigatron plot) when matplotlib is installed, else the command for them.
 # Re-running starts over. OUT (default runs/quickstart) and ITERS (default 120) are settable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ torchrun --nproc-per-node 8 pretrain_gpt.py \
     --micro-batch-size 4 --global-batch-size 32 --train-iters "$ITERS" \
     --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 10 \
     --weight-decay 0.01 --clip-grad 1.0 \
-    --data-path "$OUT/stdlib_text_document" --split 949,50,1 \
+    --data-path "$OUT/stdlib_text_document" --split 94,4,2 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/spm.model" \
     --log-interval 10 --eval-interval 20 --eval-iters 4 \
     --save "$OUT/checkpoints" --save-interval 60 --metrics-file "$OUT/metrics.jsonl"
@@ -52,3 +53,10 @@ print(f"\nvalidation loss fell from {first['lm loss']:.3f} (iteration {first['it
 if not last["lm loss"] < first["lm loss"] - 0.3:
     sys.exit("the validation loss did not fall clearly: something is wrong")
 EOF
+
+if python -c "import matplotlib" 2>/dev/null; then
+    python -m gigatron plot "$OUT/metrics.jsonl"
+else
+    echo "charts of this run: pip install 'gigatron[plot]' (matplotlib), then" \
+        "gigatron plot $OUT/metrics.jsonl"
+fi

@@ -8,7 +8,7 @@ import pytest
 from gigatron import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = ["preprocess-data", "pretrain", "schedule", "topology", "train-tokenizer"]
+COMMANDS = ["plot", "preprocess-data", "pretrain", "schedule", "topology", "train-tokenizer"]
 
 
 def gigatron(*args, cwd=None):

@@ -6,6 +6,11 @@ logger with every sink off. Records are plain dicts with the keys of the JSON li
     {"type": "train", "iteration": 10, "consumed_samples": 160, "lm loss": 7.1, "lr": 1e-4,
      "grad norm": 1.3, "loss scale": 1.0, "skipped": 0, "tokens_per_s": ..., ...}
     {"type": "eval", "split": "valid", "iteration": 10, "lm loss": 6.9, "lm loss PPL": ...}
+    {"type": "checkpoint", ...}, and one {"type": "summary", ...} at the end (training/summary.py)
+
+Long loops without log lines (evaluation) show progress too: redrawn in place on a terminal,
+a line every EVAL_PROGRESS_EVERY_S seconds in logs; it counts batches and reads the clock,
+never the device.
 """
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ import math
 import os
 import sys
 import time
-from typing import IO, Dict, Optional
+from typing import IO, Callable, Dict, Optional
+
+from gigatron.training.summary import RunTotals, format_summary
 
 # console label, JSON key, format
 _CONSOLE_FIELDS = (
@@ -32,7 +39,8 @@ _CONSOLE_FIELDS = (
     ("peak memory (MiB)", "peak_memory_mib", "{:.0f}"),
 )
 _TENSORBOARD_KEYS = ("lm loss", "lr", "grad norm", "loss scale", "skipped", "tokens_per_s",
-                     "tflops_per_device", "mfu", "peak_memory_mib")
+                     "tflops_per_device", "mfu", "peak_memory_mib", "ms_per_iteration")
+EVAL_PROGRESS_EVERY_S = 15.0  # seconds between evaluation progress lines in a log
 
 
 def format_train_line(record: Dict, train_iters: int) -> str:
@@ -65,6 +73,15 @@ def perplexity(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
+def format_eta(done: int, total: int, seconds: float) -> str:
+    """Time left at the rate so far, 'm:ss' ('?' before the first unit is done)."""
+    rate = done / max(seconds, 1e-9)
+    if rate <= 0:
+        return "?"
+    eta = (total - done) / rate
+    return f"{int(eta // 60):d}:{int(eta % 60):02d}"
+
+
 class ProgressBar:
     """A one-line progress display (iteration, loss, ETA) redrawn in place on a terminal."""
 
@@ -79,10 +96,8 @@ class ProgressBar:
         now = time.monotonic() if now is None else now
         done = iteration / self.total
         filled = int(round(self.width * done))
-        rate = (iteration - self.first) / max(now - self.start, 1e-9)
-        eta = (self.total - iteration) / rate if rate > 0 else float("inf")
+        eta_text = format_eta(iteration - self.first, self.total - self.first, now - self.start)
         loss_text = f" loss {loss:.4f}" if loss is not None else ""
-        eta_text = f"{int(eta // 60):d}:{int(eta % 60):02d}" if math.isfinite(eta) else "?"
         return (f"[{'#' * filled}{'.' * (self.width - filled)}] {iteration}/{self.total} "
                 f"({done:.0%}){loss_text} ETA {eta_text}")
 
@@ -95,6 +110,36 @@ class ProgressBar:
         self.stream.flush()
 
 
+class LoopProgress:
+    """Progress of a counted loop (evaluation batches): redrawn in place on a terminal, or a
+    line every `every_s` seconds through `write_line` in a log. Only counts and the clock."""
+
+    def __init__(self, label: str, total: int, write_line: Optional[Callable[[str], None]],
+                 bar_stream: Optional[IO] = None, every_s: float = EVAL_PROGRESS_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.label, self.total, self.every_s, self.clock = label, total, every_s, clock
+        self.write_line, self.bar_stream = write_line, bar_stream
+        self.start = self.last_line = clock()
+
+    def render(self, done: int, now: float) -> str:
+        """'valid evaluation: 3/10 batches (30%), 12 s elapsed, ETA 0:28'."""
+        elapsed = now - self.start
+        return (f"{self.label}: {done}/{self.total} batches ({done / self.total:.0%}), "
+                f"{elapsed:.0f} s elapsed, ETA {format_eta(done, self.total, elapsed)}")
+
+    def update(self, done: int) -> None:
+        """`done` batches of `total` are finished."""
+        if self.write_line is None:
+            return
+        now = self.clock()
+        if self.bar_stream is not None:
+            self.bar_stream.write("\r" + self.render(done, now) + "\033[K")
+            self.bar_stream.flush()
+        elif now - self.last_line >= self.every_s and done < self.total:
+            self.write_line(self.render(done, now))
+            self.last_line = now
+
+
 class MetricsLogger:
     """Console lines, JSON lines (--metrics-file), TensorBoard (--tensorboard-dir), progress."""
 
@@ -105,6 +150,7 @@ class MetricsLogger:
         self.enabled, self.train_iters = enabled, train_iters
         self.stream = sys.stdout if stream is None else stream
         self._file = self._tb = self._bar = None
+        self.totals = RunTotals(start_iteration)  # what the run summary adds up
         if not enabled:
             return
         if metrics_file:
@@ -143,10 +189,14 @@ class MetricsLogger:
             return
         self.print(format_train_line(record, self.train_iters))
         self._write({"type": "train", **record})
+        self.totals.add_train(record)
         if self._tb is not None:
-            for key in _TENSORBOARD_KEYS:
-                if record.get(key) is not None:
-                    self._tb.add_scalar(key, record[key], record["iteration"])
+            scalars = {key: record.get(key) for key in _TENSORBOARD_KEYS}
+            scalars.update({f"timers_ms/{name}": ms
+                            for name, ms in (record.get("timers_ms") or {}).items()})
+            for key, value in scalars.items():
+                if value is not None:
+                    self._tb.add_scalar(key, value, record["iteration"])
 
     def evaluation(self, record: Dict) -> None:
         """A valid/test loss: console block, JSON line, TensorBoard scalar."""
@@ -155,6 +205,7 @@ class MetricsLogger:
         record = {**record, "lm loss PPL": perplexity(record["lm loss"])}
         self.print(format_eval_line(record))
         self._write({"type": "eval", **record})
+        self.totals.add_eval(record)
         if self._tb is not None:
             self._tb.add_scalar(f"{record['split']} lm loss", record["lm loss"],
                                 record["iteration"])
@@ -162,6 +213,18 @@ class MetricsLogger:
     def progress(self, iteration: int, loss: Optional[float]) -> None:
         if self.enabled and self._bar is not None:
             self._bar.update(iteration, loss)
+
+    def loop_progress(self, label: str, total: int) -> LoopProgress:
+        """A progress display for `total` units of a loop (a no-op on non-reporting ranks)."""
+        bar = self._bar.stream if self._bar is not None else None
+        return LoopProgress(label, total, self.print if self.enabled else None, bar,
+                            every_s=EVAL_PROGRESS_EVERY_S)
+
+    def summary(self, record: Dict) -> None:
+        """The end-of-run block on the console and one summary JSON line."""
+        if self.enabled:
+            self.print(format_summary(record))
+            self._write({"type": "summary", **record})
 
     def event(self, record: Dict) -> None:
         """Any other JSON line (checkpoint saved, run summary)."""

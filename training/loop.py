@@ -145,8 +145,10 @@ def advance(progress: TrainProgress, outcome: StepOutcome, global_batch_size: in
         progress.lr_steps += global_batch_size
 
 
-def evaluate(s: Session, split: int, consumed: int, iterations: int) -> Optional[float]:
-    """Mean lm loss over `iterations` global batches of split 0/1/2 from sample `consumed`."""
+def evaluate(s: Session, split: int, consumed: int, iterations: int,
+             label: str = "evaluation") -> Optional[float]:
+    """Mean lm loss over `iterations` global batches of split 0/1/2 from sample `consumed`;
+    shows progress under `label` (batches and the clock; the losses stay on the device)."""
     dataset = s.datasets[split]
     if dataset is None or iterations == 0:
         return None
@@ -155,13 +157,15 @@ def evaluate(s: Session, split: int, consumed: int, iterations: int) -> Optional
         chunk.eval()
     total: Optional[torch.Tensor] = None
     timed = dict(s.timers.elapsed)  # eval forwards are not the step's
+    shown = s.logger.loop_progress(label, iterations)
     try:
         with torch.no_grad():
-            for _ in range(iterations):
+            for done in range(1, iterations + 1):
                 batches = _next_batches(it, s.run.train.num_microbatches)
                 local = _local_mean(s.pipeline.executor.run(s.pipeline.eval_schedule, batches))
                 if local is not None:
                     total = local if total is None else total + local
+                shown.update(done)
     finally:
         for chunk in s.chunks:
             chunk.train()
@@ -237,7 +241,7 @@ def _save(s: Session, progress: TrainProgress) -> None:
 def _evaluate_and_log(s: Session, progress: TrainProgress, split: int, name: str) -> None:
     t = s.run.train
     consumed = progress.consumed_valid_samples if split == 1 else 0
-    loss = evaluate(s, split, consumed, t.eval_iters)
+    loss = evaluate(s, split, consumed, t.eval_iters, f"{name} evaluation")
     if loss is None:
         return
     if split == 1:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
@@ -135,25 +136,47 @@ def _banner(s, progress, shard, launch, device) -> None:
         s.logger.print(f"no checkpoint in --load {run.checkpoint.load}: training from scratch")
 
 
-def _summary(s, progress) -> None:
-    lines = [f"done: iteration {progress.iteration}, "
-             f"{progress.consumed_train_samples} samples, "
-             f"{progress.skipped_iterations} skipped steps"]
-    if s.run.logging.metrics_file:
-        lines.append(f"metrics: {os.path.abspath(s.run.logging.metrics_file)}")
+def _summary(s, progress, wall_seconds: float) -> None:
+    """The end-of-run block and its summary record: time, tokens, losses, speed, where.
+    Every rank calls it (peak memory is the largest rank's); rank 0 prints and records."""
+    from gigatron.training.loop import max_over_ranks
+    from gigatron.training.metrics import peak_memory_bytes, throughput
+
+    run, t, totals = s.run, s.run.train, s.logger.totals
+    tokens_per_step = t.global_batch_size * run.model.seq_length
+    (peak_memory,) = max_over_ranks(s, [peak_memory_bytes(s.device)])
+    record = {
+        "iteration": progress.iteration, "consumed_samples": progress.consumed_train_samples,
+        "skipped_iterations": progress.skipped_iterations, "wall_seconds": wall_seconds,
+        "tokens_this_run": (progress.iteration - totals.start_iteration) * tokens_per_step,
+        "tokens_total": progress.consumed_train_samples * run.model.seq_length,
+        "train_steps": totals.train_steps, "train_seconds": totals.train_seconds,
+        **throughput(totals.train_steps * tokens_per_step, totals.train_seconds,
+                     s.flops_per_token, run.parallel.world_size, s.peak_tflops),
+        "peak_memory_mib": peak_memory / 2 ** 20,
+        **totals.loss_fields("valid"), **totals.loss_fields("test"), **_summary_paths(s)}
+    s.logger.summary(record)
+
+
+def _summary_paths(s) -> dict:
+    """Where the run's outputs are (absolute paths; None for those not asked for)."""
+    log = s.run.logging
+    checkpoint = None
     if s.saved_iterations:
         from gigatron.training.checkpointing import iteration_dir
-        lines.append("checkpoint: " + os.path.abspath(
-            iteration_dir(s.run.checkpoint.save, s.saved_iterations[-1])))
-    if s.run.logging.tensorboard_dir:
-        lines.append(f"tensorboard: {os.path.abspath(s.run.logging.tensorboard_dir)}")
-    s.logger.print("\n".join(lines))
+        checkpoint = os.path.abspath(iteration_dir(s.run.checkpoint.save,
+                                                   s.saved_iterations[-1]))
+    return {"checkpoint": checkpoint,
+            "metrics_file": os.path.abspath(log.metrics_file) if log.metrics_file else None,
+            "tensorboard_dir": os.path.abspath(log.tensorboard_dir)
+            if log.tensorboard_dir else None}
 
 
 def main(argv: Optional[List[str]] = None, prog: str = "pretrain_gpt.py") -> int:
     """Pretrain from Megatron's flags; `prog` names the program in usage and error lines."""
     from gigatron.parallel.launch import init_distributed, read_launch_env
 
+    started = time.monotonic()  # the summary's wall time counts start-up too
     rank = 0
     try:
         launch = read_launch_env()
@@ -171,7 +194,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "pretrain_gpt.py") -> int
         session, progress, shard = _build_session(run, tokenizer, launch, device)
         _banner(session, progress, shard, launch, device)
         progress = train(session, progress)
-        _summary(session, progress)
+        _summary(session, progress, time.monotonic() - started)
         session.logger.close()
     except ValueError as err:  # layout/checkpoint mismatches found after launch
         print(f"{prog}: error (rank {launch.rank}): {err}", file=sys.stderr)
