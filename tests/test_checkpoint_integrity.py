@@ -66,7 +66,7 @@ def _follow_fallback_and_check_state(root, fmt="torch"):
 def test_checksum_is_of_the_bytes_written_and_recorded_in_metadata(tmp_path, fmt):
     path = _save_two(str(tmp_path), fmt)
     meta = files.read_metadata(files.iteration_dir(str(tmp_path), 2))
-    entry = meta["shards"][f"mp_rank_00_000_000/model_optim_rng.{'pt' if fmt == 'torch' else 'safetensors'}"]
+    entry = meta["shards"][os.path.relpath(path, files.iteration_dir(str(tmp_path), 2))]
     raw = open(path, "rb").read()
     assert entry == {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
     assert meta["format_version"] == 2
@@ -264,3 +264,45 @@ def test_a_really_full_disk_fails_cleanly_and_keeps_the_previous_checkpoint(smal
     # the partial folder's space came back: a save that fits succeeds
     files.save_checkpoint(root, 2, _state(2), COORDS, META, fmt=fmt)
     assert _load(root, fmt)["iteration"] == 2
+
+
+def _main_with_a_full_disk_at_the_second_save_of_rank_1(rank, world, argv):
+    from gigatron.training.checkpoint_integrity import HashingWriter
+    from test_training_loop import _main
+
+    if rank == 1:
+        real_save, shards = torch.save, []
+
+        def torch_save(obj, f, *args, **kwargs):
+            if isinstance(f, HashingWriter):
+                shards.append(f)
+                if len(shards) == 2:
+                    _fail_like_a_full_disk()
+            return real_save(obj, f, *args, **kwargs)
+        torch.save = torch_save
+    return _main(rank, world, argv)
+
+
+def test_full_disk_during_training_stops_every_rank_with_one_line_keeping_the_last_save(
+        tmp_path):
+    """The whole program: the loop's save fails on rank 1 only; both ranks exit 2 through
+    main's handler with the message (no traceback, no hang) and the tracker names the last
+    good checkpoint."""
+    import sys
+
+    from multirank import run_on_ranks
+    from test_training_loop import FLAGS
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ckpt = str(tmp_path / "ckpt")
+    argv = FLAGS + ["--train-iters", "4", "--save", ckpt, "--save-interval", "2",
+                    "--eval-iters", "0"]
+    results = run_on_ranks(_main_with_a_full_disk_at_the_second_save_of_rank_1, 2, argv)
+    assert [r[0] for r in results] == [2, 2], results
+    for rank, (_, err, _) in enumerate(results):
+        assert (f"pretrain_gpt.py: error (rank {rank}): could not save checkpoint iteration 4 "
+                f"to {files.iteration_dir(ckpt, 4)}: rank 1 could not write its shard ") in err
+        assert "No space left on device" in err and "still names iteration 2" in err, err
+        assert "Traceback" not in err, err
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", files.TRACKER]
+    assert open(os.path.join(ckpt, files.TRACKER)).read().strip() == "2"

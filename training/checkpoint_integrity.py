@@ -59,7 +59,7 @@ class HashingWriter(io.RawIOBase):
         return self._sha.hexdigest()
 
 
-def write_hashed(path: str, write: Callable[[HashingWriter], None]) -> Tuple[str, int]:
+def write_hashed(path: str, write: Callable[[HashingWriter], object]) -> Tuple[str, int]:
     """Create `path`, let `write` fill it, flush it to the disk; returns (sha256, bytes)."""
     with open(path, "wb") as f:
         writer = HashingWriter(f)
@@ -218,7 +218,7 @@ def space_sentence(reports: List[StepReport], failed: StepReport, where: str) ->
             f"write failed")
 
 
-def checksum_mismatch(path: str, iteration: int, metadata_path: str, expected: str,
+def checksum_mismatch(path: str, iteration: Optional[int], metadata_path: str, expected: str,
                       actual: str, expected_bytes: int, actual_bytes: int) -> str:
     """The first sentence of the error for a shard whose bytes changed since it was saved."""
     if expected_bytes != actual_bytes:

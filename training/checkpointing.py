@@ -22,7 +22,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -100,7 +100,7 @@ def write_shard(path: str, state: Dict[str, Any], fmt: str = "torch") -> Tuple[s
         data = dumps_state(state)
         checksum = integrity.write_hashed(tmp, lambda f: f.write(data))
     else:
-        checksum = integrity.write_hashed(tmp, lambda f: torch.save(state, f))
+        checksum = integrity.write_hashed(tmp, lambda f: torch.save(state, cast(IO[bytes], f)))
     os.replace(tmp, path)
     return checksum
 
