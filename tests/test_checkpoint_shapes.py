@@ -10,6 +10,7 @@ from gigatron.models.gpt import GPTModel
 from gigatron.training import checkpointing as files
 from gigatron.training import state
 from gigatron.training.arguments import build_run_config, parse_flags
+from gigatron.training.checkpoint_integrity import job_gather
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 1e-2 --mock-data --vocab-size 128 "
@@ -129,3 +130,36 @@ def test_load_model_weights_verifies_the_shard_checksum(tmp_path):
     message = _load_error(root, run)
     assert f"checkpoint shard {path} of iteration 3 does not match the checksum" in message
     assert "no older checkpoint in" in message
+
+
+def _load_with_rank_1_shard_damaged(rank, world, root):
+    run = build_run_config(parse_flags(BASE + ["--load", root], "pretrain_gpt.py"), world, None)
+    groups = SimpleNamespace(coords={"tp": 0, "pp": 0, "dp": rank}, rank=rank)
+    meta = {**state.layout(run, 1), "zero_stage": 0, "flags": run.flags}
+    files.save_checkpoint(root, 3, {"model": [GPTModel(run.model).state_dict()]}, groups.coords,
+                          meta, job_gather(torch.device("cpu")), rank == 0)
+    if rank == 1:
+        path = files.rank_file(files.iteration_dir(root, 3), groups.coords)
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+    job_gather(torch.device("cpu"))([rank])  # the damage is done before anyone loads
+    try:
+        state.load_model_weights(run, groups, [GPTModel(run.model)])
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_one_damaged_shard_stops_every_rank_at_load(tmp_path):
+    """Rank 1's shard fails its checksum; rank 0's loads fine but stops too instead of going
+    on to wait in a collective for a rank that has stopped."""
+    from multirank import run_on_ranks
+
+    root = str(tmp_path)
+    errors = run_on_ranks(_load_with_rank_1_shard_damaged, 2, root)
+    folder = files.iteration_dir(root, 3)
+    assert errors[0] == (f"rank 1 could not load its shard of checkpoint {folder} (the error "
+                         f"line of rank 1 names the file and the fix): this rank stops too")
+    assert errors[1].startswith(f"checkpoint shard {folder}/mp_rank_00_000_001/model_optim_rng"
+                                f".pt of iteration 3 does not match the checksum"), errors[1]

@@ -171,6 +171,18 @@ def _errno_of(err: BaseException) -> int:
     return 0
 
 
+def raise_if_any_failed(gather: Gather, failure: Optional[BaseException],
+                        for_others: Callable[[List[int]], str]) -> None:
+    """Collective: every rank learns which ranks failed a step; a failed rank raises its own
+    error, the others one made by `for_others(failed ranks)`, so that none goes on to wait
+    in a collective for a rank that has stopped."""
+    failed = [rank for rank, row in enumerate(gather([int(failure is not None)])) if row[0]]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise ValueError(for_others(failed))
+
+
 def exchange(gather: Gather, report: StepReport) -> List[StepReport]:
     """Every rank's report of this step, in rank order (a collective: all ranks call it)."""
     return [StepReport.from_row(r) for r in gather(report.row())]

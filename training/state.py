@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gigatron.training import checkpointing as files
+from gigatron.training.checkpoint_integrity import job_gather, raise_if_any_failed
 from gigatron.training.checkpoint_shapes import check_model_shapes
 from gigatron.training.config import RunConfig
 
@@ -87,8 +88,6 @@ def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
          device: torch.device) -> str:
     """Collective: write this rank's shard of iteration `progress.iteration`; a failed save
     (say, a full disk on any rank) raises the same ValueError on every rank."""
-    from gigatron.training.checkpoint_integrity import job_gather
-
     if run.checkpoint.save is None:
         raise ValueError("saving a checkpoint needs --save DIR")
 
@@ -117,16 +116,34 @@ def load_model_weights(run: RunConfig, groups: "ProcessGroups",
     root = run.checkpoint.load
     if root is None:
         return None
-    iteration, folder = files.find_checkpoint(root)
+    _, folder = files.find_checkpoint(root)
     if folder is None:
         if run.checkpoint.finetune:
             raise ValueError(f"--finetune: no checkpoint in --load {root} "
                              f"({files.TRACKER} missing)")
         return None
-    meta = files.read_metadata(folder)
+    meta = files.read_metadata(folder)  # the same file for every rank: all fail alike
     files.check_layout(meta, layout(run, len(chunks)), folder)
+    failure: Optional[ValueError] = None
+    shard: Dict[str, Any] = {}
+    try:
+        shard = _load_shard(run, groups.coords, chunks, folder, meta)
+    except ValueError as err:  # one rank's shard may be damaged: all ranks stop together
+        failure = err
+    raise_if_any_failed(job_gather(_device_of(chunks)), failure, lambda ranks: (
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} could not load "
+        f"{'their shards' if len(ranks) > 1 else 'its shard'} of checkpoint {folder} (the "
+        f"error line of rank {ranks[0]} names the file and the fix): this rank stops too"))
+    shard["_folder"], shard["_zero_stage"] = folder, meta.get("zero_stage")
+    return shard
+
+
+def _load_shard(run: RunConfig, coords: Dict[str, int], chunks: List[torch.nn.Module],
+                folder: str, meta: Dict[str, Any]) -> Dict[str, Any]:
+    """This rank's shard, checksum verified, its weights checked against and put into the
+    chunks."""
     fmt = run.checkpoint.ckpt_format
-    shard = files.read_shard(files.rank_file(folder, groups.coords, fmt), fmt, meta)
+    shard = files.read_shard(files.rank_file(folder, coords, fmt), fmt, meta)
     check_model_shapes(shard["model"], chunks, meta.get("flags"), run.flags, folder)
     for chunk, weights in zip(chunks, shard["model"]):
         try:
@@ -134,8 +151,14 @@ def load_model_weights(run: RunConfig, groups: "ProcessGroups",
         except RuntimeError as err:  # shapes and names were checked: say what is left
             raise ValueError(f"checkpoint {folder} does not load into this run's model: "
                              f"{str(err).strip().splitlines()[-1].strip()}") from None
-    shard["_folder"], shard["_zero_stage"] = folder, meta.get("zero_stage")
     return shard
+
+
+def _device_of(chunks: List[torch.nn.Module]) -> torch.device:
+    for chunk in chunks:
+        for param in chunk.parameters():
+            return param.device
+    return torch.device("cpu")
 
 
 def resumed_schedule(run: RunConfig, shard: Optional[Dict[str, Any]]
