@@ -306,3 +306,19 @@ def test_full_disk_during_training_stops_every_rank_with_one_line_keeping_the_la
         assert "Traceback" not in err, err
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", files.TRACKER]
     assert open(os.path.join(ckpt, files.TRACKER)).read().strip() == "2"
+
+
+def test_an_unwritable_save_folder_is_named_with_its_fix(tmp_path, monkeypatch):
+    root = str(tmp_path / "ckpt")
+    files.save_checkpoint(root, 1, _state(1), COORDS, META)
+
+    def denied(*_args, **_kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    monkeypatch.setattr(torch, "save", denied)
+    with pytest.raises(ValueError) as err:
+        files.save_checkpoint(root, 2, _state(2), COORDS, META)
+    message = str(err.value)
+    assert "rank 0 could not write its shard " in message, message
+    assert "PermissionError: [Errno 13] Permission denied" in message, message
+    assert f"make {root} writable or point --save at a folder this job may write" in message
+    assert sorted(os.listdir(root)) == ["iter_0000001", files.TRACKER]

@@ -189,11 +189,15 @@ def exchange(gather: Gather, report: StepReport) -> List[StepReport]:
 
 
 def human_bytes(n: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n}"
+    """'12 bytes', '3.5 KiB', '1.2 GiB'."""
+    if abs(n) < 1024:
+        return f"{n} bytes"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
 
 
 def first_sentence(err: BaseException) -> str:
@@ -212,8 +216,13 @@ def failure_reason(rank: int, report: StepReport, own: Optional[BaseException]) 
     return f"see rank {rank}'s own error line"
 
 
-def is_disk_full(report: StepReport) -> bool:
-    return report.errno in (errno_codes.ENOSPC, errno_codes.EDQUOT) or report.free_bytes == 0
+def what_to_do(report: StepReport, root: str) -> str:
+    """The fix for a failed save, from the failing rank's error number and free space."""
+    if report.errno in (errno_codes.ENOSPC, errno_codes.EDQUOT) or report.free_bytes == 0:
+        return "free space there or point --save at a disk with room"
+    if report.errno in (errno_codes.EACCES, errno_codes.EPERM, errno_codes.EROFS):
+        return f"make {root} writable or point --save at a folder this job may write"
+    return "fix the cause named above"
 
 
 def amount(n: int) -> str:

@@ -218,8 +218,7 @@ class _SaveJob:
         kept = (f"{os.path.join(self.root, TRACKER)} still names iteration {previous}, which "
                 f"stays loadable" if previous is not None
                 else f"there is no earlier checkpoint in {self.root}")
-        fix = ("free space there or point --save at a disk with room"
-               if integrity.is_disk_full(bad) else "fix the cause")
+        fix = integrity.what_to_do(bad, self.root)
         return (f"could not save checkpoint iteration {self.iteration} to "
                 f"{iteration_dir(self.root, self.iteration)}: rank {rank} could not {step} "
                 f"{path}: {integrity.failure_reason(rank, bad, own)}; "
