@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Literal, Optional, Protocol, Sequence, overl
 import torch
 import torch.distributed as dist
 
+from gigatron.parallel.activity import activity
+
 ReduceOp = dist.ReduceOp
 # a process group; None means the default (world) group, as in torch.distributed
 Group = Optional[dist.ProcessGroup]
@@ -74,8 +76,9 @@ def group_rank(group: Group = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _record(op: str, nbytes: float, tensor: torch.Tensor, n: int) -> None:
+def _record(op: str, nbytes: float, tensor: torch.Tensor, n: int, group: Group) -> None:
     stats.add(op, nbytes)
+    activity.entered(op, group, n)
     if _TRACE:
         print(f"[comm rank {group_rank()}] {op} {tuple(tensor.shape)} {tensor.dtype} "
               f"group={n} bytes={int(nbytes)}", file=sys.stderr)
@@ -103,7 +106,7 @@ def all_reduce(tensor: torch.Tensor, group: Group = None, op: Op = ReduceOp.SUM,
     n = group_size(group)
     if n == 1:
         return _Done() if async_op else None
-    _record("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tensor, n)
+    _record("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tensor, n, group)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -125,7 +128,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = Non
     if n == 1:
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
-    _record("reduce_scatter", (n - 1) / n * _nbytes(input), input, n)
+    _record("reduce_scatter", (n - 1) / n * _nbytes(input), input, n, group)
     return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -147,7 +150,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,
     if n == 1:
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
-    _record("all_gather", (n - 1) / n * _nbytes(output), output, n)
+    _record("all_gather", (n - 1) / n * _nbytes(output), output, n, group)
     return _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
 
 
@@ -158,7 +161,9 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
     if n == 1:
         return _Done() if async_op else None
     if group_rank() == src:
-        _record("broadcast", _nbytes(tensor), tensor, n)
+        _record("broadcast", _nbytes(tensor), tensor, n, group)
+    else:
+        activity.entered("broadcast", group, n)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
@@ -170,12 +175,16 @@ def send_recv(sends: Sequence = (), recvs: Sequence = (), group: Group = None) -
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
     for t, _ in sends:
-        _record("send", _nbytes(t), t, 2)
+        _record("send", _nbytes(t), t, 2, group)
     if not ops:
         return []
+    peers = sorted({peer for _, peer in list(sends) + list(recvs)})
+    activity.entered(f"send/recv with rank{'s' if len(peers) > 1 else ''} "
+                     f"{', '.join(map(str, peers))}", group, 2)
     return dist.batch_isend_irecv(ops)
 
 
 def barrier(group: Group = None) -> None:
     if group_size(group) > 1:
+        activity.entered("barrier", group, group_size(group))
         dist.barrier(group=group)

@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import itertools
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from gigatron.parallel.activity import activity
 
 AXES = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"
@@ -155,10 +158,13 @@ class ProcessGroups:
 
     Every rank calls `new_group` for every group in the same order (torch requires it);
     each rank keeps the groups it belongs to. Access: `groups.tp`, `groups["tp-pp"]`.
+    `timeout` is every group's collective timeout (torch gives subgroups its own default,
+    30 min for gloo, not the world group's): pass --distributed-timeout-minutes here.
     """
 
     def __init__(self, topology: Topology, rank: int,
-                 extra: Sequence[str] = (), backend: Optional[str] = None) -> None:
+                 extra: Sequence[str] = (), backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = None) -> None:
         import torch.distributed as dist  # the pure part above stays importable without torch
 
         if dist.get_world_size() != topology.world_size:
@@ -170,6 +176,7 @@ class ProcessGroups:
         self.coords = topology.coords(rank)
         self._groups: Dict[str, object] = {}
         self._ranks: Dict[str, List[int]] = {}
+        self.timeout = timeout
         names = list(dict.fromkeys(list(STANDARD_GROUPS) + list(extra)))
         for name in names:
             self._create(dist, name, topology.groups(name), backend)
@@ -179,9 +186,10 @@ class ProcessGroups:
 
     def _create(self, dist, name: str, groups: List[List[int]], backend: Optional[str]) -> None:
         for ranks in groups:
-            group = dist.new_group(ranks, backend=backend)
+            group = dist.new_group(ranks, backend=backend, timeout=self.timeout)
             if self.rank in ranks:
                 self._groups[name], self._ranks[name] = group, ranks
+                activity.label_group(group, f"{name} group {ranks}")
         self._ranks.setdefault(name, [])
 
     def __getitem__(self, name: str):

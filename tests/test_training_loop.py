@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -17,10 +18,21 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--eval-iters 1 --no-progress --make-vocab-size-divisible-by 8").split()
 
 
-def _main(rank, world, argv, sigterm_at=None, nan_at=None):
+def _main(rank, world, argv, sigterm_at=None, nan_at=None, inf_grads=False, max_skips=None):
     """pretrain_gpt.main on this rank; returns (exit code, stderr text)."""
     from gigatron.training import pretrain as pretrain_gpt
-    from gigatron.training import loop
+    from gigatron.training import loop, nan_check
+
+    if max_skips is not None:
+        nan_check.MAX_CONSECUTIVE_SKIPS = max_skips
+    if inf_grads and rank == 0:  # every step's grads overflow on rank 0; the loss stays finite
+        real_step_inf = loop.train_step
+
+        def overflowing(s, batches, progress):
+            if progress.iteration == 0:
+                next(s.chunks[0].parameters()).register_hook(lambda g: g * float("inf"))
+            return real_step_inf(s, batches, progress)
+        loop.train_step = overflowing
 
     if sigterm_at is not None and rank == 0:
         real_step = loop.train_step
@@ -152,3 +164,29 @@ def test_nan_check_can_be_turned_off(tmp_path):
     argv = FLAGS + ["--train-iters", "3", "--no-check-for-nan-in-loss-and-grad"]
     results = _program_on(1, argv, nan_at=2)
     assert results[0][0] == 0, results
+
+
+def test_fp16_gives_up_when_overflow_finds_the_loss_scale_at_its_minimum(tmp_path):
+    """DeepSpeed's "loss scale already at minimum": 16 -> 8 -> 4 -> 2 -> 1 (hysteresis 1),
+    then an overflow at the floor (iteration 5) stops every rank with the NaN check's line."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = FLAGS + ["--train-iters", "20", "--fp16", "--initial-loss-scale", "16",
+                    "--min-loss-scale", "1", "--hysteresis", "1", "--eval-iters", "0",
+                    "--save", ckpt, "--save-interval", "2"]
+    results = _program_on(2, argv, inf_grads=True)
+    assert [r[0] for r in results] == [2, 2], results
+    for _, err, _ in results:
+        assert ("fp16 loss scaling gave up at iteration 5: the step overflowed with the loss "
+                "scale already at its minimum 1 (--min-loss-scale), 5 consecutive skipped "
+                "steps") in err, err
+        assert "no checkpoint was saved before it" in err, err  # iteration 2, 4 were skipped
+    assert re.search(r"iteration +4/20 ", results[0][2])  # it trained (skipping) to the floor
+
+
+def test_fp16_static_loss_scale_gives_up_after_a_bounded_run_of_skips(tmp_path):
+    argv = FLAGS + ["--train-iters", "20", "--fp16", "--loss-scale", "128", "--eval-iters",
+                    "0"]
+    code, err, _ = _program_on(1, argv, inf_grads=True, max_skips=3)[0]
+    assert code == 2, err
+    assert "fp16 loss scaling gave up at iteration 3: the step overflowed 3 times in a row" \
+        in err, err

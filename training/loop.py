@@ -26,6 +26,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from gigatron.parallel import comm
+from gigatron.parallel.activity import activity
 from gigatron.parallel.pipeline.grad_sync import GradSync
 from gigatron.parallel.topology import ProcessGroups
 from gigatron.parallel.zero import ZeroOptimizer
@@ -228,6 +229,7 @@ def _save(s: Session, progress: TrainProgress) -> None:
         s.nonfinite.check(s.saved_iterations)
     if s.run.checkpoint.save is None or progress.iteration in s.saved_iterations:
         return
+    activity.at(progress.iteration, "saving checkpoint")
     start = time.perf_counter()
     folder = checkpoint_state.save(s.run, s.groups, progress, s.chunks, s.zero, s.device)
     s.saved_iterations.append(progress.iteration)
@@ -263,10 +265,13 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
                                      save_dir=ck.save)
     interval = _Interval()
     while progress.iteration < t.train_iters:
+        activity.at(progress.iteration + 1, "train step")  # for hang reports (watchdog)
         outcome = train_step(s, _next_batches(it, t.num_microbatches, s.timers), progress)
         advance(progress, outcome, t.global_batch_size)
         if s.nonfinite is not None:
             s.nonfinite.observe(progress.iteration, outcome.loss, outcome.grad_norm)
+            s.nonfinite.count_skip(progress.iteration, outcome.skipped, s.zero.scaler,
+                                   s.saved_iterations)
         interval.add(outcome)
         sigterm = False
         if progress.iteration % s.run.logging.log_interval == 0:
@@ -274,6 +279,7 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
             interval = _Interval()
         paused = time.perf_counter()  # eval and saving are not the interval's step time
         if t.eval_iters and progress.iteration % t.eval_interval == 0:
+            activity.at(progress.iteration, "validation")
             _evaluate_and_log(s, progress, 1, "valid")
         if ck.save_interval and progress.iteration % ck.save_interval == 0:
             _save(s, progress)
@@ -288,5 +294,6 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
             return progress
     _save(s, progress)
     if not t.skip_test:
+        activity.at(progress.iteration, "test evaluation")
         _evaluate_and_log(s, progress, 2, "test")
     return progress

@@ -13,8 +13,12 @@ from typing import List, Optional
 import torch
 
 from gigatron.parallel import comm
+from gigatron.parallel.zero.loss_scaler import LossScaler
 
 _NONE = 2 ** 62  # "no bad step yet": larger than any iteration x world size
+# fp16 gives up after this many skipped (overflowed) steps in a row, or sooner when an
+# overflow finds the loss scale already at its floor (DeepSpeed's raise_error_at_min_scale)
+MAX_CONSECUTIVE_SKIPS = 50
 
 
 class NonFiniteLossError(ValueError):
@@ -31,6 +35,7 @@ class NonFiniteWatch:
         self.loaded_iteration, self.save_dir = loaded_iteration, save_dir
         # encoded as iteration * world_size + rank, so one MIN finds both
         self.first = torch.full((), _NONE, dtype=torch.int64, device=device)
+        self.consecutive_skips = 0
 
     def observe(self, iteration: int, loss: Optional[torch.Tensor],
                 grad_norm: Optional[torch.Tensor]) -> None:
@@ -57,6 +62,28 @@ class NonFiniteWatch:
             f"non-finite loss or grad norm at iteration {iteration} (first seen on rank "
             f"{rank}): {where}; lower --lr or raise --clip-grad (fp16 skips such steps through "
             f"loss scaling), or pass --no-check-for-nan-in-loss-and-grad to train on regardless")
+
+
+    def count_skip(self, iteration: int, skipped: bool, scaler: LossScaler,
+                   saved_iterations: List[int]) -> None:
+        """fp16 (its skip is known on the host and agreed by all ranks): stop every rank when
+        loss scaling cannot recover: an overflow at the scale's floor, or too many in a row."""
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        if not skipped:
+            return
+        floor = scaler.at_minimum
+        if not floor and self.consecutive_skips < MAX_CONSECUTIVE_SKIPS:
+            return
+        where = last_good_checkpoint(iteration - self.consecutive_skips + 1,
+                                     saved_iterations, self.loaded_iteration,
+                                     self.save_dir)
+        why = (f"overflowed with the loss scale already at its minimum {scaler.scale:g} "
+               f"(--min-loss-scale)"
+               if floor else f"overflowed {self.consecutive_skips} times in a row")
+        raise NonFiniteLossError(
+            f"fp16 loss scaling gave up at iteration {iteration}: the step {why}, "
+            f"{self.consecutive_skips} consecutive skipped steps (on every rank): {where}; "
+            f"lower --lr or raise --clip-grad, or train in --bf16")
 
 
 def last_good_checkpoint(bad_iteration: int, saved_iterations: List[int],

@@ -18,6 +18,7 @@ import random
 import sys
 import time
 from dataclasses import replace
+from datetime import timedelta
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 if TYPE_CHECKING:
     from gigatron.data.tokenizer import Tokenizer
     from gigatron.parallel.launch import LaunchEnv
+    from gigatron.parallel.watchdog import Watchdog
     from gigatron.training.config import RunConfig
 
 
@@ -73,7 +75,8 @@ def _build_session(run, tokenizer, launch, device):
     from gigatron.training.timers import TimedGradSync, Timers, device_sync, time_module_forward
 
     p = run.parallel
-    groups = ProcessGroups(Topology(tp=p.tp, dp=p.dp, pp=p.pp), launch.rank)
+    groups = ProcessGroups(Topology(tp=p.tp, dp=p.dp, pp=p.pp), launch.rank, timeout=timedelta(
+        minutes=p.distributed_timeout_minutes))
     _seed(run.train.seed, groups.index("pp"))
     chunks = builders.build_model_chunks(run, groups, device)
     shard = state.load_model_weights(run, groups, chunks)
@@ -190,16 +193,46 @@ def main(argv: Optional[List[str]] = None, prog: str = "pretrain_gpt.py") -> int
     from gigatron.training.loop import train
 
     launch, device = init_distributed(run.parallel.distributed_timeout_minutes)
+    watchdog = _start_watchdog(launch, run.parallel.distributed_timeout_minutes)
+    status = "failed"
     try:
         session, progress, shard = _build_session(run, tokenizer, launch, device)
         _banner(session, progress, shard, launch, device)
         progress = train(session, progress)
         _summary(session, progress, time.monotonic() - started)
         session.logger.close()
+        status = "done"
     except ValueError as err:  # layout/checkpoint mismatches found after launch
         print(f"{prog}: error (rank {launch.rank}): {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # a collective failed: name the rank that caused it
+        return _peer_failure(err, watchdog, launch.rank, prog)
     finally:
+        if watchdog is not None:
+            watchdog.stop(status)
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _start_watchdog(launch: "LaunchEnv", timeout_minutes: float) -> Optional["Watchdog"]:
+    """Heartbeats through the launcher's store, so a hung rank is named (parallel/watchdog)."""
+    from gigatron.parallel.watchdog import start_watchdog
+
+    return start_watchdog(launch.rank, launch.world_size, launch.master_addr,
+                          launch.master_port, timeout_minutes * 60)
+
+
+def _peer_failure(err: RuntimeError, watchdog: Optional["Watchdog"], rank: int,
+                  prog: str) -> int:
+    """Wait briefly for the watchdogs' verdict on a hung rank (it ends this process); a
+    failure no hung rank explains is re-raised, or reported as a peer that went away."""
+    from gigatron.parallel.watchdog import is_peer_failure
+
+    if watchdog is None or not is_peer_failure(err):
+        raise err
+    watchdog.await_verdict(3 * watchdog.interval_s + 1)
+    print(f"{prog}: error (rank {rank}): a collective failed and no rank is hung (every "
+          f"heartbeat is fresh), so a peer probably exited: see its error above. "
+          f"{str(err).splitlines()[0][:300]}", file=sys.stderr)
+    return 1

@@ -16,6 +16,9 @@ class LossScaler:
     """A static loss scale (1.0 for bf16/fp32; `loss_scale` > 0 for static fp16)."""
 
     dynamic = False
+    # the last update was an overflow that a dynamic scale could not answer by backing off,
+    # being at its floor (DeepSpeed's "Current loss scale already at minimum")
+    at_minimum = False
 
     def __init__(self, scale: float = 1.0) -> None:
         self.scale = float(scale)
@@ -51,8 +54,10 @@ class DynamicLossScaler(LossScaler):
 
     def update(self, overflow: bool) -> None:
         """Advance one step; `overflow` must already agree across all ranks."""
+        self.at_minimum = False
         if overflow:
             if self.hysteresis == 1 or self.hysteresis_left == 1:
+                self.at_minimum = self.scale <= self.min_scale
                 self.scale = max(self.scale / self.factor, self.min_scale)
             else:
                 self.hysteresis_left -= 1

@@ -1,0 +1,243 @@
+"""Name the rank that stopped answering: heartbeats through the launcher's rendezvous store.
+
+A rank that hangs (SIGSTOP, a deadlock, a wedged device) leaves its peers blocked in a
+collective; the collective's timeout then fails on whichever peer noticed first, naming that
+peer, not the rank that stopped. So every rank runs a daemon thread that, every `interval`
+seconds, publishes a heartbeat to the job's store (the TCPStore at MASTER_ADDR:MASTER_PORT
+that torchrun's agent, or rank 0, hosts): a beat counter, its host and pid, and what it is
+doing (iteration, phase, last collective, from `activity`). A stopped or dead process stops
+beating; a live one keeps beating whatever its main thread does.
+
+Each rank watches one peer (the next rank, so the job reads N keys per interval, not N^2).
+A peer whose beats have not moved for `timeout` seconds is hung: the watcher posts a verdict
+naming it (and SIGKILLs it when it runs on the same host: a stopped process ignores the
+launcher's SIGTERM), and every rank's thread, reading the verdict, ends its process non-zero
+(only the watcher prints the verdict), so the launcher ends the job. Ages are measured on the watcher's own monotonic clock, so
+clock skew between hosts does not matter. A rank that finishes (or fails with an error of
+its own) says so in its last beat and is never called hung.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from gigatron.parallel.activity import activity
+
+VERDICT = "verdict"
+EXIT_CODE = 3  # distinct from the 1 of an exception and the 2 of a bad flag
+
+
+@dataclass
+class Hung:
+    """The verdict on a peer that stopped beating."""
+
+    rank: int
+    silent_s: float
+    beat: Dict[str, Any]  # its last heartbeat (empty if none ever arrived)
+    noticed_by: int
+    noticer_doing: str = ""
+
+    def message(self) -> str:
+        b = self.beat
+        where = f" (pid {b['pid']} on {b['host']})" if b else ""
+        doing = (f"; its last heartbeat said: {b['doing']}" if b.get("doing")
+                 else "; it never sent a heartbeat")
+        noticer = f", itself at {self.noticer_doing}" if self.noticer_doing else ""
+        return (f"rank {self.rank}{where} stopped answering: no heartbeat for "
+                f"{self.silent_s:.0f} s (stopped, dead or frozen){doing}. Every rank is ending "
+                f"(noticed by rank {self.noticed_by}{noticer}; --distributed-timeout-minutes "
+                f"sets the wait)")
+
+
+def beat_interval(timeout_s: float) -> float:
+    """Heartbeat period: a tenth of the timeout, between 0.1 s and 5 s."""
+    return min(5.0, max(0.1, timeout_s / 10))
+
+
+def watched_peer(rank: int, world_size: int) -> int:
+    """The one peer `rank` watches: the next rank around the ring."""
+    return (rank + 1) % world_size
+
+
+def key_prefix(env: Mapping[str, str]) -> str:
+    """Keys of this attempt (torchrun restarts reuse the agent's store: a verdict of a
+    previous attempt must not end the next one)."""
+    return (f"gigatron/watchdog/{env.get('TORCHELASTIC_RUN_ID', '')}/"
+            f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+
+
+class Watchdog:
+    """Publishes this rank's heartbeat, watches one peer, and ends the rank on a verdict."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
+                 prefix: str = "", interval_s: Optional[float] = None,
+                 on_verdict: Optional[Callable[[str, bool], None]] = None,
+                 kill_hung: bool = False) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s, self.prefix = timeout_s, prefix
+        self.interval_s = interval_s or beat_interval(timeout_s)
+        self.peer = watched_peer(rank, world_size)
+        self.on_verdict = on_verdict or _end_process
+        # SIGKILL a hung rank on this host when reporting it: a stopped process ignores the
+        # launcher's SIGTERM (torchrun waits 30 s before SIGKILL; srun may wait forever)
+        self.kill_hung = kill_hung
+        self._beats = 0
+        self._peer_seen: Optional[Dict[str, Any]] = None
+        self._peer_moved = time.monotonic()
+        self._store_down_since: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gigatron-watchdog",
+                                        daemon=True)
+        self._identity = {"host": socket.gethostname(), "pid": os.getpid()}
+
+    def start(self) -> "Watchdog":
+        self._publish("running")
+        self._thread.start()
+        return self
+
+    def stop(self, status: str = "done") -> None:
+        """Last beat (`done`, or `failed: ...`): watchers never call this rank hung."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval_s + 1)
+        try:
+            self._publish(status)
+        except Exception:  # the store may be gone at shutdown; nothing to tell then
+            pass
+
+    # -- one round of the thread ------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._publish("running")
+                self._store_down_since = None
+                self.check()
+            except Exception as err:  # the store stopped answering: its host is hung or gone
+                self._store_failed(err)
+
+    def _publish(self, status: str) -> None:
+        self._beats += 1
+        beat = {"beat": self._beats, "status": status, "doing": activity.describe(),
+                **self._identity}
+        self.store.set(self._key(str(self.rank)), json.dumps(beat))
+
+    def check(self) -> Optional[str]:
+        """Read the verdict and the watched peer; act on a verdict. Returns it (tests)."""
+        verdict = self._get(VERDICT)
+        if verdict is None:
+            hung = self._judge_peer()
+            if hung is not None:
+                verdict = json.dumps({"message": hung.message(), "by": self.rank,
+                                      "pid": hung.beat.get("pid"), "host": hung.beat.get("host")})
+                # the first verdict stands: compare_set only writes where none exists
+                verdict = _text(self.store.compare_set(self._key(VERDICT), "", verdict))
+        if verdict is None:
+            return None
+        decided = json.loads(verdict)
+        if decided["by"] == self.rank:
+            self._kill(decided.get("pid"), decided.get("host"))
+        if self.rank == 0:  # without torchrun's agent rank 0 hosts the store: let the others
+            time.sleep(2 * self.interval_s)  # read the verdict before it goes
+        self.on_verdict(decided["message"], decided["by"] == self.rank)
+        return decided["message"]
+
+    def _kill(self, pid: Optional[int], host: Optional[str]) -> None:
+        if self.kill_hung and pid and host == self._identity["host"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass  # gone already, or not ours to end
+
+    def _judge_peer(self) -> Optional[Hung]:
+        if self.world_size < 2:
+            return None
+        now = time.monotonic()
+        raw = self._get(str(self.peer))
+        beat = json.loads(raw) if raw else {}
+        if beat and beat.get("status") != "running":
+            return None  # finished, or failed with its own error (it reports that itself)
+        if beat != (self._peer_seen or {}):
+            self._peer_seen, self._peer_moved = beat, now
+            return None
+        silent = now - self._peer_moved
+        if silent < self.timeout_s:
+            return None
+        return Hung(self.peer, silent, beat, self.rank, activity.describe())
+
+    def _store_failed(self, err: Exception) -> None:
+        """The store is unreachable: with no agent store it lives in rank 0's process."""
+        if self._store_down_since is None:
+            self._store_down_since = time.monotonic()
+        if time.monotonic() - self._store_down_since >= self.timeout_s:
+            self.on_verdict(f"the rendezvous store (hosted by rank 0 unless torchrun's agent "
+                            f"hosts it) stopped answering for {self.timeout_s:.0f} s: rank 0 "
+                            f"is stopped, dead or frozen ({err})", True)
+
+    def await_verdict(self, wait_s: float) -> Optional[str]:
+        """After a collective failed on this rank: wait up to `wait_s` for the watchdogs to
+        name a hung rank (acting on it ends this process); None when none is found."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                verdict = self.check()
+            except Exception:
+                return None
+            if verdict is not None:
+                return verdict
+            time.sleep(self.interval_s)
+        return None
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    def _get(self, name: str) -> Optional[str]:
+        key = self._key(name)
+        if not self.store.check([key]):
+            return None
+        return _text(self.store.get(key))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _end_process(message: str, reporter: bool) -> None:
+    """End this rank now: its main thread may be blocked inside a collective for good."""
+    if reporter:
+        print(f"gigatron: error: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_CODE)
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """A collective that failed because of another rank (timeout, closed connection)."""
+    import torch.distributed as dist
+
+    text = str(err)
+    return isinstance(err, getattr(dist, "DistError", ())) or any(
+        word in text for word in ("gloo", "NCCL", "Timed out", "Connection closed", "timeout"))
+
+
+def start_watchdog(rank: int, world_size: int, master_addr: str, master_port: int,
+                   timeout_s: float, env: Optional[Mapping[str, str]] = None
+                   ) -> Optional[Watchdog]:
+    """Start this rank's watchdog on a client of the job's store (None for one rank)."""
+    import torch.distributed as dist
+
+    if world_size < 2:
+        return None
+    env = os.environ if env is None else env
+    interval = beat_interval(timeout_s)
+    store = dist.TCPStore(master_addr, master_port, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=max(2 * interval, 1.0)))
+    return Watchdog(store, rank, world_size, timeout_s, key_prefix(env), interval,
+                    kill_hung=True).start()
