@@ -181,19 +181,29 @@ class Watchdog:
                             f"hosts it) stopped answering for {self.timeout_s:.0f} s: rank 0 "
                             f"is stopped, dead or frozen ({err})", True)
 
-    def await_verdict(self, wait_s: float) -> Optional[str]:
-        """After a collective failed on this rank: wait up to `wait_s` for the watchdogs to
-        name a hung rank (acting on it ends this process); None when none is found."""
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            try:
-                verdict = self.check()
-            except Exception:
-                return None
-            if verdict is not None:
-                return verdict
-            time.sleep(self.interval_s)
-        return None
+    def explain_failure(self, wait_s: float) -> str:
+        """After a collective failed on this rank: wait up to `wait_s` (at least two beats)
+        for a verdict on a hung rank (acting on it ends this process); else name the peers
+        that stopped beating meanwhile (exited or killed) or that failed themselves."""
+        try:
+            before = self._all_beats()
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if self.check() is not None:
+                    return "a hung rank was named"
+                time.sleep(self.interval_s)
+            after = self._all_beats()
+        except Exception as err:
+            return (f"the rendezvous store is unreachable too ({err}): without torchrun's "
+                    f"agent rank 0 hosts it, so rank 0 has probably exited")
+        return describe_peers(before, after, self.rank)
+
+    def _all_beats(self) -> Dict[int, Dict[str, Any]]:
+        beats = {}
+        for rank in range(self.world_size):
+            raw = self._get(str(rank))
+            beats[rank] = json.loads(raw) if raw else {}
+        return beats
 
     def _key(self, name: str) -> str:
         return self.prefix + name
@@ -203,6 +213,26 @@ class Watchdog:
         if not self.store.check([key]):
             return None
         return _text(self.store.get(key))
+
+
+def describe_peers(before: Dict[int, Dict[str, Any]], after: Dict[int, Dict[str, Any]],
+                   me: int) -> str:
+    """Which peers went silent (same beat in both reads) or failed, from two reads of every
+    rank's heartbeat taken a few beats apart."""
+    lines = []
+    for rank in sorted(after):
+        beat = after[rank]
+        if rank == me or not beat:
+            continue
+        if beat.get("status") == "running" and beat.get("beat") == before.get(rank, {}).get(
+                "beat"):
+            lines.append(f"rank {rank} (pid {beat['pid']} on {beat['host']}) stopped beating: "
+                         f"it exited or was killed without a word; its last heartbeat said: "
+                         f"{beat.get('doing')}")
+        elif str(beat.get("status", "")).startswith("failed"):
+            lines.append(f"rank {rank} failed with its own error (see its output)")
+    return "; ".join(lines) or ("every peer still beats: a peer's connection failed (see "
+                                "the first error in the job's output)")
 
 
 def _text(value: Any) -> str:

@@ -112,6 +112,25 @@ def test_the_first_verdict_stands():
     assert verdicts == [(0, False, "rank 3 stopped answering")]
 
 
+def test_after_a_failed_collective_the_peers_that_stopped_beating_are_named():
+    store, verdicts = DictStore(), []
+    dogs = _watchdogs(store, 4, 60, verdicts)
+    activity.at(3, "train step")
+    for d in dogs:
+        d._publish("running")
+    dogs[3]._publish("failed")
+    dogs[2]._thread.start()  # rank 2 keeps beating; rank 1 died (its beats stopped)
+    try:
+        cause = dogs[0].explain_failure(0.1)
+    finally:
+        dogs[2].stop()
+    assert cause.startswith(f"rank 1 (pid {os.getpid()} on "), cause
+    assert "stopped beating: it exited or was killed without a word; its last heartbeat " \
+           "said: iteration 3, train step" in cause
+    assert "rank 2" not in cause and "rank 3 failed with its own error" in cause
+    assert verdicts == []
+
+
 # -- real ranks -----------------------------------------------------------------------------
 
 def _subgroup_collective_times_out(rank, world_size):
@@ -151,7 +170,7 @@ def _train_until_rank_2_stops(rank, world_size):
             comm.all_reduce(torch.ones(4), group=groups.dp)
             time.sleep(0.01)
     except RuntimeError:  # a peer that ended first closed its connections: as pretrain does,
-        dog.await_verdict(3 * dog.interval_s + 1)  # wait for the verdict (it ends us)
+        dog.explain_failure(3 * dog.interval_s + 1)  # wait for the verdict (it ends us)
         raise
     return "never ended"
 
@@ -197,12 +216,10 @@ def _ranks_of(root_pid):
     return found
 
 
-@pytest.mark.e2e
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads workers from /proc")
-def test_sigstop_of_one_rank_ends_the_torchrun_job_naming_it(tmp_path):
-    """The issue's measurement: SIGSTOP one rank of a pp=2 x dp=2 job running with
-    --distributed-timeout-minutes 0.1 (6 s): the job must end (non-zero) within the timeout
-    plus a bounded grace (beats, and torchrun's stop of the remaining workers), naming it."""
+def _run_and_signal_rank_2(tmp_path, signum):
+    """torchrun a pp=2 x dp=2 job with --distributed-timeout-minutes 0.1 (6 s), send `signum`
+    to rank 2 once rank 0 logged iteration 3; returns (seconds to the job's end after the
+    signal, torchrun's exit code, stderr, rank 2's pid)."""
     import subprocess
     import sys
 
@@ -228,22 +245,40 @@ def test_sigstop_of_one_rank_ends_the_torchrun_job_naming_it(tmp_path):
                 pytest.fail("the job ended before iteration 3:\n" + err_path.read_text()[-3000:])
             ranks = _ranks_of(proc.pid)
             assert sorted(ranks) == [0, 1, 2, 3], ranks
-            os.kill(ranks[2], signal.SIGSTOP)
-            stopped = time.monotonic()
+            os.kill(ranks[2], signum)
+            signalled = time.monotonic()
             proc.stdout.read()
             proc.wait(timeout=90)
-            ended = time.monotonic() - stopped
+            ended = time.monotonic() - signalled
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     stderr = err_path.read_text()
-    print(f"job ended {ended:.1f} s after SIGSTOP of rank 2, exit code {proc.returncode}")
-    print(stderr[stderr.find("gigatron: error"):][:600])
-    assert proc.returncode != 0
+    print(f"job ended {ended:.1f} s after signal {signum} to rank 2, exit code "
+          f"{proc.returncode}\n{stderr[stderr.find('error'):][:800]}")
+    return ended, proc.returncode, stderr, ranks[2]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads workers from /proc")
+def test_sigstop_of_one_rank_ends_the_torchrun_job_naming_it(tmp_path):
+    """The issue's measurement: SIGSTOP one rank of a running pp x dp job: the job must end
+    (non-zero) within the timeout plus a bounded grace, naming the stopped rank."""
+    ended, code, stderr, pid = _run_and_signal_rank_2(tmp_path, signal.SIGSTOP)
+    assert code != 0
     # 6 s timeout + a beat or two (0.6 s each) to notice; the reporter SIGKILLs the stopped
     # worker (same host), so torchrun need not wait out its 30 s SIGTERM grace
     assert ended < 20, (ended, stderr[-3000:])
-    assert f"rank 2 (pid {ranks[2]} on " in stderr and "stopped answering" in stderr, stderr[-3000:]
+    assert f"rank 2 (pid {pid} on " in stderr and "stopped answering" in stderr, stderr[-3000:]
     report = stderr[stderr.index("gigatron: error: rank 2"):].splitlines()[0]
     assert "its last heartbeat said: iteration " in report, report
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads workers from /proc")
+def test_kill_9_of_one_rank_ends_the_torchrun_job_within_seconds_naming_it(tmp_path):
+    ended, code, stderr, pid = _run_and_signal_rank_2(tmp_path, signal.SIGKILL)
+    assert code != 0
+    assert ended < 10, (ended, stderr[-3000:])  # well inside the 6 s timeout's reach + grace
+    assert f"exitcode  : -9 (pid: {pid})" in stderr, stderr[-3000:]  # torchrun names rank 2

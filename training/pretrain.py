@@ -225,14 +225,13 @@ def _start_watchdog(launch: "LaunchEnv", timeout_minutes: float) -> Optional["Wa
 
 def _peer_failure(err: RuntimeError, watchdog: Optional["Watchdog"], rank: int,
                   prog: str) -> int:
-    """Wait briefly for the watchdogs' verdict on a hung rank (it ends this process); a
-    failure no hung rank explains is re-raised, or reported as a peer that went away."""
+    """A collective failed: the watchdogs' verdict on a hung rank (it ends this process), or
+    the peers that died or failed meanwhile; an error that is not a peer's is re-raised."""
     from gigatron.parallel.watchdog import is_peer_failure
 
     if watchdog is None or not is_peer_failure(err):
         raise err
-    watchdog.await_verdict(3 * watchdog.interval_s + 1)
-    print(f"{prog}: error (rank {rank}): a collective failed and no rank is hung (every "
-          f"heartbeat is fresh), so a peer probably exited: see its error above. "
-          f"{str(err).splitlines()[0][:300]}", file=sys.stderr)
+    cause = watchdog.explain_failure(3 * watchdog.interval_s + 1)
+    print(f"{prog}: error (rank {rank}): a collective failed ({str(err).splitlines()[0][:200]})"
+          f": {cause}", file=sys.stderr)
     return 1
