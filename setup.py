@@ -13,7 +13,7 @@ import os
 
 from setuptools import find_packages, setup
 
-TOP_LEVEL = ["parallel", "models", "ops", "training", "data", "cli"]
+TOP_LEVEL = ["parallel", "models", "ops", "training", "data", "engine", "cli"]
 # files that are not Python modules but that an installed gigatron needs
 PACKAGE_DATA = {
     "gigatron.models.zoo": ["*.json"],
