@@ -90,8 +90,8 @@ class FlatGroup:
         pin = device.type == "cpu" and self.device.type == "cuda"
         master = torch.empty(self.shard_numel, dtype=torch.float32, device=device,
                              pin_memory=pin)
-        for b in self.buckets:
-            master[b.shard_offset:b.shard_offset + b.shard_numel].copy_(self.param_shard_piece(b))
+        self.master = master
+        self.refresh_master()
         return master
 
     def _make_grad_storage(self) -> None:
@@ -189,6 +189,15 @@ class FlatGroup:
                 handles.append(comm.all_gather(b.param_full, piece.clone(),
                                                group=self.dp_group, async_op=True))
         return handles
+
+    def refresh_master(self) -> None:
+        """Copy this rank's slice of the parameters into the master shard (after the
+        parameters were overwritten; a master that aliases them is already current)."""
+        if self.master_aliases_params:
+            return
+        for b in self.buckets:
+            self.master[b.shard_offset:b.shard_offset + b.shard_numel].copy_(
+                self.param_shard_piece(b))
 
     def load_master(self, master: torch.Tensor) -> None:
         if master.numel() != self.master.numel():

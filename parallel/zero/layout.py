@@ -85,3 +85,21 @@ def shard_overlaps(bucket: Bucket, numels: Sequence[int], rank: int
 def group_sizes(buckets: Sequence[Bucket]) -> Tuple[int, int]:
     """(padded elements of the whole group, elements of one rank's shard)."""
     return (sum(b.padded_numel for b in buckets), sum(b.shard_numel for b in buckets))
+
+
+def shard_pieces(buckets: Sequence[Bucket], numels: Sequence[int], rank: int
+                 ) -> List[Tuple[int, int]]:
+    """A rank's whole shard of a group, cut where parameters start and end, in order:
+    (param index, or -1 for padding, length); the lengths add up to the shard's size.
+    Per-parameter quantities over a shard (Lamb's trust-ratio norms) are sums over these."""
+    pieces: List[Tuple[int, int]] = []
+    for b in buckets:
+        at = 0  # position within this rank's slice of the bucket
+        for idx, _, start, length in shard_overlaps(b, numels, rank):
+            if start > at:
+                pieces.append((-1, start - at))
+            pieces.append((idx, length))
+            at = start + length
+        if at < b.shard_numel:
+            pieces.append((-1, b.shard_numel - at))
+    return pieces

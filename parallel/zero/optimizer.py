@@ -10,12 +10,20 @@
 Under a pipeline schedule pass `zero` as the executor's `grad_sync` (it implements the
 `GradSync` protocol), run the schedule with `loss_scale=zero.loss_scale`, then
 `zero.finish_sync()` and `zero.step()`.
+
+DeepSpeed's way (gigatron.initialize): the user's groups and optimizer,
+
+    zero = build_zero(model, config, param_groups=[{"params": [...], "lr": 1e-3}, ...],
+                      optimizer=OptimizerSpec("lamb") or torch_optimizer or factory)
+
+see param_groups.py for what is trained and optimizers.py for what is built.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, ContextManager, Dict, Iterator, List, Optional, Sequence,
+from typing import (TYPE_CHECKING, ContextManager, Iterator, List, Optional, Sequence,
                     Tuple, Union)
 
 import torch
@@ -27,7 +35,15 @@ from gigatron.parallel.zero.flat_group import FlatGroup
 from gigatron.parallel.zero.grad_norm import (clip_coefficient, counts_in_norm,
                                              global_norm_and_nonfinite)
 from gigatron.parallel.zero.grad_sync import BucketedGradSync
+from gigatron.parallel.zero.lamb import Lamb, TrustRatioLayout
+from gigatron.parallel.zero.layout import shard_pieces
 from gigatron.parallel.zero.loss_scaler import DynamicLossScaler, LossScaler
+from gigatron.parallel.zero.optimizers import (OptimizerArg, build_optimizer, make_optimizer,
+                                              spec_from_zero_config)
+from gigatron.parallel.zero.param_groups import (FlatGroupPlan, ModelParameters, UserGroup,
+                                                 check_in_model, groups_of_optimizer,
+                                                 plan_flat_groups,
+                                                 same_parameters, trainable_in, user_groups)
 from gigatron.parallel.zero.stage3 import ParamGatherer, find_units
 from gigatron.parallel.comm import Group
 
@@ -71,9 +87,17 @@ def zero_groups_from(groups: "ProcessGroups") -> ZeroGroups:
 
 def build_zero(model_chunks: Union[nn.Module, Sequence[nn.Module]], config: ZeroConfig,
                groups: Union["ProcessGroups", ZeroGroups, None] = None,
-               dp_group: Group = None) -> "ZeroOptimizer":
+               dp_group: Group = None, *, param_groups: Optional[ModelParameters] = None,
+               optimizer: Optional[OptimizerArg] = None) -> "ZeroOptimizer":
     """Wrap the model chunks' parameters in ZeRO buffers; `groups` is a ProcessGroups (or a
-    ZeroGroups); with neither, `dp_group` alone (None = the whole world) is used."""
+    ZeroGroups); with neither, `dp_group` alone (None = the whole world) is used.
+
+    With neither `param_groups` nor `optimizer`, Megatron's way: every trainable parameter,
+    decay on 2+-dim weights, the optimizer from config's fields. Otherwise DeepSpeed's:
+    `param_groups` is initialize's `model_parameters` (default: all trainable parameters in
+    one group), `optimizer` an OptimizerSpec, a torch optimizer to adopt (its own groups
+    decide membership; `param_groups`, if given, must hold the same parameters) or a callable
+    param_groups -> optimizer (default: config's fields, as a spec)."""
     if isinstance(model_chunks, nn.Module):
         model_chunks = [model_chunks]
     if groups is None:
@@ -82,15 +106,35 @@ def build_zero(model_chunks: Union[nn.Module, Sequence[nn.Module]], config: Zero
         zg = groups
     else:
         zg = zero_groups_from(groups)
-    return ZeroOptimizer(list(model_chunks), config, zg)
+    chosen = _chosen_groups(list(model_chunks), param_groups, optimizer)
+    return ZeroOptimizer(list(model_chunks), config, zg, chosen, optimizer)
+
+
+def _chosen_groups(chunks: List[nn.Module], param_groups: Optional[ModelParameters],
+                   optimizer: Optional[OptimizerArg]) -> Optional[List[UserGroup]]:
+    """The user's groups (DeepSpeed's way), or None for Megatron's."""
+    given = None if param_groups is None else user_groups(param_groups)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        own = groups_of_optimizer(optimizer)
+        if given is not None and not same_parameters(given, own):
+            raise ValueError("param_groups (model_parameters) and the optimizer passed hold "
+                             "different parameters: the optimizer's groups decide what is "
+                             "trained, so pass the same parameters or leave param_groups out")
+        return own
+    if given is None and optimizer is not None:
+        return [UserGroup(list({id(p): p for m in chunks for p in m.parameters()}.values()))]
+    return given
 
 
 class ZeroOptimizer:
     """Flat ZeRO buffers + gradient sync + torch optimizer on this rank's fp32 master shard."""
 
     def __init__(self, model_chunks: List[nn.Module], config: ZeroConfig,
-                 process_groups: ZeroGroups) -> None:
+                 process_groups: ZeroGroups, user_groups: Optional[List[UserGroup]] = None,
+                 optimizer: Optional[OptimizerArg] = None) -> None:
         self.config, self.process_groups, self.chunks = config, process_groups, model_chunks
+        self.user_groups = user_groups  # None: Megatron's groups (param_groups.py)
+        check_in_model(model_chunks, user_groups)
         self.stage = config.zero_stage
         if self.stage == 3 and (process_groups.pp_size > 1 or len(model_chunks) > 1):
             raise ValueError(
@@ -101,11 +145,12 @@ class ZeroOptimizer:
                 "<= 2 with --pipeline-model-parallel-size > 1")
         self.param_dtype = self._check_dtypes(model_chunks)
         self.scaler = self._make_scaler()
-        self.flat_groups: List[FlatGroup] = []  # one per (chunk, kind, decay): flat buffers
-        units = find_units(model_chunks[0]) if self.stage == 3 else None
-        for chunk, model in enumerate(model_chunks):
-            self._build_groups(chunk, model, units)
-        self.optimizer = self._make_optimizer()
+        units = self._units(model_chunks[0]) if self.stage == 3 else None
+        # one per (chunk, kind, decay) or (chunk, user group, kind): flat buffers
+        self.flat_groups: List[FlatGroup] = self._build_groups(model_chunks, units)
+        self.optimizer = self._make_optimizer(optimizer)
+        if isinstance(self.optimizer, Lamb):
+            self.optimizer.set_layout(self._trust_ratio_layout())
         self.gatherer = (ParamGatherer(units, self.flat_groups, process_groups.dp,
                                        config.stage3_prefetch) if self.stage == 3 else None)
         self.grad_sync = BucketedGradSync(
@@ -117,7 +162,10 @@ class ZeroOptimizer:
 
     # ---- construction ---------------------------------------------------------------
     def _check_dtypes(self, chunks: List[nn.Module]) -> torch.dtype:
-        dtypes = {p.dtype for m in chunks for p in m.parameters() if p.requires_grad}
+        dtypes = {p.dtype for m in chunks for p in trainable_in(self.user_groups, m.parameters())}
+        if not dtypes:
+            raise ValueError("nothing to train: no parameter of the model (or of the param "
+                             "groups given) has requires_grad=True")
         if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
             raise ValueError(f"ZeRO needs all trainable parameters in one of fp32/bf16/fp16, "
                              f"found {sorted(map(str, dtypes))}: build the model with a single "
@@ -133,39 +181,66 @@ class ZeroOptimizer:
         return DynamicLossScaler(c.initial_scale_power, c.loss_scale_window, c.hysteresis,
                                  c.min_loss_scale, c.consecutive_hysteresis)
 
-    def _build_groups(self, chunk: int, model: nn.Module, units) -> None:
-        """Group params by (kind, decay); reverse registration order approximates the order
-        backward produces grads, so buckets fill front to back."""
-        c = self.config
-        if units is not None:
-            unit_of = {id(p): i for i, (_, ps) in enumerate(units) for p in ps}
-            params = [p for _, ps in units for p in ps]
-        else:
-            params = [p for p in model.parameters() if p.requires_grad][::-1]
-        keyed: Dict[Tuple[str, bool], List[nn.Parameter]] = {}
-        for p in params:
-            kind = ("shared_embedding" if getattr(p, "shared_embedding", False) else
-                    "sequence_parallel" if getattr(p, "sequence_parallel", False) else "default")
-            keyed.setdefault((kind, p.dim() >= 2), []).append(p)
-        master_device = torch.device("cpu") if c.offload_optimizer == "cpu" else None
-        for (kind, decay), ps in sorted(keyed.items()):
-            # tied embeddings: one bucket per param, so first and last stage shard alike
-            bucket_size = 1 if kind == "shared_embedding" else c.reduce_bucket_size
-            unit_ids = [unit_of[id(p)] for p in ps] if units is not None else None
-            self.flat_groups.append(FlatGroup(
-                ps, chunk=chunk, kind=kind, weight_decay=c.weight_decay if decay else 0.0,
-                stage=self.stage, dp_group=self.process_groups.dp, bucket_size=bucket_size,
-                unit_ids=unit_ids, master_device=master_device or ps[0].device,
-                reduce_dtype=c.reduce_dtype))
+    def _units(self, model: nn.Module) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
+        """Stage-3 gather units holding only the parameters ZeRO manages."""
+        units = [(m, trainable_in(self.user_groups, ps)) for m, ps in find_units(model)]
+        return [(m, ps) for m, ps in units if ps]
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        c = self.config
-        param_groups = [{"params": [g.master], "weight_decay": g.weight_decay}
-                        for g in self.flat_groups]
-        if c.optimizer == "sgd":
-            return torch.optim.SGD(param_groups, lr=c.lr, momentum=c.sgd_momentum)
-        cls = torch.optim.AdamW if c.optimizer == "adamw" else torch.optim.Adam
-        return cls(param_groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+    def _build_groups(self, chunks: List[nn.Module], units) -> List[FlatGroup]:
+        """Reverse registration order approximates the order backward produces grads, so
+        buckets fill front to back (stage 3: the units' order, one bucket run per unit)."""
+        if units is not None:
+            ordered = [[p for _, ps in units for p in ps]]
+            unit_of = {id(p): i for i, (_, ps) in enumerate(units) for p in ps}
+        else:
+            ordered = [trainable_in(self.user_groups, m.parameters())[::-1] for m in chunks]
+        plans = plan_flat_groups(ordered, self.user_groups, self.config.weight_decay)
+        self.flat_user_group = [plan.user_group for plan in plans]
+        return [self._flat_group(plan, None if units is None else
+                                 [unit_of[id(p)] for p in plan.params]) for plan in plans]
+
+    def _flat_group(self, plan: FlatGroupPlan, unit_ids: Optional[List[int]]) -> FlatGroup:
+        c, ps = self.config, plan.params
+        master_device = torch.device("cpu") if c.offload_optimizer == "cpu" else ps[0].device
+        # tied embeddings: one bucket per param, so first and last stage shard alike
+        bucket_size = 1 if plan.kind == "shared_embedding" else c.reduce_bucket_size
+        return FlatGroup(ps, chunk=plan.chunk, kind=plan.kind, weight_decay=plan.weight_decay,
+                         stage=self.stage, dp_group=self.process_groups.dp,
+                         bucket_size=bucket_size, unit_ids=unit_ids,
+                         master_device=master_device, reduce_dtype=c.reduce_dtype)
+
+    def _make_optimizer(self, optimizer: Optional[OptimizerArg]) -> torch.optim.Optimizer:
+        """Megatron's path: one torch group per flat group, from config's fields. DeepSpeed's:
+        one torch group per user group (its master shards, its options), as DeepSpeed's ZeRO
+        flattens each user group, so a scheduler's per-group lists still line up."""
+        if self.user_groups is None:
+            return build_optimizer(spec_from_zero_config(self.config),
+                                   [{"params": [g.master], "weight_decay": g.weight_decay}
+                                    for g in self.flat_groups])
+        if optimizer is None:  # user groups, config's optimizer: config's decay by default
+            optimizer = dataclasses.replace(spec_from_zero_config(self.config),
+                                            weight_decay=self.config.weight_decay)
+        torch_groups = [{"params": [g.master for g, u in zip(self.flat_groups,
+                                                             self.flat_user_group) if u == i],
+                         **group.options} for i, group in enumerate(self.user_groups)]
+        built = make_optimizer(optimizer, torch_groups)
+        decay_of = {id(p): group.get("weight_decay", 0.0) for group in built.param_groups
+                    for p in group["params"]}
+        for g in self.flat_groups:  # what the optimizer applies (a factory may override)
+            g.weight_decay = float(decay_of[id(g.master)])
+        return built
+
+    def _trust_ratio_layout(self) -> TrustRatioLayout:
+        """Lamb's per-parameter norms over the shards: each flat group's parameters get
+        consecutive slots; stage >= 1 shards are summed over dp."""
+        pieces, first = {}, 0
+        for g in self.flat_groups:
+            pieces[id(g.master)] = [(first + i if i >= 0 else -1, n) for i, n in
+                                    shard_pieces(g.buckets, g.numels, g.rank_in_shard)]
+            first += len(g.params)
+        sharded = any(g.ways > 1 for g in self.flat_groups)
+        return TrustRatioLayout(pieces, first, group=self.process_groups.dp, reduce=sharded,
+                                device=self._device())
 
     def _counted_views(self) -> List[torch.Tensor]:
         pg = self.process_groups
@@ -209,8 +284,11 @@ class ZeroOptimizer:
         self.grad_sync.new_step()
 
     def set_lr(self, lr: float) -> None:
+        """The training loop's schedule: every param group's lr becomes lr x its "lr_mult"
+        (1 unless the group sets one: Megatron-Core's convention), overriding lrs a user's
+        groups started with, as DeepSpeed's schedulers do; nothing else is touched."""
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
 
     def step(self) -> StepResult:
         """Unscale, clip to the global norm, step the shard, publish updated parameters.
@@ -275,6 +353,12 @@ class ZeroOptimizer:
                 "master": [g.master.detach().cpu().clone() for g in self.flat_groups],
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def refresh_master_from_params(self) -> None:
+        """After the module's weights were overwritten in place (loading weights only), make
+        the fp32 master shards match them again."""
+        for g in self.flat_groups:
+            g.refresh_master()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's shard and refresh the model parameters from it."""
