@@ -44,7 +44,7 @@ class FlatGroupPlan:
 def user_groups(model_parameters: ModelParameters) -> List[UserGroup]:
     """DeepSpeed's `model_parameters` (an iterable of parameters, or of param-group dicts
     `{"params": [...], "lr": ..., ...}`) as a list of groups."""
-    items = list(model_parameters)
+    items: List[Any] = list(model_parameters)
     if items and all(isinstance(x, dict) for x in items):
         groups = [_group_from_dict(i, d) for i, d in enumerate(items)]
     elif all(isinstance(x, torch.Tensor) for x in items):
