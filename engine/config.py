@@ -41,7 +41,10 @@ class EngineConfig:
     zero_allow_untested_optimizer: bool = False
     tensorboard_dir: Optional[str] = None  # tensorboard.output_path/job_name when enabled
     csv_dir: Optional[str] = None
-    wandb_project: Optional[str] = None
+    wandb_project: Optional[str] = None  # wandb.project when wandb.enabled
+    wandb_group: Optional[str] = None
+    wandb_team: Optional[str] = None
+    dataloader_drop_last: bool = False  # the training_dataloader drops a last partial batch
     activation_checkpointing: Dict[str, Any] = field(default_factory=dict)
     checkpoint: Dict[str, Any] = field(default_factory=dict)
     auto_cast_inputs: bool = False  # gigatron's extension: move/cast batches to the engine

@@ -79,7 +79,8 @@ class TrainConfig:
         "--global-batch-size", ds="train_batch_size")
     num_microbatches: int = setting(
         1, "micro-batches per iteration; train_batch_size = micro x this x dp (JSON only)",
-        dest="gradient_accumulation_steps", ds="gradient_accumulation_steps")
+        dest="gradient_accumulation_steps", ds="gradient_accumulation_steps", ds_default=None,
+        ds_doc="gigatron.initialize infers it as DeepSpeed does")
     seed: int = setting(1234, "random seed of weights, data order and dropout", "--seed")
     eval_interval: int = setting(1000, "iterations between validation runs",
                                  "--eval-interval")
@@ -128,7 +129,7 @@ class LoggingConfig:
     """Where the metrics go: console every --log-interval, JSON lines, TensorBoard."""
 
     log_interval: int = setting(100, "iterations between log lines", "--log-interval",
-                                ds="steps_per_print")
+                                ds="steps_per_print", ds_default=10)
     metrics_file: Optional[str] = setting(
         None, "JSON lines file, one line per logged iteration / eval", "--metrics-file")
     tensorboard_dir: Optional[str] = setting(None, "write TensorBoard events here",

@@ -14,6 +14,16 @@ from typing import Any, Optional, Sequence, Tuple
 SPEC_KEY = "gigatron.setting"
 
 
+class _SameDefault:
+    """The marker of `ds_default` when DeepSpeed's default is the field's own default."""
+
+    def __repr__(self) -> str:
+        return "the field's default"
+
+
+SAME_DEFAULT: Any = _SameDefault()
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     """How one config field is set: flags (first = canonical, rest = aliases) and JSON key."""
@@ -28,17 +38,22 @@ class FieldSpec:
     ds_as: Optional[str] = None  # how the JSON value becomes the flag value (config_table)
     ds_when: Optional[str] = None  # "fp16": read only with fp16 on; "adam"/"sgd": params of
     ds_doc: Optional[str] = None  # how the JSON value maps, when not one to one
+    # what gigatron.initialize uses when the JSON leaves the key out (DeepSpeed's default),
+    # where it differs from `default` (pretrain_gpt.py's, i.e. Megatron's)
+    ds_default: Any = SAME_DEFAULT
 
 
 def setting(default: Any, doc: str, *flags: str, dest: Optional[str] = None,
             choices: Optional[Sequence[Any]] = None, metavar: Optional[str] = None,
             negative: Optional[str] = None, ds: Optional[str] = None,
             ds_as: Optional[str] = None, ds_when: Optional[str] = None,
-            ds_doc: Optional[str] = None) -> Any:
-    """A dataclass field with `default` whose flags, JSON key and one-line doc are recorded."""
+            ds_doc: Optional[str] = None, ds_default: Any = SAME_DEFAULT) -> Any:
+    """A dataclass field with `default` whose flags, JSON key and one-line doc are recorded;
+    `ds_default`: DeepSpeed's default for the JSON key where it differs from `default`."""
     spec = FieldSpec(doc=doc, flags=tuple(flags), dest=dest,
                      choices=None if choices is None else tuple(choices), metavar=metavar,
-                     negative=negative, ds=ds, ds_as=ds_as, ds_when=ds_when, ds_doc=ds_doc)
+                     negative=negative, ds=ds, ds_as=ds_as, ds_when=ds_when, ds_doc=ds_doc,
+                     ds_default=ds_default)
     return dataclasses.field(default=default, metadata={SPEC_KEY: spec})
 
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelConfig,
                                       TrainConfig)
-from gigatron.training.config_field import FieldSpec, field_spec
+from gigatron.training.config_field import SAME_DEFAULT, FieldSpec, field_spec
 from gigatron.training.settings import (DataSettings, ModelSettings, OptimizerSettings,
                                         PrecisionSettings, SourceSettings)
 
@@ -108,6 +108,12 @@ def flag_name(dest: str) -> str:
 def values(owner: type, flags: argparse.Namespace) -> Dict[str, Any]:
     """Field -> value of `owner`'s settable fields, read from the flags."""
     return {r.field: getattr(flags, r.dest) for r in table() if r.owner is owner}
+
+
+def deepspeed_default(row: Row) -> Any:
+    """The value gigatron.initialize gives a DeepSpeed key the JSON leaves out: DeepSpeed's
+    default (pretrain_gpt.py keeps the flag's default, `row.default`)."""
+    return row.default if row.spec.ds_default is SAME_DEFAULT else row.spec.ds_default
 
 
 def defaults() -> Dict[str, Any]:
@@ -219,7 +225,9 @@ def flags_markdown() -> str:
              "Generated from the config table (`gigatron/training/config_table.py`); do not "
              "edit by hand:", "`python -m gigatron.training.config_table > docs/FLAGS.md`.",
              "A DeepSpeed key fills the flag when the flag is not given; both given and "
-             "different is an error.", ""]
+             "different is an error.",
+             "A key the JSON leaves out keeps the flag's default in pretrain_gpt.py; "
+             "`gigatron.initialize` gives it DeepSpeed's default, shown where it differs.", ""]
     for cls, title in CONCERNS:
         lines += [f"## {title}", "", "| flag | DeepSpeed key | default | meaning |",
                   "|---|---|---|---|"]
@@ -229,6 +237,8 @@ def flags_markdown() -> str:
             flags = ", ".join(f"`{f}`" for f in r.spec.flags + (
                 (r.spec.negative,) if r.spec.negative else ())) or "(JSON only)"
             ds = f"`{r.spec.ds}`" if r.spec.ds else ""
+            if r.spec.ds and r.spec.ds_default not in (SAME_DEFAULT, None):
+                ds += f" (DeepSpeed default `{r.spec.ds_default}`)"
             if r.spec.ds_doc:
                 ds += f" ({r.spec.ds_doc})"
             lines.append(f"| {_cell(flags)} | {_cell(ds)} | `{_cell(r.default)}` | "

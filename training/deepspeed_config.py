@@ -8,6 +8,9 @@ keys are errors naming the key and what to use instead. Keys the JSON leaves out
 pretrain_gpt.py's (Megatron's) defaults, e.g. --weight-decay 0.01. Loss-scaling keys apply
 only with fp16.enabled true (DeepSpeed ignores them otherwise). `from_deepspeed_config`
 builds the config objects from a JSON alone (for engines that get no command line).
+
+`engine_config` is `gigatron.initialize`'s reader (deepspeed_engine_config.py): it reads the
+same table rows with `read_rows`, but a key the JSON leaves out gets DeepSpeed's default.
 """
 from __future__ import annotations
 
@@ -15,12 +18,17 @@ import argparse
 import difflib
 import json
 import re
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
+import os
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set,
+                    Tuple, Union)
 
-from gigatron.training.config_table import Row, defaults, flag_name, table
+from gigatron.training.config_table import Row, deepspeed_default, defaults, flag_name, table
 from gigatron.training.validation import ConfigError, dedupe
 
 if TYPE_CHECKING:
+    import torch
+
+    from gigatron.engine.config import EngineConfig
     from gigatron.training.config import RunConfig
 
 _INSTEAD = {
@@ -253,6 +261,25 @@ def read_deepspeed_config(ds: Mapping) -> Tuple[Dict[str, Entry], List[str]]:
     return entries, dedupe(problems)
 
 
+def read_rows(ds: Mapping, dests: Sequence[str]) -> Tuple[Dict[str, Any], List[str]]:
+    """dest -> value of the named table rows as gigatron.initialize reads them: the JSON's value
+    converted as for pretrain_gpt.py, or DeepSpeed's default (`deepspeed_default`) when the JSON
+    leaves the key out (or fp16 is off, for loss-scaling keys); and every problem found."""
+    rows = {r.dest: r for r in table()}
+    values: Dict[str, Any] = {}
+    problems: List[str] = []
+    for dest in dests:
+        row = rows[dest]
+        values[dest] = deepspeed_default(row)
+        try:
+            present, raw = _lookup(ds, str(row.spec.ds))
+            if present and _applies(row, ds):
+                values[dest] = _convert(row, str(row.spec.ds), raw)
+        except ValueError as err:
+            problems.append(str(err))
+    return values, problems
+
+
 def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
                            explicit: Set[str]) -> argparse.Namespace:
     """The flags with the DeepSpeed config's values filled in; `explicit` holds the dests given
@@ -324,3 +351,13 @@ def from_deepspeed_config(ds: Mapping, world_size: int = 1, tp: int = 1,
     flags = argparse.Namespace(**defaults())
     flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size = tp, pp
     return build_engine_config(apply_deepspeed_config(ds, flags, set()), world_size)
+
+
+def engine_config(config: Union[str, "os.PathLike[str]", Mapping], world_size: int, *,
+                  dp_world_size: Optional[int] = None, model: Optional["torch.nn.Module"] = None,
+                  args: Optional[argparse.Namespace] = None) -> "EngineConfig":
+    """`gigatron.initialize`'s config: a DeepSpeed JSON (path or dict) with DeepSpeed's meanings
+    and defaults; see `gigatron.training.deepspeed_engine_config.engine_config`."""
+    from gigatron.training.deepspeed_engine_config import engine_config as read
+
+    return read(config, world_size, dp_world_size=dp_world_size, model=model, args=args)

@@ -101,19 +101,20 @@ class PrecisionSettings:
                               "--hysteresis", ds="fp16.hysteresis", ds_when="fp16")
     consecutive_hysteresis: Optional[bool] = setting(
         None, "refill the hysteresis on every clean step (JSON only; default false)",
-        ds="fp16.consecutive_hysteresis", ds_when="fp16")
+        ds="fp16.consecutive_hysteresis", ds_when="fp16", ds_default=False)
     zero_stage: Optional[int] = setting(
         None, "ZeRO stage: 1 shards optimizer state, 2 also grads, 3 also parameters "
         "(default 0, or 1 with --use-distributed-optimizer)", "--zero-stage",
-        choices=(0, 1, 2, 3), ds="zero_optimization.stage")
+        choices=(0, 1, 2, 3), ds="zero_optimization.stage", ds_default=0)
     use_distributed_optimizer: bool = setting(False, "Megatron's name for ZeRO stage 1",
                                               "--use-distributed-optimizer")
     ddp_bucket_size: Optional[int] = setting(
         None, "gradient bucket size in elements (default 500000000)", "--ddp-bucket-size",
-        ds="zero_optimization.reduce_bucket_size", ds_as="count")
+        ds="zero_optimization.reduce_bucket_size", ds_as="count", ds_default=500_000_000)
     overlap_comm: Optional[bool] = setting(
         None, "reduce buckets during backward (JSON only; default true)",
-        ds="zero_optimization.overlap_comm")
+        ds="zero_optimization.overlap_comm",
+        ds_doc="gigatron.initialize, as DeepSpeed: default true at stage 3 only")
     grad_reduce_in_bf16: bool = setting(False, "reduce gradients in bf16",
                                         "--grad-reduce-in-bf16")
     optimizer_cpu_offload: bool = setting(
@@ -130,7 +131,8 @@ class OptimizerSettings:
                              choices=("adam", "sgd"), ds="optimizer.type",
                              ds_as="optimizer_type", ds_doc="Adam, AdamW = adam; SGD = sgd")
     lr: Optional[float] = setting(None, "peak learning rate (required)", "--lr",
-                                  ds="optimizer.params.lr")
+                                  ds="optimizer.params.lr", ds_default=0.001,
+                                  ds_doc="Adagrad's: 0.01")
     min_lr: float = setting(0.0, "learning rate at the end of the decay", "--min-lr")
     lr_decay_style: str = setting("linear", "decay after warm-up", "--lr-decay-style",
                                   choices=DECAY_STYLES)
@@ -146,7 +148,8 @@ class OptimizerSettings:
     lr_wsd_decay_iters: Optional[int] = setting(None, "annealing iterations of WSD",
                                                 "--lr-wsd-decay-iters")
     weight_decay: float = setting(0.01, "decoupled weight decay (not on biases and norms)",
-                                  "--weight-decay", ds="optimizer.params.weight_decay")
+                                  "--weight-decay", ds="optimizer.params.weight_decay",
+                                  ds_default=0.0)
     adam_beta1: float = setting(0.9, "Adam beta1", "--adam-beta1",
                                 ds="optimizer.params.betas[0]", ds_when="adam")
     adam_beta2: float = setting(0.999, "Adam beta2", "--adam-beta2",
@@ -154,9 +157,10 @@ class OptimizerSettings:
     adam_eps: float = setting(1e-8, "Adam epsilon", "--adam-eps", ds="optimizer.params.eps",
                               ds_when="adam")
     sgd_momentum: float = setting(0.9, "SGD momentum", "--sgd-momentum",
-                                  ds="optimizer.params.momentum", ds_when="sgd")
+                                  ds="optimizer.params.momentum", ds_when="sgd",
+                                  ds_default=0.0)
     clip_grad: float = setting(1.0, "clip the global gradient norm to this (0: off)",
-                               "--clip-grad", ds="gradient_clipping")
+                               "--clip-grad", ds="gradient_clipping", ds_default=0.0)
 
 
 @dataclass
