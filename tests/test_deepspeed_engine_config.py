@@ -232,6 +232,8 @@ def test_optimizers_not_implemented_name_what_to_use_instead(kind, message):
 
 def test_no_optimizer_section_means_the_caller_passes_one():
     assert engine_config(MICRO, 1).optimizer is None
+    assert problems({**MICRO, "optimizer": "Adam"}) == [
+        "optimizer must be a JSON object like {\"type\": ..., \"params\": {...}}, got 'Adam'"]
 
 
 def test_scheduler_type_and_params_are_carried_and_the_type_checked():
@@ -373,6 +375,10 @@ def test_auto_without_args_takes_the_documented_fallbacks_with_an_info_line():
     assert [line.split(" ")[0] for line in cfg.info] == [
         "gradient_clipping", "optimizer.params.lr", "zero_optimization.reduce_bucket_size"]
     assert "TrainingArguments.max_grad_norm default" in cfg.info[0]
+    warmup = engine_config({**MICRO, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+                            "scheduler": {"type": "WarmupLR", "params": {
+                                "warmup_max_lr": "auto"}}}, 1)
+    assert warmup.scheduler.params == {"warmup_max_lr": 0.01}  # the optimizer's lr
 
 
 def test_auto_that_nothing_can_fill_is_an_error_naming_the_key():

@@ -5,8 +5,9 @@ for the keys its TrainingArguments decide: batch sizes, gradient_clipping, the o
 lr/betas/eps/weight_decay, the warm-up scheduler's params, fp16/bf16 enabled, and the ZeRO
 bucket sizes it derives from the model's hidden size. Here they come from `args` when it has
 TrainingArguments' attribute (per_device_train_batch_size, learning_rate, ...), else from
-TrainingArguments' documented default (learning_rate 5e-5, max_grad_norm 1.0, ...) with an info
-line saying so. Batch sizes without args are inferred from the other batch keys as DeepSpeed
+TrainingArguments' documented default (learning_rate 5e-5, max_grad_norm 1.0, ...; the
+scheduler's warmup_max_lr takes the optimizer's lr when the JSON gives one) with an info line
+saying so. Batch sizes without args are inferred from the other batch keys as DeepSpeed
 does (micro batch 8, TrainingArguments' default, when nothing else gives one). The ZeRO keys
 use model.config.hidden_size (or max(hidden_sizes)) as HF does, else DeepSpeed's default. The
 scheduler's total_num_steps needs args.max_steps; without it, it is an error naming the key.
@@ -27,7 +28,6 @@ _FROM_ARGS: Dict[str, Tuple[str, Any]] = {
     "optimizer.params.lr": ("learning_rate", 5e-5),
     "optimizer.params.eps": ("adam_epsilon", 1e-8),
     "optimizer.params.weight_decay": ("weight_decay", 0.0),
-    "scheduler.params.warmup_max_lr": ("learning_rate", 5e-5),
     "amp.opt_level": ("fp16_opt_level", "O1"),
 }
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
@@ -63,6 +63,14 @@ def _set(ds: Dict[str, Any], path: str, value: Any) -> None:
 _DROP = object()  # the key is removed: DeepSpeed's own inference or default applies
 
 
+def _get(ds: Dict[str, Any], path: str) -> Any:
+    """The value at a dotted key, or None."""
+    node: Any = ds
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 class _Filler:
     """Fills one config's "auto" values; collects info lines and problems."""
 
@@ -90,7 +98,8 @@ class _Filler:
         if path in _FROM_HIDDEN:
             return self.from_hidden(path)
         special = {"optimizer.params.betas": self.betas, "scheduler.params.warmup_min_lr":
-                   lambda: 0, "scheduler.params.total_num_steps": self.total_steps,
+                   lambda: 0, "scheduler.params.warmup_max_lr": self.warmup_max_lr,
+                   "scheduler.params.total_num_steps": self.total_steps,
                    "scheduler.params.warmup_num_steps": self.warmup_steps,
                    "fp16.enabled": self.fp16, "amp.enabled": self.apex,
                    "bf16.enabled": self.bf16, "bfloat16.enabled": self.bf16}
@@ -107,6 +116,15 @@ class _Filler:
     def half(self) -> bool:
         return bool(getattr(self.args, "fp16", False) or getattr(self.args, "fp16_full_eval",
                                                                  False))
+
+    def warmup_max_lr(self) -> Any:
+        """args.learning_rate as HF; without it the optimizer's own lr when the JSON gives one."""
+        lr = _get(self.ds, "optimizer.params.lr")
+        if getattr(self.args, "learning_rate", None) is None and isinstance(lr, (int, float)):
+            self.info.append(f'scheduler.params.warmup_max_lr "auto" -> {lr!r} (the '
+                             f"optimizer.params.lr; no args with learning_rate)")
+            return lr
+        return self.arg("scheduler.params.warmup_max_lr", "learning_rate", 5e-5)
 
     def fp16(self) -> bool:
         return self.half() and not self.apex()
@@ -160,7 +178,7 @@ class _Filler:
             return int(steps)
         if ratio <= 0:
             return self.arg("scheduler.params.warmup_num_steps", "warmup_steps", 0)
-        total = self.ds.get("scheduler", {}).get("params", {}).get("total_num_steps")
+        total = _get(self.ds, "scheduler.params.total_num_steps")
         total = getattr(self.args, "max_steps", None) if total in (None, "auto") else total
         if isinstance(total, int) and total > 0:
             return math.ceil(total * ratio)

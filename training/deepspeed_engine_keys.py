@@ -239,5 +239,6 @@ def _walk(section: Mapping, prefix: str, known: Set[str], info: List[str],
             if isinstance(value, dict):
                 _walk(value, path + ".", known, info, problems)
             else:
-                example = '{"enabled": true}' if path + ".enabled" in known else "{...}"
+                example = '{"enabled": true}' if path + ".enabled" in known else \
+                    '{"type": ..., "params": {...}}' if path + ".type" in known else "{...}"
                 problems.append(f"{path} must be a JSON object like {example}, got {value!r}")

@@ -133,12 +133,9 @@ def _params(kind: str, params: Mapping, info: List[str], problems: List[str]) ->
 
 def read_optimizer(section: Any, info: List[str], problems: List[str]) -> Optional[OptimizerSpec]:
     """The OptimizerSpec of an `"optimizer"` section; None when there is none (the caller
-    passes an optimizer) or it is bad (problems recorded, one line each)."""
-    if section is None:
-        return None
+    passes an optimizer) or it is bad (problems recorded, one line each; a section that is not
+    an object is `check_keys`'s to report)."""
     if not isinstance(section, dict):
-        problems.append('optimizer must be a JSON object like {"type": "AdamW", "params": '
-                        f'{{"lr": 0.001}}}}, got {section!r}')
         return None
     kind = _optimizer_type(section.get("type"), problems)
     params = section.get("params", {})
@@ -161,12 +158,9 @@ def read_optimizer(section: Any, info: List[str], problems: List[str]) -> Option
 
 def read_scheduler(section: Any, problems: List[str]) -> Optional[SchedulerSpec]:
     """The SchedulerSpec of a `"scheduler"` section (type checked, params carried); None
-    when there is none or it is bad (problems recorded)."""
-    if section is None:
-        return None
+    when there is none or it is bad (problems recorded; a section that is not an object is
+    `check_keys`'s to report)."""
     if not isinstance(section, dict):
-        problems.append('scheduler must be a JSON object like {"type": "WarmupLR", "params": '
-                        f'{{...}}}}, got {section!r}')
         return None
     kind, params = section.get("type"), section.get("params", {})
     if not isinstance(params, dict):
