@@ -42,11 +42,13 @@ class DistributedContext:
 _context: Optional[DistributedContext] = None  # joined once per process, like torch's group
 
 
-def init_distributed(dist_backend: Optional[str] = None, timeout: timedelta = DEFAULT_TIMEOUT,
-                     **_ignored: Any) -> DistributedContext:
+def init_distributed(dist_backend: Optional[str] = None,
+                     timeout: Optional[timedelta] = None, **_ignored: Any) -> DistributedContext:
     """Join (or adopt) the job's process group; DeepSpeed's signature, its extra keywords
-    (auto_mpi_discovery, distributed_port, verbose, ...) accepted and unused."""
+    (auto_mpi_discovery, distributed_port, verbose, ...) accepted and unused. `timeout`
+    (default 30 min, DeepSpeed's) bounds collectives and the checkpoint calls' agreement."""
     global _context
+    timeout = timeout or DEFAULT_TIMEOUT
     if _context is not None and _context.pid == os.getpid():
         return _context
     launch = read_launch_env()

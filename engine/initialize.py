@@ -151,6 +151,11 @@ def _log_config(cfg: EngineConfig, ctx: DistributedContext) -> None:
           f"{ctx.device.type}, ZeRO stage {cfg.zero.zero_stage}, {cfg.precision}, batch "
           f"{cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} x "
           f"accumulation {cfg.gradient_accumulation_steps} x {ctx.world_size} ranks", flush=True)
+    if ctx.device.type == "cpu" and cfg.precision != "fp32":
+        print(f"[gigatron] {cfg.precision} on a CPU: it runs and its numerics are those of "
+              f"{cfg.precision}, but CPUs have no fast {cfg.precision} math"
+              f"{'; bf16 needs no loss scaling' if cfg.precision == 'fp16' else ''}",
+              flush=True)
     for line in cfg.info:
         print(f"[gigatron] {line}", flush=True)
     if cfg.resolved:
