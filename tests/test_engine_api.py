@@ -206,3 +206,41 @@ def test_save_checkpoint_on_only_some_ranks_fails_within_the_timeout(tmp_path):
     assert "save_checkpoint is collective: every rank must call it, but rank 1 did not" \
         in message and waited < 5, results
     assert not os.path.exists(tmp_path / "latest")
+
+
+def _resume_on_ranks(rank, world, folder, stage):
+    import gigatron
+
+    def fresh():
+        return gigatron.initialize(model=model(), training_data=Pairs(), config=config(
+            zero_optimization={"stage": stage}, bf16={"enabled": True},
+            scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": 10,
+                                                           "warmup_num_steps": 2}}))
+
+    def run(engine, loader, upto, skip=0):
+        it, out = iter(loader), []
+        for _ in range(skip):
+            next(it)
+        while engine.global_steps < upto:
+            x, y = next(it)
+            loss = F.cross_entropy(engine(x.bfloat16()).float(), y)
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    engine, _, loader, _ = fresh()
+    straight = run(engine, loader, 4)
+    engine, _, loader, _ = fresh()
+    first = run(engine, loader, 2)
+    engine.save_checkpoint(folder, tag="mid")
+    engine, _, loader, _ = fresh()
+    engine.load_checkpoint(folder)
+    rest = run(engine, loader, 4, skip=len(first))
+    return first + rest == straight, engine.global_steps
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_load_continue_is_bit_exact_on_two_ranks(tmp_path, stage):
+    results = run_on_ranks(_resume_on_ranks, 2, str(tmp_path), stage, timeout=90)
+    assert results == [(True, 4), (True, 4)]
