@@ -23,7 +23,7 @@ class EngineDataLoader:
             raise ValueError(f"training_data must be a map-style dataset (with __len__ and "
                              f"__getitem__), got {type(dataset).__name__}: wrap an iterable "
                              f"in a torch.utils.data.Dataset, or build your own DataLoader")
-        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
+        self.sampler: DistributedSampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
                                           shuffle=True, seed=seed, drop_last=drop_last)
         self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler,
                                  collate_fn=collate_fn, drop_last=drop_last,

@@ -128,8 +128,9 @@ class Engine(nn.Module):
             print(f"[gigatron] step={self.global_steps}, skipped={self.skipped_steps}, "
                   f"lr={self.get_lr()}, loss_scale={self.loss_scale:g}", flush=True)
 
-    def zero_grad(self) -> None:
-        """Clear the gradients (step() already does after each update)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients (step() already does after each update); ZeRO's gradients
+        live in flat buffers, so `set_to_none` is accepted and has no effect."""
         self.zero.zero_grad()
 
     # -- checkpoints (engine/checkpoint.py) -----------------------------------------------
