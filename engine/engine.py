@@ -11,7 +11,7 @@ ZeRO optimizer's: one implementation shared with pretrain_gpt.py.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from gigatron.engine.config import SchedulerSpec
+from gigatron.engine.lr_formulas import (
+    lr_range_test_lr, one_cycle_lr, one_cycle_momentum, one_cycle_scale, warmup_cosine_lr,
+    warmup_decay_lr, warmup_lr)
 from gigatron.engine.lr_schedules import (
     LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler,
-    lr_range_test_lr, one_cycle_lr, one_cycle_momentum, one_cycle_scale, scheduler_params,
-    warmup_cosine_lr, warmup_decay_lr, warmup_lr)
+    scheduler_params)
 
 LOG5 = math.log(5) / math.log(10)  # log warm-up's gamma at step 4 of 10
 
