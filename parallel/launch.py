@@ -63,19 +63,28 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
             env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1"))
         return LaunchEnv(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
                          int(env.get("SLURM_LOCALID", 0)), master, port, "slurm")
-    for rank_var, size_var, local_var in (
-            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-            ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK")):
+    for rank_var, size_var, local_var, local_size_var in (
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE"),
+            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+            ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE")):
         if rank_var in env and size_var in env:
             world = _int(env, size_var)
-            if world > 1 and "MASTER_ADDR" not in env:
-                raise ValueError(
-                    f"launched by MPI ({size_var}={world}) without MASTER_ADDR: export "
-                    f"MASTER_ADDR=<first node's address> (and MASTER_PORT) to mpirun with -x")
             return LaunchEnv(_int(env, rank_var), world, int(env.get(local_var, 0)),
-                             env.get("MASTER_ADDR", "127.0.0.1"), port, "mpi")
+                             _mpi_master(env, world, size_var, local_size_var), port, "mpi")
     return LaunchEnv(0, 1, 0, "127.0.0.1", port, "none")
+
+
+def _mpi_master(env: Mapping[str, str], world: int, size_var: str, local_size_var: str) -> str:
+    """MPI sets no master address: MASTER_ADDR, else this host when every rank runs on it
+    (`mpirun -np N` on one machine needs no exported variable)."""
+    if "MASTER_ADDR" in env:
+        return env["MASTER_ADDR"]
+    if world == 1 or env.get(local_size_var) == str(world):
+        return "127.0.0.1"
+    raise ValueError(
+        f"launched by MPI ({size_var}={world}) across several hosts without MASTER_ADDR: "
+        f"export MASTER_ADDR=<first node's address> (and MASTER_PORT) to mpirun with -x")
 
 
 def require_world_size(launch: LaunchEnv, needed: int) -> None:

@@ -47,6 +47,21 @@ def test_mpi_without_master_addr_names_the_fix():
         read_launch_env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"})
 
 
+def test_mpirun_on_one_host_needs_no_master_addr():
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert read_launch_env(env) == LaunchEnv(1, 2, 1, "127.0.0.1", 29500, "mpi")
+    hydra = {"PMI_RANK": "0", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "3"}
+    assert read_launch_env(hydra).master_addr == "127.0.0.1"
+
+
+def test_mpirun_across_hosts_without_master_addr_names_the_fix():
+    env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    with pytest.raises(ValueError, match="several hosts without MASTER_ADDR: export MASTER_ADDR"):
+        read_launch_env(env)
+
+
 def test_no_launcher_is_a_single_process():
     assert read_launch_env({}) == LaunchEnv(0, 1, 0, "127.0.0.1", 29500, "none")
 
