@@ -469,8 +469,6 @@ REFUSED = {  # real configs with a key that DeepSpeed refuses today, or silently
                                                       "supported (DeepSpeed refuses it too): "
                                                       "use the top-level gradient_clipping",
     "dse_bing_bert_lamb_bsz64k_sparse_attention.json": "sparse_attention is not supported",
-    "dse_bingbertsquad_bsz24.json": "optimizer.params.bias_correction=False is not supported "
-                                    "for adam",
 }
 
 

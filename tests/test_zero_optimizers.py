@@ -371,8 +371,6 @@ def test_specs_build_what_deepspeed_builds_including_the_readers_extra_params():
      "nesterov needs momentum > 0"),
     (lambda: _build(OptimizerSpec("lamb", min_coeff=2.0, max_coeff=1.0)), ValueError,
      "0 < min_coeff <= max_coeff"),
-    (lambda: _build(OptimizerSpec("adam", extra={"bias_correction": False})), ValueError,
-     "bias_correction=False is not supported"),
     (lambda: _build(OptimizerSpec("sgd", extra={"bogus": 1})), ValueError, "bogus"),
     (lambda: _build(OptimizerSpec("lamb", extra={"amsgrad": True})), ValueError, "AMSGrad"),
     (lambda: _build("adam"), TypeError, "must be an OptimizerSpec, a torch.optim.Optimizer"),

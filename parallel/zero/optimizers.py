@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Tuple, Un
 
 import torch
 
+from gigatron.parallel.zero.adam import UncorrectedAdam
 from gigatron.parallel.zero.lamb import Lamb
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ OptimizerArg = Union[OptimizerSpec, torch.optim.Optimizer, OptimizerFactory]
 # (dropped when given, refused when different); None: any value (no effect on the update)
 # (fp32_optimizer_states: under ZeRO the optimizer steps fp32 masters, so its state is fp32
 # whatever the flag says -- in DeepSpeed's ZeRO as here)
-_FUSED_ADAM_ONLY: Dict[str, Any] = {"bias_correction": True, "set_grad_none": None,
+# (bias_correction false builds UncorrectedAdam instead of torch's Adam/AdamW)
+_FUSED_ADAM_ONLY: Dict[str, Any] = {"bias_correction": None, "set_grad_none": None,
                                     "fp32_optimizer_states": None}
 _KERNEL_ONLY = {"adam": _FUSED_ADAM_ONLY, "adamw": _FUSED_ADAM_ONLY}
 
@@ -135,6 +137,8 @@ def _constructor(spec: OptimizerSpec) -> Tuple[type, Dict[str, Any]]:
         decoupled = t == "adamw" or spec.adam_w_mode  # DeepSpeed: "AdamW" is always decoupled
         cls: type = torch.optim.AdamW if decoupled else torch.optim.Adam
         kwargs = dict(common, betas=tuple(spec.betas))
+        if spec.extra.get("bias_correction", True) is False:
+            cls, kwargs = UncorrectedAdam, dict(kwargs, decoupled=decoupled)
     elif t == "sgd":
         cls, kwargs = torch.optim.SGD, dict(lr=spec.lr, momentum=spec.momentum,
                                             dampening=spec.dampening, nesterov=spec.nesterov,
