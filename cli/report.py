@@ -32,7 +32,6 @@ import json
 import platform
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -104,12 +103,13 @@ def gigatron_info() -> Dict[str, Any]:
         version: Optional[str] = importlib.metadata.version("gigatron")
     except importlib.metadata.PackageNotFoundError:
         version = None
+    from gigatron.ops.report import run_command
+
     root = path.parent  # the checkout, in an editable install
     commit = None
     if (root / ".git").exists() and shutil.which("git"):
-        proc = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10)
-        commit = proc.stdout.strip() or None
+        ok, text = run_command(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], timeout=10)
+        commit = text if ok and text else None
     return {"version": version, "path": str(root if commit else path), "commit": commit}
 
 

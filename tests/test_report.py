@@ -331,3 +331,15 @@ def test_comm_check_on_two_cpu_ranks_prints_bus_bandwidth():
     assert [l[0] + " " + l[1] for l in lines] == ["64 KiB", "1 MiB"]
     for _, _, time_us, algbw, busbw in lines:
         assert float(time_us) > 0 and float(busbw) == pytest.approx(float(algbw), abs=2e-3)
+
+
+@pytest.mark.cuda
+def test_report_on_a_gpu_lists_it_and_the_kernels_can_run(capsys):
+    code, out, _ = run_main(capsys, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["torch"]["cuda_available"]
+    assert len(report["gpus"]) == torch.cuda.device_count()
+    assert report["gpus"][0]["name"] == torch.cuda.get_device_name(0)
+    assert re.fullmatch(r"\d+\.\d+", report["gpus"][0]["compute_capability"])
+    if report["ops"]["nvcc"]["found"] and report["ops"]["ninja"]:
+        assert all(k["runs_with"] == "kernel" for k in report["ops"]["kernels"]), report["ops"]
