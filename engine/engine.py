@@ -18,7 +18,7 @@ from torch import nn
 
 from gigatron.engine.config import EngineConfig
 from gigatron.engine.distributed import DistributedContext
-from gigatron.parallel import comm
+from gigatron.parallel import comm, timeline
 from gigatron.parallel.zero import StepResult, ZeroOptimizer
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -45,6 +45,8 @@ class Engine(nn.Module):
         self._params = _param_signature(module)
         self._checkpoint_calls = {"save_checkpoint": 0, "load_checkpoint": 0}
         zero.zero_grad()
+        # $GIGATRON_TIMELINE: every rank records (collective: all ranks build their engine)
+        timeline.start_from_env(f"rank {ctx.rank} (dp {ctx.rank})")
 
     # -- DeepSpeed's accessors ------------------------------------------------------------
     def train_batch_size(self) -> int:
@@ -87,7 +89,12 @@ class Engine(nn.Module):
         if self.zero.stage == 3:
             self._check_parameters_unchanged()
         inputs, kwargs = self._prepare_inputs(inputs, kwargs)
-        return self.module(*inputs, **kwargs)
+        if not timeline.on:
+            return self.module(*inputs, **kwargs)
+        start = timeline.now()
+        output = self.module(*inputs, **kwargs)
+        timeline.record(f"forward mb {self._microbatch()}", start)
+        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -99,8 +106,11 @@ class Engine(nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         sync = self.is_gradient_accumulation_boundary()
+        start = timeline.now() if timeline.on else 0
         with contextlib.nullcontext() if sync else self.zero.no_sync():
             self.zero.scale_loss(loss).backward(retain_graph=retain_graph)
+        if timeline.on:
+            timeline.record(f"backward mb {self._microbatch()}", start)
         self._backward_pending = True
         return loss
 
@@ -111,8 +121,13 @@ class Engine(nn.Module):
                                "engine.backward(loss) for each micro-batch, then engine.step()")
         self._backward_pending = False
         if self.is_gradient_accumulation_boundary():
-            self._take_step(lr_kwargs or {})
+            with timeline.span("optimizer step"):
+                self._take_step(lr_kwargs or {})
         self.micro_steps += 1
+
+    def _microbatch(self) -> int:
+        """This micro-batch's index within the step (the timeline's span names)."""
+        return self.micro_steps % self.gradient_accumulation_steps()
 
     def _take_step(self, lr_kwargs: Dict[str, Any]) -> None:
         result = self.zero.step()
@@ -140,7 +155,8 @@ class Engine(nn.Module):
         """Collective: module, optimizer shard, scheduler, loss scaler, counters, RNG."""
         from gigatron.engine.checkpoint import save
 
-        return save(self, save_dir, tag, client_state or {}, save_latest)
+        with timeline.span("checkpoint save"):
+            return save(self, save_dir, tag, client_state or {}, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,

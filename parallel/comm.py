@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Literal, Optional, Protocol, Sequence, overl
 import torch
 import torch.distributed as dist
 
+from gigatron.parallel import timeline
 from gigatron.parallel.activity import activity
 
 ReduceOp = dist.ReduceOp
@@ -76,12 +77,15 @@ def group_rank(group: Group = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _record(op: str, nbytes: float, tensor: torch.Tensor, n: int, group: Group) -> None:
+def _record(op: str, nbytes: float, tensor: torch.Tensor, n: int, group: Group
+            ) -> Optional[timeline.Token]:
+    """Count the collective; with the timeline on, the token its span starts from."""
     stats.add(op, nbytes)
     activity.entered(op, group, n)
     if _TRACE:
         print(f"[comm rank {group_rank()}] {op} {tuple(tensor.shape)} {tensor.dtype} "
               f"group={n} bytes={int(nbytes)}", file=sys.stderr)
+    return timeline.issue(activity.collective or op, nbytes) if timeline.on else None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -106,8 +110,9 @@ def all_reduce(tensor: torch.Tensor, group: Group = None, op: Op = ReduceOp.SUM,
     n = group_size(group)
     if n == 1:
         return _Done() if async_op else None
-    _record("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tensor, n, group)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    span = _record("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tensor, n, group)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if span is None else timeline.complete(span, work)
 
 
 @overload
@@ -128,8 +133,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = Non
     if n == 1:
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
-    _record("reduce_scatter", (n - 1) / n * _nbytes(input), input, n, group)
-    return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    span = _record("reduce_scatter", (n - 1) / n * _nbytes(input), input, n, group)
+    work = _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return work if span is None else timeline.complete(span, work)
 
 
 @overload
@@ -150,8 +156,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,
     if n == 1:
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
-    _record("all_gather", (n - 1) / n * _nbytes(output), output, n, group)
-    return _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
+    span = _record("all_gather", (n - 1) / n * _nbytes(output), output, n, group)
+    work = _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
+    return work if span is None else timeline.complete(span, work)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
@@ -161,10 +168,12 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
     if n == 1:
         return _Done() if async_op else None
     if group_rank() == src:
-        _record("broadcast", _nbytes(tensor), tensor, n, group)
+        span = _record("broadcast", _nbytes(tensor), tensor, n, group)
     else:
         activity.entered("broadcast", group, n)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+        span = timeline.issue(activity.collective or "broadcast", 0) if timeline.on else None
+    work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return work if span is None else timeline.complete(span, work)
 
 
 def send_recv(sends: Sequence = (), recvs: Sequence = (), group: Group = None) -> List:
@@ -181,10 +190,16 @@ def send_recv(sends: Sequence = (), recvs: Sequence = (), group: Group = None) -
     peers = sorted({peer for _, peer in list(sends) + list(recvs)})
     activity.entered(f"send/recv with rank{'s' if len(peers) > 1 else ''} "
                      f"{', '.join(map(str, peers))}", group, 2)
-    return dist.batch_isend_irecv(ops)
+    span = timeline.issue(activity.collective or "send/recv", sum(
+        _nbytes(t) for t, _ in sends)) if timeline.on else None  # issue to the last wait
+    works = dist.batch_isend_irecv(ops)
+    return works if span is None else timeline.complete_all(span, works)
 
 
 def barrier(group: Group = None) -> None:
     if group_size(group) > 1:
         activity.entered("barrier", group, group_size(group))
+        span = timeline.issue(activity.collective or "barrier", 0) if timeline.on else None
         dist.barrier(group=group)
+        if span is not None:
+            timeline.complete(span, None)

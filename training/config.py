@@ -143,6 +143,9 @@ class LoggingConfig:
         0, ">= 1: synchronise the accelerator around timed phases", "--timing-log-level",
         choices=(0, 1, 2), ds="wall_clock_breakdown", ds_as="timing",
         ds_doc="true = 1, false = 0")
+    timeline: Optional[str] = setting(
+        None, "write a Chrome/Perfetto trace of every rank's spans here (docs/TIMELINE.md; "
+        "default: $GIGATRON_TIMELINE)", "--timeline", metavar="FILE")
 
 
 @dataclass

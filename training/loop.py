@@ -25,7 +25,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from gigatron.parallel import comm
+from gigatron.parallel import comm, timeline
 from gigatron.parallel.activity import activity
 from gigatron.parallel.pipeline.grad_sync import GradSync
 from gigatron.parallel.topology import ProcessGroups
@@ -112,7 +112,10 @@ def max_over_ranks(s: Session, values: Sequence[float]) -> List[float]:
 def _next_batches(it: Iterator[dict], n: int, timers: Optional[Timers] = None) -> List[dict]:
     if timers is not None:
         timers.start("data")
+    start = timeline.now() if timeline.on else 0
     batches = [next(it) for _ in range(n)]
+    if timeline.on:
+        timeline.record("data", start)
     if timers is not None:
         timers.stop("data")
     return batches
@@ -131,7 +134,8 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
                                      loss_scale=s.zero.loss_scale)
     s.grad_sync.finish_sync()
     s.timers.start("optimizer")
-    step = s.zero.step()
+    with timeline.span("optimizer step"):
+        step = s.zero.step()
     s.timers.stop("optimizer")
     return StepOutcome(_local_mean(losses), lr, step.grad_norm, step.loss_scale, step.skipped)
 
@@ -160,7 +164,7 @@ def evaluate(s: Session, split: int, consumed: int, iterations: int,
     timed = dict(s.timers.elapsed)  # eval forwards are not the step's
     shown = s.logger.loop_progress(label, iterations)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), timeline.span(label):
             for done in range(1, iterations + 1):
                 batches = _next_batches(it, s.run.train.num_microbatches)
                 local = _local_mean(s.pipeline.executor.run(s.pipeline.eval_schedule, batches))
@@ -231,7 +235,8 @@ def _save(s: Session, progress: TrainProgress) -> None:
         return
     activity.at(progress.iteration, "saving checkpoint")
     start = time.perf_counter()
-    folder = checkpoint_state.save(s.run, s.groups, progress, s.chunks, s.zero, s.device)
+    with timeline.span("checkpoint save"):
+        folder = checkpoint_state.save(s.run, s.groups, progress, s.chunks, s.zero, s.device)
     s.saved_iterations.append(progress.iteration)
     seconds = time.perf_counter() - start
     s.logger.print(f"saved checkpoint at iteration {progress.iteration:7d} to {folder} "
@@ -266,8 +271,11 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
     interval = _Interval()
     while progress.iteration < t.train_iters:
         activity.at(progress.iteration + 1, "train step")  # for hang reports (watchdog)
+        started = timeline.now() if timeline.on else 0
         outcome = train_step(s, _next_batches(it, t.num_microbatches, s.timers), progress)
         advance(progress, outcome, t.global_batch_size)
+        if timeline.on:
+            timeline.record(f"iteration {progress.iteration}", started)
         if s.nonfinite is not None:
             s.nonfinite.observe(progress.iteration, outcome.loss, outcome.grad_norm)
             s.nonfinite.count_skip(progress.iteration, outcome.skipped, s.zero.scaler,
@@ -277,6 +285,7 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
         if progress.iteration % s.run.logging.log_interval == 0:
             sigterm = _log(s, progress, outcome, interval, exit_signal)
             interval = _Interval()
+            timeline.flush()  # a crashed run keeps its spans up to here
         paused = time.perf_counter()  # eval and saving are not the interval's step time
         if t.eval_iters and progress.iteration % t.eval_interval == 0:
             activity.at(progress.iteration, "validation")

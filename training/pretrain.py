@@ -196,7 +196,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "pretrain_gpt.py") -> int
     watchdog = _start_watchdog(launch, run.parallel.distributed_timeout_minutes)
     status = "failed"
     try:
+        _start_timeline(run, launch)
         session, progress, shard = _build_session(run, tokenizer, launch, device)
+        _name_timeline_rank(session)
         _banner(session, progress, shard, launch, device)
         progress = train(session, progress)
         _summary(session, progress, time.monotonic() - started)
@@ -208,11 +210,41 @@ def main(argv: Optional[List[str]] = None, prog: str = "pretrain_gpt.py") -> int
     except RuntimeError as err:  # a collective failed: name the rank that caused it
         return _peer_failure(err, watchdog, launch.rank, prog)
     finally:
+        _finish_timeline(status == "done")
         if watchdog is not None:
             watchdog.stop(status)
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _start_timeline(run: "RunConfig", launch: "LaunchEnv") -> None:
+    """--timeline (or $GIGATRON_TIMELINE): every rank records from here (docs/TIMELINE.md)."""
+    from gigatron.parallel import timeline
+
+    path = run.logging.timeline or os.environ.get(timeline.ENV)
+    if path:
+        timeline.start(path, f"rank {launch.rank}")
+
+
+def _name_timeline_rank(s) -> None:
+    """The rank's row title names its place: 'rank 3 (tp 1, pp 0, dp 1)'."""
+    from gigatron.parallel import timeline
+
+    if timeline.on:
+        g = s.groups
+        timeline.name_process(f"rank {g.rank} (tp {g.index('tp')}, pp {g.index('pp')}, "
+                              f"dp {g.index('dp')})")
+
+
+def _finish_timeline(collective: bool) -> None:
+    """Merge the ranks' spans into the one trace (collective at a normal end; after a
+    failure each rank leaves its part and rank 0 merges what it finds)."""
+    from gigatron.parallel import timeline
+
+    path = timeline.finish(collective)
+    if path is not None:
+        print(f"timeline: {os.path.abspath(path)} (open it in ui.perfetto.dev)", flush=True)
 
 
 def _start_watchdog(launch: "LaunchEnv", timeout_minutes: float) -> Optional["Watchdog"]:

@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 
 import torch
 
+from gigatron.parallel import timeline
+
 from .grad_sync import GradSync
 from .schedules import (Backward, Forward, Instruction, RecvActivation, RecvGrad,
                         SendActivation, SendGrad, comm_batches, is_first_stage, is_last_stage,
@@ -106,15 +108,28 @@ class PipelineExecutor:
         for step in comm_batches(schedule):
             if isinstance(step, tuple):
                 self._communicate(step)
-            elif isinstance(step, Forward):
+                continue
+            start = timeline.now() if timeline.on else 0
+            if isinstance(step, Forward):
                 self._forward(step.microbatch, step.chunk)
             elif isinstance(step, Backward):
                 self._backward(step.microbatch, step.chunk)
+            if timeline.on:
+                self._record_span(step, start)
         leftover = (len(self._outputs) + len(self._input_grads) + len(self._to_send) +
                     sum(len(d) for d in self._received.values()))
         if leftover:
             raise RuntimeError(f"schedule left {leftover} tensors unconsumed: it is malformed")
         return [self._losses[mb] for mb in sorted(self._losses)]
+
+    def _record_span(self, step: Instruction, start: int) -> None:
+        """The timeline's span of a forward or backward ('forward mb 3', 'chunk 1' when
+        interleaved), with the virtual stage it ran."""
+        kind = "forward" if isinstance(step, Forward) else "backward"
+        chunk = f" chunk {step.chunk}" if len(self.chunks) > 1 else ""
+        timeline.record(f"{kind} mb {step.microbatch}{chunk}", start, {
+            "microbatch": step.microbatch, "chunk": step.chunk,
+            "stage": step.chunk * self.pp_size + self.pp_rank})
 
     def _check_inputs(self, schedule: Sequence[Instruction], batches: Sequence[Batch]) -> None:
         forwards = [i for i in schedule if isinstance(i, Forward)]

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, List, Optional
 
 import torch
 
-from gigatron.parallel import comm
+from gigatron.parallel import comm, timeline
 from gigatron.parallel.zero.flat_group import FlatGroup
 from gigatron.parallel.zero.layout import Bucket
 from gigatron.parallel.comm import Group
@@ -102,6 +102,7 @@ class BucketedGradSync:
     def finish_sync(self) -> None:
         """Reduce what backward left (unused params, no overlap), wait for every reduction,
         then the extra reductions over the embedding group and tp."""
+        start = timeline.now() if timeline.on else 0
         for group in self.flat_groups:
             for b in group.buckets:
                 if b.dirty or not b.launched_this_step:
@@ -117,6 +118,9 @@ class BucketedGradSync:
                 for view in group.shard_views:
                     comm.all_reduce(view, group=extra)
         self.synced = True
+        if timeline.on:
+            timeline.record("gradient reduction", start, {"buckets": sum(
+                len(g.buckets) for g in self.flat_groups)})
 
     def new_step(self) -> None:
         """Forget this step's reductions (called by zero_grad)."""
