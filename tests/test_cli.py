@@ -8,7 +8,8 @@ import pytest
 from gigatron import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = ["plot", "preprocess-data", "pretrain", "schedule", "topology", "train-tokenizer"]
+COMMANDS = ["launch", "plot", "preprocess-data", "pretrain", "report", "schedule", "topology",
+            "train-tokenizer"]
 
 
 def gigatron(*args, cwd=None):

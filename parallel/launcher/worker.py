@@ -1,0 +1,153 @@
+"""One rank of a `gigatron launch` job: the same start-up under torchrun, mpirun and srun.
+
+`python -u -m gigatron.parallel.launcher.worker [--no_local_rank] [--log_dir D] script.py ARGS`
+
+- reads this rank's place the way `gigatron.parallel.launch` does (torchrun, SLURM or MPI
+  variables) and exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+  MASTER_PORT, plus DeepSpeed's LOCAL_SIZE, CROSS_RANK (node index) and CROSS_SIZE (nodes),
+  so a script written for torchrun runs under mpirun or srun unchanged;
+- with --log_dir, sends this rank's stdout and stderr to D/rank{RANK}.log (DeepSpeed's
+  per-rank logs: the console keeps only the launcher's lines);
+- runs the script as `__main__` with `--local_rank=K` before its arguments (DeepSpeed's
+  convention) unless --no_local_rank;
+- an uncaught exception prints its traceback as Python would (without this module's frames)
+  and is recorded where the launcher reads it: the error file torch's elastic agent names
+  (TORCHELASTIC_ERROR_FILE) and D/rank{RANK}.error.json for D in --log_dir and
+  GIGATRON_LAUNCH_ERROR_DIR.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from types import TracebackType
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from gigatron.parallel.launch import read_launch_env
+
+ERROR_DIR_ENV = "GIGATRON_LAUNCH_ERROR_DIR"
+
+
+def _first_int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return None
+
+
+def rank_env(env: Mapping[str, str]) -> Dict[str, str]:
+    """The torchrun-style variables of this rank, from whichever launcher started it."""
+    launch = read_launch_env(env)
+    nodes = _first_int(env, "GROUP_WORLD_SIZE", "SLURM_NNODES", "CROSS_SIZE")
+    local_size = _first_int(env, "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                            "MPI_LOCALNRANKS", "LOCAL_SIZE")
+    if local_size is None:
+        local_size = launch.world_size // nodes if nodes else launch.world_size
+    node = _first_int(env, "GROUP_RANK", "SLURM_NODEID", "CROSS_RANK")
+    return {"RANK": str(launch.rank), "WORLD_SIZE": str(launch.world_size),
+            "LOCAL_RANK": str(launch.local_rank), "LOCAL_WORLD_SIZE": str(local_size),
+            "LOCAL_SIZE": str(local_size), "MASTER_ADDR": launch.master_addr,
+            "MASTER_PORT": str(launch.master_port),
+            "CROSS_RANK": str(node if node is not None else launch.rank // max(local_size, 1)),
+            "CROSS_SIZE": str(nodes or max(launch.world_size // max(local_size, 1), 1))}
+
+
+def parse_worker_args(argv: Sequence[str]) -> Tuple[bool, Optional[str], List[str]]:
+    """(no_local_rank, log_dir, [script, args...]): our options end at the script path."""
+    args, no_local_rank, log_dir = list(argv), False, None
+    while args and args[0].startswith("--"):
+        option = args.pop(0)
+        if option == "--no_local_rank":
+            no_local_rank = True
+        elif option == "--log_dir" and args:
+            log_dir = args.pop(0)
+        else:
+            raise SystemExit(f"gigatron launch worker: unknown option {option!r} before the "
+                             f"script (options: --no_local_rank, --log_dir D)")
+    if not args:
+        raise SystemExit("gigatron launch worker: no script given")
+    return no_local_rank, log_dir, args
+
+
+def _redirect_output(path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _user_frames(tb: Optional[TracebackType], script: str) -> Optional[TracebackType]:
+    """The traceback from the script's first frame on (this module and runpy cut off)."""
+    start, target = tb, os.path.realpath(script)
+    while start is not None and os.path.realpath(start.tb_frame.f_code.co_filename) != target:
+        start = start.tb_next
+    return start if start is not None else tb
+
+
+def record_failure(error: BaseException, callstack: str, paths: Sequence[str]) -> None:
+    """Write the failure in the error-file format torch's elastic agent reads."""
+    now = time.time()
+    data = {"message": {"message": f"{type(error).__name__}: {error}",
+                        "extraInfo": {"py_callstack": callstack, "timestamp": str(int(now)),
+                                      "time": now}}}
+    for path in paths:
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass  # the report is a courtesy: the traceback is on stderr already
+
+
+def _error_paths(rank: str, log_dir: Optional[str]) -> List[str]:
+    paths = [os.environ["TORCHELASTIC_ERROR_FILE"]] if os.environ.get(
+        "TORCHELASTIC_ERROR_FILE") else []
+    for folder in (log_dir, os.environ.get(ERROR_DIR_ENV)):
+        if folder:
+            paths.append(os.path.join(folder, f"rank{rank}.error.json"))
+    return paths
+
+
+def run_script(script: str, args: Sequence[str], error_paths: Sequence[str]) -> int:
+    """Run `script` as __main__ the way `python script.py args` would; 1 on an exception."""
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as error:
+        tb = _user_frames(error.__traceback__, script)
+        text = "".join(traceback.format_exception(type(error), error, tb))
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        record_failure(error, text, error_paths)
+        return 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Set up this rank's environment and logs, then run the script."""
+    no_local_rank, log_dir, (script, *args) = parse_worker_args(
+        sys.argv[1:] if argv is None else argv)
+    try:
+        os.environ.update(rank_env(os.environ))
+    except ValueError as error:
+        print(f"gigatron launch worker: {error}", file=sys.stderr)
+        return 2
+    rank = os.environ["RANK"]
+    if log_dir:
+        _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
+    if not no_local_rank:
+        args = [f"--local_rank={os.environ['LOCAL_RANK']}", *args]
+    return run_script(script, args, _error_paths(rank, log_dir))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
