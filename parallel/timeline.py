@@ -10,9 +10,10 @@ gradient reduction, optimizer step, checkpoint save, evaluation.
 
 Off (the default) it costs one module attribute read (`timeline.on`) where a span could
 start: nothing is allocated. On, each span is a tuple in a list (about a microsecond);
-the list is appended to this rank's part file (`t.json.parts/rank00003.jsonl`) every
-`FLUSH_EVERY` spans, at log intervals and at exit, so a crashed run leaves its parts
-(`python -m gigatron.parallel.timeline_merge t.json` merges them).
+the list is appended to this rank's part file (`t.json.parts/rank00003.jsonl`, one JSON
+line per batch: about 2 µs a span) every `FLUSH_EVERY` spans, at log intervals and at exit,
+so a crashed run leaves its parts (`python -m gigatron.parallel.timeline_merge t.json`
+merges them).
 
 One clock: spans are `time.perf_counter_ns()` readings. Ranks on one host share that clock
 (CLOCK_MONOTONIC); other hosts are mapped onto rank 0's through reference points taken right
@@ -73,7 +74,7 @@ class _Recorder:
 
     def flush(self, extra: Tuple[dict, ...] = ()) -> None:
         events, self.events = self.events, []
-        self._write([list(e) for e in events] + list(extra), "a")
+        self._write(([{"spans": events}] if events else []) + list(extra), "a")
 
     def _write(self, lines: List[Any], mode: str) -> None:
         with open(self.part, mode) as f:

@@ -3,9 +3,9 @@
     python -m gigatron.parallel.timeline_merge t.json    # the parts of a crashed run
 
 A part (`t.json.parts/rankNNNNN.jsonl`, written by `gigatron.parallel.timeline`) is JSON
-lines: a header {"part", "rank", "world_size", "host", "pid"}, then spans
-[row, name, start ns, end ns, args], {"label": ...}, clock references {"ref": ns} and a
-final {"end": true}. A line cut short by a crash is skipped.
+lines: a header {"part", "rank", "world_size", "host", "pid"}, then batches of spans
+{"spans": [[row, name, start ns, end ns, args], ...]}, {"label": ...}, clock references
+{"ref": ns} and a final {"end": true}. A line cut short by a crash is skipped.
 
 The trace: "X" events (ts and dur in µs from the earliest span), pid = rank, tid = a row:
 1 is the main thread, then other threads, then "comm (async) k" lanes that hold the
@@ -47,13 +47,13 @@ def read_part(text: str) -> Optional[Part]:
             item = json.loads(line)
         except ValueError:
             continue  # cut short by a crash
-        if isinstance(item, list):
-            if part is not None and len(item) == 5:
-                part.events.append(item)
-        elif "part" in item:
+        if not isinstance(item, dict):
+            continue
+        if "part" in item:
             part = Part(item["rank"], item["world_size"], item.get("host", ""))
         elif part is not None:
             part.label = item.get("label", part.label)
+            part.events += [e for e in item.get("spans", ()) if len(e) == 5]
             if "ref" in item:
                 part.refs.append(item["ref"])
             part.complete = part.complete or bool(item.get("end"))

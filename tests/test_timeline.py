@@ -240,7 +240,8 @@ def test_a_crashed_rank_leaves_its_part_and_the_merge_names_it(tmp_path, monkeyp
 
 def test_a_part_cut_short_mid_line_is_read_up_to_the_cut():
     text = ('{"part":1,"rank":2,"world_size":4,"host":"h","pid":1}\n{"label":"rank 2 (dp 1)"}\n'
-            '{"ref":100}\n["main thread","forward mb 0",110,150,null]\n["main thr')
+            '{"ref":100}\n{"spans":[["main thread","forward mb 0",110,150,null]]}\n'
+            '{"spans":[["main thread","backward mb 0",160,190,null],["main thr')
     part = read_part(text)
     assert (part.rank, part.label, part.refs, part.complete) == (2, "rank 2 (dp 1)", [100],
                                                                  False)
@@ -269,6 +270,25 @@ def test_another_host_is_mapped_through_the_barrier_references():
                                                                10000, None]])])
     starts = [e["ts"] for e in trace["traceEvents"] if e["ph"] == "X"]
     assert starts == [0.0, 0.0]
+
+
+def test_the_renderer_draws_one_iteration_of_a_trace(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    import render_timeline
+
+    spans = [["main thread", "iteration 1", 0, 900, None],
+             ["main thread", "forward mb 0", 100, 300, {"microbatch": 0}],
+             ["main thread", "backward mb 0", 400, 800, {"microbatch": 0}],
+             [timeline.ASYNC, "send/recv with rank 1", 300, 450, {"bytes": 8, "group": "pp"}]]
+    trace = build_trace([Part(0, 1, "h", label="rank 0 (tp 0, pp 0, dp 0)", events=spans)])
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    png = tmp_path / "t.png"
+    assert render_timeline.main([str(path), str(png), "--iteration", "1"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="no 'iteration 7'"):
+        render_timeline.main([str(path), str(png), "--iteration", "7"])
 
 
 if __name__ == "__main__":
