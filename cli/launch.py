@@ -166,23 +166,28 @@ def dry_run_text(plan: "LaunchPlan", commands: Sequence["Command"]) -> str:
 
 def _start(req: "LaunchRequest", plan: "LaunchPlan", commands: List["Command"]) -> int:
     from gigatron.parallel.launcher.hosts import LaunchError
-    from gigatron.parallel.launcher.run import run_commands, run_local_node
+    from gigatron.parallel.launcher.node import run_node
+    from gigatron.parallel.launcher.run import run_commands
 
     for note in plan.notes:
         print(f"{PROG}: {note}", file=sys.stderr)
     if req.log_dir:
         print(f"{PROG}: one log per rank in {req.log_dir}/rank{{RANK}}.log", file=sys.stderr)
+    if plan.launcher == "torchrun" and not os.path.isfile(req.script):
+        raise LaunchError(f"script {req.script!r} not found in {os.getcwd()}: give its path")
     if plan.launcher == "torchrun":
         if plan.local_node is None:
             raise LaunchError(f"--launcher torchrun starts one node here: run it with "
                               f"--node_rank K on each node K (--dry_run prints each node's "
                               f"command), or use --launcher pdsh/ssh to start them all")
-        return run_local_node(commands[0], plan, req.log_dir)
+        os.environ.update(dict(commands[0].env))  # CUDA_VISIBLE_DEVICES, GIGATRON_TIMELINE
+        return run_node(commands[0].argv[4:])  # after `python -u -m <node module>`
     missing = sorted({c.argv[0] for c in commands if shutil.which(c.argv[0]) is None})
     if missing:
         raise LaunchError(f"--launcher {plan.launcher} needs `{missing[0]}`, which is not on "
                           f"PATH: install it or pick another --launcher")
-    return run_commands(commands, req.log_dir)
+    return run_commands(commands, req.log_dir,
+                        ranks_report=plan.launcher in ("openmpi", "mpich", "slurm"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

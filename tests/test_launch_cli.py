@@ -7,6 +7,7 @@ a failing rank, mpirun when Open MPI is installed).
 import itertools
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from gigatron.parallel.launcher.commands import launch_commands
 from gigatron.parallel.launcher.hosts import (LaunchError, filter_resources, parse_horovod_hosts,
                                               parse_hostfile, parse_node_specs)
 from gigatron.parallel.launcher.plan import LaunchRequest, Machine, make_plan
-from gigatron.parallel.launcher.run import describe_failure, format_report
+from gigatron.parallel.launcher.failures import describe_failure, format_report
 from gigatron.parallel.launcher.worker import parse_worker_args, rank_env
 
 HOSTFILE = textwrap.dedent("""\
@@ -32,7 +33,7 @@ HOSTFILE = textwrap.dedent("""\
 """)
 PY = "python"
 WORKER = "-m gigatron.parallel.launcher.worker"
-TORCHRUN = "python -u -m torch.distributed.run"
+TORCHRUN = "python -u -m gigatron.parallel.launcher.node"  # torchrun's flags
 
 
 def plan_of(machine=Machine(), **flags):
@@ -354,7 +355,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(argv, message, capsys, tmp_pat
     assert launch_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("gigatron launch: error: ") and err.count("\n") == 1
-    assert __import__("re").search(message, err), err
+    assert re.search(message, err), err
 
 
 def test_parser_keeps_script_arguments_apart():
@@ -418,7 +419,7 @@ def test_report_without_traceback_shows_the_exit_and_log_tail(tmp_path):
 # ---- whole programs: real workers on this machine ----------------------------------------
 
 ALLREDUCE = textwrap.dedent("""\
-    import argparse, os
+    import argparse, os, sys
     import torch, torch.distributed as dist
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -427,9 +428,10 @@ ALLREDUCE = textwrap.dedent("""\
     dist.init_process_group("gloo")
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
-    print(f"rank={dist.get_rank()} world={dist.get_world_size()} local_rank={args.local_rank} "
-          f"env_local_rank={os.environ['LOCAL_RANK']} sum={int(total.item())} tag={args.tag} "
-          f"timeline={os.environ.get('GIGATRON_TIMELINE')}", flush=True)
+    sys.stdout.write(f"rank={dist.get_rank()} world={dist.get_world_size()} "
+                     f"local_rank={args.local_rank} env_local_rank={os.environ['LOCAL_RANK']} "
+                     f"sum={int(total.item())} tag={args.tag} "
+                     f"timeline={os.environ.get('GIGATRON_TIMELINE')}\\n")  # one write per line
     dist.destroy_process_group()
 """)
 FAILING = textwrap.dedent("""\
@@ -442,6 +444,11 @@ FAILING = textwrap.dedent("""\
         step(1)
     time.sleep(60)
 """)
+
+
+def rank_lines(text):
+    """The scripts' report lines, sorted (ranks share one pipe, so split at each report)."""
+    return sorted(re.findall(r"rank=\d+ .*?timeline=\S*?(?=rank=|\n|$)", text))
 
 
 def free_port():
@@ -467,7 +474,7 @@ def test_one_node_two_cpu_workers_all_reduce(tmp_path):
                   "--timeline", "t.json", "allreduce.py", "--tag", "one")
     assert proc.returncode == 0, proc.stderr
     timeline = tmp_path / "t.json"
-    assert sorted(l for l in proc.stdout.splitlines() if l.startswith("rank=")) == [
+    assert rank_lines(proc.stdout) == [
         f"rank={r} world=2 local_rank={r} env_local_rank={r} sum=3 tag=one timeline={timeline}"
         for r in range(2)]
     assert "torch.distributed" not in proc.stderr and "OMP_NUM_THREADS" not in proc.stderr
@@ -509,7 +516,7 @@ def test_mpirun_np_2_all_reduces(tmp_path):
     proc = launch(tmp_path, "--launcher", "openmpi", "-np", "2", "--master_port",
                   str(free_port()), "allreduce.py", "--tag", "mpi")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(l for l in proc.stdout.splitlines() if l.startswith("rank=")) == [
+    assert rank_lines(proc.stdout) == [
         f"rank={r} world=2 local_rank={r} env_local_rank={r} sum=3 tag=mpi timeline=None"
         for r in range(2)]
 
@@ -521,3 +528,26 @@ def test_mpirun_failure_names_the_rank(tmp_path):
     assert proc.returncode == 1
     assert "gigatron launch: rank 1 failed (ValueError: rank 1 cannot go on: bad batch)" \
         in proc.stderr
+
+
+def test_missing_script_is_one_line_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert launch_main(["--num_gpus", "1", "nope.py"]) == 2
+    assert capsys.readouterr().err == (f"gigatron launch: error: script 'nope.py' not found in "
+                                       f"{tmp_path}: give its path\n")
+
+
+def test_ssh_command_lines_run_as_printed(tmp_path, monkeypatch):
+    """Two "nodes" over ssh, where a stand-in ssh runs the remote command on this machine:
+    the quoting, `cd`, variables and per-node torchrun of the printed lines really work."""
+    fake = tmp_path / "bin" / "ssh"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/bash\nexec bash -c "${@: -1}"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    proc = launch(tmp_path, "-H", "localhost:1,127.0.0.1:1", "--launcher", "ssh",
+                  "--master_port", str(free_port()), "allreduce.py", "--tag", "it's")
+    assert proc.returncode == 0, proc.stderr
+    assert rank_lines(proc.stdout) == [
+        f"rank={r} world=2 local_rank=0 env_local_rank=0 sum=3 tag=it's timeline=None"
+        for r in range(2)]

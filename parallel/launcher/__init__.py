@@ -3,8 +3,10 @@
 hosts.py     hostfile, --include/--exclude and -H parsing (pure)
 plan.py      the per-node plan: hosts, ranks, devices, master, launcher (pure)
 commands.py  the exact torchrun / pdsh / ssh / mpirun / srun command lines (pure)
-run.py       starting them: this node through torch's elastic agent, others as processes,
-             and a short report naming the rank that failed
+node.py      one node's workers through torch's elastic agent (torchrun's flags), reporting
+             a failed rank in a few lines instead of the agent's traceback
+run.py       the pdsh/ssh/mpirun/srun commands as child processes; the first to fail stops all
+failures.py  the short report: which rank failed first, why, its last error lines
 worker.py    what each rank runs first: torchrun-style env under any launcher, --local_rank,
              per-rank logs, the failure record
 

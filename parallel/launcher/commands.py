@@ -1,6 +1,9 @@
 """The exact command lines that start a planned job: torchrun per node (run here, or over
 pdsh/ssh), or one mpirun (Open MPI, MPICH) / srun that starts every rank.
 
+"torchrun" is `python -m gigatron.parallel.launcher.node` with torchrun's flags: it runs
+`torch.distributed.run` and turns the agent's failure traceback into a few lines.
+
 Pure: the Python executable, the working directory and the variables to forward come in as
 arguments, so `--dry_run` prints what a real launch runs and tests compare whole lines.
 Every rank runs `python -u -m gigatron.parallel.launcher.worker [opts] script args`: the
@@ -16,6 +19,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from .plan import LaunchPlan, LaunchRequest, NodePlan
 
 WORKER_MODULE = "gigatron.parallel.launcher.worker"
+NODE_MODULE = "gigatron.parallel.launcher.node"  # torchrun's flags, a short failure report
 TIMELINE_ENV = "GIGATRON_TIMELINE"  # the timeline contract: each rank writes its part there
 PDSH_MAX_FAN_OUT = 1024
 # variables forwarded to other nodes: DeepSpeed's prefixes plus ours
@@ -67,8 +71,8 @@ def node_env(req: LaunchRequest, node: NodePlan) -> Dict[str, str]:
 
 def torchrun_argv(plan: LaunchPlan, node: NodePlan, req: LaunchRequest, python: str,
                   node_rank: str = "") -> List[str]:
-    """`python -u -m torch.distributed.run --nnodes ... -m <worker> script args` for a node."""
-    return [python, "-u", "-m", "torch.distributed.run", f"--nnodes={len(plan.nodes)}",
+    """`python -u -m <node> --nnodes ... -m <worker> script args`: torchrun for one node."""
+    return [python, "-u", "-m", NODE_MODULE, f"--nnodes={len(plan.nodes)}",
             f"--node-rank={node_rank or node.node_rank}", f"--nproc-per-node={node.nproc}",
             f"--master-addr={plan.master_addr}", f"--master-port={plan.master_port}",
             *worker_argv(req)]

@@ -83,11 +83,12 @@ def _redirect_output(path: str) -> None:
 
 
 def _user_frames(tb: Optional[TracebackType], script: str) -> Optional[TracebackType]:
-    """The traceback from the script's first frame on (this module and runpy cut off)."""
+    """The traceback from the script's first frame on: this module and runpy cut off, and
+    nothing when the script never ran (a SyntaxError shows its own line)."""
     start, target = tb, os.path.realpath(script)
     while start is not None and os.path.realpath(start.tb_frame.f_code.co_filename) != target:
         start = start.tb_next
-    return start if start is not None else tb
+    return start
 
 
 def record_failure(error: BaseException, callstack: str, paths: Sequence[str]) -> None:
@@ -140,6 +141,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.environ.update(rank_env(os.environ))
     except ValueError as error:
         print(f"gigatron launch worker: {error}", file=sys.stderr)
+        return 2
+    if not os.path.isfile(script):
+        print(f"gigatron launch worker: script {script!r} not found in {os.getcwd()}",
+              file=sys.stderr)
         return 2
     rank = os.environ["RANK"]
     if log_dir:

@@ -1,0 +1,85 @@
+"""One node's workers through torch's elastic agent, with a short report when one fails.
+
+`python -u -m gigatron.parallel.launcher.node TORCHRUN_FLAGS -m gigatron.parallel.launcher.worker
+script args` takes torchrun's flags and runs `torch.distributed.run` with them in this
+process (torch does the rendezvous, the environment and stopping the other workers when one
+fails); it catches the agent's ChildFailedError and prints a few lines naming the failed rank
+instead of the agent's traceback. `gigatron launch` runs this node's part with it, and each
+node's pdsh/ssh command runs this module.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Any, Iterator, Optional, Sequence
+
+from .commands import WORKER_MODULE
+from .failures import PROG, describe_failure, first_failures, format_report
+from .worker import parse_worker_args
+
+
+@contextlib.contextmanager
+def _quiet_torch_elastic() -> Iterator[None]:
+    """Keep the agent's own log lines (and its failure box) off the console while it runs."""
+    parent = logging.getLogger("torch.distributed")  # torch gives it a stderr handler
+    saved = (parent.propagate, parent.handlers)
+    parent.handlers, parent.propagate = [logging.NullHandler()], False
+    try:
+        yield
+    finally:
+        parent.propagate, parent.handlers = saved
+
+
+def _startup_error(error: BaseException, args: Any) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "EADDRINUSE" in str(error) or "address already in use" in str(error):
+        return (f"{PROG}: --master_port {args.master_port} is in use on this machine: pick "
+                f"another port (every node must use the same)")
+    return (f"{PROG}: node {args.node_rank} could not start its workers: {text} (is node 0 "
+            f"up with --master_addr {args.master_addr} --master_port {args.master_port}?)")
+
+
+def _log_dir(args: Any) -> Optional[str]:
+    """The worker's --log_dir, where the failed rank's log is."""
+    if not (args.module and args.training_script == WORKER_MODULE):
+        return None
+    try:
+        return parse_worker_args(args.training_script_args)[1]
+    except SystemExit:
+        return None
+
+
+def run_node(torchrun_args: Sequence[str]) -> int:
+    """torchrun with these flags, here; 0, or a short report and the failed rank's code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(torchrun_args))
+    try:
+        with _quiet_torch_elastic():
+            run(args)
+    except ChildFailedError as error:
+        failures = [describe_failure(rank, f.exitcode, f.error_file, _log_dir(args),
+                                     f.timestamp) for rank, f in error.failures.items()]
+        print(format_report(failures), file=sys.stderr)
+        code = first_failures(failures)[0].exitcode
+        return code if code > 0 else 1
+    except SignalException as error:
+        print(f"{PROG}: stopped by {error.sigval.name}; the workers were stopped",
+              file=sys.stderr)
+        return 128 + int(error.sigval)
+    except Exception as error:  # rendezvous and store errors: one line, not the agent's
+        print(_startup_error(error, args), file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m gigatron.parallel.launcher.node TORCHRUN_FLAGS ...`."""
+    return run_node(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
