@@ -1,5 +1,6 @@
 """Tensor slicing: column/row-parallel linear, vocab-parallel embedding and cross-entropy,
-the (sequence-parallel) communication mappings, and the TP-aware RNG tracker.
+the (sequence-parallel) communication mappings, the TP-aware RNG tracker, and
+`parallelize(model, plan, groups)` for splitting any model by a plan (plans.py: ready-made).
 
 Process groups come in as arguments; `tp_group=None` means no tensor parallelism.
 """
@@ -20,10 +21,21 @@ from gigatron.parallel.tensor.mappings import (
     tp_rank,
     tp_size,
 )
+from gigatron.parallel.tensor.parallelize import TensorParallelPlan, parallelize
+from gigatron.parallel.tensor.plans import gigatron_gpt_plan, gpt2_plan, llama_plan, plan_for
 from gigatron.parallel.tensor.random import (
     TensorParallelRNGTracker,
     checkpoint,
     model_parallel_seed,
+)
+from gigatron.parallel.tensor.styles import (
+    ColumnParallel,
+    LocalAttributes,
+    Replicate,
+    RowParallel,
+    SequenceParallelNorm,
+    Style,
+    VocabParallel,
 )
 from gigatron.parallel.tensor.utils import (
     allreduce_sequence_parallel_grads,
@@ -40,4 +52,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region", "tp_rank", "tp_size",
     "TensorParallelRNGTracker", "checkpoint", "model_parallel_seed",
     "allreduce_sequence_parallel_grads", "divide", "gather_full_parameter",
+    "parallelize", "TensorParallelPlan", "Style", "ColumnParallel", "RowParallel",
+    "VocabParallel", "SequenceParallelNorm", "Replicate", "LocalAttributes",
+    "gpt2_plan", "llama_plan", "gigatron_gpt_plan", "plan_for",
 ]

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
+
+# How a partitioned dimension is made of stacked blocks, each split across tp on its own:
+# k equal blocks (an int; 1 = one block), or the full sizes of unequal ones (GQA's q, k, v).
+Stride = Union[int, Tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -55,29 +59,37 @@ def full_tensor(spec: InitSpec, seed: int, name: str) -> torch.Tensor:
     return out
 
 
-def shard(full: torch.Tensor, dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+def _blocks(t: torch.Tensor, dim: int, stride: Stride, parts: int = 1) -> Sequence[torch.Tensor]:
+    """The stacked blocks of `t` along `dim`; `parts` > 1 when `t` is one rank's slice."""
+    if isinstance(stride, int):
+        return t.chunk(stride, dim=dim)
+    return t.split([size // parts for size in stride], dim=dim)
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, size: int, stride: Stride = 1) -> torch.Tensor:
     """This rank's slice of `full` along `dim`.
 
     With `stride` k the dimension holds k stacked blocks (e.g. SwiGLU's gate and up
-    projections) and each rank gets its slice of every block, concatenated.
+    projections) and each rank gets its slice of every block, concatenated; a tuple gives
+    the sizes of unequal blocks (a fused q, k, v with fewer key/value heads).
     """
     if size == 1:
         return full
-    blocks = full.chunk(stride, dim=dim)
-    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
-
-
-def unshard(parts: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
-    """Inverse of `shard`: the full tensor from every rank's slice (in rank order)."""
-    if stride == 1:
-        return torch.cat(list(parts), dim=dim)
-    per_rank = [p.chunk(stride, dim=dim) for p in parts]
-    return torch.cat([torch.cat([r[b] for r in per_rank], dim=dim) for b in range(stride)],
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in _blocks(full, dim, stride)],
                      dim=dim)
 
 
+def unshard(parts: Sequence[torch.Tensor], dim: int, stride: Stride = 1) -> torch.Tensor:
+    """Inverse of `shard`: the full tensor from every rank's slice (in rank order)."""
+    if stride == 1:
+        return torch.cat(list(parts), dim=dim)
+    per_rank = [_blocks(p, dim, stride, len(parts)) for p in parts]
+    blocks = range(len(per_rank[0]))
+    return torch.cat([torch.cat([r[b] for r in per_rank], dim=dim) for b in blocks], dim=dim)
+
+
 def set_parallel_attributes(param: torch.Tensor, spec: InitSpec,
-                            partition_dim: Optional[int] = None, stride: int = 1,
+                            partition_dim: Optional[int] = None, stride: Stride = 1,
                             sequence_parallel: bool = False) -> None:
     """Tag a parameter with its init spec and how it is split across tp.
 

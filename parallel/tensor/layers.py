@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
+from gigatron.parallel.tensor.init import InitSpec, Stride, set_parallel_attributes
 from gigatron.parallel.tensor.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -36,7 +36,8 @@ class ColumnParallelLinear(nn.Module):
 
     Under sequence parallelism the input arrives split along the sequence (dim 0) and is
     all-gathered here (its grad reduce-scattered back). `partition_stride` > 1 marks an
-    output made of stacked blocks each split across tp (SwiGLU's gate and up).
+    output made of stacked blocks each split across tp (SwiGLU's gate and up); a tuple gives
+    the full sizes of unequal blocks (a fused q, k, v with fewer key/value heads).
     """
 
     weight: Optional[nn.Parameter]
@@ -45,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  init_std: float = 0.02, skip_weight_param: bool = False,
-                 partition_stride: int = 1, valid_rows: Optional[int] = None,
+                 partition_stride: Stride = 1, valid_rows: Optional[int] = None,
                  params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.tp_group = tp_group
@@ -133,16 +134,19 @@ class VocabParallelEmbedding(nn.Module):
 
     `num_embeddings` is the padded vocab (a multiple of tp); rows >= `vocab_size` are
     padding and start at zero. With `reduce_scatter_embeddings` (sequence parallelism) the
-    output is sequence-first and reduce-scattered: [s/tp, b, h]; else [b, s, h].
+    output is sequence-first and reduce-scattered: [s/tp, b, h]; else [b, s, h]. With
+    `keep_layout` too, dim 0 of the output is reduce-scattered as it comes (a user model's
+    own layout, see parallelize.py): [s/tp, b, h] for [s, b] ids, [b/tp, s, h] for [b, s].
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group = None,
                  vocab_size: Optional[int] = None, init_std: float = 0.02,
-                 reduce_scatter_embeddings: bool = False,
+                 reduce_scatter_embeddings: bool = False, keep_layout: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.tp_group = tp_group
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and tp_size(tp_group) > 1
+        self.keep_layout = keep_layout
         per_partition = divide(num_embeddings, tp_size(tp_group),
                                "padded vocab size across tensor-parallel ranks")
         self.vocab_start = tp_rank(tp_group) * per_partition
@@ -159,6 +163,7 @@ class VocabParallelEmbedding(nn.Module):
         else:
             out = F.embedding(input_ids, self.weight)
         if self.reduce_scatter_embeddings:
-            return reduce_scatter_to_sequence_parallel_region(
-                out.transpose(0, 1).contiguous(), self.tp_group)
+            if not self.keep_layout:
+                out = out.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return reduce_from_tensor_parallel_region(out, self.tp_group)
