@@ -254,3 +254,79 @@ def test_plan_for_knows_the_ready_made_plans_and_rejects_others():
     assert "transformer.h.*.attn.c_attn" in gpt2_plan().layers
     assert "model.layers.*.self_attn.k_proj" in llama_plan().layers
     assert isinstance(gpt2_plan(sequence_parallel=True), TensorParallelPlan)
+
+
+# ---- training: tp=2 x dp=2 with ZeRO equals one device ----------------------------------------
+
+STEPS, BATCH, LR = 3, 4, 1e-3
+TRAIN_CASES = [("user", True, 1, "adamw"), ("gpt2", False, 2, "sgd"), ("llama", False, 1, "adamw")]
+
+
+def _whole(kind, sequence_parallel=False):
+    """A freshly seeded whole model and its plan."""
+    if kind == "user":
+        return UserTransformer(), user_plan(sequence_parallel)
+    cls, config = _hf_models()[kind]
+    torch.manual_seed(0)
+    model = cls(config)
+    return model, plan_for(model, **({"sequence_parallel": True} if sequence_parallel else {}))
+
+
+def _train_loss(kind, model, ids):
+    if kind == "user":
+        return F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return model(ids, labels=ids).loss
+
+
+def _train_batches(kind):
+    vocab = VOCAB if kind == "user" else 128
+    return [_ids(BATCH, SEQ, vocab, seed=10 + i) for i in range(STEPS)]
+
+
+def _single_device(kind, optimizer):
+    model, _ = _whole(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0) if optimizer == "adamw" \
+        else torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for ids in _train_batches(kind):
+        opt.zero_grad()
+        _train_loss(kind, model, ids).backward()
+        opt.step()
+    start = dict(_whole(kind)[0].named_parameters())
+    with torch.no_grad():
+        moved = max(float((p - start[n]).norm() / p.norm()) for n, p in model.named_parameters())
+    assert moved > 100 * TRAIN_RTOL, f"{kind}: training barely moved the weights ({moved:.1e})"
+    modules = dict(model.named_modules())
+    return {n: p.detach().t() if is_conv1d(modules[n.rpartition(".")[0]]) and
+            n.endswith(".weight") else p.detach() for n, p in model.named_parameters()}
+
+
+def _tp2_dp2(rank, world, cases):
+    from gigatron.parallel.topology import ProcessGroups, Topology
+    from gigatron.parallel.zero import ZeroConfig, build_zero
+    groups = ProcessGroups(Topology(tp=2, dp=2), rank)
+    per, dp_rank, out = BATCH // 2, groups.index("dp"), {}
+    for kind, sp, stage, optimizer in cases:
+        whole, plan = _whole(kind, sp)
+        model = parallelize(whole, plan, groups)
+        zero = build_zero(model, ZeroConfig(zero_stage=stage, optimizer=optimizer, lr=LR,
+                                            weight_decay=0.0, sgd_momentum=0.9), groups)
+        for ids in _train_batches(kind):
+            zero.zero_grad()
+            zero.backward(_train_loss(kind, model, ids[dp_rank * per:(dp_rank + 1) * per]))
+            assert zero.step().success
+        with zero.gathered_parameters():
+            out[kind] = {n: gather_full_parameter(p, groups.tp)
+                         for n, p in model.named_parameters()}
+    return out
+
+
+def test_tp2_dp2_zero_training_of_split_models_equals_one_device():
+    _hf_models()
+    results = run_on_ranks(_tp2_dp2, 4, TRAIN_CASES)
+    for kind, _, stage, optimizer in TRAIN_CASES:
+        ref = _single_device(kind, optimizer)
+        for rank, got in enumerate(results):
+            assert set(got[kind]) == set(ref), kind
+            for name, full in got[kind].items():
+                diff = (full - ref[name]).norm() / ref[name].norm()
+                assert diff <= TRAIN_RTOL, f"{kind} zero {stage} rank {rank} {name}: {diff:.2e}"
