@@ -8,6 +8,11 @@ Same names, signature and return values as DeepSpeed, so a DeepSpeed script runs
 launcher), moves the model to the device and to fp16/bf16 as configured, makes every rank
 start from rank 0's weights, and builds ZeRO (stages 0-3, loss scaling, clipping, offload:
 the implementation pretrain_gpt.py uses) over the parameters given.
+
+A `gigatron.pipe.PipelineModule` gets a `PipelineEngine` (train_batch / eval_batch, DeepSpeed's
+pipeline engine): ZeRO over its stage's chunks with the pipeline's process groups, the
+batch arithmetic over its data-parallel size (world / pipeline stages), and each stage's
+replicas starting from their data-parallel rank 0.
 """
 from __future__ import annotations
 
@@ -58,23 +63,35 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[nn.Mod
     """(engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed returns them."""
     from gigatron.training.deepspeed_config import engine_config
 
+    from gigatron.engine.pipe_module import PipelineModule
+
     module = _check_model(model)
     if mpu is not None or mesh_param is not None:
-        raise ValueError("initialize(mpu=..., mesh_param=...): tensor/pipeline parallel user "
-                         "models are not supported by this engine yet; leave them None")
+        raise ValueError("initialize(mpu=..., mesh_param=...) are not supported: build a "
+                         "gigatron.pipe.PipelineModule (its topology= sets tp x dp x pp); "
+                         "leave them None")
     ctx = init_distributed()
+    pipe = module if isinstance(module, PipelineModule) else None
+    dp_rank, dp_size = (pipe.dp_rank, pipe.dp_size) if pipe else (ctx.rank, ctx.world_size)
     source = _config_source(args, config, config_params)
-    cfg = engine_config(source, ctx.world_size, model=module, args=args)
+    cfg = engine_config(source, ctx.world_size, dp_world_size=dp_size, model=module, args=args)
     module.to(ctx.device, dtype=_DTYPES[cfg.precision])
-    broadcast_module(module)
-    zero = _build_zero(module, cfg, optimizer, model_parameters)
+    if pipe is not None:
+        pipe.broadcast_from_data_parallel_source()
+    else:
+        broadcast_module(module)
+    zero = _build_zero(module, cfg, optimizer, model_parameters, pipe)
     scheduler = _scheduler(lr_scheduler, cfg, zero.optimizer)
-    loader = (EngineDataLoader(training_data, cfg.train_micro_batch_size_per_gpu, ctx.rank,
-                               ctx.world_size, collate_fn,
-                               pin_memory=pin_memory_default(ctx.device))
+    loader = (EngineDataLoader(training_data, cfg.train_micro_batch_size_per_gpu, dp_rank,
+                               dp_size, collate_fn, pin_memory=pin_memory_default(ctx.device))
               if training_data is not None else None)
-    engine = Engine(module, zero, cfg, ctx, scheduler, loader)
-    _log_config(cfg, ctx)
+    if pipe is not None:
+        from gigatron.engine.pipeline_engine import PipelineEngine
+
+        engine: Engine = PipelineEngine(pipe, zero, cfg, ctx, scheduler, loader)
+    else:
+        engine = Engine(module, zero, cfg, ctx, scheduler, loader)
+    _log_config(cfg, ctx, pipe)
     return engine, engine.optimizer, loader, scheduler
 
 
@@ -106,7 +123,7 @@ def _config_source(args: Optional[argparse.Namespace], config: ConfigSource,
 
 
 def _build_zero(module: nn.Module, cfg: EngineConfig, optimizer: Any,
-                model_parameters: Optional[Iterable]) -> Any:
+                model_parameters: Optional[Iterable], pipe: Any = None) -> Any:
     from gigatron.parallel.zero import build_zero
 
     if optimizer is None and cfg.optimizer is None:
@@ -124,7 +141,10 @@ def _build_zero(module: nn.Module, cfg: EngineConfig, optimizer: Any,
             f"is elementwise (Adam, AdamW, SGD, Adagrad; Lamb from the config); set "
             f"\"zero_allow_untested_optimizer\": true to use it anyway, as DeepSpeed requires")
     params = list(model_parameters) if model_parameters is not None else None
-    return build_zero(module, cfg.zero, param_groups=params,
+    # a pipeline: one flat-buffer set per virtual stage, reduced over its own groups
+    chunks = pipe.chunks if pipe is not None else module
+    groups = pipe.groups if pipe is not None else None
+    return build_zero(chunks, cfg.zero, groups, param_groups=params,
                       optimizer=optimizer if optimizer is not None else cfg.optimizer)
 
 
@@ -143,14 +163,17 @@ def _scheduler(lr_scheduler: Any, cfg: EngineConfig, optimizer: torch.optim.Opti
     return build_scheduler(cfg.scheduler, optimizer)
 
 
-def _log_config(cfg: EngineConfig, ctx: DistributedContext) -> None:
+def _log_config(cfg: EngineConfig, ctx: DistributedContext, pipe: Any = None) -> None:
     """Once, on rank 0: where it runs, and the config with every "auto" resolved."""
     if ctx.rank != 0:
         return
     print(f"[gigatron] engine: {ctx.world_size} rank{'s' if ctx.world_size > 1 else ''} on "
           f"{ctx.device.type}, ZeRO stage {cfg.zero.zero_stage}, {cfg.precision}, batch "
           f"{cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} x "
-          f"accumulation {cfg.gradient_accumulation_steps} x {ctx.world_size} ranks", flush=True)
+          f"accumulation {cfg.gradient_accumulation_steps} x " + (
+              f"{ctx.world_size} ranks" if pipe is None else
+              f"{pipe.dp_size} data-parallel replicas of {pipe.num_stages} pipeline stages"),
+          flush=True)
     if ctx.device.type == "cpu" and cfg.precision != "fp32":
         print(f"[gigatron] {cfg.precision} on a CPU: it runs and its numerics are those of "
               f"{cfg.precision}, but CPUs have no fast {cfg.precision} math"

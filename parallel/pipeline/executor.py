@@ -11,13 +11,19 @@ is), so the executor keeps a scalar anchor into the graph instead of the output 
 the output as soon as it is sent (Megatron frees it the same way, through private API); a
 stage's stored input is released as soon as its backward has run.
 
+Stage outputs are one tensor (GPT) or, for user models (`gigatron.pipe`), a tuple of
+tensors: every floating-point tensor of it gets a grad back, the others (masks, positions)
+only travel forward. A p2p that implements `KeyedPointToPoint` is told which stage boundary
+each message crosses (`schedules.message_boundary`), so messages may differ in shape.
+
 `grad_sync` (optional, a `GradSync`) gets `enable_sync(chunk, enabled)` before every
 backward, True only for that chunk's last micro-batch, so reductions overlap backward; the
 caller waits for them (`grad_sync.finish_sync()`) after `run`, then steps its optimizer.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple,
+                    Union, runtime_checkable)
 
 import torch
 
@@ -26,10 +32,23 @@ from gigatron.parallel import timeline
 from .grad_sync import GradSync
 from .schedules import (Backward, Forward, Instruction, RecvActivation, RecvGrad,
                         SendActivation, SendGrad, comm_batches, is_first_stage, is_last_stage,
-                        last_backward_per_chunk, peer)
+                        last_backward_per_chunk, message_boundary, peer)
 
-Batch = Mapping[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+Batch = Mapping[str, Any]  # tensors by the executor's keys (a user model's: tuples too)
+LossFn = Callable[[Any, Batch], torch.Tensor]
+Payload = Union[torch.Tensor, Tuple[torch.Tensor, ...]]  # a stage output or its grads
+MessageKey = Tuple[str, int]  # ("activation" or "grad", stage boundary)
+
+
+@runtime_checkable
+class KeyedPointToPoint(Protocol):
+    """A p2p told which boundary each message crosses (messages of several shapes)."""
+
+    def communicate_keyed(self, sends: Sequence[Tuple[Payload, int, MessageKey]],
+                          recvs: Sequence[Tuple[int, MessageKey]]) -> List[Payload]:
+        """Send (payload, global rank, key) triples and receive one payload per (global
+        rank, key) in one batch."""
+        ...
 
 
 class PointToPoint(Protocol):
@@ -50,18 +69,38 @@ def masked_mean_loss(per_token_loss: torch.Tensor, batch: Batch) -> torch.Tensor
     return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
+def as_tensors(payload: Payload) -> Tuple[torch.Tensor, ...]:
+    """A payload's tensors in order (one tensor is a payload of one)."""
+    return payload if isinstance(payload, tuple) else (payload,)
+
+
+def _float_tensors(payload: Payload) -> List[torch.Tensor]:
+    return [t for t in as_tensors(payload) if t.is_floating_point()]
+
+
+def _input_grads(hidden: Payload) -> Payload:
+    """The grads to send back for a received stage input (zeros where backward left none):
+    a tensor for a tensor, a tuple over the floating-point tensors for a tuple."""
+    grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                  for t in _float_tensors(hidden))
+    return grads if isinstance(hidden, tuple) else grads[0]
+
+
 class _OutputAnchor(torch.autograd.Function):
-    """A scalar standing in for a sent stage output: its backward hands the output the grad
-    received from the next stage, so the output itself need not be kept."""
+    """A scalar standing in for a sent stage output: its backward hands the output's
+    floating-point tensors the grads received from the next stage, so the output itself
+    need not be kept."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, grad_holder: list) -> torch.Tensor:
+    def forward(ctx, grad_holder: list, *outputs: torch.Tensor) -> torch.Tensor:
         ctx.grad_holder = grad_holder
-        return output.new_zeros(())
+        ctx.is_float = [t.is_floating_point() for t in outputs]
+        return torch.zeros((), device=outputs[0].device)
 
     @staticmethod
     def backward(ctx, _unused: torch.Tensor):
-        return ctx.grad_holder.pop(), None
+        received = iter(as_tensors(ctx.grad_holder.pop()))
+        return (None, *[next(received) if f else None for f in ctx.is_float])
 
 
 class PipelineExecutor:
@@ -95,14 +134,13 @@ class PipelineExecutor:
         self._forward_only = not any(isinstance(i, Backward) for i in schedule)
         self._batches, self._scale = batches, loss_scale / len(batches)
         self._last_backward = last_backward_per_chunk(schedule)
-        self._inputs: Dict[tuple, Optional[torch.Tensor]] = {}
+        self._inputs: Dict[tuple, Optional[Payload]] = {}
         self._outputs: Dict[tuple, torch.Tensor] = {}  # loss, or anchor of a sent output
-        self._to_send: Dict[tuple, torch.Tensor] = {}
+        self._to_send: Dict[tuple, Payload] = {}
         self._grad_holders: Dict[tuple, list] = {}
         # instruction type -> {(mb, chunk): tensor}
-        self._received: Dict[type, Dict[tuple, torch.Tensor]] = {RecvActivation: {},
-                                                                 RecvGrad: {}}
-        self._input_grads: Dict[tuple, torch.Tensor] = {}
+        self._received: Dict[type, Dict[tuple, Payload]] = {RecvActivation: {}, RecvGrad: {}}
+        self._input_grads: Dict[tuple, Payload] = {}
         self._losses: Dict[int, torch.Tensor] = {}
         self.peak_stored = 0
         for step in comm_batches(schedule):
@@ -149,14 +187,15 @@ class PipelineExecutor:
     def _forward(self, mb: int, chunk: int) -> None:
         batch, key = self._batches[mb], (mb, chunk)
         kwargs: Dict[str, Any] = {}
-        hidden = None
+        hidden: Optional[Payload] = None
         if is_first_stage(self.pp_rank, chunk):
             kwargs["input_ids"] = batch["input_ids"]
             if batch.get("position_ids") is not None:
                 kwargs["position_ids"] = batch["position_ids"]
         else:
             hidden = self._received[RecvActivation].pop(key)
-            hidden.requires_grad_(not self._forward_only)
+            for t in _float_tensors(hidden):
+                t.requires_grad_(not self._forward_only)
             kwargs["hidden_states"] = hidden
         last = self._is_last(chunk)
         if last and batch.get("labels") is not None:
@@ -173,7 +212,7 @@ class PipelineExecutor:
             self._inputs[key] = hidden
             if not last:
                 self._grad_holders[key] = []
-                output = _OutputAnchor.apply(output, self._grad_holders[key])
+                output = _OutputAnchor.apply(self._grad_holders[key], *as_tensors(output))
             self._outputs[key] = output
         self.peak_stored = max(self.peak_stored, len(self._inputs))
 
@@ -183,25 +222,33 @@ class PipelineExecutor:
             self.grad_sync.enable_sync(chunk, self._last_backward.get(chunk) == mb)
         output, hidden = self._outputs.pop(key), self._inputs.pop(key)
         if self._is_last(chunk):
-            torch.autograd.backward(output * self._scale)
+            output = output * self._scale
         else:
             self._grad_holders.pop(key).append(self._received[RecvGrad].pop(key))
+        if output.requires_grad:  # a stage whose output depends on nothing trainable: no-op
             torch.autograd.backward(output)
         if not is_first_stage(self.pp_rank, chunk):
-            assert hidden is not None and hidden.grad is not None  # received, requires grad
-            self._input_grads[key] = hidden.grad
+            assert hidden is not None  # received from the previous stage
+            self._input_grads[key] = _input_grads(hidden)
 
     def _communicate(self, ops: tuple) -> None:
         sends, recvs, recv_from = [], [], []
         for op in ops:
             peer_rank, _ = peer(op, self.pp_rank, self.pp_size)
             key = (op.microbatch, op.chunk)
+            message = ("activation" if isinstance(op, (SendActivation, RecvActivation))
+                       else "grad", message_boundary(op, self.pp_rank, self.pp_size))
             if isinstance(op, SendActivation):
-                sends.append((self._to_send.pop(key), self.pp_ranks[peer_rank]))
+                sends.append((self._to_send.pop(key), self.pp_ranks[peer_rank], message))
             elif isinstance(op, SendGrad):
-                sends.append((self._input_grads.pop(key), self.pp_ranks[peer_rank]))
+                sends.append((self._input_grads.pop(key), self.pp_ranks[peer_rank], message))
             else:
                 recvs.append((type(op), key))
-                recv_from.append(self.pp_ranks[peer_rank])
-        for (kind, key), tensor in zip(recvs, self.p2p.communicate(sends, recv_from)):
-            self._received[kind][key] = tensor
+                recv_from.append((self.pp_ranks[peer_rank], message))
+        if isinstance(self.p2p, KeyedPointToPoint):
+            received = self.p2p.communicate_keyed(sends, recv_from)
+        else:
+            received = self.p2p.communicate([(t, r) for t, r, _ in sends],
+                                            [r for r, _ in recv_from])
+        for (kind, key), payload in zip(recvs, received):
+            self._received[kind][key] = payload

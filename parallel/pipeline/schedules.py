@@ -91,6 +91,14 @@ def peer(op: Communication, pp_rank: int, pp_size: int) -> Tuple[int, int]:
     return (pp_rank - 1) % pp_size, op.chunk - (1 if pp_rank == 0 else 0)
 
 
+def message_boundary(op: Communication, pp_rank: int, pp_size: int) -> int:
+    """Which stage boundary a message crosses: b for the output of virtual stage b (an
+    activation sent to stage b + 1, or the grad received back for it). Both ends of a
+    message compute the same number, so messages of variable shape can be told apart."""
+    stage = op.chunk * pp_size + pp_rank
+    return stage if isinstance(op, (SendActivation, RecvGrad)) else stage - 1
+
+
 def check_num_microbatches(num_microbatches: int, pp_size: int, virtual_chunks: int) -> None:
     """Raise a flag-naming ValueError when the batch gives a schedule too few micro-batches."""
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
