@@ -247,6 +247,25 @@ def test_shapes_not_divisible_by_tp_are_errors_naming_module_dim_and_tp():
         "split across tp" in again
 
 
+def _pipeline_stages(rank, world):
+    from gigatron.parallel.topology import ProcessGroups, Topology
+    groups = ProcessGroups(Topology(pp=2), rank)
+    stage = nn.Module()  # the first stage holds the embedding, the last the output layer
+    if rank == 0:
+        stage.emb = nn.Embedding(8, 4)
+    else:
+        stage.head = nn.Linear(4, 8)
+    plan = {"emb": "vocab_embedding", "head": "column"}
+    parallelize(stage, plan, groups)
+    return _error(stage, {**plan, "haed": "column"}, groups)
+
+
+def test_on_pipeline_stages_a_pattern_must_match_on_some_stage_not_on_each():
+    messages = run_on_ranks(_pipeline_stages, 2)
+    assert messages == ["plan pattern 'haed' matches no module of any pipeline stage of "
+                        "Module"] * 2, messages
+
+
 def test_plan_for_knows_the_ready_made_plans_and_rejects_others():
     with pytest.raises(ValueError, match="no ready-made tensor-parallel plan for "
                                          "UserTransformer"):

@@ -38,6 +38,15 @@ whole when its last layer is column-parallel (it gathers dim 0); otherwise it is
 Things that read dim 0 of split activations (an attention mask built from the embeddings'
 batch size) are the model's business: see the plans' notes.
 
+Pipelines: build the `gigatron.pipe.PipelineModule` (each rank holds its stage's layers),
+then `parallelize(net, plan, net.groups)` before `gigatron.initialize`; patterns use its
+names ("3.attn.qkv", "tied_modules.embed.tok") and may match nothing on some stages. A
+module is swapped inside its parent, so split the Linear layers *inside* a pipeline layer
+(the stage keeps its own references to its top-level layers and tied modules).
+
+Modules between a column and a row layer must take their shapes from the column layer's
+output, not from their own input (split under sequence parallelism).
+
 Not done here: replicating key/value heads when tp exceeds them (num_key_value_heads must be
 divisible by tp), and per-tp-rank dropout streams (dropout inside split regions draws from
 the default generator, the same stream on every tp rank).
@@ -48,8 +57,10 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Dict, List, Mapping, Tuple, Union
 
+import torch
 from torch import nn
 
+from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.tensor.styles import (SHORTHANDS, LocalAttributes, ShardContext, Style,
                                              is_linear)
@@ -88,11 +99,15 @@ Matches = Dict[str, Tuple[str, Style]]
 def parallelize(model: nn.Module, plan: PlanLike,
                 groups: Union[ProcessGroups, Group]) -> nn.Module:
     """Split `model` in place over the tp group (`groups.tp`, or `groups` itself) by `plan`;
-    returns the model. Every tp rank calls it on the same whole model."""
+    returns the model. Every tp rank calls it on the same whole model. With a ProcessGroups
+    of several pipeline stages, each stage splits the modules it holds, and a pattern is
+    an error only if it matches nothing on every stage (every pp rank must call it)."""
     plan = plan if isinstance(plan, TensorParallelPlan) else TensorParallelPlan(dict(plan))
     tp_group = groups.tp if isinstance(groups, ProcessGroups) else groups
     ctx = ShardContext(tp_group, plan.sequence_parallel)
-    matches = match_plan(model, plan)
+    pp_group = groups.pp if isinstance(groups, ProcessGroups) and groups.size("pp") > 1 \
+        else None
+    matches = match_plan(model, plan, pp_group)
     modules = dict(model.named_modules())
     label = {name: name or type(model).__name__ for name in matches}  # "" is the model
     problems = [p for name, (_, style) in matches.items()
@@ -110,31 +125,44 @@ def parallelize(model: nn.Module, plan: PlanLike,
     return model
 
 
-def match_plan(model: nn.Module, plan: TensorParallelPlan) -> Matches:
-    """Module name -> (pattern, style); patterns matching nothing and conflicting patterns
-    are a ValueError (all of them, one line each)."""
+def match_plan(model: nn.Module, plan: TensorParallelPlan, pp_group: Group = None) -> Matches:
+    """Module name -> (pattern, style); patterns matching nothing (on any stage of
+    `pp_group`) and conflicting patterns are a ValueError (all of them, one line each)."""
+    styles = plan.styles()
     names = [name for name, _ in model.named_modules()]
     matched: Matches = {}
-    problems: List[str] = []
     conflicts: Dict[Tuple[str, str], List[str]] = {}
-    for pattern, style in plan.styles().items():
-        hits = [n for n in names if fnmatchcase(n, pattern)]
-        if not hits:
-            problems.append(f"plan pattern {pattern!r} matches no module of "
-                            f"{type(model).__name__}")
-        for name in hits:
+    hits = []
+    for pattern, style in styles.items():
+        found = [n for n in names if fnmatchcase(n, pattern)]
+        hits.append(len(found))
+        for name in found:
             if name not in matched:
                 matched[name] = (pattern, style)
             elif matched[name][1] != style:
                 conflicts.setdefault((matched[name][0], pattern), []).append(name)
-    for (first, second), where in conflicts.items():
-        more = f" (and {len(where) - 1} more)" if len(where) > 1 else ""
-        problems.append(f"conflicting patterns: {first!r} ({matched[where[0]][1].name}) and "
-                        f"{second!r} ({plan.styles()[second].name}) both match "
-                        f"{where[0]!r}{more}")
+    where = f"any pipeline stage of {type(model).__name__}" if pp_group is not None \
+        else type(model).__name__
+    problems = [f"plan pattern {pattern!r} matches no module of {where}"
+                for pattern, n in zip(styles, _hits_on_any_stage(model, hits, pp_group)) if not n]
+    for (first, second), names_hit in conflicts.items():
+        more = f" (and {len(names_hit) - 1} more)" if len(names_hit) > 1 else ""
+        problems.append(f"conflicting patterns: {first!r} ({styles[first].name}) and "
+                        f"{second!r} ({styles[second].name}) both match "
+                        f"{names_hit[0]!r}{more}")
     if problems:
         raise ValueError("\n".join(problems))
     return {n: matched[n] for n in names if n in matched}  # model order
+
+
+def _hits_on_any_stage(model: nn.Module, hits: List[int], pp_group: Group) -> List[int]:
+    """Matches per pattern summed over the pipeline stages (the plan is the same on all)."""
+    if pp_group is None or not hits:
+        return hits
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    total = torch.tensor(hits, dtype=torch.int64, device=device)
+    comm.all_reduce(total, group=pp_group)
+    return [int(n) for n in total.tolist()]
 
 
 def _children(modules: Mapping[str, nn.Module], scope: str, deep: bool) -> List[str]:
