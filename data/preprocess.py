@@ -19,7 +19,7 @@ import numpy as np
 
 from gigatron.data.indexed_dataset import IndexedDatasetBuilder, token_dtype_for_vocab
 from gigatron.data.sentencepiece_trainer import JSON_SUFFIXES, list_text_files
-from gigatron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from gigatron.data.tokenizer import TOKENIZER_TYPES, tokenizer_from_flags
 
 CHUNK_RECORDS, CHUNK_BYTES = 256, 1 << 18  # small enough to balance the workers
 
@@ -35,12 +35,7 @@ def get_parser() -> argparse.ArgumentParser:
                    help="keys of each JSON line to tokenize (one output per key) (default: %(default)s)")
     p.add_argument("--output-prefix", required=True,
                    help="writes PREFIX_KEY_document.bin/.idx for each JSON key")
-    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES,
-                   help="Megatron tokenizer name")
-    p.add_argument("--tokenizer-model", help="SentencePiece .model, or tokenizer.json/folder")
-    p.add_argument("--vocab-file", help="GPT2BPETokenizer vocab.json")
-    p.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
-    p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
+    _add_tokenizer_args(p)
     p.add_argument("--append-eod", action="store_true", help="end each document with eod")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: %(default)s)")
     p.add_argument("--log-interval", type=int, default=1000, help="documents between reports (default: %(default)s)")
@@ -50,6 +45,29 @@ def get_parser() -> argparse.ArgumentParser:
                    help="a malformed JSON line stops the run (error) or is reported and "
                         "skipped (skip) (default: %(default)s)")
     return p
+
+
+def _add_tokenizer_args(p: argparse.ArgumentParser) -> None:
+    """Megatron's tokenizer flags (docs/DATA.md: what each type needs)."""
+    p.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES,
+                   help="Megatron tokenizer name")
+    p.add_argument("--tokenizer-model", help="SentencePiece .model, tokenizer.json or its "
+                   "folder, or TikTokenizer's JSON vocabulary")
+    p.add_argument("--vocab-file", help="GPT-2 vocab.json or BERT vocab.txt")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer merges.txt")
+    p.add_argument("--vocab-size", type=int, help="NullTokenizer's vocabulary (eod is its "
+                   "last id); TikTokenizer's (default 131072)")
+    p.add_argument("--null-tokenizer-eod-id", type=int, help="NullTokenizer's eod "
+                   "(default: --vocab-size - 1)")
+    p.add_argument("--tiktoken-pattern", choices=("v1", "v2"), help="TikTokenizer's split "
+                   "pattern (default v2)")
+    p.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer's ids reserved for special tokens (default: %(default)s)")
+    p.add_argument("--tokenizer-special-tokens", nargs="+", help="TikTokenizer's special "
+                   "tokens (default <unk> <s> </s> <mask> <pad> <cls> <sep>)")
+    p.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: do not add the tokenizer's special tokens "
+                   "(e.g. BOS) to each document")
 
 
 def _records(files: Sequence[str]) -> Iterator[Record]:
@@ -82,9 +100,7 @@ class Encoder:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.keys, self.append_eod = list(args.json_keys), args.append_eod
-        self.tokenizer = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                         vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                         vocab_size=args.vocab_size)
+        self.tokenizer = tokenizer_from_flags(vars(args))
         self.dtype = token_dtype_for_vocab(self.tokenizer.vocab_size)
 
     def _texts(self, record: Record) -> Dict[str, str]:

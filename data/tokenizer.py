@@ -1,204 +1,81 @@
-"""Tokenizers under Megatron's `--tokenizer-type` names, each with eod, vocab_size and
-tokenize/detokenize. BPE and HuggingFace tokenizers run on the `tokenizers` library,
-SentencePiece on `sentencepiece`."""
+"""Tokenizers under Megatron's `--tokenizer-type` names, with Megatron-Core's meanings (ids,
+eod, vocab_size); `build_tokenizer` builds one from its type and files.
+
+The implementations: GPT-2 BPE, Hugging Face and BERT WordPiece on the `tokenizers` library
+(`tokenizer_bpe.py`), the SentencePiece family (`tokenizer_sentencepiece.py`), TikTokenizer on
+`tiktoken` (`tokenizer_tiktoken.py`), NullTokenizer here. When --tokenizer-type is not given,
+pretrain_gpt.py uses Megatron's default, GPT2BPETokenizer (`DEFAULT_TOKENIZER_TYPE`).
+"""
 from __future__ import annotations
 
-import abc
-import json
-import os
-from typing import List, Optional, Sequence, TypeVar
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
+
+from gigatron.data.tokenizer_base import Tokenizer, require_file
+from gigatron.data.tokenizer_bpe import (BertWordPieceTokenizer, GPT2BPETokenizer,
+                                         HuggingFaceTokenizer)
+from gigatron.data.tokenizer_sentencepiece import SENTENCEPIECE_TYPES, SentencePieceTokenizer
+from gigatron.data.tokenizer_tiktoken import TikTokenizer
 
 T = TypeVar("T")
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
-                   "NullTokenizer")
+# every type and the flags (argparse dests) it needs; Megatron's order
+TOKENIZER_NEEDS: Dict[str, Tuple[str, ...]] = {
+    "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
+    "TikTokenizer": ("tokenizer_model",),
+    "NullTokenizer": ("vocab_size",),
+}
+TOKENIZER_TYPES = tuple(TOKENIZER_NEEDS)
+DEFAULT_TOKENIZER_TYPE = "GPT2BPETokenizer"  # Megatron's pretrain_gpt.py default
+NOT_SUPPORTED = {  # Megatron's other types, and why they are not here
+    "MultimodalTokenizer": "multimodal (vision-language) models are not part of gigatron",
+    "NullMultimodalTokenizer": "multimodal (vision-language) models are not part of gigatron",
+    "SFTTokenizer": "supervised fine-tuning with chat templates is not part of gigatron",
+}
+__all__ = ["Tokenizer", "NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+           "BertWordPieceTokenizer", "SentencePieceTokenizer", "TikTokenizer",
+           "TOKENIZER_TYPES", "TOKENIZER_NEEDS", "DEFAULT_TOKENIZER_TYPE", "build_tokenizer",
+           "tokenizer_from_flags", "tokenizer_type_to_build", "missing_tokenizer_flags",
+           "require_file"]
 
 
-class Tokenizer(abc.ABC):
-    """The interface preprocessing and training rely on."""
+class NullTokenizer(Tokenizer):
+    """Text is space-separated token ids. As Megatron-Core's: vocab_size is --vocab-size
+    exactly and eod its last id (or --null-tokenizer-eod-id)."""
 
-    name = "abstract"
+    name = "NullTokenizer"
 
-    @property
-    @abc.abstractmethod
-    def vocab_size(self) -> int:
-        """Number of ids the model's embedding must cover."""
-
-    @property
-    @abc.abstractmethod
-    def eod(self) -> int:
-        """The end-of-document id appended by --append-eod."""
-
-    @abc.abstractmethod
-    def tokenize(self, text: str) -> List[int]:
-        """Text to ids."""
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return [self.tokenize(t) for t in texts]
-
-    @abc.abstractmethod
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Ids back to text."""
-
-
-def _require_file(path: Optional[str], flag: str, tokenizer_type: str) -> str:
-    if not path:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
-    if not os.path.exists(path):
-        raise ValueError(f"{flag} {path}: no such file or directory")
-    return path
-
-
-class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece model; eod is the model's end-of-sentence id."""
-
-    name = "SentencePieceTokenizer"
-
-    def __init__(self, model_file: str) -> None:
-        import sentencepiece
-
-        _require_file(model_file, "--tokenizer-model", self.name)
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
-        if self._sp.eos_id() < 0:
-            raise ValueError(f"--tokenizer-model {model_file}: the model has no eos piece to "
-                             f"use as end-of-document; train it with eos_id >= 0")
+    def __init__(self, vocab_size: int, eod_id: Optional[int] = None) -> None:
+        if vocab_size is None or int(vocab_size) <= 0:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size > 0")
+        self._vocab_size = int(vocab_size)
+        self._eod = self._vocab_size - 1 if eod_id is None else int(eod_id)
+        if not 0 <= self._eod < self._vocab_size:
+            raise ValueError(f"--null-tokenizer-eod-id {eod_id} must be in [0, "
+                             f"{self._vocab_size}) (--vocab-size {self._vocab_size})")
 
     @property
     def vocab_size(self) -> int:
-        return self._sp.get_piece_size()
-
-    @property
-    def eod(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def bos(self) -> int:
-        return self._sp.bos_id()
-
-    def tokenize(self, text: str) -> List[int]:
-        return self._sp.encode(text)
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return self._sp.encode(list(texts), num_threads=1)  # parallelism: preprocess --workers
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
-
-
-class _HFTokenizerBase(Tokenizer):
-    """Shared encode/decode over a `tokenizers.Tokenizer`."""
-
-    def __init__(self, tokenizer, eod_token: str, add_special_tokens: bool = False) -> None:
-        self._tok = tokenizer
-        self._add_special = add_special_tokens
-        eod = tokenizer.token_to_id(eod_token)
-        if eod is None:
-            raise ValueError(f"{self.name}: end-of-document token {eod_token!r} is not in "
-                             f"the vocabulary")
-        self._eod = eod
-
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     @property
     def eod(self) -> int:
         return self._eod
 
     def tokenize(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=self._add_special).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=self._add_special)
-        return [e.ids for e in encodings]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-class GPT2BPETokenizer(_HFTokenizerBase):
-    """GPT-2's byte-level BPE from `vocab.json` + `merges.txt`; eod is `<|endoftext|>`."""
-
-    name = "GPT2BPETokenizer"
-    EOD_TOKEN = "<|endoftext|>"
-
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-
-        _require_file(vocab_file, "--vocab-file", self.name)
-        _require_file(merge_file, "--merge-file", self.name)
-        tok = HFTokenizer(models.BPE.from_file(vocab_file, merge_file))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        if tok.token_to_id(self.EOD_TOKEN) is not None:
-            tok.add_special_tokens([self.EOD_TOKEN])  # never split it when it appears in text
-        super().__init__(tok, self.EOD_TOKEN)
-
-
-EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
-
-
-def _hf_eod_token(folder: Optional[str], tok) -> str:
-    """The eos token from tokenizer_config.json when present, else a well-known name."""
-    config = os.path.join(folder, "tokenizer_config.json") if folder else None
-    if config and os.path.exists(config):
-        with open(config, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token")
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if eos and tok.token_to_id(eos) is not None:
-            return eos
-    for name in EOD_CANDIDATES:
-        if tok.token_to_id(name) is not None:
-            return name
-    raise ValueError(f"HuggingFaceTokenizer: cannot tell the end-of-document token: no "
-                     f"tokenizer_config.json eos_token and none of {EOD_CANDIDATES} in the vocab")
-
-
-class HuggingFaceTokenizer(_HFTokenizerBase):
-    """A local `tokenizer.json` (or a folder holding one), loaded with `tokenizers`."""
-
-    name = "HuggingFaceTokenizer"
-
-    def __init__(self, path: str, add_special_tokens: bool = False) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-
-        _require_file(path, "--tokenizer-model", self.name)
-        folder = path if os.path.isdir(path) else os.path.dirname(path)
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.exists(file):
-            raise ValueError(f"--tokenizer-model {path}: folder has no tokenizer.json "
-                             f"(only local files are supported, no hub download)")
-        tok = HFTokenizer.from_file(file)
-        super().__init__(tok, _hf_eod_token(folder, tok), add_special_tokens)
-
-
-class NullTokenizer(Tokenizer):
-    """Text is space-separated token ids; eod is `vocab_size` (so the vocabulary is one more)."""
-
-    name = "NullTokenizer"
-
-    def __init__(self, vocab_size: int) -> None:
-        if vocab_size is None or int(vocab_size) <= 0:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size > 0")
-        self._base = int(vocab_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._base + 1
-
-    @property
-    def eod(self) -> int:
-        return self._base
-
-    def tokenize(self, text: str) -> List[int]:
         try:
             ids = [int(x) for x in text.split()]
         except ValueError as err:
             raise ValueError(f"NullTokenizer: text must be space-separated integers ({err})")
-        bad = [i for i in ids if not 0 <= i <= self._base]
+        bad = [i for i in ids if not 0 <= i < self._vocab_size]
         if bad:
-            raise ValueError(f"NullTokenizer: ids {bad[:5]} outside [0, {self._base}]")
+            raise ValueError(f"NullTokenizer: ids {bad[:5]} outside [0, {self._vocab_size}) "
+                             f"(--vocab-size {self._vocab_size})")
         return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -207,19 +84,66 @@ class NullTokenizer(Tokenizer):
 
 def build_tokenizer(tokenizer_type: str, *, tokenizer_model: Optional[str] = None,
                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    vocab_size: Optional[int] = None) -> Tokenizer:
-    """The tokenizer Megatron's `--tokenizer-type` and its file flags describe."""
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(_needs(tokenizer_type, "--tokenizer-model", tokenizer_model))
-    if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(_needs(tokenizer_type, "--vocab-file", vocab_file),
-                                _needs(tokenizer_type, "--merge-file", merge_file))
-    if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(_needs(tokenizer_type, "--tokenizer-model", tokenizer_model))
-    if tokenizer_type == "NullTokenizer":
-        return NullTokenizer(_needs(tokenizer_type, "--vocab-size", vocab_size))
-    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
-                     f"{', '.join(TOKENIZER_TYPES)}")
+                    vocab_size: Optional[int] = None, null_tokenizer_eod_id: Optional[int] = None,
+                    tiktoken_pattern: Optional[str] = None,
+                    tiktoken_num_special_tokens: int = 1000,
+                    tokenizer_special_tokens: Optional[Sequence[str]] = None,
+                    tokenizer_hf_no_include_special_tokens: bool = False) -> Tokenizer:
+    """The tokenizer Megatron's `--tokenizer-type` and its flags (keyword = flag dest)
+    describe."""
+    t = tokenizer_type
+    if t in NOT_SUPPORTED:
+        raise ValueError(f"--tokenizer-type {t} is not supported: {NOT_SUPPORTED[t]}")
+    if t not in TOKENIZER_NEEDS:
+        raise ValueError(f"--tokenizer-type {t!r} is not supported; choose one of "
+                         f"{', '.join(TOKENIZER_TYPES)}")
+    if t.startswith("BertWordPiece"):
+        return BertWordPieceTokenizer(_needs(t, "--vocab-file", vocab_file),
+                                      lower_case=t == "BertWordPieceLowerCase")
+    if t == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(_needs(t, "--vocab-file", vocab_file),
+                                _needs(t, "--merge-file", merge_file))
+    if t == "NullTokenizer":
+        return NullTokenizer(_needs(t, "--vocab-size", vocab_size), null_tokenizer_eod_id)
+    model = _needs(t, "--tokenizer-model", tokenizer_model)
+    if t in SENTENCEPIECE_TYPES:
+        return SentencePieceTokenizer(model, name=t)
+    if t == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(model, not tokenizer_hf_no_include_special_tokens)
+    return TikTokenizer(model, tiktoken_pattern, vocab_size, tiktoken_num_special_tokens,
+                        tokenizer_special_tokens)
+
+
+TOKENIZER_FLAGS = ("tokenizer_model", "vocab_file", "merge_file", "vocab_size",
+                   "null_tokenizer_eod_id", "tiktoken_pattern", "tiktoken_num_special_tokens",
+                   "tokenizer_special_tokens", "tokenizer_hf_no_include_special_tokens")
+
+
+def tokenizer_from_flags(flags: Mapping[str, Any],
+                         tokenizer_type: Optional[str] = None) -> Tokenizer:
+    """build_tokenizer from parsed flags (argparse dests; a flag a parser lacks keeps its
+    default); `tokenizer_type` defaults to flags["tokenizer_type"]."""
+    options = {k: flags[k] for k in TOKENIZER_FLAGS if flags.get(k) is not None}
+    return build_tokenizer(tokenizer_type or flags["tokenizer_type"], **options)
+
+
+def tokenizer_type_to_build(flags: Mapping[str, Any]) -> Optional[str]:
+    """--tokenizer-type, or Megatron's default (GPT2BPETokenizer) when it is not given; None
+    for --mock-data without GPT-2 files (the caller builds a NullTokenizer of the model's
+    vocabulary: Megatron would download GPT-2's files here, gigatron downloads nothing)."""
+    if flags.get("tokenizer_type"):
+        return str(flags["tokenizer_type"])
+    if flags.get("mock_data") and not (flags.get("vocab_file") or flags.get("merge_file")):
+        return None
+    return DEFAULT_TOKENIZER_TYPE
+
+
+def missing_tokenizer_flags(flags: Mapping[str, Any]) -> Tuple[Optional[str], List[str]]:
+    """(the type tokenizer_type_to_build picks, the flag dests it needs that are not given)."""
+    tokenizer_type = tokenizer_type_to_build(flags)
+    if tokenizer_type is None or tokenizer_type not in TOKENIZER_NEEDS:
+        return tokenizer_type, []
+    return tokenizer_type, [d for d in TOKENIZER_NEEDS[tokenizer_type] if flags.get(d) is None]
 
 
 def _needs(tokenizer_type: str, flag: str, value: Optional[T]) -> T:

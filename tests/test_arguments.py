@@ -140,7 +140,8 @@ BAD_DATA = [
      "--num-attention-heads 2 --seq-length 8 --vocab-size 10", r"no training data"),
     ("--micro-batch-size 2 --train-iters 1 --lr 1 --num-layers 1 --hidden-size 8 "
      "--num-attention-heads 2 --seq-length 8 --data-path d --vocab-size 10",
-     r"--tokenizer-type is required"),
+     r"--tokenizer-type GPT2BPETokenizer \(Megatron's default when --tokenizer-type is not "
+     r"given\) needs --vocab-file, --merge-file"),
     ("--micro-batch-size 2 --train-iters 1 --lr 1 --num-layers 1 --hidden-size 8 "
      "--num-attention-heads 2 --seq-length 8 --data-path d --vocab-size 10 "
      "--tokenizer-type SentencePieceTokenizer", r"needs --tokenizer-model"),

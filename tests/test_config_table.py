@@ -133,10 +133,14 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
 OWNERS = {ParallelConfig: "parallel", TrainConfig: "train", CheckpointConfig: "checkpoint",
           LoggingConfig: "logging"}
 DATA_DESTS = ("data_path", "train_data_path", "valid_data_path", "test_data_path",
-              "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "deepspeed_config")
+              "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "deepspeed_config",
+              "tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens",
+              "tokenizer_hf_no_include_special_tokens")  # tests/test_tokenizer_megatron.py
 
 
 def _sample(row):
+    if row.dest == "tokenizer_special_tokens":
+        return ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>", "<x>"]
     if row.dest in SAMPLES:
         return SAMPLES[row.dest]
     if row.type is bool:

@@ -1,7 +1,7 @@
 """Whole-program runs of pretrain_gpt.py through torchrun on CPU (fp32, dropout 0).
 
 Data: a real .bin/.idx built here from Python standard-library source files (one document
-per file, byte-level tokens, eod 256; NullTokenizer with --vocab-size 256).
+per file, byte-level tokens, eod 256; NullTokenizer with --vocab-size 257: eod is its last id).
 Tolerance: every layout logs the single-device run's lm loss at each of 10 iterations within
 1e-4 relative (layouts differ only in the order of floating-point reductions). A run stopped
 at iteration 6 and resumed to 10 logs the uninterrupted run's losses bit for bit.
@@ -44,7 +44,7 @@ def base_flags(prefix: str) -> list:
     return ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
             "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 "
             "--lr-warmup-iters 2 --lr-decay-style cosine --min-lr 1e-4 --hidden-dropout 0 "
-            "--attention-dropout 0 --tokenizer-type NullTokenizer --vocab-size 256 "
+            "--attention-dropout 0 --tokenizer-type NullTokenizer --vocab-size 257 "
             "--split 90,10,0 --log-interval 1 --eval-interval 5 --eval-iters 1 "
             "--no-progress --make-vocab-size-divisible-by 8").split() + ["--data-path", prefix]
 

@@ -139,7 +139,7 @@ def test_command_line_tool_with_null_tokenizer(tmp_path):
     out = str(tmp_path / "n")
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
                            "--input", str(data), "--output-prefix", out, "--tokenizer-type",
-                           "NullTokenizer", "--vocab-size", "80000", "--append-eod"],
+                           "NullTokenizer", "--vocab-size", "80001", "--append-eod"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     ds, got = _read_docs(out + "_text_document")

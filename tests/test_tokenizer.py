@@ -83,16 +83,19 @@ def test_huggingface_tokenizer_from_folder_or_file_round_trips(bpe_files, real_t
     assert HuggingFaceTokenizer(folder).tokenize(real_text) == gpt2.tokenize(real_text)
 
 
-def test_null_tokenizer_round_trips_ids_and_puts_eod_after_the_vocab():
+def test_null_tokenizer_round_trips_ids_and_its_eod_is_the_last_id_as_in_megatron_core():
     tok = NullTokenizer(1000)
-    assert tok.vocab_size == 1001 and tok.eod == 1000
-    text = "5 17 999 0 42"
-    assert tok.tokenize(text) == [5, 17, 999, 0, 42]
+    assert tok.vocab_size == 1000 and tok.eod == 999  # Megatron-Core: vocab N, eod N - 1
+    text = "5 17 998 0 42"
+    assert tok.tokenize(text) == [5, 17, 998, 0, 42]
     assert tok.detokenize(tok.tokenize(text)) == text
     with pytest.raises(ValueError, match="space-separated"):
         tok.tokenize("5 cat")
     with pytest.raises(ValueError, match="outside"):
-        tok.tokenize("1001")
+        tok.tokenize("1000")
+    assert NullTokenizer(1000, eod_id=0).eod == 0  # --null-tokenizer-eod-id
+    with pytest.raises(ValueError, match="--null-tokenizer-eod-id 1000 must be in"):
+        NullTokenizer(1000, eod_id=1000)
 
 
 def test_build_tokenizer_by_megatron_name_with_clear_errors(bpe_files, tmp_path):
@@ -102,7 +105,7 @@ def test_build_tokenizer_by_megatron_name_with_clear_errors(bpe_files, tmp_path)
                       GPT2BPETokenizer)
     assert isinstance(build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder),
                       HuggingFaceTokenizer)
-    assert build_tokenizer("NullTokenizer", vocab_size=10).eod == 10
+    assert build_tokenizer("NullTokenizer", vocab_size=10).eod == 9
     with pytest.raises(ValueError, match="--tokenizer-type 'BertWordPiece'"):
         build_tokenizer("BertWordPiece")
     with pytest.raises(ValueError, match="--merge-file"):

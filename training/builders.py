@@ -31,18 +31,19 @@ _NEEDS_RUN_CONFIG = "a RunConfig from build_run_config (model, data and batch si
 
 def build_tokenizer(flags: Dict[str, Any],
                     model_vocab: Optional[int] = None) -> Optional["Tokenizer"]:
-    """The tokenizer the data flags name; for --mock-data without one, a null tokenizer
-    whose vocabulary is --vocab-size (or the zoo model's) with eod as its last id."""
-    from gigatron.data.tokenizer import NullTokenizer, build_tokenizer as build
+    """The tokenizer the data flags name (Megatron's default type when none is named); for
+    --mock-data without one, a null tokenizer whose vocabulary is --vocab-size (or the zoo
+    model's) with eod as its last id."""
+    from gigatron.data.tokenizer import (NullTokenizer, tokenizer_from_flags,
+                                         tokenizer_type_to_build)
 
-    if flags.get("tokenizer_type") is not None:
-        return build(flags["tokenizer_type"], tokenizer_model=flags.get("tokenizer_model"),
-                     vocab_file=flags.get("vocab_file"), merge_file=flags.get("merge_file"),
-                     vocab_size=flags.get("vocab_size"))
+    tokenizer_type = tokenizer_type_to_build(flags)
+    if tokenizer_type is not None:
+        return tokenizer_from_flags(flags, tokenizer_type)
     vocab = flags.get("vocab_size") or model_vocab
     if vocab is None or vocab < 2:
         return None
-    return NullTokenizer(vocab - 1)
+    return NullTokenizer(vocab, flags.get("null_tokenizer_eod_id"))
 
 
 def partition(run: RunConfig) -> "PipelinePartition":

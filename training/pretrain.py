@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pretrain_gpt.py"
                ) -> Tuple[RunConfig, Optional[Tokenizer]]:
     """Flags -> (RunConfig, tokenizer); raises ValueError with one clear line."""
+    from gigatron.data.tokenizer import tokenizer_type_to_build
     from gigatron.parallel.launch import require_world_size
     from gigatron.training.arguments import build_run_config, parse_flags
     from gigatron.training.builders import build_tokenizer
@@ -45,7 +46,8 @@ def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pret
                            flags.pipeline_model_parallel_size)
     data_problems = Problems()  # reported with all others by build_run_config
     check_data(flags, data_problems)
-    tokenizer = build_tokenizer(vars(flags)) if flags.tokenizer_type and not data_problems \
+    tokenizer = build_tokenizer(vars(flags)) if not data_problems and \
+        tokenizer_type_to_build(vars(flags)) is not None \
         else None
     run = build_run_config(flags, launch.world_size, tokenizer.vocab_size if tokenizer else None)
     if tokenizer is None:

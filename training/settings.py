@@ -11,11 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from gigatron.data.tokenizer import TOKENIZER_TYPES as TOKENIZERS
 from gigatron.training.config_field import setting
 from gigatron.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
-
-TOKENIZERS = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
-              "NullTokenizer")
 
 
 @dataclass
@@ -179,14 +177,33 @@ class DataSettings:
     mock_data: bool = setting(False, "random tokens instead of a corpus", "--mock-data")
     data_cache_path: Optional[str] = setting(None, "where sample indices are cached",
                                              "--data-cache-path")
-    tokenizer_type: Optional[str] = setting(None, "tokenizer of the corpus",
-                                            "--tokenizer-type", choices=TOKENIZERS)
-    tokenizer_model: Optional[str] = setting(None, "SentencePiece / HuggingFace model",
-                                             "--tokenizer-model")
-    vocab_file: Optional[str] = setting(None, "GPT-2 BPE vocab.json", "--vocab-file")
+    tokenizer_type: Optional[str] = setting(
+        None, "tokenizer of the corpus, Megatron-Core's meaning (docs/DATA.md); not given: "
+        "GPT2BPETokenizer (Megatron's default), or with --mock-data and no --vocab-file a "
+        "NullTokenizer of --vocab-size (or the --model's vocab)", "--tokenizer-type",
+        choices=TOKENIZERS)
+    tokenizer_model: Optional[str] = setting(
+        None, "SentencePiece .model, Hugging Face tokenizer.json or its folder, or "
+        "TikTokenizer's JSON vocabulary", "--tokenizer-model")
+    vocab_file: Optional[str] = setting(None, "GPT-2 vocab.json or BERT vocab.txt",
+                                        "--vocab-file")
     merge_file: Optional[str] = setting(None, "GPT-2 BPE merges.txt", "--merge-file")
-    vocab_size: Optional[int] = setting(None, "vocabulary of NullTokenizer / --mock-data",
-                                        "--vocab-size")
+    vocab_size: Optional[int] = setting(
+        None, "NullTokenizer's vocabulary (eod is its last id, as in Megatron-Core), "
+        "TikTokenizer's (default 131072), or --mock-data's", "--vocab-size")
+    null_tokenizer_eod_id: Optional[int] = setting(
+        None, "NullTokenizer's eod (default --vocab-size - 1)", "--null-tokenizer-eod-id")
+    tiktoken_pattern: Optional[str] = setting(None, "TikTokenizer's split pattern (default "
+                                              "v2)", "--tiktoken-pattern", choices=("v1", "v2"))
+    tiktoken_num_special_tokens: int = setting(
+        1000, "TikTokenizer: ids reserved for special tokens before the BPE ranks",
+        "--tiktoken-num-special-tokens")
+    tokenizer_special_tokens: Optional[List[str]] = setting(
+        None, "TikTokenizer's special tokens (default <unk> <s> </s> <mask> <pad> <cls> <sep>)",
+        "--tokenizer-special-tokens", metavar="TOKEN")
+    tokenizer_hf_no_include_special_tokens: bool = setting(
+        False, "HuggingFaceTokenizer: do not add the tokenizer's special tokens (e.g. BOS) to "
+        "each document", "--tokenizer-hf-no-include-special-tokens")
     eod_mask_loss: bool = setting(False, "no loss on end-of-document tokens",
                                   "--eod-mask-loss")
 

@@ -289,12 +289,6 @@ def build_lr_schedule(flags: argparse.Namespace, global_batch_size: int,
     return cfg if len(p.lines) == n else None
 
 
-_TOKENIZER_NEEDS = {"SentencePieceTokenizer": ("tokenizer_model",),
-                    "HuggingFaceTokenizer": ("tokenizer_model",),
-                    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-                    "NullTokenizer": ("vocab_size",)}
-
-
 def check_data(flags: argparse.Namespace, p: Optional[Problems] = None) -> None:
     """Exactly one data source, and the tokenizer's files for its type (without `p`, the
     problems raise as one ConfigError)."""
@@ -321,14 +315,14 @@ def check_data(flags: argparse.Namespace, p: Optional[Problems] = None) -> None:
 
 
 def _check_tokenizer_and_files(flags: argparse.Namespace, p: Problems) -> None:
-    if flags.tokenizer_type is None:
-        p.add("--tokenizer-type is required with real data (e.g. SentencePieceTokenizer "
-              "with --tokenizer-model)")
-    else:
-        missing = [flag_name(d) for d in _TOKENIZER_NEEDS[flags.tokenizer_type]
-                   if getattr(flags, d) is None]
-        if missing:
-            p.add(f"--tokenizer-type {flags.tokenizer_type} needs {', '.join(missing)}")
+    from gigatron.data.tokenizer import missing_tokenizer_flags
+
+    tokenizer_type, missing = missing_tokenizer_flags(vars(flags))
+    if missing:
+        default = "" if flags.tokenizer_type else " (Megatron's default when --tokenizer-type " \
+            "is not given)"
+        p.add(f"--tokenizer-type {tokenizer_type}{default} needs "
+              f"{', '.join(flag_name(d) for d in missing)}")
     for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         _check_prefixes(flag_name(dest), getattr(flags, dest), p)
 
