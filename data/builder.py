@@ -11,11 +11,9 @@ from gigatron.data.blended_dataset import (BlendedDataset, normalise_weights,
 from gigatron.data.gpt_dataset import (GPTDataset, MockIndexedDataset, SampleDataset,
                                        default_cache_dir)
 from gigatron.data.indexed_dataset import IndexedDataset
-from gigatron.data.sample_index import parse_split, split_ranges
+from gigatron.data.splits import SPLIT_NAMES, parse_split, split_ranges
 from gigatron.data.token_range import check_token_range
 from gigatron.parallel.comm import Group
-
-SPLIT_NAMES = ("train", "valid", "test")
 
 
 @dataclass

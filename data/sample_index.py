@@ -11,36 +11,12 @@ start in epoch e depend only on (seed, e) and the document sizes, so asking for 
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Tuple
 
 import numpy as np
 
 DOC_SALT, SAMPLE_SALT = 0x646F63, 0x736D70  # separate random streams for documents / samples
 FEW_DOCUMENTS = 1 << 16
-
-
-def split_ranges(splits: Sequence[float], count: int) -> List[Tuple[int, int]]:
-    """Contiguous [start, end) ranges of `count` items in proportion to `splits` (Megatron)."""
-    weights = [float(s) for s in splits]
-    if len(weights) == 0 or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--split {','.join(str(s) for s in splits)}: give up to three "
-                         f"non-negative weights (train,valid,test) with a positive sum")
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w / total * count)))
-    diff = bounds[-1] - count
-    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
-    return [(max(bounds[i], 0), max(bounds[i + 1], 0)) for i in range(3)]
-
-
-def parse_split(split: str) -> List[float]:
-    """'949,50,1' or '98/2/0' -> weights."""
-    try:
-        return [float(s) for s in split.replace("/", ",").split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--split {split!r}: expected comma-separated numbers like 949,50,1")
 
 
 def samples_in_epochs(num_epochs: int, tokens_per_epoch: int, seq_length: int) -> int:

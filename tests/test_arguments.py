@@ -115,7 +115,7 @@ BAD_FLAGS = [  # (extra flags, world size, message)
     ("--tensor-model-parallel-size 8 --global-batch-size 2", 8,
      r"num_attention_heads \(4\) must be divisible by the tensor-parallel size \(8\)"),
     ("--data-path foo", 1, r"--data-path and --mock-data are exclusive"),
-    ("--split 1,2,3,4", 1, r"--split '1,2,3,4' must be up to three"),
+    ("--split 1,2,3,4", 1, r"--split 1,2,3,4: give up to three non-negative weights"),
     ("--hidden-size -32", 1, r"--hidden-size must be > 0"),
     ("--distributed-timeout-minutes 0", 1, r"--distributed-timeout-minutes must be > 0"),
     ("--zero-stage 3 --pipeline-model-parallel-size 2", 2,

@@ -11,8 +11,8 @@ import gigatron.data.sample_index as sample_index
 from gigatron.data import (GPTDataConfig, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
                                PretrainingSampler, blend_indices, build_pretraining_data_loader,
                                build_train_valid_test_datasets, parse_data_path)
-from gigatron.data.sample_index import (build_gpt_indices, num_epochs_needed,
-                                            samples_in_epochs, split_ranges)
+from gigatron.data.sample_index import build_gpt_indices, num_epochs_needed, samples_in_epochs
+from gigatron.data.splits import split_ranges
 
 SEQ = 16
 

@@ -307,7 +307,9 @@ def check_data(flags: argparse.Namespace, p: Optional[Problems] = None) -> None:
               "--data-path 0.3 prefixA 0.7 prefixB")
     if (flags.valid_data_path or flags.test_data_path) and not flags.train_data_path:
         p.add("--valid-data-path/--test-data-path need --train-data-path")
-    p.run(_check_split, flags.split)
+    from gigatron.data.splits import parse_split
+
+    p.run(parse_split, flags.split)
     if not flags.mock_data:
         _check_tokenizer_and_files(flags, p)
     if own:
@@ -340,16 +342,6 @@ def _check_prefixes(flag: str, values, p: Problems) -> None:
                     " (the prefix tools/preprocess_data.py wrote, e.g. data/corpus_text_document)"
                 p.add(f"{flag} {prefix}: {prefix + ext} does not exist{hint}")
                 break
-
-
-def _check_split(split: str) -> None:
-    try:
-        parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--split {split!r} must be numbers like 969,30,1") from None
-    if not 1 <= len(parts) <= 3 or any(x < 0 for x in parts) or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r} must be up to three non-negative weights "
-                         f"(train,valid,test) with a positive sum, like 969,30,1")
 
 
 def check_checkpointing(flags: argparse.Namespace, p: Problems) -> None:
