@@ -278,7 +278,6 @@ def test_plan_for_knows_the_ready_made_plans_and_rejects_others():
 # ---- training: tp=2 x dp=2 with ZeRO equals one device ----------------------------------------
 
 STEPS, BATCH, LR = 3, 4, 1e-3
-TRAIN_CASES = [("user", True, 1, "adamw"), ("gpt2", False, 2, "sgd"), ("llama", False, 1, "adamw")]
 
 
 def _whole(kind, sequence_parallel=False):
@@ -339,13 +338,21 @@ def _tp2_dp2(rank, world, cases):
     return out
 
 
-def test_tp2_dp2_zero_training_of_split_models_equals_one_device():
-    _hf_models()
-    results = run_on_ranks(_tp2_dp2, 4, TRAIN_CASES)
-    for kind, _, stage, optimizer in TRAIN_CASES:
+def _check_training(cases):
+    results = run_on_ranks(_tp2_dp2, 4, cases)
+    for kind, _, stage, optimizer in cases:
         ref = _single_device(kind, optimizer)
         for rank, got in enumerate(results):
             assert set(got[kind]) == set(ref), kind
             for name, full in got[kind].items():
                 diff = (full - ref[name]).norm() / ref[name].norm()
                 assert diff <= TRAIN_RTOL, f"{kind} zero {stage} rank {rank} {name}: {diff:.2e}"
+
+
+def test_tp2_dp2_zero_training_of_the_split_user_model_with_sp_equals_one_device():
+    _check_training([("user", True, 1, "adamw")])
+
+
+def test_tp2_dp2_zero_training_of_split_hf_gpt2_and_llama_equals_one_device():
+    _hf_models()
+    _check_training([("gpt2", False, 2, "sgd"), ("llama", False, 1, "adamw")])

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron.parallel.tensor import ColumnParallel, LocalAttributes, TensorParallelPlan
+from gigatron.parallel.tensor.parallelize import StyleLike
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, SEQ = 64, 32, 4, 2, 8
 HEAD_DIM = HIDDEN // HEADS
@@ -90,7 +91,7 @@ class UserTransformer(nn.Module):
 
 def user_plan(sequence_parallel: bool = False) -> TensorParallelPlan:
     """Megatron's split of the user's blocks; whole logits (the head gathers them)."""
-    layers: Dict[str, object] = {
+    layers: Dict[str, StyleLike] = {
         "tok": "vocab_embedding",
         "blocks.*.attn": LocalAttributes(divide=("n_heads", "n_kv_heads")),
         "blocks.*.attn.qkv": ColumnParallel(fused=(HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
@@ -103,4 +104,4 @@ def user_plan(sequence_parallel: bool = False) -> TensorParallelPlan:
     if sequence_parallel:
         layers.update({"blocks.*.norm?": "sequence_parallel_norm",
                        "norm": "sequence_parallel_norm", "pos": "sequence_parallel_norm"})
-    return TensorParallelPlan(layers, sequence_parallel)  # type: ignore[arg-type]
+    return TensorParallelPlan(layers, sequence_parallel)

@@ -80,7 +80,9 @@ def gigatron_gpt_plan(model: nn.Module) -> TensorParallelPlan:
     what `GPTModel(config, tp_group=...)` computes. Its logits stay split by vocab and the
     model's loss is vocab-parallel, as when built split. Works per pipeline stage (a stage
     without the embedding or output layer). Sequence parallelism is fixed when GPTModel is
-    built: for it, build with `tp_group` and `sequence_parallel=True` instead."""
+    built: for it, build with `tp_group` and `sequence_parallel=True` instead. The model's
+    RNG tracker keeps the seed it was built with (tp rank 0's), so attention dropout draws
+    the same stream on every tp rank; exact with dropout 0, as the tests run it."""
     config: Any = getattr(model, "config")
     if config.sequence_parallel:
         raise ValueError("gigatron_gpt_plan splits a model built without sequence "
