@@ -141,7 +141,14 @@ class PipelineModule(nn.Module):
     # -- what the engine uses ---------------------------------------------------------------
     @property
     def chunks(self) -> List[PipelineStage]:
-        """This rank's virtual stages, in the order the schedules number them."""
+        """This rank's virtual stages, in the order the schedules number them, holding the
+        modules this PipelineModule holds now (tensor parallelism may have swapped some)."""
+        for stage in self._stages:
+            for name in [n for n in stage._modules if n != "tied_modules"]:
+                stage.add_module(name, self._modules[name])
+            for key in list(stage.tied_modules):
+                stage.tied_modules[key] = self.tied_modules[key]
+        self._mark_tied()
         return list(self._stages)
 
     @property
@@ -176,7 +183,7 @@ class PipelineModule(nn.Module):
 
     # -- construction -----------------------------------------------------------------------
     def _build_stage(self, specs: List[Any], stage: int) -> PipelineStage:
-        funcs: List[Tuple[int, Callable[..., Any]]] = []
+        entries: List[Tuple[int, str, Any]] = []
         modules: Dict[str, nn.Module] = {}
         tied: Dict[str, nn.Module] = {}
         first_use = {}
@@ -192,32 +199,41 @@ class PipelineModule(nn.Module):
                 if layer.key not in self.tied_modules:
                     self.tied_modules[layer.key] = layer.build()
                     self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-                module = tied[layer.key] = self.tied_modules[layer.key]
-                funcs.append((index, module if layer.forward_fn is None
-                              else functools.partial(layer.forward_fn, module)))
+                tied[layer.key] = self.tied_modules[layer.key]
+                entries.append((index, "tied", (layer.key, layer.forward_fn)))
                 continue
             func = layer.build() if isinstance(layer, LayerSpec) else layer
             if isinstance(func, nn.Module):
                 self.add_module(str(index), func)
                 modules[str(index)] = func
-            funcs.append((index, func))
-        return PipelineStage(stage, funcs, modules, tied, self.seed_layers, self.seed_fn,
+                entries.append((index, "module", str(index)))
+            else:
+                entries.append((index, "function", func))
+        return PipelineStage(stage, entries, modules, tied, self.seed_layers, self.seed_fn,
                              self.base_seed, self.activation_checkpoint_interval,
                              *self._checkpoint)
 
-    def _tie_across_stages(self) -> None:
-        """Tied weights on the first and last stage: marked for ZeRO (gradients summed over
-        the embedding group) and made equal (the first stage's values)."""
+    def _tied_across_stages(self) -> List[str]:
+        """Keys of this rank's tied modules that live on the first and the last stage."""
         last = len(self.parts) - 2
-        for key in sorted(self.tied_stage_map):
-            if self.tied_stage_map[key] != [0, last] or key not in self.tied_modules:
-                continue
+        return [key for key in sorted(self.tied_stage_map)
+                if self.tied_stage_map[key] == [0, last] and key in self.tied_modules]
+
+    def _tie_across_stages(self) -> None:
+        """Tied weights on the first and last stage start equal (the first stage's values)."""
+        for key in self._tied_across_stages():
             assert self.groups is not None  # two stages: a process group exists
             source = self._topo.rank(**{**self._topo.coords(self.global_rank), "pp": 0})
             for attr in self.tied_weight_attrs[key]:
-                weight = _attribute(self.tied_modules[key], attr, key)
-                mark_shared_embedding(weight)
-                comm.broadcast(weight.data, src=source, group=self.groups["embedding"])
+                comm.broadcast(_attribute(self.tied_modules[key], attr, key).data, src=source,
+                               group=self.groups["embedding"])
+        self._mark_tied()
+
+    def _mark_tied(self) -> None:
+        """Mark them for ZeRO, which sums their gradients over the embedding group."""
+        for key in self._tied_across_stages():
+            for attr in self.tied_weight_attrs[key]:
+                mark_shared_embedding(_attribute(self.tied_modules[key], attr, key))
 
     def _print_partition(self, specs: List[Any], counts: List[int], method: str) -> None:
         loss = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)

@@ -10,9 +10,14 @@ With `seed_layers`, every layer's forward first seeds the random generators with
 draws the same masks whatever the layout; the count is kept per stage, which sees the
 micro-batches in order. `activation_checkpoint_interval` k > 0 recomputes each run of k
 layers in backward (only runs with parameters, or of `checkpointable_layers` classes).
+
+Layers are looked up by name when they run, so a module swapped in after construction
+(tensor parallelism's `parallelize` on the PipelineModule) is the one that runs, once the
+PipelineModule has handed it to its stages (`PipelineModule.chunks` does).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
@@ -23,7 +28,7 @@ from gigatron.engine.pipe_specs import set_random_seed
 class PipelineStage(nn.Module):
     """This rank's layers parts[s]..parts[s+1]-1 of a PipelineModule (virtual stage s)."""
 
-    def __init__(self, stage: int, funcs: Sequence[Tuple[int, Callable[..., Any]]],
+    def __init__(self, stage: int, layers: Sequence[Tuple[int, str, Any]],
                  modules: Dict[str, nn.Module], tied: Dict[str, nn.Module],
                  seed_layers: bool = False, seed_fn: Optional[Callable[[int], Any]] = None,
                  base_seed: int = 1234, checkpoint_interval: int = 0,
@@ -34,7 +39,9 @@ class PipelineStage(nn.Module):
         for name, module in modules.items():  # global layer indices: layout-free names
             self.add_module(name, module)
         self.tied_modules = nn.ModuleDict(tied)
-        self.funcs = list(funcs)  # (global layer index, callable), in order
+        # (global layer index, kind, what): ("module", name), ("tied", (key, forward_fn))
+        # or ("function", callable), in order
+        self.layers = list(layers)
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_func = checkpoint_func
@@ -43,7 +50,19 @@ class PipelineStage(nn.Module):
 
     @property
     def layer_indices(self) -> List[int]:
-        return [index for index, _ in self.funcs]
+        return [index for index, _, _ in self.layers]
+
+    def layer_function(self, position: int) -> Callable[..., Any]:
+        """What the stage's `position`-th layer calls (looked up now: modules may have been
+        swapped since construction)."""
+        _, kind, what = self.layers[position]
+        if kind == "module":
+            return self._modules[what]  # type: ignore[return-value]
+        if kind == "tied":
+            key, forward_fn = what
+            module = self.tied_modules[key]
+            return module if forward_fn is None else functools.partial(forward_fn, module)
+        return what
 
     def forward(self, input_ids: Any = None, hidden_states: Any = None,
                 position_ids: Any = None, labels: Any = None) -> Any:
@@ -52,9 +71,9 @@ class PipelineStage(nn.Module):
         x = input_ids if hidden_states is None else hidden_states
         self.micro_offset += 1
         offset = self.micro_offset + 1
-        step = self.checkpoint_interval or len(self.funcs)
-        for start in range(0, len(self.funcs), step):
-            run = self._runner(start, min(start + step, len(self.funcs)), offset)
+        step = self.checkpoint_interval or len(self.layers)
+        for start in range(0, len(self.layers), step):
+            run = self._runner(start, min(start + step, len(self.layers)), offset)
             if self.checkpoint_interval and self._checkpointable(start, start + step):
                 assert self.checkpoint_func is not None
                 x = self.checkpoint_func(run, *(x if isinstance(x, tuple) else (x,)))
@@ -66,10 +85,11 @@ class PipelineStage(nn.Module):
         """Layers start..stop-1 as one function of the unpacked input (checkpoint's form)."""
         def run(*inputs: Any) -> Any:
             x = inputs[0] if len(inputs) == 1 else inputs
-            for index, func in self.funcs[start:stop]:
+            for position in range(start, stop):
                 if self.seed_layers:
+                    index = self.layers[position][0]
                     (self.seed_fn or set_random_seed)(self.base_seed * offset + index)
-                x = func(x)
+                x = self.layer_function(position)(x)
                 if isinstance(x, list):
                     x = tuple(x)
             return x
@@ -77,7 +97,7 @@ class PipelineStage(nn.Module):
 
     def _checkpointable(self, start: int, stop: int) -> bool:
         """DeepSpeed's rule: the listed classes only, else any run holding parameters."""
-        funcs = [func for _, func in self.funcs[start:stop]]
+        funcs = [self.layer_function(p) for p in range(start, min(stop, len(self.layers)))]
         if self.checkpointable_layers is not None:
             return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters())

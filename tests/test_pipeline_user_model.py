@@ -211,3 +211,41 @@ def test_eval_batch_and_checkpoint_resume(tmp_path):
         torch.testing.assert_close(evaluated, ref_first, rtol=RTOL, atol=ATOL)
         assert (last_only is None) == (rank == 0)
         assert straight[1:] == resumed and steps == 3  # bit for bit
+
+
+BUILT = []  # (layer index, device type) of every Recorded layer constructed in this process
+
+
+class Recorded(torch.nn.Linear):
+    def __init__(self, index, size):
+        super().__init__(size, size)
+        BUILT.append((index, self.weight.device.type))
+
+
+def _builds(rank, world):
+    from gigatron.pipe import LayerSpec, PipelineModule
+
+    BUILT.clear()
+    net = PipelineModule([LayerSpec(Recorded, i, 4) for i in range(6)], num_stages=world,
+                         partition_method="uniform", loss_fn=lambda out, labels: out.sum())
+    return sorted(i for i, device in BUILT if device != "meta"), sorted(
+        int(name) for name, _ in net.named_children() if name.isdigit())
+
+
+def test_a_stage_builds_only_its_own_layers():
+    """Only the stage's layers are built for real (the others, for counting their
+    parameters, on the meta device): no rank ever holds the whole model."""
+    assert run_on_ranks(_builds, 2) == [([0, 1, 2], [0, 1, 2]), ([3, 4, 5], [3, 4, 5])]
+
+
+def test_a_layer_swapped_after_construction_is_the_one_that_runs():
+    """parallelize() swaps modules inside the PipelineModule: its stages follow."""
+    from gigatron.pipe import LayerSpec, PipelineModule
+
+    net = PipelineModule([LayerSpec(torch.nn.Linear, 3, 3), LayerSpec(torch.nn.Linear, 3, 3)],
+                         num_stages=1)
+    x = torch.randn(2, 3)
+    replacement = torch.nn.Linear(3, 3)
+    net.add_module("1", replacement)
+    assert torch.equal(net.chunks[0](hidden_states=x), replacement(net._modules["0"](x)))
+    assert any(p is replacement.weight for p in net.chunks[0].parameters())
