@@ -140,6 +140,11 @@ def _build_zero(module: nn.Module, cfg: EngineConfig, optimizer: Any,
             f"each parameter over the ranks, which is exact only for optimizers whose update "
             f"is elementwise (Adam, AdamW, SGD, Adagrad; Lamb from the config); set "
             f"\"zero_allow_untested_optimizer\": true to use it anyway, as DeepSpeed requires")
+    if pipe is not None and pipe.num_stages > 1 and cfg.zero.zero_stage == 3:
+        raise ValueError(f"ZeRO stage 3 with a PipelineModule of {pipe.num_stages} stages is not "
+                         f"supported (DeepSpeed refuses it too): a stage runs many "
+                         f"micro-batches' forwards before their backwards, so every layer "
+                         f"would be gathered again per micro-batch; use stage 0, 1 or 2")
     params = list(model_parameters) if model_parameters is not None else None
     # a pipeline: one flat-buffer set per virtual stage, reduced over its own groups
     chunks = pipe.chunks if pipe is not None else module

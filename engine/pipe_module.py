@@ -186,7 +186,7 @@ class PipelineModule(nn.Module):
         entries: List[Tuple[int, str, Any]] = []
         modules: Dict[str, nn.Module] = {}
         tied: Dict[str, nn.Module] = {}
-        first_use = {}
+        first_use: Dict[Optional[str], int] = {}
         for index, layer in enumerate(specs):
             if isinstance(layer, TiedLayerSpec):
                 first_use.setdefault(layer.key, index)

@@ -20,7 +20,7 @@ Float inputs are cast to the model's dtype (fp16/bf16); labels only move to the 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -130,7 +130,7 @@ class PipelineEngine(Engine):
                                                   forward_only)
         return self._schedules[key]
 
-    def _loss(self, output: Any, batch: Dict[str, Any]) -> torch.Tensor:
+    def _loss(self, output: Any, batch: Mapping[str, Any]) -> torch.Tensor:
         """DeepSpeed's: loss_fn(outputs, labels), or the last layer's output itself."""
         loss_fn = self.pipe.loss_fn
         loss = output if loss_fn is None else loss_fn(output, batch.get("labels"))

@@ -139,19 +139,36 @@ def test_bad_layers_are_one_clear_line():
         assert "\n" not in str(err.value), str(err.value)
 
 
-def _more_stages_than_layers(rank, world):
+def _refusals(rank, world):
+    """The errors that need two ranks (two stages), each as its message."""
+    import gigatron
     from gigatron.pipe import LayerSpec, PipelineModule
 
-    try:
-        PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=2)
-    except ValueError as err:
-        return str(err)
-    return None
+    def message(build):
+        try:
+            build()
+        except ValueError as err:
+            return str(err)
+        return None
+
+    def engine(zero, accumulation):
+        net = PipelineModule([LayerSpec(nn.Linear, 2, 2) for _ in range(4)], num_stages=2,
+                             virtual_stages=2, loss_fn=lambda out, labels: out.sum())
+        gigatron.initialize(model=net, config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": zero}})
+
+    return [message(lambda: PipelineModule([LayerSpec(nn.Linear, 2, 2)], num_stages=2)),
+            message(lambda: engine(3, 2)), message(lambda: engine(1, 3))]
 
 
-def test_more_stages_than_layers_is_one_clear_line():
+def test_errors_on_two_stages_are_one_clear_line():
     from multirank import run_on_ranks
 
-    for message in run_on_ranks(_more_stages_than_layers, 2):
-        assert message is not None and "\n" not in message
-        assert message.startswith("1 layer cannot fill 2 pipeline stages")
+    for messages in run_on_ranks(_refusals, 2):
+        assert all(m is not None and "\n" not in m for m in messages), messages
+        stages, zero3, accumulation = messages
+        assert stages.startswith("1 layer cannot fill 2 pipeline stages")
+        assert zero3.startswith("ZeRO stage 3 with a PipelineModule of 2 stages")
+        assert "needs gradient_accumulation_steps (3) to be a multiple of num_stages" in accumulation

@@ -23,7 +23,7 @@ caller waits for them (`grad_sync.finish_sync()`) after `run`, then steps its op
 from __future__ import annotations
 
 from typing import (Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple,
-                    Union, runtime_checkable)
+                    Union, cast, runtime_checkable)
 
 import torch
 
@@ -245,10 +245,11 @@ class PipelineExecutor:
             else:
                 recvs.append((type(op), key))
                 recv_from.append((self.pp_ranks[peer_rank], message))
+        received: Sequence[Payload]
         if isinstance(self.p2p, KeyedPointToPoint):
             received = self.p2p.communicate_keyed(sends, recv_from)
-        else:
-            received = self.p2p.communicate([(t, r) for t, r, _ in sends],
+        else:  # one fixed shape: every payload is one tensor
+            received = self.p2p.communicate([(cast(torch.Tensor, t), r) for t, r, _ in sends],
                                             [r for r, _ in recv_from])
         for (kind, key), payload in zip(recvs, received):
             self._received[kind][key] = payload
