@@ -15,9 +15,9 @@ import torch
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _CHOICES = {
-    "position_embedding_type": ("learned_absolute", "rope"),
+    "position_embedding_type": ("learned_absolute", "rope", "none"),
     "normalization": ("LayerNorm", "RMSNorm"),
-    "activation": ("gelu", "swiglu"),
+    "activation": ("gelu", "gelu_tanh", "swiglu", "squared_relu"),
     "attention_backend": ("sdpa", "unfused"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
@@ -50,15 +50,27 @@ class TransformerConfig:
     make_vocab_size_divisible_by: int = 128
     """Pad vocab to a multiple of this x tp (--make-vocab-size-divisible-by)."""
     position_embedding_type: str = "learned_absolute"
-    """'learned_absolute' (GPT-2/3) or 'rope' (Llama) (--position-embedding-type)."""
+    """'learned_absolute' (GPT-2/3), 'rope' (Llama) or 'none' (--position-embedding-type)."""
     rotary_base: float = 10000.0
     """RoPE base theta (--rotary-base); Llama 3 uses 500000."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels RoPE rotates (--rotary-percent); the rest pass."""
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    """Positions divided by this before RoPE (--rotary-seq-len-interpolation-factor)."""
+    rope_scaling: bool = False
+    """Llama 3.1's RoPE frequency scaling (--use-rope-scaling), as Megatron-Core applies it:
+    low/high frequency factors 1 and 4 over an original context of 8192."""
+    rope_scaling_factor: float = 8.0
+    """Factor of the Llama 3.1 scaling (--rope-scaling-factor)."""
+    kv_channels: int = _DERIVED
+    """Channels per attention head (--kv-channels); default hidden_size / heads."""
     normalization: str = "LayerNorm"
     """'LayerNorm' or 'RMSNorm' (--normalization)."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of the norms (--norm-epsilon)."""
     activation: str = "gelu"
-    """MLP activation: 'gelu' or 'swiglu' (--swiglu)."""
+    """MLP activation: 'gelu' (exact, erf), 'gelu_tanh' (the tanh approximation: Megatron's
+    default bias-GeLU fusion, GPT-2's gelu_new), 'swiglu' or 'squared_relu'."""
     add_bias_linear: bool = True
     """Biases on all linear layers (--disable-bias-linear turns off)."""
     untie_embeddings_and_output_weights: bool = False
@@ -89,6 +101,11 @@ class TransformerConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        # Megatron needs hidden_size divisible by heads only when kv_channels is derived
+        self._kv_channels_derived = self.kv_channels is None
+        if self.kv_channels is None and _positive_int(self.num_attention_heads) \
+                and _positive_int(self.hidden_size):
+            self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if isinstance(self.params_dtype, str):
@@ -100,7 +117,16 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Channels per attention head (Megatron-Core's kv_channels)."""
+        return self.kv_channels
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels per head that RoPE rotates: kv_channels x rotary_percent (Megatron-Core's
+        truncation)."""
+        if self.rotary_percent < 1.0:
+            return int(self.kv_channels * self.rotary_percent)
+        return self.kv_channels
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         """Vocab rounded up to a multiple of make_vocab_size_divisible_by x tp_size."""
@@ -119,9 +145,9 @@ class TransformerConfig:
         ints = []
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                      "seq_length", "ffn_hidden_size", "num_query_groups",
-                     "max_position_embeddings", "make_vocab_size_divisible_by"):
+                     "max_position_embeddings", "make_vocab_size_divisible_by", "kv_channels"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _positive_int(value):
                 ints.append(f"{name} must be a positive integer, got {value!r}")
         out = list(ints)
         for name, allowed in _CHOICES.items():
@@ -132,14 +158,15 @@ class TransformerConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 out.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not ints:  # the shape rules divide by these sizes
-            out += self._shape_problems(tp_size)
+            out += self._shape_problems(tp_size) + self._rope_problems()
         return out + self._recompute_problems()
 
     def _shape_problems(self, tp: int) -> List[str]:
         rules = [
-            (self.hidden_size % self.num_attention_heads == 0,
+            (not getattr(self, "_kv_channels_derived", True)
+             or self.hidden_size % self.num_attention_heads == 0,
              f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-             f"({self.num_attention_heads}): change either"),
+             f"({self.num_attention_heads}): change either, or give kv_channels"),
             (self.num_attention_heads % self.num_query_groups == 0,
              f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
              f"num_query_groups ({self.num_query_groups})"),
@@ -152,9 +179,6 @@ class TransformerConfig:
             (self.ffn_hidden_size % tp == 0,
              f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by the "
              f"tensor-parallel size ({tp})"),
-            (self.head_dim % 2 == 0 or self.position_embedding_type != "rope",
-             f"head dim hidden_size/num_attention_heads = {self.head_dim} must be even "
-             f"for position_embedding_type='rope'"),
             (not (self.sequence_parallel and tp > 1 and self.seq_length % tp),
              f"seq_length ({self.seq_length}) must be divisible by the tensor-parallel size "
              f"({tp}) with sequence_parallel"),
@@ -164,6 +188,23 @@ class TransformerConfig:
              f"({self.max_position_embeddings})"),
         ]
         return [message for ok, message in rules if not ok]
+
+    def _rope_problems(self) -> List[str]:
+        out = []
+        if not 0.0 < self.rotary_percent <= 1.0:
+            out.append(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        elif self.position_embedding_type == "rope" and (
+                self.rotary_dim < 2 or self.rotary_dim % 2):
+            out.append(f"RoPE rotates kv_channels x rotary_percent = {self.kv_channels} x "
+                       f"{self.rotary_percent} -> {self.rotary_dim} channels per head, which "
+                       f"must be even and >= 2: change --rotary-percent or --kv-channels")
+        for name in ("rotary_base", "rope_scaling_factor"):
+            if not getattr(self, name) > 0:
+                out.append(f"{name} must be > 0, got {getattr(self, name)}")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and not factor > 0:
+            out.append(f"rotary_seq_len_interpolation_factor must be > 0, got {factor}")
+        return out
 
     def _recompute_problems(self) -> List[str]:
         if self.recompute_granularity == "full":
@@ -180,3 +221,7 @@ class TransformerConfig:
             return [f"recompute_method={self.recompute_method!r} needs "
                     f"recompute_granularity='full' (selective takes no method)"]
         return []
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -32,7 +32,8 @@ WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 
 
 class LanguageModelEmbedding(nn.Module):
-    """Word embeddings (vocab-parallel) + learned positions, dropout; output [s(/tp), b, h]."""
+    """Word embeddings (vocab-parallel) + learned positions (if asked), dropout; output
+    [s(/tp), b, h]."""
 
     def __init__(self, config: TransformerConfig, tp_group: Group,
                  tracker: Optional[TensorParallelRNGTracker],
@@ -156,8 +157,7 @@ class GPTModel(nn.Module):
         rotary = None
         if self.config.position_embedding_type == "rope":
             seq = x.shape[0] * (tp_size(self.tp_group) if self.config.sequence_parallel else 1)
-            rotary = rotary_cos_sin(seq, self.config.head_dim, self.config.rotary_base,
-                                    x.device)
+            rotary = rotary_cos_sin(seq, self.config, x.device)
         x = self.decoder(x, rotary)
         if not self.post_process:
             return x

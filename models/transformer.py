@@ -60,22 +60,55 @@ class Norm(nn.Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, base: float,
+def rotary_inv_freq(config: TransformerConfig,
+                    device: Optional[torch.device] = None) -> torch.Tensor:
+    """RoPE's inverse frequencies [rotary_dim / 2] (fp32), as Megatron-Core's RotaryEmbedding
+    builds them: base ** -(2i / rotary_dim), then Llama 3.1's scaling if asked."""
+    dim = config.rotary_dim
+    inv_freq = 1.0 / (config.rotary_base ** (
+        torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if config.rope_scaling:
+        inv_freq = llama3_scaled_inv_freq(inv_freq, config.rope_scaling_factor)
+    return inv_freq
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
+                           high_freq_factor: float = 4.0,
+                           original_context: int = 8192) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: wavelengths longer than original_context / low_freq_factor
+    are slowed by `factor`, those shorter than original_context / high_freq_factor kept, the
+    band between blended linearly in original_context / wavelength."""
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength = original_context / low_freq_factor
+    high_freq_wavelength = original_context / high_freq_factor
+    slowed = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
+    smooth = (original_context / wavelength - low_freq_factor) / \
+        (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(medium, blended, slowed)
+
+
+def rotary_cos_sin(seq_len: int, config: TransformerConfig,
                    device: Optional[torch.device]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [s, 1, 1, head_dim] (fp32) for rotate-half RoPE."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                            device=device) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    """cos and sin tables [s, 1, 1, rotary_dim] (fp32) for rotate-half RoPE."""
+    positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+    if config.rotary_seq_len_interpolation_factor is not None:
+        positions = positions * (1 / config.rotary_seq_len_interpolation_factor)
+    angles = torch.outer(positions, rotary_inv_freq(config, device))
     emb = torch.cat([angles, angles], dim=-1)[:, None, None, :]
     return emb.cos(), emb.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [s, b, n, d] (Llama's rotate-half layout)."""
-    xf = x.float()
+    """RoPE on the first cos.shape[-1] channels of x [s, b, n, d] (Llama's rotate-half
+    layout); the other channels (--rotary-percent < 1) pass unchanged."""
+    rot = cos.shape[-1]
+    xf = x[..., :rot].float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    out = (xf * cos + rotated * sin).to(x.dtype)
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
 
 class CoreAttention(nn.Module):
@@ -160,13 +193,27 @@ def output_init_std(config: TransformerConfig) -> float:
     return config.init_method_std
 
 
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (Megatron's --squared-relu)."""
+    return torch.pow(F.relu(x), 2)
+
+
+# the activation of a non-gated MLP, by TransformerConfig.activation
+ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "squared_relu": squared_relu,
+}
+
+
 class MLP(nn.Module):
-    """fc1 (column-parallel) -> GELU or SwiGLU -> fc2 (row-parallel)."""
+    """fc1 (column-parallel) -> GeLU, SwiGLU or squared ReLU -> fc2 (row-parallel)."""
 
     def __init__(self, config: TransformerConfig, tp_group: Group,
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.swiglu = config.activation == "swiglu"
+        self.activation = None if self.swiglu else ACTIVATIONS[config.activation]
         ffn = config.ffn_hidden_size
         common: Dict[str, Any] = dict(tp_group=tp_group, bias=config.add_bias_linear,
                                       sequence_parallel=config.sequence_parallel,
@@ -184,7 +231,8 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            assert self.activation is not None
+            h = self.activation(h)
         return self.linear_fc2(h)
 
 

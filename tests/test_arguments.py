@@ -108,7 +108,8 @@ BAD_FLAGS = [  # (extra flags, world size, message)
     ("--finetune", 1, r"--finetune needs --load DIR"),
     ("--clip-grad -1", 1, r"--clip-grad must be >= 0"),
     ("--adam-beta2 1.0", 1, r"--adam-beta2 must be in \[0, 1\)"),
-    ("--group-query-attention", 1, r"--group-query-attention needs --num-query-groups"),
+    ("--group-query-attention --num-query-groups 3", 1,
+     r"num_attention_heads \(4\) must be divisible by num_query_groups \(3\)"),
     ("--num-query-groups 2", 1, r"--num-query-groups is used only with --group-query-attention"),
     ("--num-attention-heads 3", 1, r"hidden_size \(32\) must be divisible by "
                                    r"num_attention_heads"),
@@ -155,7 +156,8 @@ BAD_DATA = [
     ("--train-iters 1 --lr 1 --mock-data --vocab-size 10 --num-layers 1 --hidden-size 8 "
      "--num-attention-heads 2 --seq-length 8", r"--micro-batch-size is required"),
     ("--micro-batch-size 2 --lr 1 --mock-data --vocab-size 10 --num-layers 1 "
-     "--hidden-size 8 --num-attention-heads 2 --seq-length 8", r"--train-iters is required"),
+     "--hidden-size 8 --num-attention-heads 2 --seq-length 8",
+     r"--train-iters or --train-samples is required"),
     ("--micro-batch-size 2 --train-iters 1 --mock-data --vocab-size 10 --num-layers 1 "
      "--hidden-size 8 --num-attention-heads 2 --seq-length 8", r"--lr is required"),
 ]

@@ -14,7 +14,8 @@ from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelC
 from gigatron.training.config_table import flags_markdown, table
 from gigatron.training.deepspeed_config import apply_deepspeed_config, from_deepspeed_config
 from gigatron.training.settings import OptimizerSettings, PrecisionSettings
-from gigatron.training.validation import MODEL_FIELDS, ConfigError
+from gigatron.training.model_flags import MODEL_FIELDS
+from gigatron.training.validation import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -114,7 +115,9 @@ SAMPLES = {"model": "gpt2-124m", "position_embedding_type": "rope", "normalizati
            "split": "98,1,1", "max_position_embeddings": 32, "min_lr": 1e-4, "initial_loss_scale": 1024.0, "global_batch_size": 8,
            "micro_batch_size": 4, "lr_warmup_fraction": 0.1, "lr_warmup_iters": 0,
            "data_path": ["a"], "train_data_path": ["a"], "valid_data_path": ["b"],
-           "test_data_path": ["c"], "deepspeed_config": None}
+           "test_data_path": ["c"], "deepspeed_config": None, "num_key_value_heads": 2,
+           "train_samples": 160, "rampup_batch_size": [8, 8, 32], "kv_channels": 16,
+           "distributed_backend": "gloo"}
 NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layers 1",
          "recompute_granularity": "--recompute-method uniform --recompute-num-layers 1",
          "recompute_num_layers": "--recompute-granularity full --recompute-method uniform",
@@ -128,7 +131,18 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
          "num_layers": "--pipeline-model-parallel-size 2", "lr_decay_style":
          "--lr-wsd-decay-iters 2", "lr_wsd_decay_iters": "--lr-decay-style WSD",
          "lr_wsd_decay_style": "--lr-decay-style WSD --lr-wsd-decay-iters 2",
-         "lr_warmup_fraction": "--lr-decay-iters 10"}
+         "lr_warmup_fraction": "--lr-decay-iters 10",
+         "lr_decay_samples": "--train-samples 160", "lr_warmup_samples": "--train-samples 160",
+         "lr_wsd_decay_samples": "--train-samples 160 --lr-decay-style WSD",
+         "rampup_batch_size": "--train-samples 160", "overlap_param_gather":
+         "--overlap-grad-reduce --zero-stage 1", "wandb_project": "--wandb-exp-name x"}
+# flags accepted by the parser whose values other than the default are refused (one line)
+REFUSED = {"use_legacy_models": "--use-legacy-models is not supported",
+           "context_parallel_size": "--context-parallel-size 3: context parallelism is not "
+                                    "supported"}
+# flags of BASE a sample-based row replaces
+SAMPLE_BASED = ("train_samples", "lr_decay_samples", "lr_warmup_samples",
+                "lr_wsd_decay_samples", "rampup_batch_size")
 # settings -> where a valid run keeps them (owner field -> RunConfig attribute)
 OWNERS = {ParallelConfig: "parallel", TrainConfig: "train", CheckpointConfig: "checkpoint",
           LoggingConfig: "logging"}
@@ -157,7 +171,9 @@ def _argv(row, value):
 
 
 @pytest.mark.parametrize("row", [r for r in table() if r.flag], ids=lambda r: r.flag)
-def test_every_flag_parses_and_lands_in_its_config_field(row):
+def test_every_flag_parses_and_lands_in_its_config_field(row, monkeypatch):
+    # optional packages (tensorboard, wandb) have their own tests: here they are "installed"
+    monkeypatch.setattr("gigatron.training.operational_flags.installed", lambda name: True)
     value = _sample(row)
     if value is None:
         return  # --deepspeed-config has its own tests
@@ -166,7 +182,15 @@ def test_every_flag_parses_and_lands_in_its_config_field(row):
     if row.dest in DATA_DESTS:
         return  # needs files on disk: tests/test_arguments.py and test_data_gpt.py
     extra = NEEDS.get(row.dest, "").split()
-    argv = BASE + ["--global-batch-size", "16"] + extra + _argv(row, value)
+    base = BASE
+    if row.dest in SAMPLE_BASED:
+        i = BASE.index("--train-iters")
+        base = BASE[:i] + BASE[i + 2:]
+    argv = base + ["--global-batch-size", "16"] + extra + _argv(row, value)
+    if row.dest in REFUSED:
+        with pytest.raises(ConfigError, match=REFUSED[row.dest]):
+            parse_args(argv, 4)
+        return
     run = parse_args(argv, 4)
     if row.owner in OWNERS:
         assert getattr(getattr(run, OWNERS[row.owner]), row.field) == value

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from gigatron.data.builder import GPTDataConfig
 from gigatron.parallel.zero.config import ZeroConfig, zero_problems
 from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelConfig,
                                       RunConfig, TrainConfig)
-from gigatron.training.config_table import build_parser, flag_name, table, values
+from gigatron.training.config_table import (ParseProblems, build_parser, flag_name, table,
+                                            values)
 from gigatron.training.deepspeed_config import apply_deepspeed_config, load_deepspeed_config
-from gigatron.training.validation import (Problems, build_lr_schedule, build_model_config,
-                                          check_checkpointing, check_data, check_logging,
-                                          check_optimizer, check_parallel, check_train,
-                                          data_parallel_size, microbatches)
+from gigatron.training.model_flags import build_model_config
+from gigatron.training.operational_flags import check_operational
+from gigatron.training.schedule_flags import build_lr_schedule, training_length
+from gigatron.training.validation import (ConfigError, Problems, check_checkpointing,
+                                          check_data, check_logging, check_optimizer,
+                                          check_parallel, check_train, data_parallel_size,
+                                          microbatches)
 
 # ZeroConfig field -> the flag dest it is computed from (names its problems)
 ZERO_FLAGS = {"zero_stage": "zero_stage", "optimizer": "optimizer", "lr": "lr",
@@ -111,10 +115,23 @@ def _parallel(flags: argparse.Namespace, dp: int) -> ParallelConfig:
     return ParallelConfig(**kw, dp=dp)
 
 
-def _train(flags: argparse.Namespace, batches) -> TrainConfig:
+def _train(flags: argparse.Namespace, batches, train_iters: Optional[int] = None
+           ) -> TrainConfig:
     mbs, gbs, num_mb = batches
-    return TrainConfig(**{**values(TrainConfig, flags), "micro_batch_size": mbs,
-                          "global_batch_size": gbs, "num_microbatches": num_mb})
+    kw = {**values(TrainConfig, flags), "micro_batch_size": mbs, "global_batch_size": gbs,
+          "num_microbatches": num_mb}
+    if train_iters is not None:  # --train-samples: counted as Megatron counts them
+        kw["train_iters"] = train_iters
+    return TrainConfig(**kw)
+
+
+def _microbatch_counts(batches, length, dp: int) -> List[int]:
+    """Every micro-batch count a step will have (several under a batch ramp-up)."""
+    if batches is None:
+        return []
+    if length is None:
+        return [batches[2]]
+    return sorted({b // (batches[0] * dp) for b in length[1].batch_sizes()})
 
 
 def build_run_config(flags: argparse.Namespace, world_size: int,
@@ -127,17 +144,20 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
     check_parallel(flags, p)
     model = build_model_config(flags, tp, vocab_size, p)
     batches = microbatches(flags, dp, p) if dp else None
+    length = training_length(flags, batches[0] * dp, batches[1], p) if batches else None
     parallel = _parallel(flags, dp or 1)
-    check_train(flags, parallel, model, batches[2] if batches else None, p)
+    check_train(flags, parallel, model, _microbatch_counts(batches, length, dp or 1), p)
     check_optimizer(flags, p)
     zero = zero_config(flags, p)
     lr_schedule = build_lr_schedule(flags, batches[1], p) if batches else None
     check_data(flags, p)
     check_checkpointing(flags, p)
     check_logging(flags, p)
+    check_operational(flags, p)
     p.raise_if_any()
     # raise_if_any: each of these was built
-    assert model is not None and lr_schedule is not None and zero is not None
+    assert model is not None and lr_schedule is not None and zero is not None and \
+        length is not None
     data = GPTDataConfig(seq_length=model.seq_length, seed=flags.seed, data_path=flags.data_path,
                          split=flags.split, train_data_path=flags.train_data_path,
                          valid_data_path=flags.valid_data_path,
@@ -145,7 +165,7 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
                          data_cache_path=flags.data_cache_path,
                          eod_mask_loss=flags.eod_mask_loss, vocab_size=flags.vocab_size)
     return RunConfig(model=model, model_name=flags.model, parallel=parallel, zero=zero,
-                     lr_schedule=lr_schedule, data=data, train=_train(flags, batches),
+                     lr_schedule=lr_schedule, data=data, train=_train(flags, batches, length[0]),
                      checkpoint=CheckpointConfig(**values(CheckpointConfig, flags)),
                      logging=LoggingConfig(**values(LoggingConfig, flags)),
                      flags=dict(vars(flags)))
@@ -179,5 +199,26 @@ def build_engine_config(flags: argparse.Namespace, world_size: int) -> RunConfig
 
 def parse_args(argv: Optional[Sequence[str]], world_size: int,
                vocab_size: Optional[int] = None) -> RunConfig:
-    """parse_flags + build_run_config: argv to a validated RunConfig."""
-    return build_run_config(parse_flags(argv), world_size, vocab_size)
+    """parse_flags + build_run_config: argv to a validated RunConfig (unknown flags, bad
+    values and inconsistent values all in one ConfigError)."""
+    try:
+        flags = parse_flags(argv)
+    except ParseProblems as err:
+        raise with_other_problems(err, world_size, vocab_size) from None
+    return build_run_config(flags, world_size, vocab_size)
+
+
+def with_other_problems(err: ParseProblems, world_size: int,
+                        vocab_size: Optional[int] = None) -> ConfigError:
+    """The command line's parse problems and, after them, those of the values that parsed
+    (lines about a flag whose value was bad are left out: its line says it already)."""
+    others: List[str] = []
+    # with a DeepSpeed JSON the flags lack its values: the rest is checked once they parse
+    if err.flags is not None and err.flags.deepspeed_config is None:
+        try:
+            build_run_config(err.flags, world_size, vocab_size)
+        except ValueError as more:
+            lines = getattr(more, "problems", str(more).splitlines())
+            others = [line for line in lines
+                      if not any(flag in line for flag in err.bad_flags)]
+    return ConfigError(err.problems + others)

@@ -6,7 +6,7 @@ schedule and executor are `gigatron.parallel.pipeline`'s, the data is `gigatron.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
 
 import torch
@@ -77,6 +77,20 @@ class Pipeline:
     eval_schedule: List[Instruction]
     needs_inputs: bool  # this rank runs the first virtual stage: reads input ids
     needs_labels: bool  # this rank runs the last virtual stage: reads labels and loss mask
+    pp_rank: int = 0
+    pp_size: int = 1
+    virtual_chunks: int = 1
+    schedules: Dict[int, List[Instruction]] = field(default_factory=dict)  # by micro-batches
+
+    def train_schedule_for(self, num_microbatches: int) -> List[Instruction]:
+        """The train schedule of a step with `num_microbatches` (a batch ramp-up changes the
+        count; each count's schedule is built once)."""
+        from gigatron.parallel.pipeline.schedules import build_schedule
+
+        if num_microbatches not in self.schedules:
+            self.schedules[num_microbatches] = build_schedule(
+                self.pp_rank, self.pp_size, num_microbatches, self.virtual_chunks)
+        return self.schedules[num_microbatches]
 
 
 def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.nn.Module],
@@ -96,18 +110,27 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
     executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
                                 pp_rank, groups.ranks("pp"), grad_sync=grad_sync)
     n = run.train.num_microbatches
-    return Pipeline(executor, build_schedule(pp_rank, p.pp, n, v),
+    train_schedule = build_schedule(pp_rank, p.pp, n, v)
+    return Pipeline(executor, train_schedule,
                     build_schedule(pp_rank, p.pp, n, v, forward_only=True),
-                    needs_inputs=pp_rank == 0, needs_labels=pp_rank == p.pp - 1)
+                    needs_inputs=pp_rank == 0, needs_labels=pp_rank == p.pp - 1,
+                    pp_rank=pp_rank, pp_size=p.pp, virtual_chunks=v,
+                    schedules={n: train_schedule})
 
 
 def sample_counts(run: RunConfig) -> List[int]:
-    """Samples each split must provide: Megatron's train/valid/test arithmetic."""
+    """Samples each split must provide: Megatron's train/valid/test arithmetic (training by
+    samples: --train-samples, or what the batch ramp's iterations consume if more)."""
+    from gigatron.training.batch_rampup import run_rampup
+
     t = run.train
     assert t.train_iters is not None and t.global_batch_size is not None, _NEEDS_RUN_CONFIG
+    train = t.train_iters * t.global_batch_size
+    if t.train_samples is not None:
+        train = max(t.train_samples, run_rampup(t, run.parallel.dp).consumed_after(
+            t.train_iters))
     evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
-    return [t.train_iters * t.global_batch_size, evals * t.global_batch_size,
-            t.eval_iters * t.global_batch_size]
+    return [train, evals * t.global_batch_size, t.eval_iters * t.global_batch_size]
 
 
 def build_datasets(run: RunConfig,

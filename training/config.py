@@ -11,7 +11,7 @@ are declared in `settings.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from gigatron.training.config_field import setting
 
@@ -45,6 +45,21 @@ class ParallelConfig:
     distributed_timeout_minutes: float = setting(
         10.0, "timeout of collectives before a hung rank is reported",
         "--distributed-timeout-minutes")
+    context_parallel_size: int = setting(
+        1, "context-parallel size: only 1 (no context parallelism) is supported",
+        "--context-parallel-size")
+    no_pipeline_parallel: bool = setting(
+        False, "Megatron-DeepSpeed's non-pipeline engine: accepted with "
+        "--pipeline-model-parallel-size 1 (gigatron runs pp 1 without pipelining)",
+        "--no-pipeline-parallel")
+    distributed_backend: Optional[str] = setting(
+        None, "nccl (Megatron's default) or gloo; default: nccl on GPUs, gloo on CPUs. nccl "
+        "without a GPU runs on gloo (the banner says so); gloo with GPUs is refused (no "
+        "reduce-scatter on GPU tensors)", "--distributed-backend", choices=("nccl", "gloo"))
+    local_rank: Optional[int] = setting(
+        None, "accepted for launchers that pass it; the local rank is read from the "
+        "launcher's environment (LOCAL_RANK, SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK), and "
+        "a --local-rank that disagrees is an error", "--local-rank", "--local_rank")
 
     @property
     def world_size(self) -> int:
@@ -58,7 +73,7 @@ class LRScheduleConfig:
     max_lr: float
     min_lr: float = 0.0
     decay_style: str = "linear"  # linear|cosine|constant|inverse-square-root|WSD
-    warmup_steps: int = 0
+    warmup_steps: float = 0  # a float: --lr-warmup-fraction x decay is not rounded (Megatron)
     decay_steps: int = 1
     init_lr: float = 0.0  # lr at step 0 of warm-up (Megatron's --lr-warmup-init)
     wsd_decay_steps: Optional[int] = None
@@ -69,8 +84,15 @@ class LRScheduleConfig:
 class TrainConfig:
     """The loop: iterations, batches, evaluation cadence and exit conditions."""
 
-    train_iters: Optional[int] = setting(None, "iterations to train (required)",
-                                         "--train-iters")
+    train_iters: Optional[int] = setting(
+        None, "iterations to train (this or --train-samples is required)", "--train-iters")
+    train_samples: Optional[int] = setting(
+        None, "samples to train instead of --train-iters: iterations = samples / global batch "
+        "(with --rampup-batch-size: counted through the ramp, as Megatron)", "--train-samples")
+    rampup_batch_size: Optional[List[int]] = setting(
+        None, "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT over "
+        "SAMPLES samples to --global-batch-size (needs --train-samples)",
+        "--rampup-batch-size", metavar="N")
     micro_batch_size: Optional[int] = setting(
         None, "samples per rank per micro-batch (required)", "--micro-batch-size",
         ds="train_micro_batch_size_per_gpu")
@@ -91,6 +113,9 @@ class TrainConfig:
                                            "this", "--exit-interval")
     exit_signal_handler: bool = setting(False, "save and stop on SIGTERM",
                                         "--exit-signal-handler")
+    exit_duration_in_mins: Optional[float] = setting(
+        None, "save and stop after this many minutes since the start (checked every "
+        "iteration, agreed by all ranks)", "--exit-duration-in-mins")
     num_workers: int = setting(0, "data loader worker processes per rank", "--num-workers")
     check_for_nan_in_loss_and_grad: bool = setting(
         True, "stop at the first non-finite loss or grad norm (checked on the device, read at "
@@ -114,8 +139,11 @@ class CheckpointConfig:
                              "--finetune")
     no_save_optim: bool = setting(False, "do not save the optimizer state", "--no-save-optim")
     no_save_rng: bool = setting(False, "do not save the RNG state", "--no-save-rng")
-    ckpt_format: str = setting("torch", "checkpoint file format", "--ckpt-format",
-                               choices=("torch", "safetensors"))
+    ckpt_format: str = setting(
+        "torch", "checkpoint file format; torch_dist (Megatron's default) is accepted and "
+        "writes gigatron's torch format until the layout-free checkpoint (issue 19) exists, "
+        "with a note in the banner", "--ckpt-format",
+        choices=("torch", "safetensors", "torch_dist"))
     override_opt_param_scheduler: bool = setting(
         False, "on --load, follow the flags' lr schedule, not the checkpoint's",
         "--override-opt_param-scheduler")
@@ -132,8 +160,31 @@ class LoggingConfig:
                                 ds="steps_per_print", ds_default=10)
     metrics_file: Optional[str] = setting(
         None, "JSON lines file, one line per logged iteration / eval", "--metrics-file")
-    tensorboard_dir: Optional[str] = setting(None, "write TensorBoard events here",
-                                             "--tensorboard-dir")
+    tensorboard_dir: Optional[str] = setting(
+        None, "write TensorBoard events here (needs the tensorboard package: checked before "
+        "any rank starts)", "--tensorboard-dir")
+    wandb_project: Optional[str] = setting(
+        None, "log to this Weights & Biases project (needs wandb, checked before any rank "
+        "starts, and --wandb-exp-name)", "--wandb-project")
+    wandb_exp_name: Optional[str] = setting(None, "the Weights & Biases run name",
+                                            "--wandb-exp-name")
+    wandb_save_dir: Optional[str] = setting(
+        None, "local Weights & Biases folder (default: --save/wandb)", "--wandb-save-dir")
+    tensorboard_queue_size: int = setting(
+        1000, "accepted: events are flushed by the TensorBoard writer's own queue",
+        "--tensorboard-queue-size")
+    log_timers_to_tensorboard: bool = setting(
+        False, "accepted: the timers (timers_ms/*) are always written with --tensorboard-dir",
+        "--log-timers-to-tensorboard")
+    log_validation_ppl_to_tensorboard: bool = setting(
+        False, "accepted: validation loss goes to TensorBoard, its perplexity to the metrics "
+        "file", "--log-validation-ppl-to-tensorboard")
+    log_batch_size_to_tensorboard: bool = setting(
+        False, "accepted: the global batch size of each log line is in the metrics file",
+        "--log-batch-size-to-tensorboard")
+    log_throughput: bool = setting(
+        False, "accepted: gigatron logs tokens/s, TFLOP/s per device and MFU on every log "
+        "line", "--log-throughput")
     peak_tflops: Optional[float] = setting(
         None, "device peak TFLOP/s for MFU (default: the per-device table)", "--peak-tflops")
     progress: Optional[bool] = setting(

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelConfig,
                                       TrainConfig)
 from gigatron.training.config_field import SAME_DEFAULT, FieldSpec, field_spec
-from gigatron.training.settings import (DataSettings, ModelSettings, OptimizerSettings,
-                                        PrecisionSettings, SourceSettings)
+from gigatron.training.settings import (DataSettings, ImplementationSettings, ModelSettings,
+                                        OptimizerSettings, PrecisionSettings, SourceSettings)
 
 # (config dataclass, argparse group / FLAGS.md section), in --help order
 CONCERNS = (
@@ -30,6 +30,7 @@ CONCERNS = (
     (TrainConfig, "training loop"),
     (CheckpointConfig, "checkpointing"),
     (LoggingConfig, "logging"),
+    (ImplementationSettings, "implementation selectors (the same numbers whichever is chosen)"),
     (SourceSettings, "configuration file"),
 )
 
@@ -122,7 +123,16 @@ def defaults() -> Dict[str, Any]:
 
 
 class ParseProblems(ValueError):
-    """Every bad flag value and unknown flag of one command line (one line each)."""
+    """Every bad flag value and unknown flag of one command line (one line each); `flags`:
+    the rest of the command line parsed (bad values at their defaults), so the caller can
+    add the problems of the values that did parse (`arguments.parse_args`)."""
+
+    def __init__(self, problems: Sequence[str], flags: Optional[argparse.Namespace] = None,
+                 bad_flags: Sequence[str] = ()) -> None:
+        from gigatron.training.validation import join_problems
+
+        self.problems, self.flags, self.bad_flags = list(problems), flags, list(bad_flags)
+        super().__init__(join_problems(self.problems))
 
 
 def _shown(value: Any) -> str:
@@ -175,31 +185,43 @@ class ConfigParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.problems: List[str] = []
+        self.suggested: List[str] = []  # the known flags an unknown one was probably meant as
 
     def error(self, message: str) -> NoReturn:
-        raise ParseProblems(message)
+        raise ParseProblems([message])
 
     def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
                    namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
         """Parse; unknown flags and bad values raise one ParseProblems listing them all."""
-        from gigatron.training.validation import join_problems
-
         self.problems.clear()
+        self.suggested.clear()
         flags, unknown = self.parse_known_args(args, namespace)
         problems = list(self.problems)
         if unknown:
             problems.insert(0, self._unknown(unknown))
         if problems:
-            raise ParseProblems(join_problems(problems))
+            bad = [m.split()[1].rstrip(":") for m in self.problems]
+            for row in table():  # a bad value leaves its flag at the default
+                if row.flag in bad:
+                    setattr(flags, row.dest, row.default)
+            raise ParseProblems(problems, flags, bad + self.suggested)
         return flags
 
     def _unknown(self, unknown: List[str]) -> str:
+        """One line naming every unknown flag, each with its nearest known spelling."""
         import difflib
 
         known = [s for a in self._actions for s in a.option_strings]
-        first = next((u for u in unknown if u.startswith("-")), unknown[0])
-        close = difflib.get_close_matches(first.split("=")[0], known, n=1)
-        hint = f"; did you mean {close[0]}?" if close else f"; see {self.prog} --help"
+        names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
+        hints = []
+        for name in names:
+            close = difflib.get_close_matches(name, known, n=1)
+            if close:
+                hints.append(close[0] if len(names) == 1 else f"{close[0]} for {name}")
+                self.suggested.append(close[0])
+        hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+        if len(hints) < len(names):
+            hint += f"; see {self.prog} --help"
         return f"unknown flag(s) {' '.join(unknown)}{hint}"
 
 

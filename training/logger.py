@@ -141,15 +141,16 @@ class LoopProgress:
 
 
 class MetricsLogger:
-    """Console lines, JSON lines (--metrics-file), TensorBoard (--tensorboard-dir), progress."""
+    """Console lines, JSON lines (--metrics-file), TensorBoard (--tensorboard-dir), Weights &
+    Biases (--wandb-project: `wandb` holds wandb.init's project, name, dir, config), progress."""
 
     def __init__(self, enabled: bool, train_iters: int, metrics_file: Optional[str] = None,
                  tensorboard_dir: Optional[str] = None, progress: Optional[bool] = None,
                  append: bool = False, start_iteration: int = 0,
-                 stream: Optional[IO] = None) -> None:
+                 stream: Optional[IO] = None, wandb: Optional[Dict] = None) -> None:
         self.enabled, self.train_iters = enabled, train_iters
         self.stream = sys.stdout if stream is None else stream
-        self._file = self._tb = self._bar = None
+        self._file = self._tb = self._bar = self._wandb = None
         self.totals = RunTotals(start_iteration)  # what the run summary adds up
         if not enabled:
             return
@@ -158,6 +159,8 @@ class MetricsLogger:
             self._file = open(metrics_file, "a" if append else "w", encoding="utf-8")
         if tensorboard_dir:
             self._tb = _tensorboard_writer(tensorboard_dir)
+        if wandb:
+            self._wandb = _wandb_run(wandb)
         if progress is None:
             progress = sys.stderr.isatty()
         if progress:
@@ -197,6 +200,9 @@ class MetricsLogger:
             for key, value in scalars.items():
                 if value is not None:
                     self._tb.add_scalar(key, value, record["iteration"])
+        if self._wandb is not None:
+            self._wandb.log({key: record[key] for key in _TENSORBOARD_KEYS
+                             if record.get(key) is not None}, step=record["iteration"])
 
     def evaluation(self, record: Dict) -> None:
         """A valid/test loss: console block, JSON line, TensorBoard scalar."""
@@ -209,6 +215,9 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.add_scalar(f"{record['split']} lm loss", record["lm loss"],
                                 record["iteration"])
+        if self._wandb is not None:
+            self._wandb.log({f"{record['split']} lm loss": record["lm loss"]},
+                            step=record["iteration"])
 
     def progress(self, iteration: int, loss: Optional[float]) -> None:
         if self.enabled and self._bar is not None:
@@ -243,7 +252,9 @@ class MetricsLogger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
-        self._file = self._tb = self._bar = None
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._file = self._tb = self._bar = self._wandb = None
 
 
 def _tensorboard_writer(log_dir: str):
@@ -253,3 +264,12 @@ def _tensorboard_writer(log_dir: str):
         raise ValueError("--tensorboard-dir needs the tensorboard package: "
                          "pip install tensorboard (or pip install -e '.[monitor]')") from None
     return SummaryWriter(log_dir=log_dir)
+
+
+def _wandb_run(options: Dict):
+    """wandb.init(**options) (the package is checked with the flags, before any rank starts)."""
+    import wandb
+
+    if options.get("dir"):
+        os.makedirs(options["dir"], exist_ok=True)
+    return wandb.init(**options)

@@ -31,6 +31,7 @@ from gigatron.parallel.pipeline.grad_sync import GradSync
 from gigatron.parallel.topology import ProcessGroups
 from gigatron.parallel.zero import ZeroOptimizer
 from gigatron.training import state as checkpoint_state
+from gigatron.training.batch_rampup import run_rampup
 from gigatron.training.builders import Pipeline, micro_batches
 from gigatron.training.config import RunConfig
 from gigatron.training.nan_check import NonFiniteWatch
@@ -59,6 +60,9 @@ class Session:
     peak_tflops: Optional[float]
     saved_iterations: List[int] = field(default_factory=list)
     nonfinite: Optional[NonFiniteWatch] = None  # --check-for-nan-in-loss-and-grad, set by train
+    started: float = field(default_factory=time.monotonic)  # --exit-duration-in-mins counts
+    # from here (the program's start, as Megatron's)
+    start_samples: int = 0  # samples consumed when this run started (a resume's are earlier)
 
 
 @dataclass
@@ -126,11 +130,12 @@ def _local_mean(losses: List[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> StepOutcome:
-    """One optimizer step over the global batch (this rank's micro-batches)."""
+    """One optimizer step over the global batch (this rank's micro-batches: their count is
+    the step's, which a batch ramp-up grows)."""
     lr = learning_rate(progress.lr_steps, s.run.lr_schedule)
     s.zero.set_lr(lr)
     s.zero.zero_grad()
-    losses = s.pipeline.executor.run(s.pipeline.train_schedule, batches,
+    losses = s.pipeline.executor.run(s.pipeline.train_schedule_for(len(batches)), batches,
                                      loss_scale=s.zero.loss_scale)
     s.grad_sync.finish_sync()
     s.timers.start("optimizer")
@@ -141,7 +146,8 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
 
 
 def advance(progress: TrainProgress, outcome: StepOutcome, global_batch_size: int) -> None:
-    """Count the step: samples always, the lr schedule only if the step was applied."""
+    """Count the step's `global_batch_size` samples: always as consumed, in the lr schedule
+    only if the step was applied."""
     progress.iteration += 1
     progress.consumed_train_samples += global_batch_size
     if outcome.skipped:
@@ -187,13 +193,17 @@ class _Interval:
         self.loss_sum: Optional[torch.Tensor] = None
         self.steps = 0
         self.skipped = 0
+        self.samples = 0
+        self.batch_size = 0  # the last step's global batch
 
-    def add(self, outcome: StepOutcome) -> None:
+    def add(self, outcome: StepOutcome, batch_size: int) -> None:
         if outcome.loss is not None:
             self.loss_sum = (outcome.loss if self.loss_sum is None
                              else self.loss_sum + outcome.loss)
         self.steps += 1
         self.skipped += int(outcome.skipped)
+        self.samples += batch_size
+        self.batch_size = batch_size
 
 
 def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _Interval,
@@ -206,7 +216,7 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
     t = s.run.train
     loss = mean_loss_over_ranks(s, interval.loss_sum, n)
     memory, stop = max_over_ranks(s, [peak_memory_bytes(s.device), float(exit_signal.received)])
-    tokens = n * t.global_batch_size * s.run.model.seq_length
+    tokens = interval.samples * s.run.model.seq_length
     rates = throughput(tokens, elapsed, s.flops_per_token, s.run.parallel.world_size,
                        s.peak_tflops)
     phases = s.timers.reset()
@@ -216,7 +226,8 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
         "iteration": progress.iteration, "consumed_samples": progress.consumed_train_samples,
         "lm loss": loss, "lr": outcome.lr, "grad norm": grad_norm,
         "loss scale": outcome.loss_scale, "skipped": interval.skipped,
-        "global_batch_size": t.global_batch_size, "ms_per_iteration": 1000 * elapsed / n,
+        "global_batch_size": interval.batch_size, "samples": interval.samples,
+        "ms_per_iteration": 1000 * elapsed / n,
         **rates, "peak_memory_mib": memory / 2 ** 20,
         "timers_ms": {name: 1000 * sec / n for name, sec in sorted(phases.items())},
     }
@@ -256,31 +267,58 @@ def _evaluate_and_log(s: Session, progress: TrainProgress, split: int, name: str
     s.logger.evaluation({"split": name, "iteration": progress.iteration, "lm loss": loss})
 
 
-def train(s: Session, progress: TrainProgress) -> TrainProgress:
-    """Train from `progress` to --train-iters (or an exit condition); returns the progress."""
-    t, ck = s.run.train, s.run.checkpoint
-    it = micro_batches(s.run, s.datasets[0], progress.consumed_train_samples,
-                       s.groups.index("dp"), s.device, s.pipeline)
-    exit_signal = ExitSignal(t.exit_signal_handler)
-    if t.check_for_nan_in_loss_and_grad:
+def _exit_reason(s: Session, progress: TrainProgress, sigterm: bool) -> Optional[str]:
+    """Why the loop stops after this iteration (None: it goes on); every rank agrees."""
+    t = s.run.train
+    if sigterm:
+        return f"exiting on SIGTERM at iteration {progress.iteration}"
+    if t.exit_duration_in_mins:  # Megatron's check: every iteration, the ranks' max time
+        (minutes,) = max_over_ranks(s, [(time.monotonic() - s.started) / 60])
+        if minutes > t.exit_duration_in_mins:
+            return (f"exiting after {minutes:.1f} minutes at iteration {progress.iteration} "
+                    f"(--exit-duration-in-mins {t.exit_duration_in_mins:g})")
+    if t.exit_interval and progress.iteration % t.exit_interval == 0:
+        return f"exiting at iteration {progress.iteration} (--exit-interval)"
+    return None
+
+
+def _start_nonfinite_watch(s: Session, progress: TrainProgress) -> None:
+    if s.run.train.check_for_nan_in_loss_and_grad:
         # fp16 overflow steps have inf grads by design (skipped, scale backed off): loss only
         s.nonfinite = NonFiniteWatch(s.device, s.groups.rank, s.run.parallel.world_size,
                                      check_grad_norm=s.zero.param_dtype != torch.float16,
                                      loaded_iteration=progress.iteration,
-                                     save_dir=ck.save)
-    interval = _Interval()
+                                     save_dir=s.run.checkpoint.save)
+
+
+def train(s: Session, progress: TrainProgress) -> TrainProgress:
+    """Train from `progress` to --train-iters (or an exit condition); returns the progress.
+    Each step's global batch comes from the batch ramp (constant without one); when the ramp
+    changes the micro-batch count, a checkpoint is saved first (as Megatron does)."""
+    t, ck = s.run.train, s.run.checkpoint
+    it = micro_batches(s.run, s.datasets[0], progress.consumed_train_samples,
+                       s.groups.index("dp"), s.device, s.pipeline)
+    exit_signal = ExitSignal(t.exit_signal_handler)
+    _start_nonfinite_watch(s, progress)
+    ramp = run_rampup(t, s.run.parallel.dp)
+    interval, last_count = _Interval(), None
     while progress.iteration < t.train_iters:
+        batch_size = ramp.batch_size(progress.consumed_train_samples)
+        count = batch_size // ramp.micro_batch_times_dp
+        if last_count is not None and count != last_count:
+            _save(s, progress)
+        last_count = count
         activity.at(progress.iteration + 1, "train step")  # for hang reports (watchdog)
         started = timeline.now() if timeline.on else 0
-        outcome = train_step(s, _next_batches(it, t.num_microbatches, s.timers), progress)
-        advance(progress, outcome, t.global_batch_size)
+        outcome = train_step(s, _next_batches(it, count, s.timers), progress)
+        advance(progress, outcome, batch_size)
         if timeline.on:
             timeline.record(f"iteration {progress.iteration}", started)
         if s.nonfinite is not None:
             s.nonfinite.observe(progress.iteration, outcome.loss, outcome.grad_norm)
             s.nonfinite.count_skip(progress.iteration, outcome.skipped, s.zero.scaler,
                                    s.saved_iterations)
-        interval.add(outcome)
+        interval.add(outcome, batch_size)
         sigterm = False
         if progress.iteration % s.run.logging.log_interval == 0:
             sigterm = _log(s, progress, outcome, interval, exit_signal)
@@ -293,12 +331,9 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
         if ck.save_interval and progress.iteration % ck.save_interval == 0:
             _save(s, progress)
         interval.start += time.perf_counter() - paused
-        if sigterm:
-            s.logger.print(f"exiting on SIGTERM at iteration {progress.iteration}")
-            _save(s, progress)
-            return progress
-        if t.exit_interval and progress.iteration % t.exit_interval == 0:
-            s.logger.print(f"exiting at iteration {progress.iteration} (--exit-interval)")
+        reason = _exit_reason(s, progress, sigterm)
+        if reason is not None:
+            s.logger.print(reason)
             _save(s, progress)
             return progress
     _save(s, progress)

@@ -1,8 +1,8 @@
 """Learning-rate schedules with Megatron's semantics, as pure functions of the step.
 
-As in Megatron, a "step" counts samples when training by iterations: warm-up and decay
-lengths are iterations x global batch size, and the schedule advances by one global batch
-per iteration. Iteration i (1-based) uses the lr at step (i - 1) x global batch, so the first
+As in Megatron, a "step" counts samples: training by iterations, warm-up and decay lengths
+are iterations x global batch size; by --train-samples they are samples. The schedule
+advances by each applied iteration's global batch (which a batch ramp-up grows). Iteration i (1-based) uses the lr at step (i - 1) x global batch, so the first
 iteration of a warm-up runs at --lr-warmup-init (0 by default).
 
 - warm-up (step <= warmup): linear from init_lr to max_lr;
@@ -68,9 +68,18 @@ def lr_for_iteration(iteration: int, global_batch_size: int, cfg: LRScheduleConf
     return learning_rate((iteration - 1) * global_batch_size, cfg)
 
 
-def schedule_problems(cfg: LRScheduleConfig) -> List[str]:
-    """Every reason Megatron would reject this schedule, one flag-naming line each."""
+def _unit_flags(by_samples: bool) -> Dict[str, str]:
+    """The flag names of the lengths, training by iterations or by --train-samples."""
+    unit = "samples" if by_samples else "iters"
+    return {"decay": f"--lr-decay-{unit}", "warmup": f"--lr-warmup-{unit}",
+            "wsd": f"--lr-wsd-decay-{unit}"}
+
+
+def schedule_problems(cfg: LRScheduleConfig, by_samples: bool = False) -> List[str]:
+    """Every reason Megatron would reject this schedule, one flag-naming line each
+    (`by_samples`: name the --train-samples flags)."""
     out: List[str] = []
+    names = _unit_flags(by_samples)
     if cfg.decay_style not in DECAY_STYLES:
         out.append(f"--lr-decay-style {cfg.decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
     if cfg.max_lr < 0 or cfg.min_lr < 0:
@@ -78,26 +87,26 @@ def schedule_problems(cfg: LRScheduleConfig) -> List[str]:
     elif cfg.min_lr > cfg.max_lr:
         out.append(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.max_lr}: lower --min-lr")
     if cfg.decay_steps <= 0:
-        out.append("--lr-decay-iters must be > 0")
+        out.append(f"{names['decay']} must be > 0")
     elif cfg.decay_style != "constant" and cfg.warmup_steps >= cfg.decay_steps:
-        out.append(f"warm-up ({cfg.warmup_steps} samples) is not shorter than the decay "
-                   f"({cfg.decay_steps} samples): lower --lr-warmup-iters/--lr-warmup-fraction "
-                   f"or raise --lr-decay-iters")
+        out.append(f"warm-up ({cfg.warmup_steps:g} samples) is not shorter than the decay "
+                   f"({cfg.decay_steps} samples): lower {names['warmup']}/--lr-warmup-fraction "
+                   f"or raise {names['decay']}")
     if cfg.decay_style == "WSD":
         if cfg.wsd_decay_style not in WSD_DECAY_STYLES:
             out.append(f"--lr-wsd-decay-style {cfg.wsd_decay_style!r} is not one of "
                        f"{', '.join(WSD_DECAY_STYLES)}")
         if not cfg.wsd_decay_steps or cfg.wsd_decay_steps <= 0:
-            out.append("--lr-decay-style WSD needs --lr-wsd-decay-iters > 0")
+            out.append(f"--lr-decay-style WSD needs {names['wsd']} > 0")
         elif cfg.wsd_decay_steps > cfg.decay_steps - cfg.warmup_steps:
-            out.append("--lr-wsd-decay-iters is longer than the decay after warm-up: "
-                       "lower it or raise --lr-decay-iters")
+            out.append(f"{names['wsd']} is longer than the decay after warm-up: lower it or "
+                       f"raise {names['decay']}")
     return out
 
 
-def validate_schedule(cfg: LRScheduleConfig) -> None:
+def validate_schedule(cfg: LRScheduleConfig, by_samples: bool = False) -> None:
     """Raise one ValueError listing every problem of the schedule (one line each)."""
-    problems = schedule_problems(cfg)
+    problems = schedule_problems(cfg, by_samples)
     if problems:
         raise ValueError("\n".join(problems))
 
@@ -105,9 +114,11 @@ def validate_schedule(cfg: LRScheduleConfig) -> None:
 # each field of LRScheduleConfig and the flag(s) that set it (steps count samples)
 SCHEDULE_FLAGS = {
     "max_lr": "--lr", "min_lr": "--min-lr", "decay_style": "--lr-decay-style",
-    "warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction",
-    "decay_steps": "--lr-decay-iters (--train-iters when unset)",
-    "init_lr": "--lr-warmup-init", "wsd_decay_steps": "--lr-wsd-decay-iters",
+    "warmup_steps": "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction",
+    "decay_steps": "--lr-decay-iters/--lr-decay-samples (--train-iters/--train-samples "
+                   "when unset)",
+    "init_lr": "--lr-warmup-init", "wsd_decay_steps": "--lr-wsd-decay-iters/"
+                                                      "--lr-wsd-decay-samples",
     "wsd_decay_style": "--lr-wsd-decay-style",
 }
 OVERRIDE_FLAG = "--override-opt_param-scheduler"

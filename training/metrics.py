@@ -58,8 +58,9 @@ def matmul_parameter_count(config: "TransformerConfig", tp: int = 1) -> int:
     bias = _get(config, "add_bias_linear", True)
     swiglu = _get(config, "activation", "gelu") == "swiglu"
     norm = h * (2 if _get(config, "normalization", "LayerNorm") == "LayerNorm" else 1)
-    kv = 2 * groups * (h // heads)
-    attention = h * (h + kv) + h * h + ((h + kv) + h if bias else 0)
+    d = _get(config, "kv_channels", h // heads)  # channels per head (--kv-channels)
+    q, kv = heads * d, 2 * groups * d
+    attention = h * (q + kv) + q * h + ((q + kv) + h if bias else 0)
     mlp_in = 2 * ffn if swiglu else ffn
     mlp = h * mlp_in + ffn * h + ((mlp_in + h) if bias else 0)
     vocab = padded_vocab_size(config.vocab_size, _get(config, "make_vocab_size_divisible_by",

@@ -36,11 +36,17 @@ def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pret
     """Flags -> (RunConfig, tokenizer); raises ValueError with one clear line."""
     from gigatron.data.tokenizer import tokenizer_type_to_build
     from gigatron.parallel.launch import require_world_size
-    from gigatron.training.arguments import build_run_config, parse_flags
+    from gigatron.training.arguments import build_run_config, parse_flags, with_other_problems
+    from gigatron.training.config_table import ParseProblems
     from gigatron.training.builders import build_tokenizer
+    from gigatron.training.operational_flags import check_local_rank
     from gigatron.training.validation import Problems, check_data
 
-    flags = parse_flags(argv, prog)
+    try:
+        flags = parse_flags(argv, prog)
+    except ParseProblems as err:  # with the problems of the values that did parse
+        raise with_other_problems(err, launch.world_size) from None
+    check_local_rank(flags, launch.local_rank, launch.launcher)
     if launch.launcher == "none":  # a plain `python pretrain_gpt.py`: say how to launch
         require_world_size(launch, flags.tensor_model_parallel_size *
                            flags.pipeline_model_parallel_size)
@@ -68,7 +74,7 @@ def _seed(seed: int, pp_rank: int) -> None:
     torch.manual_seed(seed)
 
 
-def _build_session(run, tokenizer, launch, device):
+def _build_session(run, tokenizer, launch, device, started: float):
     from gigatron.parallel.topology import ProcessGroups, Topology
     from gigatron.parallel.zero import build_zero
     from gigatron.training import builders, metrics, state
@@ -95,15 +101,29 @@ def _build_session(run, tokenizer, launch, device):
     log = run.logging
     logger = MetricsLogger(launch.rank == 0, run.train.train_iters, log.metrics_file,
                            log.tensorboard_dir, log.progress, append=progress.iteration > 0,
-                           start_iteration=progress.iteration)
+                           start_iteration=progress.iteration, wandb=_wandb_options(run))
     if progress.iteration > 0:
         logger.truncate_after(progress.iteration)
     if schedule_note:
         logger.print(schedule_note)
     peak = log.peak_tflops or metrics.device_peak_tflops(device, run.model.params_dtype)
     session = Session(run, groups, device, chunks, zero, grad_sync, pipeline, datasets, logger,
-                      timers, metrics.flops_per_token(run.model, p.tp), peak)
+                      timers, metrics.flops_per_token(run.model, p.tp), peak, started=started,
+                      start_samples=progress.consumed_train_samples)
     return session, progress, shard
+
+
+def _wandb_options(run) -> Optional[dict]:
+    """wandb.init's arguments for --wandb-project (Megatron's: the folder defaults to
+    --save/wandb, the config is the flags); None without it."""
+    log = run.logging
+    if not log.wandb_project:
+        return None
+    folder = log.wandb_save_dir or (os.path.join(run.checkpoint.save, "wandb")
+                                    if run.checkpoint.save else None)
+    return {"project": log.wandb_project, "name": log.wandb_exp_name, "dir": folder,
+            "config": {k: v for k, v in run.flags.items() if isinstance(
+                v, (int, float, str, bool, list, type(None)))}}
 
 
 def _ranks_phrase(world_size: int, launcher: str) -> str:
@@ -117,6 +137,7 @@ def _banner(s, progress, shard, launch, device) -> None:
     from gigatron.models.gpt import count_parameters
     from gigatron.training.builders import partition
     from gigatron.data.builder import describe_datasets
+    from gigatron.training.operational_flags import flag_notes
     from gigatron.training.resources import device_notes
 
     run, p, t = s.run, s.run.parallel, s.run.train
@@ -130,9 +151,10 @@ def _banner(s, progress, shard, launch, device) -> None:
         f"{str(run.model.params_dtype).replace('torch.', '')}\n"
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {p.dp} x "
         f"{t.num_microbatches} micro-batches; {s.flops_per_token / 1e6:.2f} MFLOP/token\n"
+        f"{_architecture(run.model)}{_rampup_phrase(t)}\n"
         f"{partition(run).describe()}")
     for line in device_notes(device, dist.get_backend(), run, os.environ) + \
-            describe_datasets(s.datasets):
+            flag_notes(run.flags, dist.get_backend()) + describe_datasets(s.datasets):
         s.logger.print(line)
     if shard is not None:
         s.logger.print(f"loaded checkpoint {shard['_folder']} (iteration {progress.iteration}, "
@@ -141,22 +163,37 @@ def _banner(s, progress, shard, launch, device) -> None:
         s.logger.print(f"no checkpoint in --load {run.checkpoint.load}: training from scratch")
 
 
+def _architecture(model) -> str:
+    """'mlp gelu_tanh, positions learned_absolute, LayerNorm, 12 heads x 64 (4 kv groups)'."""
+    return (f"mlp {model.activation}, positions {model.position_embedding_type}, "
+            f"{model.normalization}, {model.num_attention_heads} heads x {model.kv_channels}"
+            f" ({model.num_query_groups} kv groups)")
+
+
+def _rampup_phrase(t) -> str:
+    """'; batch ramp-up 16 -> 1536 by 16 over 5859375 samples' (empty without a ramp)."""
+    if not t.rampup_batch_size:
+        return ""
+    start, increment, samples = t.rampup_batch_size
+    return (f"; batch ramp-up {start} -> {t.global_batch_size} by {increment} over {samples} "
+            f"samples, {t.train_iters} iterations")
+
+
 def _summary(s, progress, wall_seconds: float) -> None:
     """The end-of-run block and its summary record: time, tokens, losses, speed, where.
     Every rank calls it (peak memory is the largest rank's); rank 0 prints and records."""
     from gigatron.training.loop import max_over_ranks
     from gigatron.training.metrics import peak_memory_bytes, throughput
 
-    run, t, totals = s.run, s.run.train, s.logger.totals
-    tokens_per_step = t.global_batch_size * run.model.seq_length
+    run, totals, seq = s.run, s.logger.totals, s.run.model.seq_length
     (peak_memory,) = max_over_ranks(s, [peak_memory_bytes(s.device)])
     record = {
         "iteration": progress.iteration, "consumed_samples": progress.consumed_train_samples,
         "skipped_iterations": progress.skipped_iterations, "wall_seconds": wall_seconds,
-        "tokens_this_run": (progress.iteration - totals.start_iteration) * tokens_per_step,
-        "tokens_total": progress.consumed_train_samples * run.model.seq_length,
+        "tokens_this_run": (progress.consumed_train_samples - s.start_samples) * seq,
+        "tokens_total": progress.consumed_train_samples * seq,
         "train_steps": totals.train_steps, "train_seconds": totals.train_seconds,
-        **throughput(totals.train_steps * tokens_per_step, totals.train_seconds,
+        **throughput(totals.train_samples * seq, totals.train_seconds,
                      s.flops_per_token, run.parallel.world_size, s.peak_tflops),
         "peak_memory_mib": peak_memory / 2 ** 20,
         **totals.loss_fields("valid"), **totals.loss_fields("test"), **_summary_paths(s)}
@@ -199,7 +236,7 @@ def main(argv: Optional[List[str]] = None, prog: str = "pretrain_gpt.py") -> int
     status = "failed"
     try:
         _start_timeline(run, launch)
-        session, progress, shard = _build_session(run, tokenizer, launch, device)
+        session, progress, shard = _build_session(run, tokenizer, launch, device, started)
         _name_timeline_rank(session)
         _banner(session, progress, shard, launch, device)
         progress = train(session, progress)

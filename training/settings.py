@@ -30,8 +30,15 @@ class ModelSettings:
                                              "--ffn-hidden-size")
     num_attention_heads: Optional[int] = setting(None, "query heads",
                                                  "--num-attention-heads")
-    num_query_groups: Optional[int] = setting(None, "key/value heads with "
-                                              "--group-query-attention", "--num-query-groups")
+    num_query_groups: Optional[int] = setting(
+        None, "key/value heads with --group-query-attention (Megatron's default there: 1, "
+        "multi-query)", "--num-query-groups")
+    num_key_value_heads: Optional[int] = setting(
+        None, "Megatron-DeepSpeed's name for key/value heads: grouped-query attention "
+        "without --group-query-attention", "--num-key-value-heads")
+    kv_channels: Optional[int] = setting(
+        None, "channels per attention head (default --hidden-size / --num-attention-heads)",
+        "--kv-channels")
     seq_length: Optional[int] = setting(None, "tokens per sample", "--seq-length")
     max_position_embeddings: Optional[int] = setting(
         None, "rows of the learned position table (default --seq-length)",
@@ -40,17 +47,46 @@ class ModelSettings:
         None, "pad the vocabulary to a multiple of this x tp (model default 128)",
         "--make-vocab-size-divisible-by")
     position_embedding_type: Optional[str] = setting(
-        None, "learned_absolute (GPT) or rope (Llama)", "--position-embedding-type",
-        choices=("learned_absolute", "rope"))
+        None, "learned_absolute (GPT), rope (Llama) or none; mrope and relative are not "
+        "supported (model default learned_absolute)", "--position-embedding-type",
+        choices=("learned_absolute", "rope", "none", "mrope", "relative"))
+    use_rotary_position_embeddings: bool = setting(
+        False, "Megatron-DeepSpeed's (and old Megatron's) name for --position-embedding-type "
+        "rope", "--use-rotary-position-embeddings")
     rotary_base: Optional[float] = setting(None, "RoPE base theta (model default 10000)",
                                            "--rotary-base")
-    normalization: Optional[str] = setting(None, "norm layer (model default LayerNorm)",
-                                           "--normalization", choices=("LayerNorm", "RMSNorm"))
+    rotary_percent: Optional[float] = setting(
+        None, "fraction of each head's channels RoPE rotates (model default 1.0)",
+        "--rotary-percent")
+    rotary_seq_len_interpolation_factor: Optional[float] = setting(
+        None, "RoPE positions divided by this (linear interpolation for longer contexts)",
+        "--rotary-seq-len-interpolation-factor")
+    use_rope_scaling: Optional[bool] = setting(
+        None, "Llama 3.1's RoPE frequency scaling as Megatron-Core applies it (low/high "
+        "frequency factors 1 and 4, original context 8192)", "--use-rope-scaling")
+    rope_scaling_factor: Optional[float] = setting(
+        None, "factor of --use-rope-scaling (model default 8.0)", "--rope-scaling-factor")
+    normalization: Optional[str] = setting(
+        None, "norm layer (model default LayerNorm; Megatron-DeepSpeed's layernorm/rmsnorm "
+        "too)", "--normalization", choices=("LayerNorm", "RMSNorm", "layernorm", "rmsnorm"))
     norm_epsilon: Optional[float] = setting(None, "epsilon of the norms (model default 1e-5)",
                                             "--norm-epsilon")
     group_query_attention: Optional[bool] = setting(
         None, "use --num-query-groups key/value groups", "--group-query-attention")
     swiglu: Optional[bool] = setting(None, "SwiGLU MLP (Llama style)", "--swiglu")
+    squared_relu: Optional[bool] = setting(None, "squared ReLU MLP activation",
+                                           "--squared-relu")
+    no_bias_gelu_fusion: bool = setting(
+        False, "exact (erf) GeLU: without it GeLU is the tanh approximation of Megatron's "
+        "bias-GeLU fusion (as with --disable-bias-linear, where Megatron turns the fusion off)",
+        "--no-bias-gelu-fusion")
+    openai_gelu: bool = setting(
+        False, "accepted without effect, as in Megatron-Core (it chose the tanh GeLU of "
+        "Megatron's legacy models; Megatron-Core's default bias-GeLU fusion is that GeLU)",
+        "--openai-gelu")
+    no_bias_swiglu_fusion: bool = setting(
+        False, "accepted without effect: SwiGLU computes the same numbers fused or not",
+        "--no-bias-swiglu-fusion")
     untie_embeddings_and_output_weights: Optional[bool] = setting(
         None, "separate output layer", "--untie-embeddings-and-output-weights")
     disable_bias_linear: Optional[bool] = setting(None, "no biases in linear layers",
@@ -61,17 +97,30 @@ class ModelSettings:
                                                  "(model default 0.1)", "--attention-dropout")
     init_method_std: Optional[float] = setting(None, "std of the weights' normal init (model "
                                                "default 0.02)", "--init-method-std")
-    attention_backend: Optional[str] = setting(None, "core attention (model default sdpa)",
-                                               "--attention-backend",
-                                               choices=("sdpa", "unfused"))
+    attention_backend: Optional[str] = setting(
+        None, "core attention: auto, flash, fused and sdpa run torch's "
+        "scaled_dot_product_attention (flash or memory-efficient kernels where the device has "
+        "them), unfused and local the explicit softmax(QK^T)V of gigatron.ops (Megatron's "
+        "default auto; same numbers either way)", "--attention-backend",
+        choices=("auto", "flash", "fused", "unfused", "local", "sdpa"))
     recompute_granularity: Optional[str] = setting(
         None, "activation recomputation: whole layers or core attention",
         "--recompute-granularity", choices=("full", "selective"))
     recompute_method: Optional[str] = setting(
         None, "with full: chunks of N layers (uniform) or the first N (block)",
         "--recompute-method", choices=("uniform", "block"))
-    recompute_num_layers: Optional[int] = setting(None, "N of --recompute-method",
-                                                  "--recompute-num-layers")
+    recompute_num_layers: Optional[int] = setting(
+        None, "N of --recompute-method (with full: default 1, Megatron-DeepSpeed's default)",
+        "--recompute-num-layers")
+    recompute_activations: bool = setting(
+        False, "Megatron's shorthand for --recompute-granularity selective",
+        "--recompute-activations")
+    checkpoint_activations: bool = setting(
+        False, "Megatron-DeepSpeed's (and old Megatron's) name for --recompute-granularity "
+        "full --recompute-method uniform --recompute-num-layers --checkpoint-num-layers",
+        "--checkpoint-activations")
+    checkpoint_num_layers: int = setting(1, "layers per recomputed chunk of "
+                                         "--checkpoint-activations", "--checkpoint-num-layers")
 
 
 @dataclass
@@ -110,9 +159,15 @@ class PrecisionSettings:
         None, "gradient bucket size in elements (default 500000000)", "--ddp-bucket-size",
         ds="zero_optimization.reduce_bucket_size", ds_as="count", ds_default=500_000_000)
     overlap_comm: Optional[bool] = setting(
-        None, "reduce buckets during backward (JSON only; default true)",
-        ds="zero_optimization.overlap_comm",
+        None, "reduce gradient buckets over data-parallel ranks while backward runs (default "
+        "on here; Megatron's default is off: the numbers are the same either way)",
+        "--overlap-grad-reduce", ds="zero_optimization.overlap_comm",
         ds_doc="gigatron.initialize, as DeepSpeed: default true at stage 3 only")
+    overlap_param_gather: bool = setting(
+        False, "accepted (needs --use-distributed-optimizer or --zero-stage >= 1, and "
+        "--overlap-grad-reduce, as in Megatron): ZeRO 1-2 all-gather the updated parameters "
+        "right after the step, ZeRO 3 gathers each layer just in time with prefetch",
+        "--overlap-param-gather")
     grad_reduce_in_bf16: bool = setting(False, "reduce gradients in bf16",
                                         "--grad-reduce-in-bf16")
     optimizer_cpu_offload: bool = setting(
@@ -136,15 +191,23 @@ class OptimizerSettings:
                                   choices=DECAY_STYLES)
     lr_decay_iters: Optional[int] = setting(None, "iterations of warm-up + decay (default "
                                             "--train-iters)", "--lr-decay-iters")
+    lr_decay_samples: Optional[int] = setting(
+        None, "samples of warm-up + decay, with --train-samples (default --train-samples)",
+        "--lr-decay-samples")
     lr_warmup_iters: int = setting(0, "warm-up iterations", "--lr-warmup-iters")
+    lr_warmup_samples: int = setting(0, "warm-up samples, with --train-samples",
+                                     "--lr-warmup-samples")
     lr_warmup_fraction: Optional[float] = setting(
-        None, "warm-up as a fraction of --lr-decay-iters", "--lr-warmup-fraction")
+        None, "warm-up as a fraction of the decay (--lr-decay-iters or --lr-decay-samples); "
+        "a float, not rounded, as in Megatron", "--lr-warmup-fraction")
     lr_warmup_init: float = setting(0.0, "learning rate at the start of warm-up",
                                     "--lr-warmup-init")
     lr_wsd_decay_style: str = setting("exponential", "annealing of the WSD schedule",
                                       "--lr-wsd-decay-style", choices=WSD_DECAY_STYLES)
     lr_wsd_decay_iters: Optional[int] = setting(None, "annealing iterations of WSD",
                                                 "--lr-wsd-decay-iters")
+    lr_wsd_decay_samples: Optional[int] = setting(
+        None, "annealing samples of WSD, with --train-samples", "--lr-wsd-decay-samples")
     weight_decay: float = setting(0.01, "decoupled weight decay (not on biases and norms)",
                                   "--weight-decay", ds="optimizer.params.weight_decay",
                                   ds_default=0.0)
@@ -216,3 +279,50 @@ class SourceSettings:
         None, "a DeepSpeed JSON config: fills flags not given; a flag that disagrees with it, "
         "or an unsupported key, is an error", "--deepspeed-config", "--deepspeed_config",
         metavar="PATH")
+    deepspeed: bool = setting(
+        False, "Megatron-DeepSpeed's switch to its DeepSpeed engine: accepted; gigatron always "
+        "runs its own engine (ZeRO by --zero-stage or --deepspeed-config)", "--deepspeed")
+
+
+@dataclass
+class ImplementationSettings:
+    """Flags that choose an implementation, not the numbers: accepted, mapped, logged."""
+
+    use_mcore_models: bool = setting(
+        False, "accepted: gigatron's model is built like Megatron-Core's (the default of "
+        "Megatron too; legacy models are not provided)", "--use-mcore-models")
+    transformer_impl: Optional[str] = setting(
+        None, "local: gigatron's own layers (the default here); transformer_engine "
+        "(Megatron's default): Transformer Engine is not used, gigatron's layers compute the "
+        "same numbers and the banner says so", "--transformer-impl",
+        choices=("local", "transformer_engine"))
+    use_flash_attn: bool = setting(
+        False, "FlashAttention: same as --attention-backend flash (torch's "
+        "scaled_dot_product_attention picks its flash kernel where the device has one)",
+        "--use-flash-attn")
+    deepspeed_activation_checkpointing: bool = setting(
+        False, "Megatron-DeepSpeed's recomputation through DeepSpeed: accepted; what is "
+        "recomputed is set by --recompute-granularity/--recompute-method as there",
+        "--deepspeed-activation-checkpointing")
+    no_masked_softmax_fusion: bool = setting(
+        False, "accepted: the fused and unfused softmax compute the same numbers",
+        "--no-masked-softmax-fusion")
+    no_bias_dropout_fusion: bool = setting(
+        False, "accepted: bias + dropout + residual are the same numbers fused or not",
+        "--no-bias-dropout-fusion")
+    no_gradient_accumulation_fusion: bool = setting(
+        False, "accepted: gigatron accumulates weight gradients with torch's autograd (what "
+        "this flag asks Megatron to do)", "--no-gradient-accumulation-fusion")
+    no_async_tensor_model_parallel_allreduce: bool = setting(
+        False, "accepted: overlap of the tensor-parallel all-reduce changes no numbers",
+        "--no-async-tensor-model-parallel-allreduce")
+    no_query_key_layer_scaling: bool = setting(
+        False, "accepted (Megatron-DeepSpeed): gigatron never scales QK^T by the layer number "
+        "(Megatron-Core's default), the softmax is the same in exact arithmetic",
+        "--no-query-key-layer-scaling")
+    apply_query_key_layer_scaling: bool = setting(
+        False, "accepted without effect: the same softmax in exact arithmetic (it only guards "
+        "fp16 against overflow, which gigatron's fp32 softmax does not need)",
+        "--apply-query-key-layer-scaling")
+    use_legacy_models: bool = setting(
+        False, "refused: gigatron builds Megatron-Core's model only", "--use-legacy-models")

@@ -26,6 +26,7 @@ class RunTotals:
         self.last_iteration = start_iteration
         self.train_steps = 0  # steps inside logged intervals
         self.train_seconds = 0.0  # their step time (evaluation and saving excluded)
+        self.train_samples = 0  # their samples (a batch ramp-up changes the step's)
         self.evals: Dict[str, List[Tuple[int, float]]] = {}
 
     def add_train(self, record: Dict) -> None:
@@ -35,6 +36,8 @@ class RunTotals:
         if steps > 0 and record.get("ms_per_iteration") is not None:
             self.train_steps += steps
             self.train_seconds += steps * record["ms_per_iteration"] / 1000
+            self.train_samples += record.get("samples",
+                                             steps * record.get("global_batch_size", 0))
 
     def add_eval(self, record: Dict) -> None:
         self.evals.setdefault(record["split"], []).append((record["iteration"],

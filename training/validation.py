@@ -3,41 +3,21 @@
 Each check adds one line per problem (naming the flag or JSON key and the fix) to a
 `Problems` list instead of stopping at the first; `ConfigError` (a ValueError) carries them
 all. The ZeRO rules come from `gigatron.parallel.zero.config.zero_problems` and the model's
-from `TransformerConfig.problems`, so a rule is written once for flags, JSON and Python users.
+from `TransformerConfig.problems`, so a rule is written once for flags, JSON and Python users;
+the model flags' mapping is `model_flags.py`.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
-from gigatron.training.config import LRScheduleConfig, ParallelConfig
+from gigatron.training.config import ParallelConfig
 from gigatron.training.config_table import flag_name
-from gigatron.training.lr_schedule import validate_schedule
 
 if TYPE_CHECKING:
-    import torch
     from gigatron.models.config import TransformerConfig
-
-# flag dest -> TransformerConfig field, for flags that map one to one
-MODEL_FIELDS = {
-    "num_layers": "num_layers", "hidden_size": "hidden_size",
-    "ffn_hidden_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads",
-    "seq_length": "seq_length", "max_position_embeddings": "max_position_embeddings",
-    "make_vocab_size_divisible_by": "make_vocab_size_divisible_by",
-    "position_embedding_type": "position_embedding_type", "rotary_base": "rotary_base",
-    "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
-    "hidden_dropout": "hidden_dropout", "attention_dropout": "attention_dropout",
-    "init_method_std": "init_method_std", "attention_backend": "attention_backend",
-    "recompute_granularity": "recompute_granularity", "recompute_method": "recompute_method",
-    "recompute_num_layers": "recompute_num_layers",
-    "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights",
-}
-_POSITIVE_MODEL = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                   "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
-                   "init_method_std", "recompute_num_layers")
-REQUIRED_WITHOUT_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 
 
 def dedupe(lines: Iterable[str]) -> List[str]:
@@ -115,81 +95,6 @@ def check_parallel(flags: argparse.Namespace, p: Problems) -> None:
               "re-gather every layer per micro-batch): use --zero-stage 2")
 
 
-def _model_overrides(flags: argparse.Namespace, vocab_size: Optional[int],
-                     p: Problems) -> Dict[str, Any]:
-    """TransformerConfig fields set by flags (only those given, so zoo values show through)."""
-    fields = {f: getattr(flags, d) for d, f in MODEL_FIELDS.items()
-              if getattr(flags, d) is not None}
-    if flags.swiglu:
-        fields["activation"] = "swiglu"
-    if flags.disable_bias_linear:
-        fields["add_bias_linear"] = False
-    if flags.group_query_attention and flags.num_query_groups is None:
-        p.add("--group-query-attention needs --num-query-groups N")
-    elif not flags.group_query_attention and flags.num_query_groups is not None \
-            and flags.model is None:
-        p.add("--num-query-groups is used only with --group-query-attention: add it")
-    elif flags.num_query_groups is not None:
-        fields["num_query_groups"] = flags.num_query_groups
-    vocab = vocab_size if vocab_size is not None else flags.vocab_size
-    if vocab is not None:
-        fields["vocab_size"] = vocab
-    fields["sequence_parallel"] = bool(flags.sequence_parallel and
-                                       flags.tensor_model_parallel_size > 1)
-    fields["params_dtype"] = params_dtype(flags)
-    return fields
-
-
-def params_dtype(flags: argparse.Namespace) -> "torch.dtype":
-    """The parameters' dtype of --fp16 / --bf16 (fp32 without either)."""
-    import torch
-
-    return torch.bfloat16 if flags.bf16 else torch.float16 if flags.fp16 else torch.float32
-
-
-def _megatron_defaults(fields: Dict[str, Any]) -> None:
-    """Defaults Megatron derives from other flags when no zoo config is given."""
-    if fields.get("activation") == "swiglu" and "ffn_hidden_size" not in fields:
-        fields["ffn_hidden_size"] = int(4 * fields["hidden_size"] * 2 / 3 / 64) * 64
-    fields.setdefault("max_position_embeddings", fields["seq_length"])
-
-
-def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[int],
-                       p: Problems) -> Optional["TransformerConfig"]:
-    """The TransformerConfig: --model's zoo config (if given) overridden by model flags;
-    None (with the problems recorded) when it cannot be built."""
-    n = len(p.lines)
-    fields = _model_overrides(flags, vocab_size, p)
-    p.positive(flags, *_POSITIVE_MODEL)
-    if flags.model is not None:
-        from gigatron.models.zoo import list_models, load_config
-
-        if flags.model not in list_models():
-            p.add(f"--model {flags.model} is not in the zoo: choose one of "
-                  f"{', '.join(list_models())}")
-            return None
-        build: Callable[..., "TransformerConfig"] = load_config
-        args: Tuple = (flags.model,)
-    else:
-        missing = [flag_name(d) for d in REQUIRED_WITHOUT_MODEL if getattr(flags, d) is None]
-        if missing:
-            p.add(f"{', '.join(missing)} required (or name a zoo model with --model)")
-        if "vocab_size" not in fields:
-            p.add("the vocabulary size is unknown: give --tokenizer-type and its files, or "
-                  "--vocab-size with --mock-data")
-        if len(p.lines) == n:
-            _megatron_defaults(fields)
-        from gigatron.models.config import TransformerConfig
-
-        build, args = TransformerConfig, ()
-    if len(p.lines) > n:
-        return None
-    config = p.run(build, *args, **fields)
-    if config is not None:
-        p.lines += config.problems(tp)
-    return config if len(p.lines) == n else None
-
-
 def microbatches(flags: argparse.Namespace, dp: int,
                  p: Problems) -> Optional[Tuple[int, int, int]]:
     """(micro batch, global batch, micro-batches per step); gbs defaults to mbs x dp."""
@@ -218,12 +123,11 @@ def microbatches(flags: argparse.Namespace, dp: int,
 
 def check_train(flags: argparse.Namespace, parallel: ParallelConfig,
                 model: Optional["TransformerConfig"],
-                num_microbatches: Optional[int], p: Problems) -> None:
-    """Loop flags and the pipeline's needs on layers and micro-batches."""
-    if flags.train_iters is None:
-        p.add("--train-iters is required")
-    p.positive(flags, "train_iters", "eval_interval", "log_interval", "exit_interval",
-               "save_interval")
+                num_microbatches: Sequence[int], p: Problems) -> None:
+    """Loop flags and the pipeline's needs on layers and on each step's micro-batches (one
+    count, or each of a batch ramp-up's); the training length is `schedule_flags`'."""
+    p.positive(flags, "eval_interval", "log_interval", "exit_interval", "save_interval",
+               "exit_duration_in_mins")
     if flags.eval_iters < 0:
         p.add(f"--eval-iters must be >= 0, got {flags.eval_iters}")
     if model is None:
@@ -235,8 +139,9 @@ def check_train(flags: argparse.Namespace, parallel: ParallelConfig,
                       first_stage_layers=parallel.decoder_first_pipeline_num_layers,
                       last_stage_layers=parallel.decoder_last_pipeline_num_layers,
                       num_layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage)
-    if partition is not None and num_microbatches is not None:
-        p.run(check_num_microbatches, num_microbatches, parallel.pp, partition.virtual_chunks)
+    if partition is not None:
+        for count in num_microbatches:
+            p.run(check_num_microbatches, count, parallel.pp, partition.virtual_chunks)
 
 
 def check_optimizer(flags: argparse.Namespace, p: Problems) -> None:
@@ -252,41 +157,6 @@ def check_optimizer(flags: argparse.Namespace, p: Problems) -> None:
     elif not math.log2(flags.initial_loss_scale).is_integer():
         p.add(f"--initial-loss-scale {flags.initial_loss_scale} must be a power of 2 "
               f"(dynamic scaling moves in factors of 2 from 2**initial_scale_power)")
-
-
-def build_lr_schedule(flags: argparse.Namespace, global_batch_size: int,
-                      p: Optional[Problems] = None) -> Optional[LRScheduleConfig]:
-    """Megatron's schedule in samples: iterations x global batch (None if it cannot be
-    built; without `p`, problems raise)."""
-    own = p is None
-    p = Problems() if p is None else p
-    n = len(p.lines)
-    if flags.lr_warmup_fraction is not None and flags.lr_warmup_iters:
-        p.add("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
-    p.positive(flags, "lr_decay_iters", "lr_wsd_decay_iters")
-    if flags.lr_warmup_fraction is not None and not 0.0 <= flags.lr_warmup_fraction < 1.0:
-        p.add(f"--lr-warmup-fraction must be in [0, 1), got {flags.lr_warmup_fraction}")
-    if flags.lr_warmup_iters < 0:
-        p.add(f"--lr-warmup-iters must be >= 0, got {flags.lr_warmup_iters}")
-    decay_iters = flags.lr_decay_iters if flags.lr_decay_iters is not None else flags.train_iters
-    if len(p.lines) > n or flags.lr is None or decay_iters is None or decay_iters <= 0:
-        if own:
-            p.raise_if_any()
-        return None
-    decay_steps = decay_iters * global_batch_size
-    if flags.lr_warmup_fraction is not None:
-        warmup_steps = int(flags.lr_warmup_fraction * decay_steps)
-    else:
-        warmup_steps = flags.lr_warmup_iters * global_batch_size
-    wsd = flags.lr_wsd_decay_iters * global_batch_size if flags.lr_wsd_decay_iters else None
-    cfg = LRScheduleConfig(max_lr=flags.lr, min_lr=flags.min_lr,
-                           decay_style=flags.lr_decay_style, warmup_steps=warmup_steps,
-                           decay_steps=decay_steps, init_lr=flags.lr_warmup_init,
-                           wsd_decay_steps=wsd, wsd_decay_style=flags.lr_wsd_decay_style)
-    p.run(validate_schedule, cfg)
-    if own:
-        p.raise_if_any()
-    return cfg if len(p.lines) == n else None
 
 
 def check_data(flags: argparse.Namespace, p: Optional[Problems] = None) -> None:

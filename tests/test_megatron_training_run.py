@@ -1,0 +1,84 @@
+"""The whole program with Megatron's samples-based flags on forked CPU ranks: a batch ramp-up
+grows the micro-batches per step exactly as Megatron's calculator does, every step consumes
+its batch, the lr follows Megatron's schedule at the consumed samples, a checkpoint is saved
+when the micro-batch count changes; --exit-duration-in-mins saves and stops; the banner says
+what accepted flags map to."""
+import json
+import os
+import sys
+
+from multirank import run_on_ranks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_megatron_samples import megatron_batch, megatron_lr, megatron_train_iters  # noqa
+
+FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--micro-batch-size 2 --global-batch-size 8 --lr 1e-2 --min-lr 1e-3 --mock-data "
+         "--vocab-size 128 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 "
+         "--eval-iters 0 --no-progress --make-vocab-size-divisible-by 8").split()
+
+
+def _main(rank, world, argv):
+    import contextlib
+    import io
+
+    from gigatron.training import pretrain
+
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = pretrain.main(argv)
+    return code, err.getvalue(), out.getvalue()
+
+
+def _program_on(world, argv):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return run_on_ranks(_main, world, argv)
+
+
+def _records(path, kind="train"):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r.get("type") == kind]
+
+
+def test_rampup_grows_the_batch_as_megatron_and_the_lr_follows_the_samples(tmp_path):
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    argv = FLAGS + ["--train-samples", "40", "--rampup-batch-size", "4", "4", "16",
+                    "--lr-decay-style", "cosine", "--lr-warmup-fraction", "0.15",
+                    "--save", ckpt, "--metrics-file", metrics, "--ckpt-format", "torch_dist",
+                    "--transformer-impl", "transformer_engine", "--distributed-backend",
+                    "nccl", "--use-flash-attn"]
+    results = _program_on(2, argv)
+    assert [r[0] for r in results] == [0, 0], results[0][1]
+    records = _records(metrics)
+    iterations = megatron_train_iters(40, 8, (4, 4, 16))
+    assert [r["iteration"] for r in records] == list(range(1, iterations + 1)) and \
+        iterations == 7
+    consumed = 0
+    for r in records:
+        batch = megatron_batch(consumed, 4, 4, 16, 8)
+        lr = megatron_lr(consumed, 0.15 * 40, 40, 1e-2, 1e-3, 0.0, "cosine")
+        consumed += batch
+        assert (r["global_batch_size"], r["consumed_samples"]) == (batch, consumed), r
+        assert abs(r["lr"] - lr) <= 1e-12, (r["iteration"], r["lr"], lr)
+    assert [r["global_batch_size"] for r in records] == [4, 4, 4, 4, 8, 8, 8]
+    saved = [r["iteration"] for r in _records(metrics, "checkpoint")]
+    assert saved == [4, 7]  # the ramp changed the micro-batches per step after iteration 4
+    out = results[0][2]
+    for note in ("--ckpt-format torch_dist: checkpoints are written in gigatron's own",
+                 "--transformer-impl transformer_engine: Transformer Engine is",
+                 "--distributed-backend nccl: no GPU here, gloo is used",
+                 "--use-flash-attn: core attention is torch scaled_dot_product_attention",
+                 "batch ramp-up 4 -> 8 by 4 over 16 samples, 7 iterations",
+                 "mlp gelu_tanh, positions learned_absolute"):
+        assert note in out, out
+
+
+def test_exit_duration_saves_and_stops(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = FLAGS + ["--train-iters", "5", "--exit-duration-in-mins", "1e-9", "--save", ckpt]
+    results = _program_on(1, argv)
+    code, err, out = results[0]
+    assert code == 0, err
+    assert "exiting after" in out and "at iteration 1 (--exit-duration-in-mins 1e-09)" in out
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "1"
