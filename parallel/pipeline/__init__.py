@@ -11,6 +11,10 @@ A training step on one rank:
                                          partition.virtual_chunks), micro_batches)
     grad_sync.finish_sync()   # then the optimizer step: the executor owns no optimizer
 
+Users' own models (`gigatron.pipe.PipelineModule`, DeepSpeed's API) run through the same
+executor: `layer_partition.py` cuts their layer lists DeepSpeed's way, and `shaped_p2p.py`
+carries stage outputs of any shapes (learnt by a handshake before the first step).
+
 `gigatron schedule --pp 4 --num-microbatches 8` draws a schedule
 (`simulate.py` checks one across all ranks; both are pure, import them from their modules).
 """
