@@ -82,6 +82,7 @@ def build_pretraining_data_loader(dataset: Optional["SampleDataset"], consumed_s
 
     if dataset is None:
         return None
+    num_workers = usable_workers(num_workers)
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size, drop_last)
     # DataLoader needs only __len__/__getitem__ (a map-style dataset), not the Dataset base class
@@ -90,6 +91,15 @@ def build_pretraining_data_loader(dataset: Optional["SampleDataset"], consumed_s
                                        collate_fn=collate_samples, pin_memory=False,
                                        persistent_workers=num_workers > 0,
                                        generator=loader_generator(seed, consumed_samples))
+
+
+def usable_workers(num_workers: int) -> int:
+    """`num_workers`, or 0 in a daemonic process (a multiprocessing pool's worker, a forked
+    test rank), which may not start worker processes: the batches are the same either way
+    (the sampler, not the workers, decides them)."""
+    import multiprocessing
+
+    return 0 if num_workers > 0 and multiprocessing.current_process().daemon else num_workers
 
 
 def loader_generator(seed: int, consumed_samples: int) -> "torch.Generator":

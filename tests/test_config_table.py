@@ -76,7 +76,8 @@ def test_megatron_defaults_are_kept():
     assert (flags.split, flags.clip_grad, flags.log_interval, flags.eval_interval,
             flags.eval_iters, flags.seed) == ("969,30,1", 1.0, 100, 1000, 100, 1234)
     assert (flags.distributed_timeout_minutes, flags.initial_loss_scale, flags.hysteresis,
-            flags.loss_scale_window, flags.min_loss_scale) == (10.0, 65536.0, 2, 1000, 1.0)
+            flags.loss_scale_window, flags.min_loss_scale) == (10.0, 2.0 ** 32, 2, 1000, 1.0)
+    assert flags.num_workers == 2
     assert (flags.optimizer, flags.lr_decay_style, flags.lr_wsd_decay_style,
             flags.ckpt_format, flags.tensor_model_parallel_size) == \
         ("adam", "linear", "exponential", "torch", 1)

@@ -185,6 +185,22 @@ def test_global_batch_contents_do_not_depend_on_data_parallel_size(tmp_path):
             np.testing.assert_array_equal(batch[row], train[8 + 4 * step + row]["tokens"])
 
 
+def test_loader_workers_megatron_default_two_give_the_same_batches_and_none_in_daemons():
+    import itertools
+    import multiprocessing
+
+    from gigatron.data.samplers import usable_workers
+
+    config = GPTDataConfig(seq_length=SEQ, mock_data=True, eod=99, vocab_size=100, split="1,0,0")
+    train, _, _ = build_train_valid_test_datasets(config, [40, 0, 0])
+    batches = {n: [b["tokens"].tolist() for b in itertools.islice(
+        build_pretraining_data_loader(train, 4, 4, 0, 1, num_workers=n), 9)] for n in (0, 2)}
+    assert batches[0] == batches[2] and len(batches[0]) == 9
+    assert usable_workers(2) == 2
+    with multiprocessing.get_context("fork").Pool(1) as pool:  # pool workers are daemons
+        assert pool.apply(usable_workers, (2,)) == 0
+
+
 def test_eod_mask_loss_zeroes_loss_on_eod_inputs():
     config = GPTDataConfig(seq_length=64, mock_data=True, eod=7, vocab_size=50, split="1,0,0",
                            eod_mask_loss=True)

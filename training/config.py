@@ -116,7 +116,8 @@ class TrainConfig:
     exit_duration_in_mins: Optional[float] = setting(
         None, "save and stop after this many minutes since the start (checked every "
         "iteration, agreed by all ranks)", "--exit-duration-in-mins")
-    num_workers: int = setting(0, "data loader worker processes per rank", "--num-workers")
+    num_workers: int = setting(2, "data loader worker processes per rank (Megatron's "
+                               "default 2; 0 loads in the training process)", "--num-workers")
     check_for_nan_in_loss_and_grad: bool = setting(
         True, "stop at the first non-finite loss or grad norm (checked on the device, read at "
         "each log line and before each save)", "--check-for-nan-in-loss-and-grad",

@@ -135,9 +135,9 @@ class PrecisionSettings:
         None, "static loss scale for --fp16 (default: dynamic)", "--loss-scale",
         ds="fp16.loss_scale", ds_as="loss_scale", ds_when="fp16", ds_doc="0 = dynamic")
     initial_loss_scale: float = setting(
-        2.0 ** 16, "first dynamic loss scale (a power of 2)", "--initial-loss-scale",
-        ds="fp16.initial_scale_power", ds_as="power_of_2", ds_when="fp16",
-        ds_doc="2**power")
+        2.0 ** 32, "first dynamic loss scale (a power of 2; Megatron's default 2**32)",
+        "--initial-loss-scale", ds="fp16.initial_scale_power", ds_as="power_of_2",
+        ds_when="fp16", ds_doc="2**power", ds_default=2.0 ** 16)
     min_loss_scale: float = setting(1.0, "floor of the dynamic loss scale",
                                     "--min-loss-scale", ds="fp16.min_loss_scale",
                                     ds_when="fp16")
