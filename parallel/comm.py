@@ -8,6 +8,7 @@ Set GIGATRON_TRACE_COMM=1 to print every collective with its shape and group siz
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections import defaultdict
@@ -159,6 +160,50 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,
     span = _record("all_gather", (n - 1) / n * _nbytes(output), output, n, group)
     work = _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
     return work if span is None else timeline.complete(span, work)
+
+
+class Gathered:
+    """Handle of `all_gather_uneven`: `wait()` gives every rank's tensor concatenated."""
+
+    def __init__(self, work: Optional[Work], output: torch.Tensor, sizes: List[int]) -> None:
+        self.work, self.output, self.sizes = work, output, sizes
+
+    def wait(self) -> torch.Tensor:
+        """Block until gathered; returns the concatenation along dim 0, padding removed."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if len(self.sizes) == 1:
+            return self.output
+        rows = self.output.view(len(self.sizes), -1, *self.output.shape[1:])
+        return torch.cat([rows[i, :n] for i, n in enumerate(self.sizes)])
+
+    def is_completed(self) -> bool:
+        return self.work is None or bool(self.work.is_completed())  # type: ignore[attr-defined]
+
+
+def all_gather_uneven(input: torch.Tensor, group: Group = None,
+                      async_op: bool = False) -> Gathered:
+    """Concatenate every rank's `input` along dim 0 when first dims differ between ranks
+    (other dims must agree): the sizes are exchanged first, then padded rows gathered."""
+    n = group_size(group)
+    if input.dim() == 0:
+        raise ValueError("all_gather_uneven: a 0-d tensor has no first dimension to gather")
+    if n == 1:
+        return Gathered(None, input.clone(), [input.shape[0]])
+    shape = torch.tensor([input.dim(), input.shape[0], math.prod(input.shape[1:])],
+                         device=input.device)
+    shapes = torch.empty(3 * n, dtype=shape.dtype, device=input.device)
+    all_gather(shapes, shape, group)
+    dims, sizes, rows = shapes.view(n, 3).t().tolist()
+    if len(set(dims)) > 1 or len(set(rows)) > 1:
+        raise ValueError(f"all_gather_uneven: tensors may differ only in their first dimension; "
+                         f"this rank has shape {tuple(input.shape)}, the ranks have "
+                         f"{dims} dims and {rows} elements per row")
+    padded = input.new_zeros((max(sizes),) + tuple(input.shape[1:]))
+    padded[:input.shape[0]].copy_(input)
+    output = input.new_empty((n * max(sizes),) + tuple(input.shape[1:]))
+    return Gathered(all_gather(output, padded, group, async_op=async_op), output, sizes)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None,

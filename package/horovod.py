@@ -1,0 +1,99 @@
+"""Horovod's PyTorch API on gigatron: `import gigatron.horovod as hvd` in place of
+`import horovod.torch as hvd`, the rest of a Horovod script unchanged.
+
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=hvd.Compression.fp16, op=hvd.Average)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+Runs under `mpirun -np N python train.py`, `gigatron launch -np N`, torchrun and SLURM's
+srun (and as a world of one with no launcher); gloo on CPUs, NCCL on GPUs. The names,
+signatures, defaults and semantics are Horovod's (horovod.torch); the implementation lives in
+engine/horovod_*.py (gigatron.engine.horovod_*). Horovod names not implemented here (Adasum,
+process sets, alltoall, reducescatter, join, SyncBatchNorm, elastic) raise
+NotImplementedError naming what to use instead. `hvd.start_timeline(path)` (or
+GIGATRON_TIMELINE=path) records gigatron's timeline: one Chrome trace over every rank with
+each collective and the optimizer's spans.
+Differences: collectives are matched by call order on every rank, not by name;
+`broadcast_optimizer_state` needs no zero-gradient step (see horovod_functions.py).
+"""
+from typing import Any, NoReturn
+
+from gigatron.engine.horovod_basics import (Adasum, Average, HorovodInternalError, Max, Min,
+                                            ProcessSet, Product, Sum, ccl_built, cross_rank,
+                                            cross_size, cuda_built, ddl_built, gloo_built,
+                                            gloo_enabled, global_process_set, init,
+                                            is_homogeneous, is_initialized, local_rank,
+                                            local_size, mpi_built, mpi_enabled,
+                                            mpi_threads_supported, nccl_built, rank, rocm_built,
+                                            shutdown, size, start_timeline, stop_timeline)
+from gigatron.engine.horovod_compression import Compression, Compressor
+from gigatron.engine.horovod_functions import (allgather_object, broadcast_object,
+                                               broadcast_optimizer_state, broadcast_parameters)
+from gigatron.engine.horovod_ops import (allgather, allgather_async, allreduce, allreduce_,
+                                         allreduce_async, allreduce_async_, barrier, broadcast,
+                                         broadcast_, broadcast_async, broadcast_async_,
+                                         grouped_allreduce, grouped_allreduce_,
+                                         grouped_allreduce_async, grouped_allreduce_async_, poll,
+                                         synchronize)
+from gigatron.engine.horovod_optimizer import DistributedOptimizer
+
+# Horovod names without an implementation here, and what to do instead
+_MISSING = {
+    "alltoall": "use torch.distributed.all_to_all_single",
+    "alltoall_async": "use torch.distributed.all_to_all_single(async_op=True)",
+    "reducescatter": "use hvd.allreduce and keep this rank's slice",
+    "reducescatter_async": "use hvd.allreduce_async and keep this rank's slice",
+    "grouped_reducescatter": "use hvd.grouped_allreduce and keep this rank's slices",
+    "grouped_reducescatter_async": "use hvd.grouped_allreduce_async",
+    "grouped_allgather": "call hvd.allgather per tensor",
+    "grouped_allgather_async": "call hvd.allgather_async per tensor",
+    "sparse_allreduce_async": "densify the tensor and use hvd.allreduce_async",
+    "join": "give every rank the same number of batches (drop_last=True)",
+    "add_process_set": "collectives run over every rank",
+    "remove_process_set": "collectives run over every rank",
+    "SyncBatchNorm": "use torch.nn.SyncBatchNorm on GPUs",
+    "elastic": "use torchrun's elastic agent (--max-restarts) with checkpoints",
+}
+
+
+class _Missing:
+    """Stands for a Horovod name not implemented here; using it raises NotImplementedError."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def _refuse(self) -> NoReturn:
+        raise NotImplementedError(f"hvd.{self._name} is not implemented in gigatron.horovod: "
+                                  f"{_MISSING[self._name]}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        self._refuse()
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        self._refuse()
+
+
+def __getattr__(name: str) -> Any:
+    """A not-implemented Horovod name imports, and fails with its reason when used."""
+    if name in _MISSING:
+        return _Missing(name)
+    raise AttributeError(f"module 'gigatron.horovod' has no attribute {name!r}")
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+    "cross_size", "cross_rank", "is_homogeneous", "DistributedOptimizer", "Compression",
+    "Compressor", "Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce",
+    "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "poll", "synchronize", "barrier", "broadcast_parameters", "broadcast_optimizer_state",
+    "broadcast_object", "allgather_object", "ProcessSet", "global_process_set",
+    "HorovodInternalError", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
+    "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
+    "start_timeline", "stop_timeline",
+]
