@@ -288,6 +288,10 @@ def _collectives(rank, world_size):
     y = torch.full((rank + 1,), 1.0, requires_grad=True)
     (hvd.allgather(y) * torch.arange(1.0, 1 + sum(range(1, n + 1)))).sum().backward()
     out["allgather_grad"] = y.grad
+    try:
+        hvd.allgather(torch.zeros(1, rank + 1))
+    except ValueError as err:
+        out["mismatch"] = str(err)
     out["layout"] = (hvd.size(), hvd.rank(), hvd.local_size(), hvd.local_rank(),
                      hvd.cross_size(), hvd.cross_rank(), hvd.is_homogeneous())
     return out
@@ -319,6 +323,7 @@ def test_collective_values_on_three_ranks():
         start = sum(range(1, rank + 1))
         assert out["allgather_grad"].tolist() == [float(i) for i in range(start + 1,
                                                                          start + rank + 2)]
+        assert "may differ only in their first dimension" in out["mismatch"]
         assert out["layout"] == (3, rank, 3, rank, 1, 0, True)
 
 
