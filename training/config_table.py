@@ -198,7 +198,7 @@ class ConfigParser(argparse.ArgumentParser):
         flags, unknown = self.parse_known_args(args, namespace)
         problems = list(self.problems)
         if unknown:
-            problems.insert(0, self._unknown(unknown))
+            problems[:0] = [self._unknown(unknown)] + megatron_notes(unknown)
         if problems:
             bad = [m.split()[1].rstrip(":") for m in self.problems]
             for row in table():  # a bad value leaves its flag at the default
@@ -223,6 +223,14 @@ class ConfigParser(argparse.ArgumentParser):
         if len(hints) < len(names):
             hint += f"; see {self.prog} --help"
         return f"unknown flag(s) {' '.join(unknown)}{hint}"
+
+
+def megatron_notes(unknown: Sequence[str]) -> List[str]:
+    """For each unknown flag that is a Megatron flag: why gigatron does not support it."""
+    from gigatron.training.megatron_doc import megatron_flag_note
+
+    notes = [megatron_flag_note(u.split("=")[0]) for u in unknown if u.startswith("-")]
+    return [note for note in notes if note]
 
 
 def build_parser(prog: str, description: str) -> ConfigParser:

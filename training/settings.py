@@ -269,6 +269,24 @@ class DataSettings:
         "each document", "--tokenizer-hf-no-include-special-tokens")
     eod_mask_loss: bool = setting(False, "no loss on end-of-document tokens",
                                   "--eod-mask-loss")
+    tokenizer_hf_no_use_fast: bool = setting(
+        False, "accepted without effect: Hugging Face tokenizers are read from tokenizer.json "
+        "(the fast form), whose ids the slow form shares", "--tokenizer-hf-no-use-fast")
+    trust_remote_code: bool = setting(
+        False, "accepted without effect: tokenizer.json is read by the tokenizers library; no "
+        "code from the tokenizer's folder runs", "--trust-remote-code")
+    vocab_extra_ids: int = setting(
+        0, "accepted without effect, as in Megatron-Core, whose GPT tokenizers do not use it "
+        "(T5's sentinel tokens)", "--vocab-extra-ids")
+    data_impl: Optional[str] = setting(
+        None, "accepted (older Megatron, Megatron-DeepSpeed): the mmap .bin/.idx format is the "
+        "only one, as in Megatron-Core", "--data-impl", choices=("mmap", "infer"))
+    no_mmap_bin_files: bool = setting(
+        False, "accepted without effect: the .bin file is memory-mapped either way (the same "
+        "tokens)", "--no-mmap-bin-files")
+    no_create_attention_mask_in_dataloader: bool = setting(
+        False, "accepted without effect: the data loader never builds attention masks (the "
+        "model's attention is causal by itself)", "--no-create-attention-mask-in-dataloader")
 
 
 @dataclass
