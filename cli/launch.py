@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="ranks per node (devices 0..N-1); without a GPU, N CPU workers on gloo")
     add("--num_nodes", type=int, default=-1, metavar="N", help="use the first N hosts of the hostfile")
     add("-np", dest="np", type=int, default=-1, metavar="N",
-        help="Horovod: number of processes in all (fills the hosts' slots in order)")
+        help="Horovod: number of processes in all (fills the hosts' slots in order); as "
+             "with horovodrun, the script gets no --local_rank (LOCAL_RANK is set)")
     add("--hostfile", default=None, metavar="F",
         help=f"`HOST slots=N` per line (default: {DEEPSPEED_HOSTFILE} if it exists, "
              f"else this machine only)")
@@ -108,7 +109,8 @@ def request_from_args(args: argparse.Namespace) -> "LaunchRequest":
         include=args.include, exclude=args.exclude, master_addr=args.master_addr,
         master_port=args.master_port, launcher=args.launcher,
         launcher_args=args.launcher_args, node_rank=args.node_rank,
-        no_local_rank=args.no_local_rank, log_dir=log_dir, timeline=timeline)
+        # Horovod's -np: horovodrun passes no --local_rank, and Horovod scripts do not parse it
+        no_local_rank=args.no_local_rank or args.np > 0, log_dir=log_dir, timeline=timeline)
 
 
 def _machine(req: "LaunchRequest") -> "Machine":

@@ -341,7 +341,9 @@ def test_cli_dry_run_reads_the_hostfile_and_horovod_flags(tmp_path, capsys):
                         "--dry_run", "train.py", "--x", "1"]) == 0
     out = capsys.readouterr().out
     assert "-np 5 -H worker-0:4,worker-1:1 --bind-to none" in out
-    assert out.rstrip().endswith("-m gigatron.parallel.launcher.worker train.py --x 1")
+    # Horovod's -np passes no --local_rank to the script, as horovodrun does
+    assert out.rstrip().endswith(
+        "-m gigatron.parallel.launcher.worker --no_local_rank train.py --x 1")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -516,8 +518,8 @@ def test_mpirun_np_2_all_reduces(tmp_path):
     proc = launch(tmp_path, "--launcher", "openmpi", "-np", "2", "--master_port",
                   str(free_port()), "allreduce.py", "--tag", "mpi")
     assert proc.returncode == 0, proc.stderr
-    assert rank_lines(proc.stdout) == [
-        f"rank={r} world=2 local_rank={r} env_local_rank={r} sum=3 tag=mpi timeline=None"
+    assert rank_lines(proc.stdout) == [  # Horovod's -np: no --local_rank flag, LOCAL_RANK set
+        f"rank={r} world=2 local_rank=-1 env_local_rank={r} sum=3 tag=mpi timeline=None"
         for r in range(2)]
 
 
