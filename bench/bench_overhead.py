@@ -69,7 +69,7 @@ def gigatron_step(args: argparse.Namespace):
     def step(i: int) -> None:
         outcome = loop.train_step(session, steps[i % len(steps)], progress)
         loop.advance(progress, outcome, run.train.global_batch_size)
-        interval.add(outcome)
+        interval.add(outcome, run.train.global_batch_size)
     return run, steps, step
 
 

@@ -74,7 +74,8 @@ def _seed(seed: int, pp_rank: int) -> None:
     torch.manual_seed(seed)
 
 
-def _build_session(run, tokenizer, launch, device, started: float):
+def _build_session(run, tokenizer, launch, device, started: Optional[float] = None):
+    """Everything the loop needs; `started`: the program's start (--exit-duration-in-mins)."""
     from gigatron.parallel.topology import ProcessGroups, Topology
     from gigatron.parallel.zero import build_zero
     from gigatron.training import builders, metrics, state
@@ -108,7 +109,8 @@ def _build_session(run, tokenizer, launch, device, started: float):
         logger.print(schedule_note)
     peak = log.peak_tflops or metrics.device_peak_tflops(device, run.model.params_dtype)
     session = Session(run, groups, device, chunks, zero, grad_sync, pipeline, datasets, logger,
-                      timers, metrics.flops_per_token(run.model, p.tp), peak, started=started,
+                      timers, metrics.flops_per_token(run.model, p.tp), peak,
+                      started=time.monotonic() if started is None else started,
                       start_samples=progress.consumed_train_samples)
     return session, progress, shard
 
