@@ -148,12 +148,14 @@ class _TimedWork:
     __slots__ = ("_work", "_token", "_pending")
 
     def __init__(self, work: Any, token: Token, pending: List[int]) -> None:
-        self._work, self._token, self._pending = work, token, pending
+        self._work, self._pending = work, pending
+        self._token: Optional[Token] = token  # None once its span is recorded
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         result = self._work.wait(*args, **kwargs)
-        if self._token is not None:
-            self._token, token = None, self._token
+        token = self._token
+        if token is not None:
+            self._token = None
             self._pending[0] -= 1
             if self._pending[0] == 0:
                 _add_collective(token, ASYNC)

@@ -19,7 +19,7 @@ A model's own fix-ups (anything a module computes from its local width) are a su
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -89,11 +89,12 @@ def is_linear(module: nn.Module) -> bool:
         or is_conv1d(module)
 
 
-def _dense(module: nn.Module) -> Optional[_Dense]:
-    """The unsplit Linear-like view of `module`, or None if it is not one."""
+def _dense(module: Any) -> Optional[_Dense]:
+    """The unsplit Linear-like view of `module`, or None if it is not one (typed Any: the
+    attributes read depend on which layer it is)."""
     if isinstance(module, nn.Linear):
-        return _Dense(module.weight, False, module.bias, module.in_features,
-                      module.out_features)
+        return _Dense(cast(nn.Parameter, module.weight), False, module.bias,
+                      module.in_features, module.out_features)
     if is_conv1d(module):
         w = module.weight
         return _Dense(w, True, module.bias, w.shape[0], w.shape[1])
@@ -261,7 +262,7 @@ class VocabParallel(Style):
         problems = _embedding_problems(module, name)
         if problems:
             return problems
-        rows = module.weight.shape[0]
+        rows = cast(torch.Tensor, module.weight).shape[0]
         if rows % ctx.size:
             return [f"{name}: vocab size (embedding rows) {rows} is not divisible by "
                     f"tp={ctx.size}: pad it (Hugging Face: "
@@ -269,7 +270,7 @@ class VocabParallel(Style):
         return []
 
     def apply(self, module: nn.Module, name: str, ctx: ShardContext) -> nn.Module:
-        weight = module.weight
+        weight = cast(nn.Parameter, module.weight)
         rows, dim = weight.shape
         new = VocabParallelEmbedding(rows, dim, tp_group=ctx.tp_group,
                                      reduce_scatter_embeddings=ctx.sequence_parallel,

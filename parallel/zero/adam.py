@@ -42,6 +42,7 @@ class UncorrectedAdam(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor, group: dict) -> None:
         beta1, beta2 = group["betas"]
         decay, grad = group["weight_decay"], p.grad
+        assert grad is not None  # step() updates only parameters that have a gradient
         if decay and not group["decoupled"]:
             grad = grad.add(p, alpha=decay)
         state = self.state[p]
