@@ -124,7 +124,9 @@ OFF_ONLY: Dict[str, str] = {  # section -> what to do instead (refused when enab
 REFUSED: Dict[str, str] = {  # section -> why
     "sparse_attention": "DeepSpeed's sparse attention kernels are not available: drop the "
                         "section (the model keeps dense attention)",
-    "pipeline": "pipeline-parallel engines are not implemented in gigatron.initialize",
+    "pipeline": "pipeline settings are gigatron.pipe.PipelineModule arguments (num_stages, "
+                "partition_method, activation_checkpoint_interval): drop the section and pass "
+                "a PipelineModule to gigatron.initialize",
     "compression_training": "DeepSpeed's compression library is not implemented",
     "weight_quantization": "weight quantization is not implemented",
     "tensor_parallel": "automatic tensor parallelism is not implemented",

@@ -41,8 +41,8 @@ batch size) are the model's business: see the plans' notes.
 Pipelines: build the `gigatron.pipe.PipelineModule` (each rank holds its stage's layers),
 then `parallelize(net, plan, net.groups)` before `gigatron.initialize`; patterns use its
 names ("3.attn.qkv", "tied_modules.embed.tok") and may match nothing on some stages. A
-module is swapped inside its parent, so split the Linear layers *inside* a pipeline layer
-(the stage keeps its own references to its top-level layers and tied modules).
+module is swapped inside its parent; the stages read the PipelineModule's modules when the
+engine is built, so a swapped top-level layer is the one that runs.
 
 Modules between a column and a row layer must take their shapes from the column layer's
 output, not from their own input (split under sequence parallelism).
