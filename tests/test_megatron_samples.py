@@ -124,9 +124,6 @@ def test_sample_based_lengths_come_from_the_samples_flags():
     ("--train-samples 64 --lr-warmup-iters 3", r"use --lr-warmup-samples"),
     ("--train-iters 4 --lr-decay-samples 30", r"--lr-decay-samples does not apply with "
                                               r"--train-iters .*: use --lr-decay-iters"),
-    ("--train-iters 4 --rampup-batch-size 2 2 10", r"--rampup-batch-size does not apply with "
-                                                    r"--train-iters .*: train by "
-                                                    r"--train-samples"),
     ("--train-samples 64 --lr-warmup-samples 4 --lr-warmup-fraction 0.1",
      r"--lr-warmup-fraction and --lr-warmup-samples are exclusive"),
     ("--train-samples 1", r"--train-samples 1 is less than one global batch \(2\)"),
@@ -138,6 +135,20 @@ def test_sample_based_lengths_come_from_the_samples_flags():
 def test_mode_mistakes_are_reported(extra, message):
     with pytest.raises(ConfigError, match=message):
         run(extra)
+
+
+def test_rampup_with_train_iters_ramps_over_the_consumed_samples():
+    """Megatron-LM's own GPT-3 175B example passes --rampup-batch-size with --train-iters
+    (Megatron refuses the pair): here the batch ramps as by samples, --train-iters run."""
+    from gigatron.training.operational_flags import flag_notes
+
+    cfg = run("--train-iters 9 --global-batch-size 8 --rampup-batch-size 2 2 20 "
+              "--lr-decay-iters 8")
+    assert cfg.train.train_iters == 9 and cfg.lr_schedule.decay_steps == 64
+    ramp = build_rampup(cfg.train.rampup_batch_size, 8, 2)
+    assert [ramp.batch_size(c) for c in (0, 6, 7, 14, 21)] == [2, 2, 4, 6, 8]
+    assert any("--rampup-batch-size with --train-iters (Megatron-LM refuses the pair)" in note
+               for note in flag_notes(cfg.flags, "gloo"))
 
 
 def test_mode_mistakes_are_all_reported_at_once():

@@ -91,7 +91,8 @@ class TrainConfig:
         "(with --rampup-batch-size: counted through the ramp, as Megatron)", "--train-samples")
     rampup_batch_size: Optional[List[int]] = setting(
         None, "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT over "
-        "SAMPLES samples to --global-batch-size (needs --train-samples)",
+        "SAMPLES samples to --global-batch-size, as Megatron computes it (with --train-iters, "
+        "which Megatron refuses, it ramps the same way: the banner says so)",
         "--rampup-batch-size", metavar="N")
     micro_batch_size: Optional[int] = setting(
         None, "samples per rank per micro-batch (required)", "--micro-batch-size",

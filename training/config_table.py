@@ -211,8 +211,12 @@ class ConfigParser(argparse.ArgumentParser):
         """One line naming every unknown flag, each with its nearest known spelling."""
         import difflib
 
+        from gigatron.training.megatron_doc import megatron_flag_note
+
         known = [s for a in self._actions for s in a.option_strings]
         names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
+        # a Megatron flag gigatron does not support gets its own line (megatron_notes)
+        names = [n for n in names if not megatron_flag_note(n)]
         hints = []
         for name in names:
             close = difflib.get_close_matches(name, known, n=1)

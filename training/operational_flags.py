@@ -121,6 +121,10 @@ def _run_notes(flags: Mapping[str, Any], backend: str) -> List[str]:
     if flags.get("deepspeed_activation_checkpointing"):
         notes.append("--deepspeed-activation-checkpointing: gigatron's recomputation runs, "
                      "as --recompute-granularity/--recompute-method say")
+    if flags.get("rampup_batch_size") and flags.get("train_samples") is None:
+        notes.append("--rampup-batch-size with --train-iters (Megatron-LM refuses the pair): "
+                     "the batch ramps over the consumed samples, --train-iters iterations run, "
+                     "the lr lengths are iterations x --global-batch-size")
     if flags.get("overlap_param_gather"):
         notes.append("--overlap-param-gather: ZeRO gathers the updated parameters right after "
                      "the step (stage 3: each layer just in time, prefetched)")

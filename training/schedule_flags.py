@@ -6,6 +6,11 @@ flags are refused. Sample-based (--train-samples): lengths are samples (--lr-dec
 iteration flags are refused, and the iterations are counted as Megatron counts them
 (`batch_rampup.train_iters_from_samples`). --lr-warmup-fraction is a fraction of the decay in
 either mode, kept as a float (Megatron does not round it).
+
+A ramp with --train-iters (Megatron-LM's own GPT-3 175B example passes both, which Megatron
+refuses since 2020) is accepted here: the batch ramps over the consumed samples as it would
+by samples, --train-iters iterations run, and the lr lengths stay iterations x global batch;
+the banner says so (`operational_flags.flag_notes`).
 """
 from __future__ import annotations
 
@@ -26,8 +31,7 @@ _ITERATION_ONLY = (("lr_decay_iters", "--lr-decay-samples"),
                    ("lr_wsd_decay_iters", "--lr-wsd-decay-samples"))
 _SAMPLE_ONLY = (("lr_decay_samples", "--lr-decay-iters"),
                 ("lr_warmup_samples", "--lr-warmup-iters"),
-                ("lr_wsd_decay_samples", "--lr-wsd-decay-iters"),
-                ("rampup_batch_size", None))
+                ("lr_wsd_decay_samples", "--lr-wsd-decay-iters"))
 
 
 def _given(flags: argparse.Namespace, dest: str) -> bool:
@@ -47,12 +51,11 @@ def _mode_problems(flags: argparse.Namespace) -> List[str]:
     samples = flags.train_samples is not None
     wrong = _ITERATION_ONLY if samples else _SAMPLE_ONLY
     out = []
-    for dest, instead in wrong:
+    for dest, instead in wrong:  # (the ramp is accepted with --train-iters too: see above)
         if _given(flags, dest):
             mode = "--train-samples (sample-based)" if samples else \
                 "--train-iters (iteration-based)"
-            fix = f": use {instead}" if instead else ": train by --train-samples"
-            out.append(f"{flag_name(dest)} does not apply with {mode}{fix}")
+            out.append(f"{flag_name(dest)} does not apply with {mode}: use {instead}")
     return out
 
 
