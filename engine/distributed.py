@@ -57,6 +57,7 @@ def init_distributed(dist_backend: Optional[str] = None,
         from gigatron.parallel.launch import init_distributed as join
 
         launch, device = join(timeout.total_seconds() / 60)
+        atexit.register(_leave)  # we joined it, so we leave it (scripts rarely do)
     elif dist.is_initialized():
         launch = LaunchEnv(dist.get_rank(), dist.get_world_size(), launch.local_rank,
                            launch.master_addr, launch.master_port, launch.launcher)
@@ -67,6 +68,16 @@ def init_distributed(dist_backend: Optional[str] = None,
                                   timeout, _store(launch, timeout), os.getpid())
     _start_watchdog(launch, timeout)
     return _context
+
+
+def _leave() -> None:
+    """At exit: free finished async work first (gloo can abort when its worker thread frees
+    it during interpreter shutdown), then destroy the process group."""
+    import gc
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _store(launch: LaunchEnv, timeout: timedelta) -> Any:
