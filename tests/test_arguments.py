@@ -80,7 +80,6 @@ BAD_FLAGS = [  # (extra flags, world size, message)
                                  r"--micro-batch-size 2 x data-parallel size 2"),
     ("--micro-batch-size 0", 1, r"--micro-batch-size must be > 0"),
     ("--fp16 --bf16", 1, r"--fp16 and --bf16 are exclusive"),
-    ("--loss-scale 128", 1, r"--loss-scale applies to --fp16 only"),
     ("--lr-warmup-iters 2 --lr-warmup-fraction 0.1", 1,
      r"--lr-warmup-fraction and --lr-warmup-iters are exclusive"),
     ("--lr-warmup-iters 20", 1, r"warm-up \(160 samples\) is not shorter than the decay"),

@@ -123,6 +123,10 @@ def test_banner_notes_say_what_each_accepted_flag_maps_to():
     assert "Transformer Engine is installed but not used" in "\n".join(installed)
     assert not any("no GPU here" in n for n in installed)
     assert flag_notes(run("").flags, "gloo") == []
+    bf16 = flag_notes(run("--bf16 --loss-scale 12").flags, "gloo")
+    assert bf16 == ["--loss-scale without --fp16: no effect (bf16 and fp32 train unscaled, as "
+                    "DeepSpeed's bf16 does; Megatron-LM's bf16 would multiply by the constant, "
+                    "which changes only rounding)"]
 
 
 def test_wandb_gets_the_logged_scalars(monkeypatch, tmp_path):

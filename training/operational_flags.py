@@ -121,6 +121,10 @@ def _run_notes(flags: Mapping[str, Any], backend: str) -> List[str]:
     if flags.get("deepspeed_activation_checkpointing"):
         notes.append("--deepspeed-activation-checkpointing: gigatron's recomputation runs, "
                      "as --recompute-granularity/--recompute-method say")
+    if flags.get("loss_scale") and not flags.get("fp16"):
+        notes.append("--loss-scale without --fp16: no effect (bf16 and fp32 train unscaled, "
+                     "as DeepSpeed's bf16 does; Megatron-LM's bf16 would multiply by the "
+                     "constant, which changes only rounding)")
     if flags.get("rampup_batch_size") and flags.get("train_samples") is None:
         notes.append("--rampup-batch-size with --train-iters (Megatron-LM refuses the pair): "
                      "the batch ramps over the consumed samples, --train-iters iterations run, "

@@ -132,7 +132,8 @@ class PrecisionSettings:
     bf16: bool = setting(False, "bf16 parameters with fp32 master weights", "--bf16",
                          ds="bf16.enabled")
     loss_scale: Optional[float] = setting(
-        None, "static loss scale for --fp16 (default: dynamic)", "--loss-scale",
+        None, "static loss scale for --fp16 (default: dynamic; without --fp16: no effect, "
+        "noted in the banner)", "--loss-scale",
         ds="fp16.loss_scale", ds_as="loss_scale", ds_when="fp16", ds_doc="0 = dynamic")
     initial_loss_scale: float = setting(
         2.0 ** 32, "first dynamic loss scale (a power of 2; Megatron's default 2**32)",

@@ -150,8 +150,6 @@ def check_optimizer(flags: argparse.Namespace, p: Problems) -> None:
         p.add("--lr is required")
     if flags.fp16 and flags.bf16:
         p.add("--fp16 and --bf16 are exclusive: pick one")
-    if flags.loss_scale is not None and not flags.fp16:
-        p.add("--loss-scale applies to --fp16 only: add --fp16 or drop it")
     if flags.initial_loss_scale <= 0:
         p.add(f"--initial-loss-scale must be > 0, got {flags.initial_loss_scale}")
     elif not math.log2(flags.initial_loss_scale).is_integer():
