@@ -82,3 +82,32 @@ def test_exit_duration_saves_and_stops(tmp_path):
     assert "exiting after" in out and "at iteration 1 (--exit-duration-in-mins 1e-09)" in out
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "1"
+
+
+# Megatron-LM examples/gpt3/train_gpt3_175b_distributed.sh (core_v0.14.0): every flag as
+# written except the sizes (shrunk to a CPU), the data files (mock data) and the paths
+GPT3_175B = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+             "--max-position-embeddings 16 --attention-backend auto --micro-batch-size 1 "
+             "--global-batch-size 8 --rampup-batch-size 2 2 8 --train-iters 4 "
+             "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 "
+             "--clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6 "
+             "--lr-warmup-fraction .001 --lr-decay-iters 3 --tensor-model-parallel-size 1 "
+             "--pipeline-model-parallel-size 2 --split 949,50,1 --log-interval 1 "
+             "--save-interval 10000 --eval-interval 1000 --eval-iters 1 "
+             "--mock-data --vocab-size 128 --no-progress").split()
+
+
+def test_megatron_gpt3_175b_example_flags_train_two_ranks(tmp_path):
+    ckpt, tb, metrics = (str(tmp_path / n) for n in ("ckpt", "tb", "m.jsonl"))
+    argv = GPT3_175B + ["--save", ckpt, "--load", ckpt, "--tensorboard-dir", tb,
+                        "--metrics-file", metrics]
+    results = _program_on(2, argv)
+    assert [r[0] for r in results] == [0, 0], results[0][1] + results[1][1]
+    records = _records(metrics)
+    consumed, batches = 0, []
+    for _ in range(4):
+        batches.append(megatron_batch(consumed, 2, 2, 8, 8))
+        consumed += batches[-1]
+    assert [r["global_batch_size"] for r in records] == batches == [2, 2, 4, 8]
+    assert all(r["lm loss"] == r["lm loss"] for r in records)  # finite (fp16 on CPU)
+    assert "--rampup-batch-size with --train-iters" in results[0][2]
