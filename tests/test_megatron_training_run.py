@@ -111,3 +111,18 @@ def test_megatron_gpt3_175b_example_flags_train_two_ranks(tmp_path):
     assert [r["global_batch_size"] for r in records] == batches == [2, 2, 4, 8]
     assert all(r["lm loss"] == r["lm loss"] for r in records)  # finite (fp16 on CPU)
     assert "--rampup-batch-size with --train-iters" in results[0][2]
+
+
+def test_resume_in_the_middle_of_a_ramp_continues_exactly(tmp_path):
+    base = FLAGS + ["--train-samples", "40", "--rampup-batch-size", "4", "4", "16"]
+    whole, resumed = str(tmp_path / "whole.jsonl"), str(tmp_path / "resumed.jsonl")
+    ckpt = str(tmp_path / "ckpt")
+    assert [r[0] for r in _program_on(2, base + ["--metrics-file", whole])] == [0, 0]
+    first = _program_on(2, base + ["--metrics-file", resumed, "--save", ckpt,
+                                   "--exit-interval", "3"])
+    assert [r[0] for r in first] == [0, 0] and "exiting at iteration 3" in first[0][2]
+    second = _program_on(2, base + ["--metrics-file", resumed, "--save", ckpt, "--load", ckpt])
+    assert [r[0] for r in second] == [0, 0], second[0][1]
+    keys = ("iteration", "consumed_samples", "global_batch_size", "lr", "lm loss")
+    assert [[r[k] for k in keys] for r in _records(resumed)] == \
+        [[r[k] for k in keys] for r in _records(whole)]
