@@ -50,6 +50,7 @@ def _hf_folder(root, name, config, bos_template=False):
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **config}  # AutoTokenizer's class
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return str(folder)
 
