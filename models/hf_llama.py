@@ -1,0 +1,174 @@
+"""Llama (`LlamaForCausalLM`) <-> gigatron: config fields and tensors, at tp=1 / pp=1.
+
+Hugging Face's Llama already uses the rotate-half RoPE layout gigatron uses, so q and k need
+no permutation; only the fusions differ: gigatron's qkv holds, per query group, that group's
+query heads then its k and v head, and its SwiGLU fc1 holds [gate; up].
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from gigatron.models.config import TransformerConfig
+from gigatron.models.hf_common import StateDict, layer_prefix, pad_vocab, require, unpad_vocab
+
+# Llama 3.1's scaling as gigatron's TransformerConfig fixes it (only `factor` is a field)
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+_PLAIN = {  # gigatron name in a layer -> HF name in a layer
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def _rope(hf: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
+    """(theta, scaling dict or None) from either transformers 4's rope_theta/rope_scaling or
+    transformers 5's rope_parameters."""
+    params = dict(hf.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None
+    require(kind == "llama3", f"Llama rope_type {kind!r} is not supported (default, llama3)")
+    for name, value in LLAMA3_FIXED.items():
+        require(scaling.get(name, value) == value,
+                f"Llama rope_scaling {name}={scaling.get(name)} is not supported "
+                f"(gigatron's Llama 3.1 scaling fixes it to {value})")
+    return theta, scaling
+
+
+def config_from_hf(hf: Dict[str, Any]) -> TransformerConfig:
+    """TransformerConfig of a Llama config.json."""
+    act = hf.get("hidden_act", "silu")
+    require(act == "silu", f"Llama hidden_act {act!r} is not supported (silu: SwiGLU)")
+    attn_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    require(attn_bias == mlp_bias, f"Llama attention_bias={attn_bias} with "
+            f"mlp_bias={mlp_bias} is not supported (gigatron has one add_bias_linear)")
+    require(hf.get("pretraining_tp", 1) == 1, "Llama pretraining_tp != 1 is not supported")
+    theta, scaling = _rope(hf)
+    heads = hf["num_attention_heads"]
+    return TransformerConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        vocab_size=hf["vocab_size"], seq_length=hf["max_position_embeddings"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        ffn_hidden_size=hf["intermediate_size"], activation="swiglu", normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), position_embedding_type="rope",
+        rotary_base=float(theta), rope_scaling=scaling is not None,
+        rope_scaling_factor=float(scaling["factor"]) if scaling else 8.0,
+        add_bias_linear=bool(attn_bias),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
+        init_method_std=hf.get("initializer_range", 0.02), apply_scaled_init=False)
+
+
+def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
+    """Llama config.json of a TransformerConfig; raises on what Llama cannot express."""
+    checks = [(config.position_embedding_type == "rope", "position_embedding_type must be rope"),
+              (config.normalization == "RMSNorm", "normalization must be RMSNorm"),
+              (config.activation == "swiglu", "activation must be swiglu"),
+              (config.rotary_percent == 1.0, "rotary_percent must be 1"),
+              (config.rotary_seq_len_interpolation_factor is None,
+               "rotary_seq_len_interpolation_factor has no Llama equivalent")]
+    for ok, message in checks:
+        require(ok, f"cannot export to Llama: {message}")
+    rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": config.rotary_base}
+    if config.rope_scaling:
+        rope = {"rope_type": "llama3", "factor": config.rope_scaling_factor,
+                **LLAMA3_FIXED, "rope_theta": config.rotary_base}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
+        "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base,
+        "rope_parameters": rope, "attention_bias": config.add_bias_linear,
+        "mlp_bias": config.add_bias_linear, "attention_dropout": config.attention_dropout,
+        "initializer_range": config.init_method_std,
+        "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
+    }
+
+
+def _qkv_shapes(config: TransformerConfig) -> Tuple[int, int, int]:
+    return (config.num_query_groups, config.num_attention_heads // config.num_query_groups,
+            config.kv_channels)
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              config: TransformerConfig) -> torch.Tensor:
+    """q [n d, ...], k and v [g d, ...] -> gigatron's [g (hpg + 2) d, ...]."""
+    g, hpg, d = _qkv_shapes(config)
+    rest = q.shape[1:]
+    parts = [q.reshape(g, hpg, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)]
+    return torch.cat(parts, dim=1).reshape(g * (hpg + 2) * d, *rest)
+
+
+def _split_qkv(t: torch.Tensor, config: TransformerConfig) -> Tuple[torch.Tensor, ...]:
+    g, hpg, d = _qkv_shapes(config)
+    rest = t.shape[1:]
+    q, k, v = t.reshape(g, hpg + 2, d, *rest).split([hpg, 1, 1], dim=1)
+    return q.reshape(g * hpg * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
+
+
+def _suffixes(config: TransformerConfig) -> Tuple[str, ...]:
+    return ("weight", "bias") if config.add_bias_linear else ("weight",)
+
+
+def state_dict_from_hf(hf_state: StateDict, config: TransformerConfig) -> StateDict:
+    """gigatron GPTModel state dict (tp=1) from LlamaForCausalLM tensors."""
+    src = dict(hf_state)
+    out: StateDict = {
+        "embedding.word_embeddings.weight": pad_vocab(src.pop("model.embed_tokens.weight"),
+                                                      config),
+        "decoder.final_layernorm.weight": src.pop("model.norm.weight"),
+    }
+    if config.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = pad_vocab(src.pop("lm_head.weight"), config)
+    else:
+        src.pop("lm_head.weight", None)
+    for i in range(config.num_layers):
+        ours, theirs = layer_prefix(i), f"model.layers.{i}."
+        for name, hf_name in _PLAIN.items():
+            out[ours + name] = src.pop(theirs + hf_name)
+        for s in _suffixes(config):
+            q, k, v = (src.pop(f"{theirs}self_attn.{p}_proj.{s}") for p in "qkv")
+            out[f"{ours}self_attention.linear_qkv.{s}"] = _fuse_qkv(q, k, v, config)
+            gate, up = (src.pop(f"{theirs}mlp.{p}_proj.{s}") for p in ("gate", "up"))
+            out[f"{ours}mlp.linear_fc1.{s}"] = torch.cat([gate, up])
+        if config.add_bias_linear:
+            out[ours + "self_attention.linear_proj.bias"] = src.pop(theirs + "self_attn.o_proj.bias")
+            out[ours + "mlp.linear_fc2.bias"] = src.pop(theirs + "mlp.down_proj.bias")
+    leftover = [k for k in src if not k.endswith("rotary_emb.inv_freq")]
+    require(not leftover, f"Llama tensors not understood: {', '.join(sorted(leftover))}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def state_dict_to_hf(state: StateDict, config: TransformerConfig) -> StateDict:
+    """LlamaForCausalLM tensors from a gigatron state dict (tp=1)."""
+    out: StateDict = {
+        "model.embed_tokens.weight": unpad_vocab(state["embedding.word_embeddings.weight"],
+                                                 config),
+        "model.norm.weight": state["decoder.final_layernorm.weight"],
+    }
+    if config.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = unpad_vocab(state["output_layer.weight"], config)
+    for i in range(config.num_layers):
+        ours, theirs = layer_prefix(i), f"model.layers.{i}."
+        for name, hf_name in _PLAIN.items():
+            out[theirs + hf_name] = state[ours + name]
+        for s in _suffixes(config):
+            q, k, v = _split_qkv(state[f"{ours}self_attention.linear_qkv.{s}"], config)
+            out.update({f"{theirs}self_attn.{p}_proj.{s}": t for p, t in zip("qkv", (q, k, v))})
+            gate, up = state[f"{ours}mlp.linear_fc1.{s}"].chunk(2)
+            out[f"{theirs}mlp.gate_proj.{s}"], out[f"{theirs}mlp.up_proj.{s}"] = gate, up
+        if config.add_bias_linear:
+            out[theirs + "self_attn.o_proj.bias"] = state[ours + "self_attention.linear_proj.bias"]
+            out[theirs + "mlp.down_proj.bias"] = state[ours + "mlp.linear_fc2.bias"]
+    return {k: v.contiguous() for k, v in out.items()}
