@@ -120,7 +120,8 @@ def test_gpt2_exported_from_a_gigatron_initialised_model(tmp_path):
     {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
      "max_position_embeddings": 16384, "rope_theta": 500000.0},  # Llama 3.1
-], ids=["gqa_untied", "mqa_tied", "llama3_rope_scaling"])
+    {"attention_bias": True, "mlp_bias": True, "head_dim": 12},  # biases, head_dim != h/n
+], ids=["gqa_untied", "mqa_tied", "llama3_rope_scaling", "biases_head_dim"])
 def test_llama_import_and_export_match_transformers_logits(tmp_path, overrides):
     hf = _llama(tmp_path, **overrides)
     hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))
@@ -130,6 +131,16 @@ def test_llama_import_and_export_match_transformers_logits(tmp_path, overrides):
     gigatron_to_hf(str(tmp_path / "gig"), str(tmp_path / "out"))
     exported = _assert_export_loads(str(tmp_path / "out"), transformers.LlamaForCausalLM)
     torch.testing.assert_close(_hf_logits(exported, tokens), ours, rtol=0, atol=1e-5)
+
+
+def test_sharded_safetensors_folder_imports(tmp_path):
+    hf = _gpt2(tmp_path)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
+    hf_to_gigatron(str(tmp_path / "sharded"), str(tmp_path / "gig"))
+    tokens = _tokens(seed=5)
+    torch.testing.assert_close(_gigatron_logits(str(tmp_path / "gig"), tokens),
+                               _hf_logits(hf, tokens), rtol=0, atol=1e-5)
 
 
 def test_llama_import_sets_gqa_theta_and_untied_head(tmp_path):
@@ -176,3 +187,13 @@ def test_cli_round_trip(tmp_path):
                          "--out", str(tmp_path / "out")]) == 0
     assert os.path.isfile(tmp_path / "out" / "model.safetensors")
     _assert_export_loads(str(tmp_path / "out"), transformers.GPT2LMHeadModel)
+
+
+def test_export_to_a_family_that_cannot_express_the_model_fails_in_one_line(tmp_path):
+    from gigatron.cli import convert
+    _llama(tmp_path)
+    hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))
+    with pytest.raises(ConversionError, match="cannot export to GPT-2: position_embedding_type"):
+        gigatron_to_hf(str(tmp_path / "gig"), str(tmp_path / "out"), family="gpt2")
+    assert convert.main(["gigatron-to-hf", "--checkpoint", str(tmp_path / "gig"),
+                         "--out", str(tmp_path / "out"), "--family", "gpt2"]) == 1
