@@ -59,7 +59,13 @@ def state_dict_from_hf(hf_state: StateDict, hf_config: Dict[str, Any]
     """(config, GPTModel state dict at tp=1) from Hugging Face tensors and config.json."""
     module = FAMILIES[family_of(hf_config)]
     config = module.config_from_hf(hf_config)
-    return config, module.state_dict_from_hf(hf_state, config)
+    state = module.state_dict_from_hf(hf_state, config)
+    # the gigatron model is built in the dtype the weights come in (bf16 stays bf16)
+    dtype = state["embedding.word_embeddings.weight"].dtype
+    require(dtype in _DTYPE_NAMES, f"weights of dtype {dtype} are not supported "
+            f"(fp32, bf16, fp16)")
+    config.params_dtype = dtype
+    return config, state
 
 
 def state_dict_to_hf(state: StateDict, config: TransformerConfig, family: str) -> StateDict:

@@ -143,7 +143,8 @@ def state_dict_from_hf(hf_state: StateDict, config: TransformerConfig) -> StateD
             gate, up = (src.pop(f"{theirs}mlp.{p}_proj.{s}") for p in ("gate", "up"))
             out[f"{ours}mlp.linear_fc1.{s}"] = torch.cat([gate, up])
         if config.add_bias_linear:
-            out[ours + "self_attention.linear_proj.bias"] = src.pop(theirs + "self_attn.o_proj.bias")
+            out[ours + "self_attention.linear_proj.bias"] = src.pop(
+                theirs + "self_attn.o_proj.bias")
             out[ours + "mlp.linear_fc2.bias"] = src.pop(theirs + "mlp.down_proj.bias")
     leftover = [k for k in src if not k.endswith("rotary_emb.inv_freq")]
     require(not leftover, f"Llama tensors not understood: {', '.join(sorted(leftover))}")

@@ -197,3 +197,18 @@ def test_export_to_a_family_that_cannot_express_the_model_fails_in_one_line(tmp_
         gigatron_to_hf(str(tmp_path / "gig"), str(tmp_path / "out"), family="gpt2")
     assert convert.main(["gigatron-to-hf", "--checkpoint", str(tmp_path / "gig"),
                          "--out", str(tmp_path / "out"), "--family", "gpt2"]) == 1
+
+
+def test_bf16_weights_round_trip_exactly_and_keep_their_dtype(tmp_path):
+    from safetensors.torch import load_file
+    hf = _llama(tmp_path).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "bf16")
+    config = hf_to_gigatron(str(tmp_path / "bf16"), str(tmp_path / "gig"))
+    assert config.params_dtype == torch.bfloat16
+    assert load_gigatron(str(tmp_path / "gig"))[0].params_dtype == torch.bfloat16
+    gigatron_to_hf(str(tmp_path / "gig"), str(tmp_path / "out"))
+    before = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert after[name].dtype == torch.bfloat16 and torch.equal(after[name], tensor), name
