@@ -140,7 +140,9 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
 # flags accepted by the parser whose values other than the default are refused (one line)
 REFUSED = {"use_legacy_models": "--use-legacy-models is not supported",
            "context_parallel_size": "--context-parallel-size 3: context parallelism is not "
-                                    "supported"}
+                                    "supported",
+           "ds_sequence_parallel_size": "--ds-sequence-parallel-size 3: Megatron-DeepSpeed's "
+                                        "Ulysses sequence parallelism is not supported"}
 # flags of BASE a sample-based row replaces
 SAMPLE_BASED = ("train_samples", "lr_decay_samples", "lr_warmup_samples",
                 "lr_wsd_decay_samples", "rampup_batch_size")

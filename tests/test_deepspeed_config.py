@@ -225,3 +225,17 @@ def test_example_deepspeed_config_is_valid_at_its_world_size():
     with pytest.raises(ValueError, match=r"train_batch_size 256 != .* data-parallel size 4"):
         parse_args(f"--model gpt2-124m --train-iters 100 --mock-data "
                    f"--deepspeed-config {path}".split(), 4)
+
+
+def test_keys_spelled_at_what_gigatron_does_are_accepted_others_refused():
+    """Real configs spell defaults out ("prescale_gradients": false, fp32 accumulation)."""
+    from gigatron.training.deepspeed_config import from_deepspeed_config
+
+    run = from_deepspeed_config({"train_batch_size": 8, "prescale_gradients": False,
+                                 "gradient_predivide_factor": 1.0,
+                                 "data_types": {"grad_accum_dtype": "fp32"}}, world_size=1)
+    assert run.train.global_batch_size == 8
+    for key, value in (("prescale_gradients", True), ("gradient_predivide_factor", 2.0),
+                       ("data_types", {"grad_accum_dtype": "bf16"})):
+        with pytest.raises(Exception, match=f"{key} is not supported"):
+            from_deepspeed_config({"train_batch_size": 8, key: value}, world_size=1)

@@ -31,7 +31,6 @@ KNOWN_FAILURES = {
     # the script's own flags contradict the DeepSpeed JSON it writes
     "mds_run_deepspeed_example": r"--global-batch-size 1024 on the command line conflicts with "
                                  r"train_batch_size: 64",
-    "mds_uc_run_bf16": r"--ds-sequence-parallel-size is a Megatron-DeepSpeed flag",
 }
 STDLIB = os.path.dirname(os.__file__)
 

@@ -47,6 +47,10 @@ _INSTEAD = {
                                  "reduction",
     "data_types": "gradients accumulate in fp32; use --grad-reduce-in-bf16 to reduce in bf16",
 }
+# top-level keys accepted at the value that says what gigatron does anyway (a real config
+# often spells its defaults out): prescale false, predivide 1, accumulation in fp32
+_AS_GIGATRON_DOES = {"prescale_gradients": False, "gradient_predivide_factor": 1.0,
+                     "data_types": {"grad_accum_dtype": "fp32"}}
 # accepted without a row: DeepSpeed's Adam switches (adam_w_mode must stay true)
 _ADAM_ONLY_KEYS = ("adam_w_mode", "torch_adam")
 _OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adam", "sgd": "sgd"}
@@ -107,6 +111,8 @@ def _check_keys(section: Mapping, node: Dict[str, Any], prefix: str, out: List[s
     """Unknown keys at every level the table knows, each with a hint."""
     known = _known(node, prefix, ds_type)
     for key, value in section.items():
+        if not prefix and key in _AS_GIGATRON_DOES and value == _AS_GIGATRON_DOES[key]:
+            continue
         if key not in known:
             out.append(_unknown(key, prefix, known, ds_type))
         elif isinstance(node.get(key), dict):

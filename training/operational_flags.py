@@ -50,6 +50,10 @@ def check_operational(flags: argparse.Namespace, p: "Problems",
                   "--use-distributed-optimizer (or --zero-stage 1, 2 or 3)")
         if not flags.overlap_comm:
             p.add("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron): add it")
+    if getattr(flags, "ds_sequence_parallel_size", 1) != 1:
+        p.add(f"--ds-sequence-parallel-size {flags.ds_sequence_parallel_size}: Megatron-"
+              f"DeepSpeed's Ulysses sequence parallelism is not supported: use 1, or "
+              f"--sequence-parallel with --tensor-model-parallel-size > 1")
     if flags.context_parallel_size != 1:
         p.add(f"--context-parallel-size {flags.context_parallel_size}: context parallelism is "
               f"not supported; use 1")

@@ -326,6 +326,21 @@ class ImplementationSettings:
     no_masked_softmax_fusion: bool = setting(
         False, "accepted: the fused and unfused softmax compute the same numbers",
         "--no-masked-softmax-fusion")
+    cross_entropy_loss_fusion: bool = setting(
+        False, "accepted: the fused and unfused cross entropy compute the same numbers "
+        "(gigatron's vocab-parallel cross entropy either way)", "--cross-entropy-loss-fusion")
+    manual_gc: bool = setting(
+        False, "accepted without effect: Python's garbage collector runs as usual (Megatron "
+        "times its collections to keep ranks in step; no numbers change)", "--manual-gc")
+    manual_gc_interval: int = setting(
+        0, "accepted without effect (see --manual-gc)", "--manual-gc-interval")
+    empty_unused_memory_level: int = setting(
+        0, "accepted without effect: the allocator's cache is not emptied between steps "
+        "(memory use only)", "--empty-unused-memory-level", choices=(0, 1, 2))
+    ds_sequence_parallel_size: int = setting(
+        1, "Megatron-DeepSpeed's Ulysses sequence parallelism: accepted at 1 (off); other "
+        "sizes are not supported (use --sequence-parallel with tensor parallelism)",
+        "--ds-sequence-parallel-size")
     no_bias_dropout_fusion: bool = setting(
         False, "accepted: bias + dropout + residual are the same numbers fused or not",
         "--no-bias-dropout-fusion")
