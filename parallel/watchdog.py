@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from gigatron.parallel.activity import activity
 
@@ -115,7 +115,14 @@ class Watchdog:
 
     # -- one round of the thread ------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        """Beat every interval, and sooner (a fifth of it) when the iteration moved, so a
+        hung rank's last heartbeat names the iteration it stopped in."""
+        tick, last, sent = self.interval_s / 5, time.monotonic(), activity.iteration
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            if now - last < self.interval_s and activity.iteration == sent:
+                continue
+            last, sent = now, activity.iteration
             try:
                 self._publish("running")
                 self._store_down_since = None
@@ -196,6 +203,8 @@ class Watchdog:
         except Exception as err:
             return (f"the rendezvous store is unreachable too ({err}): without torchrun's "
                     f"agent rank 0 hosts it, so rank 0 has probably exited")
+        for rank in silent_peers(before, after, self.rank):  # stopped ones hold the job up
+            self._kill(after[rank].get("pid"), after[rank].get("host"))
         return describe_peers(before, after, self.rank)
 
     def _all_beats(self) -> Dict[int, Dict[str, Any]]:
@@ -215,17 +224,25 @@ class Watchdog:
         return _text(self.store.get(key))
 
 
+def silent_peers(before: Dict[int, Dict[str, Any]], after: Dict[int, Dict[str, Any]],
+                 me: int) -> List[int]:
+    """Peers still 'running' whose beat did not move between the two reads."""
+    return [rank for rank in sorted(after) if rank != me and after[rank]
+            and after[rank].get("status") == "running"
+            and after[rank].get("beat") == before.get(rank, {}).get("beat")]
+
+
 def describe_peers(before: Dict[int, Dict[str, Any]], after: Dict[int, Dict[str, Any]],
                    me: int) -> str:
     """Which peers went silent (same beat in both reads) or failed, from two reads of every
     rank's heartbeat taken a few beats apart."""
     lines = []
+    silent = silent_peers(before, after, me)
     for rank in sorted(after):
         beat = after[rank]
         if rank == me or not beat:
             continue
-        if beat.get("status") == "running" and beat.get("beat") == before.get(rank, {}).get(
-                "beat"):
+        if rank in silent:
             lines.append(f"rank {rank} (pid {beat['pid']} on {beat['host']}) stopped beating: "
                          f"it exited or was killed without a word; its last heartbeat said: "
                          f"{beat.get('doing')}")

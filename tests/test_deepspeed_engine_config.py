@@ -308,7 +308,7 @@ def test_speed_only_keys_are_accepted_with_one_info_line_each():
      "zero_optimization.zero_quantized_gradients True is not supported (ZeRO++ quantized"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype 'bf16' is not "
                                                    "supported: gradients accumulate in fp32"),
-    ({"pipeline": {"stages": 2}}, "pipeline is not supported: pipeline-parallel engines"),
+    ({"pipeline": {"stages": 2}}, "pipeline is not supported: pipeline settings are gigatron.pipe.PipelineModule arguments"),
     ({"checkpoint": {"tag_validation": "Sometimes"}}, "checkpoint.tag_validation must be one "
                                                       "of Ignore, Warn, Fail, got 'Sometimes'"),
 ])
