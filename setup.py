@@ -74,7 +74,8 @@ setup(
     install_requires=["torch>=2.4", "numpy", "einops", "sentencepiece", "tokenizers"],
     extras_require={
         # the tests cover every optional path, so they need the optional packages too
-        "test": ["pytest>=7", "safetensors", "tensorboard", "matplotlib", "transformers"],
+        "test": ["pytest>=7", "safetensors", "tensorboard", "matplotlib", "transformers",
+                 "tiktoken"],
         "monitor": ["tensorboard"],
         "plot": ["matplotlib"],  # gigatron plot metrics.jsonl
     },

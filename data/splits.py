@@ -52,7 +52,7 @@ def split_ranges(weights: Sequence[float], count: int) -> List[Tuple[int, int]]:
     if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"--split {','.join(str(w) for w in weights)}: give up to three "
                          f"non-negative weights (train,valid,test) with a positive sum")
-    ranges = []
+    ranges: List[Tuple[int, int]] = []
     for bookend in split_bookends(weights):
         if bookend is None:
             start = ranges[-1][1] if ranges else 0

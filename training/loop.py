@@ -53,7 +53,7 @@ class Session:
     zero: ZeroOptimizer
     grad_sync: GradSync  # the executor's hook: `zero`, or `zero` with its wait timed
     pipeline: Pipeline
-    datasets: List[Optional[object]]  # train, valid, test
+    datasets: Sequence[Optional[object]]  # train, valid, test
     logger: MetricsLogger
     timers: Timers
     flops_per_token: float
