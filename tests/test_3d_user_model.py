@@ -20,8 +20,6 @@ from gigatron.parallel.tensor import (ColumnParallel, LocalAttributes, TensorPar
                                       gather_from_tensor_parallel_region, gather_full_parameter,
                                       parallelize)
 
-pytest.importorskip("gigatron.pipe", reason="the pipeline API (gigatron.pipe) is not there")
-
 LAYERS, STEPS, MICRO, ACCUM, DP, LR, RTOL, BASE_SEED = 4, 3, 2, 4, 2, 1e-3, 1e-5, 1234
 
 

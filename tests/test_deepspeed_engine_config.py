@@ -250,7 +250,6 @@ def test_scheduler_type_and_params_are_carried_and_the_type_checked():
 
 
 def test_scheduler_params_are_checked_against_the_schedules():
-    pytest.importorskip("gigatron.engine.lr_schedules")
     lines = problems({**MICRO, "scheduler": {"type": "WarmupDecayLR", "params": {
         "warmup_num_step": 10}}})
     assert any("scheduler.params.warmup_num_step is not a parameter of WarmupDecayLR" in line
