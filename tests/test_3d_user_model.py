@@ -8,7 +8,6 @@ Tolerance: every full (tp-gathered) parameter within 1e-5 relative (L2 of the di
 over L2 of the reference), as tests/test_zero_gpt.py; the losses train_batch returns
 within 1e-5 relative.
 """
-import pytest
 import torch
 import torch.nn.functional as F
 from multirank import run_on_ranks
