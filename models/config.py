@@ -58,14 +58,26 @@ class TransformerConfig:
     rotary_seq_len_interpolation_factor: Optional[float] = None
     """Positions divided by this before RoPE (--rotary-seq-len-interpolation-factor)."""
     rope_scaling: bool = False
-    """Llama 3.1's RoPE frequency scaling (--use-rope-scaling), as Megatron-Core applies it:
-    low/high frequency factors 1 and 4 over an original context of 8192."""
+    """Llama 3.1's RoPE frequency scaling (--use-rope-scaling), as Megatron-Core applies it
+    (the three fields below default to Megatron-Core's fixed values)."""
     rope_scaling_factor: float = 8.0
-    """Factor of the Llama 3.1 scaling (--rope-scaling-factor)."""
+    """Factor of the Llama 3.1 scaling (--rope-scaling-factor; HF rope_scaling.factor)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """Wavelengths above original context / this are slowed by the factor (HF
+    rope_scaling.low_freq_factor)."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """Wavelengths below original context / this are kept (HF
+    rope_scaling.high_freq_factor)."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """Context the scaled model was trained on (HF
+    rope_scaling.original_max_position_embeddings)."""
     kv_channels: int = _DERIVED
     """Channels per attention head (--kv-channels); default hidden_size / heads."""
     normalization: str = "LayerNorm"
     """'LayerNorm' or 'RMSNorm' (--normalization)."""
+    layernorm_zero_centered_gamma: bool = False
+    """Norm weights stored zero-centred and applied as 1 + w, initialised to 0
+    (--apply-layernorm-1p); every norm of the model, LayerNorm or RMSNorm."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of the norms (--norm-epsilon)."""
     activation: str = "gelu"
@@ -145,7 +157,8 @@ class TransformerConfig:
         ints = []
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                      "seq_length", "ffn_hidden_size", "num_query_groups",
-                     "max_position_embeddings", "make_vocab_size_divisible_by", "kv_channels"):
+                     "max_position_embeddings", "make_vocab_size_divisible_by", "kv_channels",
+                     "rope_scaling_original_max_position_embeddings"):
             value = getattr(self, name)
             if not _positive_int(value):
                 ints.append(f"{name} must be a positive integer, got {value!r}")
@@ -198,9 +211,15 @@ class TransformerConfig:
             out.append(f"RoPE rotates kv_channels x rotary_percent = {self.kv_channels} x "
                        f"{self.rotary_percent} -> {self.rotary_dim} channels per head, which "
                        f"must be even and >= 2: change --rotary-percent or --kv-channels")
-        for name in ("rotary_base", "rope_scaling_factor"):
+        for name in ("rotary_base", "rope_scaling_factor", "rope_scaling_low_freq_factor",
+                     "rope_scaling_high_freq_factor"):
             if not getattr(self, name) > 0:
                 out.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor:
+            out.append(f"rope_scaling_low_freq_factor ({self.rope_scaling_low_freq_factor}) "
+                       f"must be below rope_scaling_high_freq_factor "
+                       f"({self.rope_scaling_high_freq_factor}): Llama 3.1's scaling blends "
+                       f"the band between them")
         factor = self.rotary_seq_len_interpolation_factor
         if factor is not None and not factor > 0:
             out.append(f"rotary_seq_len_interpolation_factor must be > 0, got {factor}")

@@ -13,9 +13,12 @@ import torch
 from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import StateDict, layer_prefix, pad_vocab, require, unpad_vocab
 
-# Llama 3.1's scaling as gigatron's TransformerConfig fixes it (only `factor` is a field)
-LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+# Llama 3.1's rope_scaling keys -> TransformerConfig fields (absent keys: the fields' defaults)
+LLAMA3_SCALING = {"factor": "rope_scaling_factor",
+                  "low_freq_factor": "rope_scaling_low_freq_factor",
+                  "high_freq_factor": "rope_scaling_high_freq_factor",
+                  "original_max_position_embeddings":
+                      "rope_scaling_original_max_position_embeddings"}
 _PLAIN = {  # gigatron name in a layer -> HF name in a layer
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
@@ -34,11 +37,19 @@ def _rope(hf: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     if kind == "default":
         return theta, None
     require(kind == "llama3", f"Llama rope_type {kind!r} is not supported (default, llama3)")
-    for name, value in LLAMA3_FIXED.items():
-        require(scaling.get(name, value) == value,
-                f"Llama rope_scaling {name}={scaling.get(name)} is not supported "
-                f"(gigatron's Llama 3.1 scaling fixes it to {value})")
     return theta, scaling
+
+
+def _scaling_fields(scaling: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """TransformerConfig's rope-scaling fields of a llama3 rope_scaling dict."""
+    if scaling is None:
+        return {}
+    fields: Dict[str, Any] = {"rope_scaling": True}
+    for key, name in LLAMA3_SCALING.items():
+        if scaling.get(key) is not None:
+            cast = int if key == "original_max_position_embeddings" else float
+            fields[name] = cast(scaling[key])
+    return fields
 
 
 def config_from_hf(hf: Dict[str, Any]) -> TransformerConfig:
@@ -59,9 +70,7 @@ def config_from_hf(hf: Dict[str, Any]) -> TransformerConfig:
         max_position_embeddings=hf["max_position_embeddings"],
         ffn_hidden_size=hf["intermediate_size"], activation="swiglu", normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), position_embedding_type="rope",
-        rotary_base=float(theta), rope_scaling=scaling is not None,
-        rope_scaling_factor=float(scaling["factor"]) if scaling else 8.0,
-        add_bias_linear=bool(attn_bias),
+        rotary_base=float(theta), **_scaling_fields(scaling), add_bias_linear=bool(attn_bias),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         hidden_dropout=0.0, attention_dropout=hf.get("attention_dropout", 0.0),
         init_method_std=hf.get("initializer_range", 0.02), apply_scaled_init=False)
@@ -79,8 +88,8 @@ def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
         require(ok, f"cannot export to Llama: {message}")
     rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": config.rotary_base}
     if config.rope_scaling:
-        rope = {"rope_type": "llama3", "factor": config.rope_scaling_factor,
-                **LLAMA3_FIXED, "rope_theta": config.rotary_base}
+        rope = {"rope_type": "llama3", "rope_theta": config.rotary_base,
+                **{key: getattr(config, name) for key, name in LLAMA3_SCALING.items()}}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,

@@ -15,6 +15,7 @@ from torch import nn
 
 from gigatron import ops
 from gigatron.models.config import TransformerConfig
+from gigatron.models.kv_cache import CacheStep, LayerCache
 from gigatron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -38,15 +39,18 @@ def dropout(x: torch.Tensor, p: float, training: bool,
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm over the hidden dim; params replicated across tp."""
+    """LayerNorm or RMSNorm over the hidden dim; params replicated across tp. Zero-centred
+    (--apply-layernorm-1p): the weight starts at 0 and scales by 1 + weight."""
 
     def __init__(self, config: TransformerConfig, sequence_parallel: bool, device: Optional[torch.device] = None) -> None:
         super().__init__()
         h, dtype = config.hidden_size, config.params_dtype
         self.rms = config.normalization == "RMSNorm"
         self.eps = config.layernorm_epsilon
+        self.zero_centered = config.layernorm_zero_centered_gamma
         self.weight = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
-        set_parallel_attributes(self.weight, InitSpec("ones", (h,)),
+        set_parallel_attributes(self.weight,
+                                InitSpec("zeros" if self.zero_centered else "ones", (h,)),
                                 sequence_parallel=sequence_parallel)
         self.bias = None
         if not self.rms:
@@ -55,9 +59,10 @@ class Norm(nn.Module):
                                     sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
         if self.rms:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+            return ops.rms_norm(x, weight, self.eps)
+        return ops.layer_norm(x, weight, self.bias, self.eps)
 
 
 def rotary_inv_freq(config: TransformerConfig,
@@ -68,7 +73,10 @@ def rotary_inv_freq(config: TransformerConfig,
     inv_freq = 1.0 / (config.rotary_base ** (
         torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if config.rope_scaling:
-        inv_freq = llama3_scaled_inv_freq(inv_freq, config.rope_scaling_factor)
+        inv_freq = llama3_scaled_inv_freq(
+            inv_freq, config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+            config.rope_scaling_high_freq_factor,
+            config.rope_scaling_original_max_position_embeddings)
     return inv_freq
 
 
@@ -91,12 +99,26 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_facto
 
 def rotary_cos_sin(seq_len: int, config: TransformerConfig,
                    device: Optional[torch.device]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [s, 1, 1, rotary_dim] (fp32) for rotate-half RoPE."""
+    """cos and sin tables [s, 1, 1, rotary_dim] (fp32) for rotate-half RoPE at positions
+    0 .. s-1."""
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+    return _cos_sin(positions[:, None], config)
+
+
+def rotary_cos_sin_at(position_ids: torch.Tensor,
+                      config: TransformerConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [s, b, 1, rotary_dim] (fp32) at `position_ids` [b, s] (left
+    padding, a KV cache's later steps)."""
+    return _cos_sin(position_ids.t().float(), config)
+
+
+def _cos_sin(positions: torch.Tensor,
+             config: TransformerConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Tables [s, b', 1, rotary_dim] of fp32 positions [s, b']."""
     if config.rotary_seq_len_interpolation_factor is not None:
         positions = positions * (1 / config.rotary_seq_len_interpolation_factor)
-    angles = torch.outer(positions, rotary_inv_freq(config, device))
-    emb = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    angles = positions[..., None] * rotary_inv_freq(config, positions.device)
+    emb = torch.cat([angles, angles], dim=-1)[:, :, None, :]
     return emb.cos(), emb.sin()
 
 
@@ -145,6 +167,18 @@ class CoreAttention(nn.Module):
             out = torch.bmm(probs, v.reshape(b * n, s, d)).view(b, n, s, d)
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
+    def forward_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Inference over a KV cache: q [s, b, n, d], k and v [b, g, t, d] (every cached
+        slot), mask [b, 1, s, t] (True: may attend) -> [s, b, n*d]. No dropout; torch's
+        SDPA whichever backend is configured (same numbers within float rounding)."""
+        s, b, n, d = q.shape
+        if k.shape[1] != n:
+            k = k.repeat_interleave(n // k.shape[1], dim=1)
+            v = v.repeat_interleave(n // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k, v, attn_mask=mask)
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
 
 class SelfAttention(nn.Module):
     """Causal self-attention with fused QKV (grouped per query group) and RoPE option."""
@@ -170,7 +204,9 @@ class SelfAttention(nn.Module):
         self.recompute_core = config.recompute_granularity == "selective"
         self.tracker = tracker
 
-    def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
+                kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
+        """`kv_cache`: inference over cached keys/values (this step's k, v are appended)."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         hpg, d = self.heads_per_group, self.config.head_dim
@@ -179,7 +215,10 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, :, hpg], qkv[:, :, :, hpg + 1]
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if self.recompute_core and torch.is_grad_enabled():
+        if kv_cache is not None:
+            keys, values = kv_cache.append(k, v)
+            out = self.core_attention.forward_masked(q, keys, values, kv_cache.mask)
+        elif self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core_attention, self.tracker, q, k, v)
         else:
             out = self.core_attention(q, k, v)
@@ -252,8 +291,9 @@ class TransformerLayer(nn.Module):
         # Under SP each rank holds a different slice of the sequence: draw per-rank masks.
         self.dropout_tracker = tracker if sp else None
 
-    def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None) -> torch.Tensor:
-        a = self.self_attention(self.input_layernorm(x), rotary)
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
+                kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
+        a = self.self_attention(self.input_layernorm(x), rotary, kv_cache)
         x = x + dropout(a, self.p, self.training, self.dropout_tracker)
         m = self.mlp(self.pre_mlp_layernorm(x))
         return x + dropout(m, self.p, self.training, self.dropout_tracker)
@@ -280,7 +320,13 @@ class TransformerBlock(nn.Module):
             return x
         return run
 
-    def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
+                kv_step: Optional[CacheStep] = None) -> torch.Tensor:
+        """`kv_step`: one inference step over a KV cache (no recomputation: no backward)."""
+        if kv_step is not None:
+            for number, layer in self.layers.items():
+                x = layer(x, rotary, kv_step.layer(int(number)))
+            return x if self.final_layernorm is None else self.final_layernorm(x)
         layers = list(self.layers.values())
         rot = tuple(rotary) if rotary is not None else ()
         cfg = self.config
