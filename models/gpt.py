@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from gigatron.models.config import TransformerConfig
-from gigatron.models.transformer import TransformerBlock, dropout, rotary_cos_sin
+from gigatron.models.kv_cache import CacheStep, KVCache
+from gigatron.models.transformer import (TransformerBlock, dropout, rotary_cos_sin,
+                                         rotary_cos_sin_at)
 from gigatron.parallel.tensor import (
     ColumnParallelLinear,
     TensorParallelRNGTracker,
@@ -143,9 +145,22 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 hidden_states: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-token loss [b, s] (last stage, labels), tp-sharded logits [b, s, V_pad/tp]
-        (last stage, no labels), else hidden states [s(/tp), b, h]."""
+        with the padded vocabulary's columns at -inf (last stage, no labels), else hidden
+        states [s(/tp), b, h].
+
+        Positions (learned or RoPE) are `position_ids` [b, s], default 0 .. s-1. Inference:
+        `kv_cache` holds the earlier tokens (positions continue from them) and keeps these;
+        `attention_mask` [b, s] (1: token, 0: padding) keeps padding out of attention (a
+        forward without a cache then uses a one-step cache of its own)."""
+        step = None
+        if kv_cache is not None or attention_mask is not None:
+            step = self._begin_inference(input_ids, hidden_states, kv_cache, attention_mask)
+            if position_ids is None:
+                position_ids = step.position_ids
         if self.pre_process:
             if input_ids is None:
                 raise ValueError("the first pipeline stage needs input_ids [b, s]")
@@ -154,19 +169,58 @@ class GPTModel(nn.Module):
             if hidden_states is None:
                 raise ValueError("a non-first pipeline stage needs hidden_states [s, b, h]")
             x = hidden_states
-        rotary = None
-        if self.config.position_embedding_type == "rope":
-            seq = x.shape[0] * (tp_size(self.tp_group) if self.config.sequence_parallel else 1)
-            rotary = rotary_cos_sin(seq, self.config, x.device)
-        x = self.decoder(x, rotary)
+        x = self.decoder(x, self._rotary(x, position_ids), step)
+        if step is not None:
+            step.cache.commit(step)
         if not self.post_process:
             return x
         logits = self.output_layer(x, self.output_weight())  # [s, b, V_pad/tp]
         if labels is None:
-            return logits.transpose(0, 1).contiguous()
+            return self._mask_padded_vocab(logits).transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
                                             self.config.vocab_size)
         return loss.transpose(0, 1).contiguous()
+
+    def _rotary(self, x: torch.Tensor, position_ids: Optional[torch.Tensor]) -> Optional[tuple]:
+        """RoPE's cos/sin tables at `position_ids`, or 0 .. s-1 without them (a non-first
+        pipeline stage gets none: the data's positions are 0 .. s-1)."""
+        if self.config.position_embedding_type != "rope":
+            return None
+        if position_ids is not None:
+            return rotary_cos_sin_at(position_ids.to(x.device), self.config)
+        seq = x.shape[0] * (tp_size(self.tp_group) if self.config.sequence_parallel else 1)
+        return rotary_cos_sin(seq, self.config, x.device)
+
+    def _begin_inference(self, input_ids: Optional[torch.Tensor],
+                         hidden_states: Optional[torch.Tensor], kv_cache: Optional[KVCache],
+                         attention_mask: Optional[torch.Tensor]) -> CacheStep:
+        """Open this forward's step in `kv_cache` (a one-step cache when None)."""
+        if self.config.sequence_parallel and tp_size(self.tp_group) > 1:
+            raise ValueError("inference (kv_cache / attention_mask) needs sequence_parallel="
+                             "False: build the model with it off (the weights are the same)")
+        if input_ids is not None:
+            batch, seq, device = input_ids.shape[0], input_ids.shape[1], input_ids.device
+        elif hidden_states is not None:
+            batch, seq, device = hidden_states.shape[1], hidden_states.shape[0], \
+                hidden_states.device
+        else:
+            raise ValueError("a forward needs input_ids or hidden_states")
+        if kv_cache is None:
+            kv_cache = KVCache(self.config, batch, seq, tp_size(self.tp_group),
+                               self.layer_range, device=device)
+        return kv_cache.begin(seq, attention_mask)
+
+    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [.., V_pad/tp] with the columns past the real vocabulary at -inf (no
+        sampler or argmax can pick a padding row)."""
+        width = logits.shape[-1]
+        real = min(max(self.config.vocab_size - tp_rank(self.tp_group) * width, 0), width)
+        if real == width:
+            return logits
+        if logits.requires_grad:  # autograd may need the output as it was
+            logits = logits.clone()
+        logits[..., real:] = float("-inf")
+        return logits
 
 
 def count_parameters(config: TransformerConfig) -> int:
