@@ -103,7 +103,6 @@ BAD_FLAGS = [  # (extra flags, world size, message)
     ("--train-iters 0", 1, r"--train-iters must be > 0"),
     ("--log-interval 0", 1, r"--log-interval must be > 0"),
     ("--eval-iters -1", 1, r"--eval-iters must be >= 0"),
-    ("--save-interval 5", 1, r"--save-interval needs --save DIR"),
     ("--finetune", 1, r"--finetune needs --load DIR"),
     ("--clip-grad -1", 1, r"--clip-grad must be >= 0"),
     ("--adam-beta2 1.0", 1, r"--adam-beta2 must be in \[0, 1\)"),

@@ -24,12 +24,12 @@ BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 def test_three_independent_mistakes_are_all_reported():
     with pytest.raises(ConfigError) as err:
-        parse_args(BASE + "--fp16 --bf16 --clip-grad -1 --save-interval 5".split(), 1)
+        parse_args(BASE + "--fp16 --bf16 --clip-grad -1 --finetune".split(), 1)
     assert len(err.value.problems) == 3, err.value.problems
     text = str(err.value)
     assert text.startswith("3 problems:\n")
     for message in (r"--fp16 and --bf16 are exclusive", r"--clip-grad must be >= 0",
-                    r"--save-interval needs --save DIR"):
+                    r"--finetune needs --load DIR"):
         assert re.search(message, text), text
 
 

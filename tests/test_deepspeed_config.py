@@ -239,3 +239,34 @@ def test_keys_spelled_at_what_gigatron_does_are_accepted_others_refused():
                        ("data_types", {"grad_accum_dtype": "bf16"})):
         with pytest.raises(Exception, match=f"{key} is not supported"):
             from_deepspeed_config({"train_batch_size": 8, key: value}, world_size=1)
+
+
+def test_megatron_deepspeed_command_line_batch_and_log_interval_win_with_a_note(tmp_path):
+    """Megatron-DeepSpeed's loop sets the engine's batch from --global-batch-size each
+    iteration and logs every --log-interval: under --deepspeed those flags win over the JSON
+    (its run_deepspeed_example.sh passes 1024 against a JSON of 64); without --deepspeed a
+    disagreement stays an error, and the JSON's clipping is never overridden."""
+    from gigatron.training.operational_flags import flag_notes
+
+    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10}
+    argv = "--lr 1e-3 --micro-batch-size 2 --global-batch-size 16 --log-interval 1"
+    run = with_config(tmp_path, ds, extra=argv + " --deepspeed", world=2)
+    assert (run.train.global_batch_size, run.train.num_microbatches) == (16, 4)
+    assert run.logging.log_interval == 1
+    notes = "\n".join(flag_notes(run.flags, "gloo"))
+    assert "--global-batch-size 16 is used, not train_batch_size: 8" in notes
+    assert "--log-interval 1 is used, not steps_per_print: 10" in notes
+    with pytest.raises(ValueError, match=r"--global-batch-size 16 on the command line "
+                                         r"conflicts with train_batch_size: 8"):
+        with_config(tmp_path, ds, extra=argv, world=2)
+    with pytest.raises(ValueError, match=r"--clip-grad 2.0 on the command line conflicts"):
+        with_config(tmp_path, {**ds, "gradient_clipping": 1.0},
+                    extra=argv + " --deepspeed --clip-grad 2.0", world=2)
+
+
+def test_save_interval_without_save_is_megatrons_no_save_with_a_note():
+    from gigatron.training.operational_flags import flag_notes
+
+    run = parse_args(f"{MODEL} --lr 1e-3 --micro-batch-size 1 --save-interval 5".split(), 1)
+    assert run.checkpoint.save is None
+    assert any("--save-interval without --save" in n for n in flag_notes(run.flags, "gloo"))

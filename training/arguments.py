@@ -144,12 +144,13 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
     check_parallel(flags, p)
     model = build_model_config(flags, tp, vocab_size, p)
     batches = microbatches(flags, dp, p) if dp else None
-    length = training_length(flags, batches[0] * dp, batches[1], p) if batches else None
+    seq = model.seq_length if model is not None else None
+    length = training_length(flags, batches[0] * dp, batches[1], p, seq) if batches else None
     parallel = _parallel(flags, dp or 1)
     check_train(flags, parallel, model, _microbatch_counts(batches, length, dp or 1), p)
     check_optimizer(flags, p)
     zero = zero_config(flags, p)
-    lr_schedule = build_lr_schedule(flags, batches[1], p) if batches else None
+    lr_schedule = build_lr_schedule(flags, batches[1], p, seq) if batches else None
     check_data(flags, p)
     check_checkpointing(flags, p)
     check_logging(flags, p)

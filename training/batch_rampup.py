@@ -120,3 +120,16 @@ def train_iters_from_samples(train_samples: int, ramp: BatchRampup) -> int:
     if train_samples > consumed:
         iterations += (train_samples - consumed) // ramp.global_batch_size
     return iterations
+
+
+def iterations_to_consume(samples: int, ramp: BatchRampup) -> int:
+    """The fewest iterations after which at least `samples` samples are consumed (the
+    iteration that crosses the mark runs whole, as Megatron-DeepSpeed's --train-tokens loop
+    stops only between iterations)."""
+    iterations = consumed = 0
+    while consumed < samples and ramp.ramps and consumed <= ramp.samples:
+        consumed += ramp.batch_size(consumed)
+        iterations += 1
+    if consumed < samples:
+        iterations += -(-(samples - consumed) // ramp.global_batch_size)
+    return iterations

@@ -74,7 +74,7 @@ class LRScheduleConfig:
     min_lr: float = 0.0
     decay_style: str = "linear"  # linear|cosine|constant|inverse-square-root|WSD
     warmup_steps: float = 0  # a float: --lr-warmup-fraction x decay is not rounded (Megatron)
-    decay_steps: int = 1
+    decay_steps: float = 1  # a float: --lr-decay-tokens / --seq-length is not rounded
     init_lr: float = 0.0  # lr at step 0 of warm-up (Megatron's --lr-warmup-init)
     wsd_decay_steps: Optional[int] = None
     wsd_decay_style: str = "exponential"  # linear|cosine|exponential|minus_sqrt
@@ -89,6 +89,10 @@ class TrainConfig:
     train_samples: Optional[int] = setting(
         None, "samples to train instead of --train-iters: iterations = samples / global batch "
         "(with --rampup-batch-size: counted through the ramp, as Megatron)", "--train-samples")
+    train_tokens: Optional[int] = setting(
+        None, "Megatron-DeepSpeed: also stop once this many tokens are consumed (samples x "
+        "--seq-length), whichever of it and --train-iters/--train-samples comes first",
+        "--train-tokens")
     rampup_batch_size: Optional[List[int]] = setting(
         None, "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT over "
         "SAMPLES samples to --global-batch-size, as Megatron computes it (with --train-iters, "
@@ -184,6 +188,11 @@ class LoggingConfig:
     log_batch_size_to_tensorboard: bool = setting(
         False, "accepted: the global batch size of each log line is in the metrics file",
         "--log-batch-size-to-tensorboard")
+    log_optimizer_states_to_tensorboard: bool = setting(
+        False, "Megatron-DeepSpeed's series: L2/L1 norm and largest |value| of Adam's moments "
+        "and the master weights (optimizer/*), every log line, to TensorBoard and the metrics "
+        "file; each element of the model counted once (parallel/zero/state_stats.py)",
+        "--log-optimizer-states-to-tensorboard")
     log_throughput: bool = setting(
         False, "accepted: gigatron logs tokens/s, TFLOP/s per device and MFU on every log "
         "line", "--log-throughput")

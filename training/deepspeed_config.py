@@ -55,6 +55,15 @@ _AS_GIGATRON_DOES = {"prescale_gradients": False, "gradient_predivide_factor": 1
 _ADAM_ONLY_KEYS = ("adam_w_mode", "torch_adam")
 _OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adam", "sgd": "sgd"}
 
+# Under Megatron-DeepSpeed's --deepspeed switch its own loop drives these from the command line
+# whatever the JSON says (megatron/training.py), so there the flag wins, with a banner note
+MEGATRON_DEEPSPEED_FLAG_WINS = {
+    "global_batch_size": "Megatron-DeepSpeed sets the engine's batch from --global-batch-size "
+                         "every iteration (set_train_batch_size)",
+    "log_interval": "steps_per_print paces only DeepSpeed's own prints; Megatron logs every "
+                    "--log-interval",
+}
+
 # dest -> (JSON key, JSON value, flag value, same(explicit flag value, flag value) or None)
 Entry = Tuple[str, Any, Any, Optional[Callable[[Any, Any], bool]]]
 
@@ -289,8 +298,9 @@ def read_rows(ds: Mapping, dests: Sequence[str]) -> Tuple[Dict[str, Any], List[s
 def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
                            explicit: Set[str]) -> argparse.Namespace:
     """The flags with the DeepSpeed config's values filled in; `explicit` holds the dests given
-    on the command line, which must agree with the config. Raises a ConfigError listing every
-    problem (one line each)."""
+    on the command line, which must agree with the config (under Megatron-DeepSpeed's
+    --deepspeed, the flags of MEGATRON_DEEPSPEED_FLAG_WINS win instead). Raises a ConfigError
+    listing every problem (one line each)."""
     entries, problems = read_deepspeed_config(ds)
     if ("gradient_accumulation_steps" not in entries and "global_batch_size" in entries
             and "micro_batch_size" not in entries and flags.micro_batch_size is None):
@@ -301,6 +311,8 @@ def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
         given = getattr(flags, dest, None)
         if dest not in explicit:
             setattr(out, dest, value)
+        elif getattr(flags, "deepspeed", False) and dest in MEGATRON_DEEPSPEED_FLAG_WINS:
+            continue  # the command line's value stays (megatron_deepspeed_notes says so)
         elif not (same(given, value) if same else given == value):
             shown = "" if isinstance(given, bool) else f" {given}"
             problems.append(f"{flag_name(dest)}{shown} on the command line conflicts with "
@@ -309,6 +321,21 @@ def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
     if problems:
         raise ConfigError(problems)
     return out
+
+
+def megatron_deepspeed_notes(flags: Mapping[str, Any]) -> List[str]:
+    """Banner lines for the JSON values a Megatron-DeepSpeed command line overrode."""
+    path = flags.get("deepspeed_config")
+    if not flags.get("deepspeed") or not path:
+        return []
+    entries, _ = read_deepspeed_config(load_deepspeed_config(path))
+    notes = []
+    for dest, why in MEGATRON_DEEPSPEED_FLAG_WINS.items():
+        if dest in entries and flags.get(dest) != entries[dest][2]:
+            key, raw = entries[dest][0], entries[dest][1]
+            notes.append(f"{flag_name(dest)} {flags.get(dest)} is used, not {key}: "
+                         f"{json.dumps(raw)} of the DeepSpeed config: {why}")
+    return notes
 
 
 def deepspeed_batch_sizes(train: Optional[int], micro: Optional[int], grad_acc: int,

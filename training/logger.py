@@ -197,6 +197,8 @@ class MetricsLogger:
             scalars = {key: record.get(key) for key in _TENSORBOARD_KEYS}
             scalars.update({f"timers_ms/{name}": ms
                             for name, ms in (record.get("timers_ms") or {}).items()})
+            scalars.update({f"optimizer/{name}": value
+                            for name, value in (record.get("optimizer") or {}).items()})
             for key, value in scalars.items():
                 if value is not None:
                     self._tb.add_scalar(key, value, record["iteration"])

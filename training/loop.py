@@ -30,6 +30,7 @@ from gigatron.parallel.activity import activity
 from gigatron.parallel.pipeline.grad_sync import GradSync
 from gigatron.parallel.topology import ProcessGroups
 from gigatron.parallel.zero import ZeroOptimizer
+from gigatron.parallel.zero.state_stats import optimizer_state_stats
 from gigatron.training import state as checkpoint_state
 from gigatron.training.batch_rampup import run_rampup
 from gigatron.training.builders import Pipeline, micro_batches
@@ -231,6 +232,8 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
         **rates, "peak_memory_mib": memory / 2 ** 20,
         "timers_ms": {name: 1000 * sec / n for name, sec in sorted(phases.items())},
     }
+    if s.run.logging.log_optimizer_states_to_tensorboard:  # collective: every rank
+        record["optimizer"] = optimizer_state_stats(s.zero)
     if "forward" in phases:  # backward is what the measured phases leave of the step
         record["timers_ms"]["backward"] = max(0.0, 1000 * (elapsed - accounted) / n)
     s.logger.train(record)

@@ -75,11 +75,12 @@ def _unit_flags(by_samples: bool) -> Dict[str, str]:
             "wsd": f"--lr-wsd-decay-{unit}"}
 
 
-def schedule_problems(cfg: LRScheduleConfig, by_samples: bool = False) -> List[str]:
+def schedule_problems(cfg: LRScheduleConfig, by_samples: bool = False,
+                      names: Optional[Dict[str, str]] = None) -> List[str]:
     """Every reason Megatron would reject this schedule, one flag-naming line each
-    (`by_samples`: name the --train-samples flags)."""
+    (`by_samples`: name the --train-samples flags; `names`: the decay/warmup/wsd flags)."""
     out: List[str] = []
-    names = _unit_flags(by_samples)
+    names = names or _unit_flags(by_samples)
     if cfg.decay_style not in DECAY_STYLES:
         out.append(f"--lr-decay-style {cfg.decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
     if cfg.max_lr < 0 or cfg.min_lr < 0:
@@ -90,7 +91,7 @@ def schedule_problems(cfg: LRScheduleConfig, by_samples: bool = False) -> List[s
         out.append(f"{names['decay']} must be > 0")
     elif cfg.decay_style != "constant" and cfg.warmup_steps >= cfg.decay_steps:
         out.append(f"warm-up ({cfg.warmup_steps:g} samples) is not shorter than the decay "
-                   f"({cfg.decay_steps} samples): lower {names['warmup']}/--lr-warmup-fraction "
+                   f"({cfg.decay_steps:g} samples): lower {names['warmup']}/--lr-warmup-fraction "
                    f"or raise {names['decay']}")
     if cfg.decay_style == "WSD":
         if cfg.wsd_decay_style not in WSD_DECAY_STYLES:
@@ -104,9 +105,10 @@ def schedule_problems(cfg: LRScheduleConfig, by_samples: bool = False) -> List[s
     return out
 
 
-def validate_schedule(cfg: LRScheduleConfig, by_samples: bool = False) -> None:
+def validate_schedule(cfg: LRScheduleConfig, by_samples: bool = False,
+                      names: Optional[Dict[str, str]] = None) -> None:
     """Raise one ValueError listing every problem of the schedule (one line each)."""
-    problems = schedule_problems(cfg, by_samples)
+    problems = schedule_problems(cfg, by_samples, names)
     if problems:
         raise ValueError("\n".join(problems))
 
@@ -114,9 +116,10 @@ def validate_schedule(cfg: LRScheduleConfig, by_samples: bool = False) -> None:
 # each field of LRScheduleConfig and the flag(s) that set it (steps count samples)
 SCHEDULE_FLAGS = {
     "max_lr": "--lr", "min_lr": "--min-lr", "decay_style": "--lr-decay-style",
-    "warmup_steps": "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction",
-    "decay_steps": "--lr-decay-iters/--lr-decay-samples (--train-iters/--train-samples "
-                   "when unset)",
+    "warmup_steps": "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction/"
+                    "--lr-warmup-tokens",
+    "decay_steps": "--lr-decay-iters/--lr-decay-samples/--lr-decay-tokens "
+                   "(--train-iters/--train-samples when unset)",
     "init_lr": "--lr-warmup-init", "wsd_decay_steps": "--lr-wsd-decay-iters/"
                                                       "--lr-wsd-decay-samples",
     "wsd_decay_style": "--lr-wsd-decay-style",

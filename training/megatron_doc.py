@@ -61,9 +61,6 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("--log-", "--no-log-", "--tensorboard-log-interval", "--timing-log-option",
       "--wandb-entity", "--logging-level"), _LOG),
     (("--fim-",), "fill-in-the-middle data is not implemented"),
-    (("--train-tokens", "--lr-decay-tokens", "--lr-warmup-tokens"),
-     "token-based lengths are not implemented: give --train-samples, --lr-decay-samples and "
-     "--lr-warmup-samples (tokens / --seq-length)"),
     (("--decoupled-lr", "--decoupled-min-lr"),
      "a separate learning rate for the embedding and output layers is not implemented"),
     (("--apply-layernorm-1p",), "zero-centred norm weights (1 + w) are not implemented"),

@@ -120,8 +120,14 @@ def _run_notes(flags: Mapping[str, Any], backend: str) -> List[str]:
     if flags.get("distributed_backend") == "nccl" and backend != "nccl":
         notes.append(f"--distributed-backend nccl: no GPU here, {backend} is used")
     if flags.get("deepspeed"):
+        from gigatron.training.deepspeed_config import megatron_deepspeed_notes
+
         notes.append("--deepspeed: gigatron's own engine runs (ZeRO stage from --zero-stage "
                      "or --deepspeed_config)")
+        notes += megatron_deepspeed_notes(flags)
+    if flags.get("save_interval") and not flags.get("save"):
+        notes.append("--save-interval without --save: no checkpoint is written (as in "
+                     "Megatron, which saves only with --save)")
     if flags.get("deepspeed_activation_checkpointing"):
         notes.append("--deepspeed-activation-checkpointing: gigatron's recomputation runs, "
                      "as --recompute-granularity/--recompute-method say")

@@ -198,6 +198,12 @@ class OptimizerSettings:
     lr_warmup_iters: int = setting(0, "warm-up iterations", "--lr-warmup-iters")
     lr_warmup_samples: int = setting(0, "warm-up samples, with --train-samples",
                                      "--lr-warmup-samples")
+    lr_decay_tokens: Optional[int] = setting(
+        None, "Megatron-DeepSpeed: tokens of warm-up + decay; overrides --lr-decay-iters/"
+        "--lr-decay-samples (tokens = samples x --seq-length)", "--lr-decay-tokens")
+    lr_warmup_tokens: Optional[int] = setting(
+        None, "Megatron-DeepSpeed: warm-up tokens; overrides --lr-warmup-iters/"
+        "--lr-warmup-samples/--lr-warmup-fraction", "--lr-warmup-tokens")
     lr_warmup_fraction: Optional[float] = setting(
         None, "warm-up as a fraction of the decay (--lr-decay-iters or --lr-decay-samples); "
         "a float, not rounded, as in Megatron", "--lr-warmup-fraction")

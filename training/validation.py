@@ -214,8 +214,6 @@ def _check_prefixes(flag: str, values, p: Problems) -> None:
 
 def check_checkpointing(flags: argparse.Namespace, p: Problems) -> None:
     """--save/--load companions."""
-    if flags.save_interval is not None and flags.save is None:
-        p.add("--save-interval needs --save DIR")
     if flags.finetune and flags.load is None:
         p.add("--finetune needs --load DIR (the checkpoint to start from)")
     if flags.override_opt_param_scheduler and flags.use_checkpoint_opt_param_scheduler:
