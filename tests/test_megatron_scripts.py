@@ -184,7 +184,11 @@ RUNS = {"mlm_pretrain_gpt": (1, {}),
         # JSON, the optimizer-state series
         "mds_ds_pretrain_gpt_125M": (1, {}),
         # its --global-batch-size and --log-interval win over its JSON (as its loop does)
-        "mds_run_deepspeed_example": (1, {})}
+        "mds_run_deepspeed_example": (1, {}),
+        "mlm_gpt3_175b_distributed": (1, {"--micro-batch-size": "1",
+                                          "--rampup-batch-size": "2 2 2"}),
+        "mlm_pretrain_gpt_distributed_with_mp": (1, {}),
+        "mds_uc_run_bf16": (1, {})}
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
