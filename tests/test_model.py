@@ -145,3 +145,57 @@ def test_rng_tracker_streams_are_reproducible_per_rank_and_leave_default_rng_alo
     tracker.add("a", 1)
     with pytest.raises(ValueError, match="seed"):
         tracker.add("b", 1)
+
+
+def test_padded_vocabulary_logits_are_minus_infinity_and_real_ones_finite():
+    cfg = load_config("debug-llama", vocab_size=197, **NO_DROPOUT)
+    assert cfg.padded_vocab_size() > cfg.vocab_size
+    logits = GPTModel(cfg)(_ids(cfg))
+    assert torch.isneginf(logits[..., cfg.vocab_size:]).all()
+    assert torch.isfinite(logits[..., :cfg.vocab_size]).all()
+
+
+@pytest.mark.parametrize("style", ["debug-gpt2", "debug-llama"])  # LayerNorm, RMSNorm
+def test_apply_layernorm_1p_equals_the_plain_model_whose_norm_weights_are_1_plus_w(style):
+    """Zero-centred norms start at 0 and scale by 1 + w: exactly the plain model (weights
+    1 + w) for every norm, the final one included (rtol 0, atol 0: the same fp32 sum)."""
+    one_p = GPTModel(load_config(style, layernorm_zero_centered_gamma=True, **NO_DROPOUT))
+    plain = GPTModel(load_config(style, **NO_DROPOUT))
+    norms = [n for n, _ in one_p.named_parameters() if "layernorm.weight" in n]
+    assert "decoder.final_layernorm.weight" in norms and len(norms) == 2 * 2 + 1
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in one_p.named_parameters():
+            if name in norms:
+                assert not p.any(), f"{name} must start at 0"
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        plain.load_state_dict(one_p.state_dict())
+        for name, p in plain.named_parameters():
+            if name in norms:
+                p.add_(1.0)
+    ids = _ids(one_p.config)
+    torch.testing.assert_close(one_p(ids), plain(ids), rtol=0, atol=0)
+    assert not torch.equal(one_p(ids), GPTModel(one_p.config)(ids))  # the weights matter
+
+
+def test_apply_layernorm_1p_flag_sets_zero_centred_norms():
+    from gigatron.training.arguments import parse_args
+
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 2 --train-iters 4 --lr 1e-3 --mock-data --vocab-size 100")
+    assert parse_args((base + " --apply-layernorm-1p").split(), 1).model \
+        .layernorm_zero_centered_gamma
+    assert not parse_args(base.split(), 1).model.layernorm_zero_centered_gamma
+
+
+@pytest.mark.parametrize("style", ["debug-gpt2", "debug-llama"])  # learned, RoPE positions
+def test_position_ids_are_honoured(style):
+    """position_ids 0..s-1 are the default exactly; other positions change the output."""
+    cfg = load_config(style, **NO_DROPOUT)
+    model = GPTModel(cfg)
+    ids = _ids(cfg)
+    arange = torch.arange(cfg.seq_length).expand_as(ids)
+    torch.testing.assert_close(model(ids, position_ids=arange), model(ids), rtol=0, atol=0)
+    gapped = arange + (arange >= cfg.seq_length // 2) * 3  # a jump mid-sequence
+    out = model(ids, position_ids=gapped)
+    assert not torch.allclose(out[:, cfg.seq_length // 2:], model(ids)[:, cfg.seq_length // 2:])

@@ -63,7 +63,6 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("--fim-",), "fill-in-the-middle data is not implemented"),
     (("--decoupled-lr", "--decoupled-min-lr"),
      "a separate learning rate for the embedding and output layers is not implemented"),
-    (("--apply-layernorm-1p",), "zero-centred norm weights (1 + w) are not implemented"),
     (("--calculate-per-token-loss",),
      "the loss is averaged per micro-batch, then over micro-batches, as Megatron's default"),
     (("--retro", "--retriever"), "Retro is not part of gigatron"),

@@ -30,6 +30,7 @@ MODEL_FIELDS = {
     "rotary_seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
     "use_rope_scaling": "rope_scaling", "rope_scaling_factor": "rope_scaling_factor",
     "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
+    "apply_layernorm_1p": "layernorm_zero_centered_gamma",
     "hidden_dropout": "hidden_dropout", "attention_dropout": "attention_dropout",
     "init_method_std": "init_method_std",
     "recompute_granularity": "recompute_granularity", "recompute_method": "recompute_method",

@@ -71,6 +71,10 @@ class ModelSettings:
         "too)", "--normalization", choices=("LayerNorm", "RMSNorm", "layernorm", "rmsnorm"))
     norm_epsilon: Optional[float] = setting(None, "epsilon of the norms (model default 1e-5)",
                                             "--norm-epsilon")
+    apply_layernorm_1p: Optional[bool] = setting(
+        None, "zero-centred norm weights: stored as w, initialised to 0, applied as 1 + w "
+        "(Megatron-Core's layernorm_zero_centered_gamma; every norm of the model, LayerNorm "
+        "or RMSNorm, as its Transformer Engine norms)", "--apply-layernorm-1p")
     group_query_attention: Optional[bool] = setting(
         None, "use --num-query-groups key/value groups", "--group-query-attention")
     swiglu: Optional[bool] = setting(None, "SwiGLU MLP (Llama style)", "--swiglu")
