@@ -62,7 +62,9 @@ def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
               (not config.untie_embeddings_and_output_weights, "embeddings must be tied"),
               (config.num_query_groups == config.num_attention_heads, "GQA is not GPT-2"),
               (config.kv_channels * config.num_attention_heads == config.hidden_size,
-               "kv_channels x heads must equal hidden_size")]
+               "kv_channels x heads must equal hidden_size"),
+              (not config.layernorm_zero_centered_gamma,
+               "zero-centred norms (--apply-layernorm-1p) have no GPT-2 equivalent")]
     for ok, message in checks:
         require(ok, f"cannot export to GPT-2: {message}")
     return {

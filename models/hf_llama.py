@@ -83,7 +83,9 @@ def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
               (config.activation == "swiglu", "activation must be swiglu"),
               (config.rotary_percent == 1.0, "rotary_percent must be 1"),
               (config.rotary_seq_len_interpolation_factor is None,
-               "rotary_seq_len_interpolation_factor has no Llama equivalent")]
+               "rotary_seq_len_interpolation_factor has no Llama equivalent"),
+              (not config.layernorm_zero_centered_gamma,
+               "zero-centred norms (--apply-layernorm-1p) have no Llama equivalent")]
     for ok, message in checks:
         require(ok, f"cannot export to Llama: {message}")
     rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": config.rotary_base}
