@@ -59,7 +59,7 @@ def optimizer_state_stats(zero: "ZeroOptimizer") -> Dict[str, float]:
     sums = torch.zeros(2 * n, dtype=torch.float64, device=device)  # l2^2, l1 per series
     maxes = torch.zeros(n, dtype=torch.float64, device=device)
     present = torch.zeros(n, dtype=torch.float64, device=device)
-    stage0_copy = zero.stage == 0 and comm.group_rank(zero.process_groups.dp) != 0
+    stage0_copy = zero.stage == 0 and any(g.dp_rank != 0 for g in zero.flat_groups)
     for gi, g in enumerate(zero.flat_groups):
         for si, tensor in enumerate(_series_tensors(zero, g.master).values()):
             if tensor is None:
