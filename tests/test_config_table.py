@@ -136,13 +136,16 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
          "lr_decay_samples": "--train-samples 160", "lr_warmup_samples": "--train-samples 160",
          "lr_wsd_decay_samples": "--train-samples 160 --lr-decay-style WSD",
          "rampup_batch_size": "--train-samples 160", "overlap_param_gather":
-         "--overlap-grad-reduce --zero-stage 1", "wandb_project": "--wandb-exp-name x"}
+         "--overlap-grad-reduce --zero-stage 1", "wandb_project": "--wandb-exp-name x",
+         "fp8_param_gather": "--fp8-format e4m3 --zero-stage 1",
+         "fp8_recipe": "--fp8-format hybrid"}
 # flags accepted by the parser whose values other than the default are refused (one line)
 REFUSED = {"use_legacy_models": "--use-legacy-models is not supported",
            "context_parallel_size": "--context-parallel-size 3: context parallelism is not "
                                     "supported",
            "ds_sequence_parallel_size": "--ds-sequence-parallel-size 3: Megatron-DeepSpeed's "
-                                        "Ulysses sequence parallelism is not supported"}
+                                        "Ulysses sequence parallelism is not supported",
+           "fp8_recipe": "--fp8-recipe tensorwise is not emulated"}
 # flags of BASE a sample-based row replaces
 SAMPLE_BASED = ("train_samples", "lr_decay_samples", "lr_warmup_samples",
                 "lr_wsd_decay_samples", "rampup_batch_size")

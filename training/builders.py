@@ -19,6 +19,7 @@ from gigatron.training.timers import TimedP2P, Timers
 
 if TYPE_CHECKING:
     from gigatron.data.gpt_dataset import SampleDataset
+    from gigatron.parallel.tensor.fp8 import FP8Recipe
     from gigatron.data.tokenizer import Tokenizer
     from gigatron.parallel.pipeline.partition import PipelinePartition
     from gigatron.parallel.topology import ProcessGroups
@@ -60,12 +61,50 @@ def partition(run: RunConfig) -> "PipelinePartition":
 
 def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
                        device: torch.device) -> List[torch.nn.Module]:
-    """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`."""
+    """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`; with
+    --fp8-format their transformer layers' linears run in FP8 emulation."""
     from gigatron.models.pipeline_chunks import build_model_chunks as build
+    from gigatron.training.fp8_flags import fp8_recipe
 
     assert run.model is not None, _NEEDS_RUN_CONFIG
-    return build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
-                 seed=run.train.seed, device=device)
+    chunks = build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
+                   seed=run.train.seed, device=device)
+    recipe = fp8_recipe(run.flags)
+    if recipe is not None:
+        apply_fp8(chunks, recipe, fp8_amax_group(groups))
+    return chunks
+
+
+def transformer_linears(chunk: torch.nn.Module) -> List[torch.nn.Module]:
+    """The tensor-parallel linears of a GPT chunk's transformer layers: the GEMMs
+    Megatron-Core runs in FP8 (not the embedding, not the output layer)."""
+    from gigatron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    return [m for m in chunk.decoder.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def apply_fp8(chunks: List[torch.nn.Module], recipe: "FP8Recipe", amax_group: Any) -> None:
+    """FP8 emulation on each chunk's transformer layers, one FP8 region per chunk (as
+    Megatron-Core's fp8_autocast around the transformer block)."""
+    from gigatron.parallel.tensor.fp8 import enable_fp8
+
+    for chunk in chunks:
+        enable_fp8(chunk.decoder, transformer_linears(chunk), recipe, amax_group)
+
+
+def fp8_amax_group(groups: "ProcessGroups") -> Any:
+    """This rank's FP8 amax-reduction group: its pipeline stage's tensor- and data-parallel
+    ranks (Megatron's default amax reduction group). Collective: every rank creates every
+    such group, in the same order."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in groups.topology.groups("tp-dp"):
+        group = dist.new_group(ranks, timeout=groups.timeout)
+        if groups.rank in ranks:
+            mine = group
+    return mine
 
 
 @dataclass

@@ -25,7 +25,9 @@ SUPPORTED, NO_EFFECT, SELECTOR, REFUSED, NOT_SUPPORTED = (
     "not supported")
 
 _MOE = "mixture of experts is not implemented: gigatron trains dense GPT/Llama models"
-_FP8 = "FP8/FP4 needs Transformer Engine, which gigatron does not use: train in bf16 or fp16"
+_FP8 = ("not emulated: gigatron emulates FP8 with delayed scaling in the transformer layers "
+        "(--fp8-format, docs/FP8.md); FP4, the other FP8 recipes and their knobs need "
+        "Transformer Engine")
 _TE = "Transformer Engine and its communication overlap are not used"
 _CLUSTER = ("NVIDIA cluster tooling is not part of gigatron (its watchdog names hung or dead "
             "ranks and ends the job: --distributed-timeout-minutes)")

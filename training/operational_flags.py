@@ -33,7 +33,10 @@ def check_operational(flags: argparse.Namespace, p: "Problems",
                       has_cuda: Optional[bool] = None) -> None:
     """Logging sinks whose package is missing, and overlap/backend flags Megatron refuses
     (`has_package`, `has_cuda`: what this machine has; default: look)."""
+    from gigatron.training.fp8_flags import check_fp8
+
     has_package = has_package or installed
+    check_fp8(flags, p)
     if flags.tensorboard_dir and not has_package("tensorboard"):
         p.add(f"--tensorboard-dir needs the tensorboard package, which is not installed: "
               f"{INSTALL['tensorboard']}, or drop --tensorboard-dir")
@@ -148,4 +151,7 @@ def _run_notes(flags: Mapping[str, Any], backend: str) -> List[str]:
 def flag_notes(flags: Mapping[str, Any], backend: str,
                has_package: Optional[Callable[[str], bool]] = None) -> List[str]:
     """One banner line per accepted flag that maps to something else here."""
-    return _impl_notes(flags, has_package or installed) + _run_notes(flags, backend)
+    from gigatron.training.fp8_flags import fp8_notes
+
+    return _impl_notes(flags, has_package or installed) + _run_notes(flags, backend) + \
+        fp8_notes(flags)

@@ -3,6 +3,8 @@
 Weights are created empty (on `device`, possibly meta) and tagged with an `InitSpec`; the
 model fills them afterwards from name-seeded full tensors (see `init.py`), so a layer
 never needs to know its own parameter name. `tp_group=None` means no tensor parallelism.
+The linears' `fp8` (None: off) holds their FP8-emulation state when `fp8.enable_fp8` gave
+them one (Megatron's --fp8-format on the transformer layers).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gigatron.parallel.tensor.fp8 import FP8LinearState, fp8_linear
 from gigatron.parallel.tensor.init import InitSpec, Stride, set_parallel_attributes
 from gigatron.parallel.tensor.mappings import (
     copy_to_tensor_parallel_region,
@@ -42,6 +45,7 @@ class ColumnParallelLinear(nn.Module):
 
     weight: Optional[nn.Parameter]
     bias: Optional[nn.Parameter]
+    fp8: Optional[FP8LinearState]
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
@@ -50,6 +54,7 @@ class ColumnParallelLinear(nn.Module):
                  params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.fp8 = None
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp_size(tp_group) > 1
         self.output_size_per_partition = divide(output_size, tp_size(tp_group),
@@ -79,7 +84,10 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, weight, self.bias)
+        if self.fp8 is None:
+            y = F.linear(x, weight, self.bias)
+        else:
+            y = fp8_linear(x, weight, self.bias, self.fp8)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -94,6 +102,7 @@ class RowParallelLinear(nn.Module):
 
     weight: nn.Parameter
     bias: Optional[nn.Parameter]
+    fp8: Optional[FP8LinearState]
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
@@ -101,6 +110,7 @@ class RowParallelLinear(nn.Module):
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.tp_group = tp_group
+        self.fp8 = None
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and tp_size(tp_group) > 1
         if self.sequence_parallel and not input_is_parallel:
@@ -121,7 +131,8 @@ class RowParallelLinear(nn.Module):
         """x: [s, b, in/tp] -> [s(/tp), b, out]."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.fp8 is None else \
+            fp8_linear(x, self.weight, None, self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
