@@ -19,24 +19,10 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
+from gigatron.training.plan.hardware import for_device_name
+
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
-
-# Dense peak TFLOP/s per device by params dtype (vendor datasheets, no sparsity). fp32 is
-# plain fp32 (torch's default disallows TF32 for matmuls). First matching key wins.
-PEAK_TFLOPS = (
-    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
-    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
-    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
-    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
-    ("L40S", {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6}),
-    ("L4", {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}),
-    ("A10G", {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2}),
-    ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}),
-    ("V100", {"fp16": 125.0, "fp32": 15.7}),
-    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}),
-)
-
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Vocab padded to a multiple of divisible_by x tp, as Megatron pads it."""
@@ -78,16 +64,13 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 
 def device_peak_tflops(device: torch.device, dtype: Union[torch.dtype, str]) -> Optional[float]:
-    """The table's peak for this device and params dtype (torch dtype or 'bf16'|'fp16'|
-    'fp32'); None if unknown."""
+    """The hardware table's peak (training/plan/hardware.py) for this device and params
+    dtype (torch dtype or 'bf16'|'fp16'|'fp32'); None if unknown."""
     if device.type != "cuda":
         return None
     dtype_name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype, str(dtype))
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in PEAK_TFLOPS:
-        if key in name:
-            return peaks.get(dtype_name)
-    return None
+    row = for_device_name(torch.cuda.get_device_name(device))
+    return None if row is None else row.peak(dtype_name)
 
 
 def throughput(tokens: float, seconds: float, flops_token: float, world_size: int,

@@ -127,3 +127,43 @@ def simulate(schedules: Sequence[Sequence[Instruction]], forward_time: float = 1
                                 f"{len(channels.sends[channel])} messages to {channel[1]}, "
                                 f"which receives {len(channels.recvs[channel])}")
     return SimulationResult(timelines, max(clock) if clock else 0.0)
+
+
+def simulate_step(pp_size: int, num_microbatches: int, virtual_chunks: int = 1,
+                  forward_time: float = 1.0, backward_time: float = 2.0) -> SimulationResult:
+    """Every rank's training schedule of one step, simulated together: a chunk's forward
+    takes `forward_time`, its backward `backward_time` (per virtual chunk)."""
+    from .schedules import build_schedule
+
+    schedules = [build_schedule(r, pp_size, num_microbatches, virtual_chunks)
+                 for r in range(pp_size)]
+    return simulate(schedules, forward_time, backward_time)
+
+
+def bubble_overhead(pp_size: int, num_microbatches: int, virtual_chunks: int = 1,
+                    forward_time: float = 1.0, backward_time: float = 2.0) -> float:
+    """Idle time over useful time of the step (the papers' bubble fraction): the simulated
+    step's length over the busy time of one rank, minus one. 1F1B gives (p - 1) / m, the
+    interleaved schedule (p - 1) / (v m) (Narayanan et al. 2021, sections 2.2.1-2.2.2)."""
+    result = simulate_step(pp_size, num_microbatches, virtual_chunks, forward_time,
+                           backward_time)
+    busy = num_microbatches * virtual_chunks * (forward_time + backward_time)
+    return result.makespan / busy - 1.0
+
+
+def peak_in_flight(instructions: Sequence[Instruction],
+                   chunk_weights: Sequence[float]) -> Tuple[float, List[int]]:
+    """The most activation weight one rank holds at once under its schedule: forwards whose
+    backward has not run yet, each weighted by its chunk's `chunk_weights[chunk]`; returns
+    (peak weight, micro-batches in flight per chunk at that moment)."""
+    held = [0] * len(chunk_weights)
+    peak, at_peak = 0.0, list(held)
+    for op in instructions:
+        if isinstance(op, Forward):
+            held[op.chunk] += 1
+            weight = sum(n * w for n, w in zip(held, chunk_weights))
+            if weight > peak:
+                peak, at_peak = weight, list(held)
+        elif isinstance(op, Backward):
+            held[op.chunk] -= 1
+    return peak, at_peak

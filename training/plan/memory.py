@@ -1,0 +1,272 @@
+"""Memory of one rank of each pipeline stage: model state exactly, activations by formula.
+
+Model state (parameters, fp32 gradients, fp32 master weights, optimizer moments) is laid
+out as `gigatron.parallel.zero` lays it out: the same flat groups, the same buckets padded
+to a multiple of the data-parallel size (`plan_buckets`), the same master-aliasing rule, so
+the bytes equal what `measure_memory` reports after a step (tests/test_plan_memory.py).
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (section 4): per layer and micro-batch s*b*h*(34 + 5*a*s/h) bytes at
+2-byte activations and 1-byte dropout masks, divided by t where tensor (and, with
+--sequence-parallel, sequence) parallelism splits a tensor; selective recomputation drops
+the 5as/h term; full recomputation keeps each recomputed block's input. `activation_terms`
+writes that count tensor by tensor for this implementation (which tensors autograd keeps:
+the activation dtype, fp32 norm statistics, the attention kernel actually taken, what
+sequence parallelism gathers), so it is the paper's formula where the implementation is
+the paper's, and this code's where it differs. The first pipeline stage holds the
+micro-batches its schedule has in flight: read from the schedule itself (1F1B: p; the
+interleaved schedule: Megatron's (p - 1) * 2 + (v - 1) * p + 1 chunk forwards).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from gigatron.parallel.pipeline.partition import PipelinePartition
+from gigatron.parallel.pipeline.schedules import build_schedule
+from gigatron.parallel.pipeline.simulate import peak_in_flight
+from gigatron.parallel.zero.layout import group_sizes, plan_buckets
+from gigatron.training.plan.parameters import ParamSpec, stage_parameters
+
+if TYPE_CHECKING:
+    from gigatron.models.config import TransformerConfig
+    from gigatron.parallel.zero.config import ZeroConfig
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """What ZeRO holds on one rank (the fields of `measure_memory`), and where."""
+
+    params: int
+    grads: int
+    master_params: int
+    optimizer_state: int
+    offloaded: bool = False  # master weights and optimizer state live in host memory
+
+    @property
+    def device(self) -> int:
+        return self.params + self.grads + (0 if self.offloaded else self.host_side)
+
+    @property
+    def host_side(self) -> int:
+        return self.master_params + self.optimizer_state
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One rank of pipeline stage `pp_rank`: its parameters and memory by kind."""
+
+    pp_rank: int
+    parameters: int  # this tp rank's parameters on this stage (all its chunks)
+    state: ModelStateBytes
+    activations: float  # held at the schedule's high point (see module docstring)
+    in_flight: List[int]  # micro-batches per chunk held at that point
+    transient: float  # largest short-lived buffer on top (recompute, logits grad, bucket)
+
+    @property
+    def peak(self) -> float:
+        return self.state.device + self.activations + self.transient
+
+
+def _width(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- model state ------------------------------------------------------------------------
+
+def _ordered(chunks: List[List[ParamSpec]], stage: int) -> Tuple[List[List[ParamSpec]],
+                                                                Optional[Dict[str, int]]]:
+    """ZeroOptimizer._build_groups' order: reversed registration per chunk; stage 3: the
+    gather units (each layer, then the rest) of its single chunk."""
+    if stage < 3:
+        return [specs[::-1] for specs in chunks], None
+    (specs,) = chunks
+    unit_of: Dict[str, int] = {}
+    layers = [s for s in specs if s.name.startswith("decoder.layers.")]
+    for s in layers:
+        unit_of[s.name] = int(s.name.split(".")[2])
+    rest = [s for s in specs if s.name not in unit_of]
+    for s in rest:
+        unit_of[s.name] = -1
+    order = {index: n for n, index in enumerate(dict.fromkeys(unit_of[s.name]
+                                                              for s in layers))}
+    order[-1] = len(order)
+    unit_ids = {name: order[u] for name, u in unit_of.items()}
+    return [layers + rest], unit_ids
+
+
+def model_state_bytes(chunks: List[List[ParamSpec]], zero: "ZeroConfig", dp: int,
+                      params_dtype: torch.dtype, offload_to_host: bool) -> ModelStateBytes:
+    """Bytes of one rank's ZeRO buffers for these chunks' parameters (`offload_to_host`:
+    the master weights live on another device than the parameters, i.e. optimizer offload
+    on a GPU)."""
+    stage, width = zero.zero_stage, _width(params_dtype)
+    ordered, unit_ids = _ordered(chunks, stage)
+    params = grads = master = state = 0
+    per_element_state = 8 if zero.optimizer in ("adam", "adamw") else \
+        (4 if zero.sgd_momentum else 0)
+    for specs in ordered:
+        keyed: Dict[Tuple[str, bool], List[ParamSpec]] = {}
+        for s in specs:
+            keyed.setdefault((s.kind, s.ndim >= 2), []).append(s)
+        for (kind, _), group in sorted(keyed.items()):
+            bucket_size = 1 if kind == "shared_embedding" else zero.reduce_bucket_size
+            buckets = plan_buckets([s.numel for s in group], bucket_size,
+                                   dp if stage >= 1 else 1,
+                                   None if unit_ids is None else [unit_ids[s.name]
+                                                                  for s in group])
+            full, shard = group_sizes(buckets)
+            params += (shard if stage == 3 else full) * width
+            grads += (full if stage <= 1 else shard) * 4
+            aliases = width == 4 and not offload_to_host and \
+                (stage in (0, 3) or len(buckets) == 1)
+            master += 0 if aliases else shard * 4
+            state += shard * per_element_state
+    return ModelStateBytes(params, grads, master, state, offloaded=offload_to_host)
+
+
+# ---- activations ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    """Bytes autograd keeps per token of one micro-batch, for one layer and the ends."""
+
+    layer: float  # one transformer layer, nothing recomputed
+    layer_selective: float  # one layer under --recompute-granularity selective
+    layer_input: float  # what a fully recomputed block keeps: its input
+    first_stage: float  # embedding: token/position ids, its dropout mask
+    last_stage: float  # final norm, output-layer input, the loss's fp32 softmax
+    per_layer_constant: float = 0.0  # per layer, not per token (a causal mask)
+    per_chunk_constant: float = 0.0  # per chunk (RoPE tables shared by its layers)
+    notes: List[str] = field(default_factory=list)
+
+
+def attention_kernel(c: "TransformerConfig", on_gpu: bool) -> str:
+    """Which attention path runs: 'flash' (fused, no s x s tensor kept), 'math' (torch's
+    sdpa fallback: CPU with attention dropout) or 'unfused' (gigatron.ops softmax)."""
+    if c.attention_backend == "unfused":
+        return "unfused"
+    return "flash" if on_gpu or c.attention_dropout == 0 else "math"
+
+
+def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool) -> ActivationTerms:
+    """Korthikanti's per-layer count, tensor by tensor, for this implementation (bytes per
+    token; see the module docstring). `on_gpu`: CUDA kernels (bool dropout masks, fused
+    norms) rather than the CPU reference paths (fp32 norm copies, float dropout masks)."""
+    w = _width(c.params_dtype)
+    h, a, g, d, ffn = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim, \
+        c.ffn_hidden_size
+    s, t = c.seq_length, tp
+    sp = c.sequence_parallel and tp > 1
+    split = t if sp else 1  # what sequence parallelism splits (else replicated on tp ranks)
+    mask = 1 if on_gpu else w  # bytes of one dropout-mask element
+    hidden_mask = mask if c.hidden_dropout > 0 else 0
+    attn_mask = mask if c.attention_dropout > 0 else 0
+    rms = c.normalization == "RMSNorm"
+    if on_gpu:
+        norm = w * h + 8
+    elif rms:
+        norm = 8 * h + 4  # fp32 input copy (or itself) and normalized output, rstd
+    else:
+        norm = 4 * h + 8  # fp32 input (a copy under bf16/fp16), mean and rstd
+    rope = c.position_embedding_type == "rope"
+    kernel = attention_kernel(c, on_gpu)
+    q_view, k_view, v_view = not rope, not rope and g == a, g == a
+    qkv_storage = w * g * (a // g + 2) * d / t
+    copies = (0 if q_view else w * a * d) + (0 if k_view else w * a * d) + \
+        (0 if v_view else w * a * d)
+    ad = a * d / t  # attention channels on this rank
+    # the storages the core attention's inputs keep (checkpointed under selective recompute)
+    inputs = (qkv_storage if (q_view or k_view or v_view) else 0) + copies / t
+    if kernel == "math":  # fp32 copies of q, k (scaled) and, unless a view, v
+        held = 2 * 4 * ad + (0 if (w == 4 and v_view) else 4 * ad) + \
+            (qkv_storage if (w == 4 and v_view) else 0)
+        core = 3 * 4 * (a / t) * s
+    else:
+        held = inputs
+        if kernel == "flash":  # its output is the projection's input (counted there)
+            core = 4 * a / t  # log-sum-exp
+        elif on_gpu:  # fused scale-mask-softmax keeps its output; dropout mask and output
+            core = (2 * w + attn_mask) * (a / t) * s
+        else:  # reference softmax: scores, exp (fp32), probabilities, dropout mask
+            core = (2 * 4 + w + attn_mask) * (a / t) * s + 8 * a / t
+    mlp_act = (4 if c.activation == "swiglu" else 2) * w * ffn / t
+    common = (2 * norm + 2 * hidden_mask * h) / split + w * h + w * h + w * ad + mlp_act
+    layer = common + held + core
+    selective = common + inputs
+    first = 8 * (2 if c.position_embedding_type == "learned_absolute" else 1) + \
+        hidden_mask * h / split
+    last = norm / split + w * h + 4 * c.padded_vocab_size(tp) / t + 9
+    per_layer_constant = float(s * s) if (kernel == "unfused" and not on_gpu) else 0.0
+    per_chunk = 2 * s * c.rotary_dim * 4.0 if rope else 0.0
+    notes = [f"attention kernel: {kernel}"]
+    return ActivationTerms(layer, selective, w * h / split, first, last, per_layer_constant,
+                           per_chunk, notes)
+
+
+def chunk_activations(c: "TransformerConfig", terms: ActivationTerms, layers: int,
+                      pre: bool, post: bool, tokens: int) -> Tuple[float, float]:
+    """(bytes one micro-batch leaves on a chunk of `layers` layers, the extra short-lived
+    bytes when its backward recomputes a block)."""
+    granularity, n = c.recompute_granularity, c.recompute_num_layers or 1
+    per_layer = terms.layer * tokens + terms.per_layer_constant
+    transient = 0.0
+    if granularity == "full" and layers:
+        if c.recompute_method == "uniform":
+            blocks = -(-layers // n)
+            held = blocks * terms.layer_input * tokens
+            transient = min(n, layers) * per_layer
+        else:  # block: the first n layers are recomputed, the rest keep everything
+            recomputed = min(n, layers)
+            held = recomputed * terms.layer_input * tokens + (layers - recomputed) * per_layer
+            transient = per_layer if recomputed else 0.0
+    elif granularity == "selective":
+        held = layers * (terms.layer_selective * tokens + terms.per_layer_constant)
+        transient = (terms.layer - terms.layer_selective) * tokens if layers else 0.0
+    else:
+        held = layers * per_layer
+    held += terms.per_chunk_constant if layers else 0.0
+    held += (terms.first_stage * tokens if pre else 0.0) + \
+        (terms.last_stage * tokens if post else 0.0)
+    return held, transient
+
+
+def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: int, tp: int,
+                 dp: int, zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
+                 on_gpu: bool) -> StageMemory:
+    """Memory of one rank of pipeline stage `pp_rank` (any tp/dp rank: all hold the same)."""
+    chunks = stage_parameters(c, tp, partition, pp_rank)
+    state = model_state_bytes(chunks, zero, dp, c.params_dtype,
+                              offload_to_host=on_gpu and zero.offload_optimizer == "cpu")
+    terms = activation_terms(c, tp, on_gpu)
+    tokens = c.seq_length * micro_batch_size
+    per_chunk = [chunk_activations(c, terms, len(partition.layer_range(pp_rank, k)),
+                                   partition.pre_process(pp_rank, k),
+                                   partition.post_process(pp_rank, k), tokens)
+                 for k in range(partition.virtual_chunks)]
+    schedule = build_schedule(pp_rank, partition.pp_size, num_microbatches,
+                              partition.virtual_chunks)
+    held, in_flight = peak_in_flight(schedule, [bytes_ for bytes_, _ in per_chunk])
+    transient = max(t for _, t in per_chunk)
+    if any(partition.post_process(pp_rank, k) for k in range(partition.virtual_chunks)):
+        # the loss's backward: the fp32 gradient of the logits beside the saved softmax
+        transient = max(transient, 4.0 * tokens * c.padded_vocab_size(tp) / tp)
+    return StageMemory(pp_rank, sum(s.numel for specs in chunks for s in specs), state,
+                       held, in_flight, transient)
+
+
+def plan_memory(c: "TransformerConfig", partition: PipelinePartition, tp: int, dp: int,
+                zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
+                on_gpu: bool) -> List[StageMemory]:
+    """`stage_memory` of every pipeline stage."""
+    return [stage_memory(c, partition, r, tp, dp, zero, micro_batch_size, num_microbatches,
+                         on_gpu) for r in range(partition.pp_size)]
+
+
+def stage_ranks(stages: Sequence[StageMemory]) -> StageMemory:
+    """The stage whose rank peaks highest (the one that decides whether a layout fits)."""
+    return max(stages, key=lambda m: m.peak)
