@@ -39,7 +39,7 @@ CHILD = textwrap.dedent("""
             die()
         torch.save = torch_save
     elif where == "before-publish":  # every shard written, folder not yet renamed
-        files._publish = die
+        files.publish = die
     elif where == "before-tracker":  # folder renamed, tracker not yet replaced
         files.atomic_write_text = die
     elif where == "mid-tracker":  # tracker's temp file written, not yet renamed

@@ -52,11 +52,10 @@ def _flag(dest: str) -> str:
         return "--" + dest.replace("_", "-")
 
 
-def _shape(t: torch.Tensor) -> str:
-    return str(tuple(t.shape))
+Shape = Tuple[int, ...]
 
 
-def _mismatches(saved: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+def _mismatches(saved: Mapping[str, Shape], current: Mapping[str, Shape]
                 ) -> List[Tuple[str, str, Tuple[str, ...]]]:
     """(parameter, what differs, deciding flags) for every difference, in name order."""
     out = []
@@ -66,9 +65,9 @@ def _mismatches(saved: Mapping[str, torch.Tensor], current: Mapping[str, torch.T
         elif name not in current:
             out.append((name, "is in the checkpoint but not in this run's model",
                         _flags_for(name, _PRESENCE_FLAGS)))
-        elif saved[name].shape != current[name].shape:
-            out.append((name, f"has shape {_shape(saved[name])} in the checkpoint but "
-                              f"{_shape(current[name])} in this run",
+        elif tuple(saved[name]) != tuple(current[name]):
+            out.append((name, f"has shape {tuple(saved[name])} in the checkpoint but "
+                              f"{tuple(current[name])} in this run",
                         _flags_for(name, _SHAPE_FLAGS)))
     return out
 
@@ -101,10 +100,26 @@ def check_model_shapes(saved: Sequence[Mapping[str, torch.Tensor]],
                        chunks: Sequence[torch.nn.Module],
                        saved_flags: Optional[Dict[str, Any]], run_flags: Dict[str, Any],
                        folder: str) -> None:
-    """Raise one ValueError if the checkpoint's parameters do not fit this run's model."""
+    """Raise one ValueError if a per-rank checkpoint's parameters do not fit this rank's
+    chunks."""
     problems = []
     for weights, chunk in zip(saved, chunks):
-        problems += _mismatches(weights, chunk.state_dict())
+        problems += _mismatches({k: tuple(v.shape) for k, v in weights.items()},
+                                {k: tuple(v.shape) for k, v in chunk.state_dict().items()})
+    _raise(problems, saved_flags, run_flags, folder)
+
+
+def check_global_shapes(saved: Mapping[str, Shape], current: Mapping[str, Shape],
+                        saved_flags: Optional[Dict[str, Any]], run_flags: Dict[str, Any],
+                        folder: str) -> None:
+    """Raise one ValueError if a layout-free checkpoint's global tensors (name -> shape)
+    are not those of this run's single-device model."""
+    _raise(_mismatches(saved, current), saved_flags, run_flags, folder)
+
+
+def _raise(problems: List[Tuple[str, str, Tuple[str, ...]]],
+           saved_flags: Optional[Dict[str, Any]], run_flags: Dict[str, Any],
+           folder: str) -> None:
     if not problems:
         return
     shown = [f"{name} {what}" for name, what, _ in problems[:_SHOWN]]

@@ -157,10 +157,10 @@ def save_checkpoint(root: str, iteration: int, state: Dict[str, Any], coords: Di
     """
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
-    job = _SaveJob(root, iteration, gather, is_first, StepReport(
+    job = SaveJob(root, iteration, gather, is_first, StepReport(
         dict(coords), integrity.state_nbytes(state)))
     if is_first:
-        job.attempt(tmp, lambda: _prepare(root, tmp))
+        job.attempt(tmp, lambda: prepare_folder(root, tmp))
     job.agree("create the folder", lambda c: tmp)
     path = rank_file(tmp, coords, fmt)
     job.attempt(path, lambda: job.wrote(*write_shard(path, state, fmt)))
@@ -168,19 +168,20 @@ def save_checkpoint(root: str, iteration: int, state: Dict[str, Any], coords: Di
     if is_first:
         shards = {os.path.relpath(rank_file(tmp, r.coords, fmt), tmp).replace(os.sep, "/"):
                   {integrity.CHECKSUM: r.sha256, "bytes": r.file_bytes} for r in reports}
-        job.attempt(final, lambda: _publish(root, iteration, tmp, final,
-                                            {**metadata, "shards": shards}))
+        job.attempt(final, lambda: publish(root, iteration, tmp, final,
+                                           {**metadata, "ckpt_format": fmt,
+                                            "shards": shards}))
     job.agree("publish", lambda c: final)
     return final
 
 
-def _prepare(root: str, tmp: str) -> None:
+def prepare_folder(root: str, tmp: str) -> None:
     os.makedirs(root, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save of this iteration
     os.makedirs(tmp)
 
 
-class _SaveJob:
+class SaveJob:
     """One save's steps: each rank attempts its part, then all ranks agree on the outcome."""
 
     def __init__(self, root: str, iteration: int, gather: Gather, is_first: bool,
@@ -226,7 +227,7 @@ class _SaveJob:
                 f"was removed and {kept}: {fix}, then resume with --load {self.root}")
 
 
-def _publish(root: str, iteration: int, tmp: str, final: str, metadata: Dict[str, Any]) -> None:
+def publish(root: str, iteration: int, tmp: str, final: str, metadata: Dict[str, Any]) -> None:
     with open(os.path.join(tmp, METADATA), "w", encoding="utf-8") as f:
         json.dump({"format_version": FORMAT_VERSION, "iteration": iteration, **metadata}, f,
                   indent=1, default=str)

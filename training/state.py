@@ -1,13 +1,18 @@
 """What a checkpoint holds for one rank, and restoring it so a resumed run continues exactly.
 
+Two formats: torch_dist (the default: layout-free, training/dist_checkpoint.py) and the
+per-rank torch/safetensors shards (training/checkpointing.py), which only the layout that
+wrote them loads. A load reads the format from the folder, whatever --ckpt-format says.
+
 Loading happens in two phases because ZeRO copies the model's parameters into its fp32
 master shards when it is built: `load_model_weights` (before ZeRO exists) puts the saved
-weights into the model chunks; `restore_training_state` (after) loads the optimizer shard,
+weights into the model chunks; `restore_training_state` (after) loads the optimizer state,
 loss scaler, RNG states and the loop's progress.
 """
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -15,9 +20,13 @@ import numpy as np
 import torch
 
 from gigatron.training import checkpointing as files
+from gigatron.training import dist_checkpoint
+from gigatron.training import dist_checkpoint_resume as dist_resume
+from gigatron.training import dist_checkpoint_state as dist_state
 from gigatron.training.checkpoint_integrity import job_gather, raise_if_any_failed
 from gigatron.training.checkpoint_shapes import check_model_shapes
 from gigatron.training.config import RunConfig
+from gigatron.training.dist_checkpoint_async import AsyncSaver, SavedCheckpoint
 
 if TYPE_CHECKING:
     from gigatron.training.config import LRScheduleConfig
@@ -78,19 +87,63 @@ def _this_device(saved: str, device: torch.device) -> str:
 
 
 def layout(run: RunConfig, num_chunks: int) -> Dict[str, int]:
-    """The sizes a checkpoint is tied to (loading across them is not supported yet)."""
+    """The sizes a per-rank (torch format) checkpoint is tied to."""
     p = run.parallel
     return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_chunks": num_chunks}
+
+
+def _metadata(run: RunConfig, progress: TrainProgress, num_chunks: int) -> Dict[str, Any]:
+    """metadata.json's description of the run that saved (both formats)."""
+    return {**layout(run, num_chunks), "zero_stage": run.zero.zero_stage,
+            "world_size": run.parallel.world_size, "consumed_train_samples":
+            progress.consumed_train_samples, "model_name": run.model_name,
+            "flags": run.flags}
+
+
+class Checkpointer:
+    """Saves a run's checkpoints: synchronously, or (--async-save) staged to CPU memory and
+    written in the background while training goes on (dist_checkpoint_async.py)."""
+
+    def __init__(self) -> None:
+        self._async = AsyncSaver()
+
+    def save(self, run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
+             chunks: List[torch.nn.Module], zero: "ZeroOptimizer",
+             device: torch.device) -> List[SavedCheckpoint]:
+        """Collective: save iteration `progress.iteration`; returns the saves that finished
+        (the previous background one, waited for first, and this one unless it runs in the
+        background). A failed save raises the same ValueError on every rank."""
+        started = time.perf_counter()
+        finished = [saved for saved in [self.wait()] if saved is not None]
+        if not run.checkpoint.async_save:
+            folder = save(run, groups, progress, chunks, zero, device)
+            return finished + [SavedCheckpoint(progress.iteration, folder,
+                                               time.perf_counter() - started)]
+        group = self._async.group(run.parallel.distributed_timeout_minutes)
+        root, state, coords, meta = _dist_save_state(run, groups, progress, chunks, zero,
+                                                      device)
+        state = dist_state.staged(state)
+        self._async.start(progress.iteration, started, lambda: dist_checkpoint.save(
+            root, progress.iteration, state, coords, meta, group))
+        return finished
+
+    def wait(self) -> Optional[SavedCheckpoint]:
+        """The pending background save, once it finished (None: none was pending)."""
+        return self._async.wait()
 
 
 def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
          chunks: List[torch.nn.Module], zero: "ZeroOptimizer",
          device: torch.device) -> str:
-    """Collective: write this rank's shard of iteration `progress.iteration`; a failed save
-    (say, a full disk on any rank) raises the same ValueError on every rank."""
+    """Collective: write this rank's part of iteration `progress.iteration` in the
+    --ckpt-format; a failed save (say, a full disk on any rank) raises the same ValueError
+    on every rank."""
     if run.checkpoint.save is None:
         raise ValueError("saving a checkpoint needs --save DIR")
-
+    if run.checkpoint.ckpt_format == dist_checkpoint.FORMAT:
+        root, state, coords, meta = _dist_save_state(run, groups, progress, chunks, zero,
+                                                      device)
+        return dist_checkpoint.save(root, progress.iteration, state, coords, meta)
     with zero.gathered_parameters():
         model = [{k: v.detach().cpu().clone() for k, v in c.state_dict().items()}
                  for c in chunks]
@@ -101,13 +154,41 @@ def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
         state["optimizer"] = zero.state_dict()
     if not run.checkpoint.no_save_rng:
         state["rng"] = rng_state(chunks, device)
-    meta = {**layout(run, len(chunks)), "zero_stage": run.zero.zero_stage,
-            "world_size": run.parallel.world_size, "consumed_train_samples":
-            progress.consumed_train_samples, "model_name": run.model_name,
-            "flags": run.flags}
     return files.save_checkpoint(run.checkpoint.save, progress.iteration, state,
-                                 groups.coords, meta, job_gather(device), groups.rank == 0,
+                                 groups.coords, _metadata(run, progress, len(chunks)),
+                                 job_gather(device), groups.rank == 0,
                                  run.checkpoint.ckpt_format)
+
+
+def _dist_save_state(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
+                     chunks: List[torch.nn.Module], zero: "ZeroOptimizer",
+                     device: torch.device
+                     ) -> Tuple[str, Dict[str, Any], Dict[str, int], Dict[str, Any]]:
+    """(root, this rank's torch_dist state, coordinates, metadata.json's content)."""
+    if run.checkpoint.save is None:
+        raise ValueError("saving a checkpoint needs --save DIR")
+    ck, coords = run.checkpoint, groups.coords
+    with_optimizer = not ck.no_save_optim
+    values, scalars = dist_state.zero_state_to_save(zero, chunks, coords["tp"], run.parallel.tp,
+                                                    coords["dp"], with_optimizer)
+    state: Dict[str, Any] = dict(values)
+    if groups.rank == 0:
+        common: Dict[str, Any] = {"progress": asdict(progress)}
+        if run.lr_schedule is not None:
+            common["lr_schedule"] = asdict(run.lr_schedule)
+        if with_optimizer:
+            common["optimizer"] = {
+                "per_element": sorted({k for g in zero.flat_groups
+                                       for k in dist_state.optimizer_state(zero, g)[0]}),
+                "scalars": scalars, "scaler": zero.scaler.state_dict(),
+                "scaler_type": type(zero.scaler).__name__,
+                "skipped_steps": zero.skipped_steps}
+        state[dist_state.COMMON] = common
+    if not ck.no_save_rng and coords["dp"] == 0:
+        state[dist_state.rng_key(coords["tp"], coords["pp"])] = rng_state(chunks, device)
+    meta = {**_metadata(run, progress, len(chunks)),
+            "params_dtype": str(zero.param_dtype).replace("torch.", "")}
+    return ck.save, state, coords, meta
 
 
 def load_model_weights(run: RunConfig, groups: "ProcessGroups",
@@ -123,26 +204,29 @@ def load_model_weights(run: RunConfig, groups: "ProcessGroups",
                              f"({files.TRACKER} missing)")
         return None
     meta = files.read_metadata(folder)  # the same file for every rank: all fail alike
-    files.check_layout(meta, layout(run, len(chunks)), folder)
+    fmt = dist_checkpoint.checkpoint_format(meta)
+    if fmt != dist_checkpoint.FORMAT:
+        files.check_layout(meta, layout(run, len(chunks)), folder)
     failure: Optional[ValueError] = None
     shard: Dict[str, Any] = {}
     try:
-        shard = _load_shard(run, groups.coords, chunks, folder, meta)
+        shard = dist_resume.load_weights(run, groups, chunks, folder, meta) \
+            if fmt == dist_checkpoint.FORMAT else \
+            _load_shard(run, groups.coords, chunks, folder, meta, fmt)
     except ValueError as err:  # one rank's shard may be damaged: all ranks stop together
         failure = err
     raise_if_any_failed(job_gather(_device_of(chunks)), failure, lambda ranks: (
         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} could not load "
-        f"{'their shards' if len(ranks) > 1 else 'its shard'} of checkpoint {folder} (the "
+        f"{'their parts' if len(ranks) > 1 else 'its part'} of checkpoint {folder} (the "
         f"error line of rank {ranks[0]} names the file and the fix): this rank stops too"))
-    shard["_folder"], shard["_zero_stage"] = folder, meta.get("zero_stage")
+    shard.update({"_folder": folder, "_format": fmt, "_zero_stage": meta.get("zero_stage")})
     return shard
 
 
 def _load_shard(run: RunConfig, coords: Dict[str, int], chunks: List[torch.nn.Module],
-                folder: str, meta: Dict[str, Any]) -> Dict[str, Any]:
+                folder: str, meta: Dict[str, Any], fmt: str) -> Dict[str, Any]:
     """This rank's shard, checksum verified, its weights checked against and put into the
     chunks."""
-    fmt = run.checkpoint.ckpt_format
     shard = files.read_shard(files.rank_file(folder, coords, fmt), fmt, meta)
     check_model_shapes(shard["model"], chunks, meta.get("flags"), run.flags, folder)
     for chunk, weights in zip(chunks, shard["model"]):
@@ -170,11 +254,14 @@ def resumed_schedule(run: RunConfig, shard: Optional[Dict[str, Any]]
     from gigatron.training.lr_schedule import resume_schedule
 
     ck = run.checkpoint
+    rng_note = None if shard is None or ck.finetune or ck.no_load_rng else \
+        dist_resume.rng_note(shard)
     if shard is None or ck.finetune or ck.no_load_optim or run.lr_schedule is None:
-        return run.lr_schedule, None
-    return resume_schedule(shard.get("lr_schedule"), run.lr_schedule,
-                           ck.override_opt_param_scheduler,
-                           ck.use_checkpoint_opt_param_scheduler, shard["_folder"])
+        return run.lr_schedule, rng_note
+    schedule, note = resume_schedule(shard.get("lr_schedule"), run.lr_schedule,
+                                     ck.override_opt_param_scheduler,
+                                     ck.use_checkpoint_opt_param_scheduler, shard["_folder"])
+    return schedule, "; ".join(n for n in (note, rng_note) if n) or None
 
 
 def restore_training_state(run: RunConfig, shard: Optional[Dict[str, Any]],
@@ -185,6 +272,8 @@ def restore_training_state(run: RunConfig, shard: Optional[Dict[str, Any]],
     ck = run.checkpoint
     if shard is None or ck.finetune:
         return TrainProgress()
+    if shard["_format"] == dist_checkpoint.FORMAT:
+        return _restore_dist(run, shard, chunks, zero, device)
     if not ck.no_load_optim:
         if shard["_zero_stage"] != run.zero.zero_stage:
             raise ValueError(f"{shard['_folder']} was saved with --zero-stage "
@@ -198,5 +287,30 @@ def restore_training_state(run: RunConfig, shard: Optional[Dict[str, Any]],
         if "rng" not in shard:
             raise ValueError(f"{shard['_folder']} holds no RNG state (saved with "
                              f"--no-save-rng): add --no-load-rng")
+        restore_rng(shard["rng"], chunks, device)
+    return TrainProgress(**shard["progress"])
+
+
+def _restore_dist(run: RunConfig, shard: Dict[str, Any], chunks: List[torch.nn.Module],
+                  zero: "ZeroOptimizer", device: torch.device) -> TrainProgress:
+    """Phase 2 of a torch_dist checkpoint, in any layout (all ranks fail alike)."""
+    ck = run.checkpoint
+    failure: Optional[ValueError] = None
+    install = None
+    try:
+        if not ck.no_load_optim:
+            install = dist_resume.read_optimizer(run, shard, chunks, zero)
+    except ValueError as err:
+        failure = err
+    raise_if_any_failed(job_gather(device), failure, lambda ranks: (
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} could not load "
+        f"the optimizer state of checkpoint {shard['_folder']} (the error line of rank "
+        f"{ranks[0]} names the cause): this rank stops too"))
+    if install is not None:
+        install()
+    if not ck.no_load_rng and shard.get("_rng_note") is None:
+        if shard.get("rng") is None:
+            raise ValueError(f"{shard['_folder']} holds no RNG state (saved with "
+                             f"--no-save-rng, or weights only): add --no-load-rng")
         restore_rng(shard["rng"], chunks, device)
     return TrainProgress(**shard["progress"])

@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, ContextManager, Iterator, List, Optional, Sequence,
-                    Tuple, Union)
+from typing import (TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional,
+                    Sequence, Tuple, Union)
 
 import torch
 from torch import nn
@@ -359,6 +359,25 @@ class ZeroOptimizer:
         the fp32 master shards match them again."""
         for g in self.flat_groups:
             g.refresh_master()
+
+    def load_resharded(self, masters: List[torch.Tensor],
+                       per_element: List[Dict[str, torch.Tensor]], scalars: Dict[str, Any],
+                       scaler: Dict[str, Any], skipped_steps: int) -> None:
+        """Restore state that was resharded to this rank's layout (the torch_dist
+        checkpoint): per flat group a master shard and its per-element optimizer states
+        (exp_avg, ...), the optimizer's scalar state shared by all groups (the step count);
+        then refresh the model parameters from the masters."""
+        for g, master in zip(self.flat_groups, masters):
+            g.load_master(master)
+        state = self.optimizer.state_dict()
+        order = [p for group in self.optimizer.param_groups for p in group["params"]]
+        index = {id(p): i for i, p in enumerate(order)}
+        state["state"] = {index[id(g.master)]: {**scalars, **tensors} for g, tensors in
+                          zip(self.flat_groups, per_element) if tensors or scalars}
+        self.optimizer.load_state_dict(state)
+        self.scaler.load_state_dict(scaler)
+        self.skipped_steps = int(skipped_steps)
+        self._publish_params()
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's shard and refresh the model parameters from it."""
