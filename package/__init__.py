@@ -12,6 +12,7 @@ _LAZY = {
     "add_config_arguments": "gigatron.engine.initialize",
     "init_distributed": "gigatron.engine.distributed",
     "Engine": "gigatron.engine.engine",
+    "generate": "gigatron.models.generation",
 }
 __all__ = sorted(_LAZY)
 
