@@ -1,0 +1,250 @@
+"""Step time of a layout: compute, communication and the pipeline bubble, from first principles.
+
+Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
+
+  GEMM time         matmul FLOPs / (peak x GEMM_EFFICIENCY)
+  memory time       bytes the element-wise kernels (norms, bias-dropout-add, GeLU/SwiGLU,
+                    softmax and dropout of attention, RoPE) read and write / (HBM bandwidth x
+                    MEMORY_EFFICIENCY); backward moves twice the forward's bytes
+  tensor-parallel   the two all-reduces per layer forward and two backward (all-gather +
+  communication     reduce-scatter under sequence parallelism: the same bytes), two more when
+                    full recomputation reruns the forward; ring cost 2(t-1)/t x bytes over the
+                    node's link (NVLink) x NETWORK_EFFICIENCY. Not overlapped: the layers wait
+                    on them, as Megatron's did in 2021.
+  pipeline p2p      the activation sent forward and its gradient sent back, over the link
+                    between stages (inter-node once tp x dp fills a node)
+
+The step is the project's schedule simulator run with the slowest stage's forward and
+backward times (so the bubble is the schedule's own, (p-1)/m for 1F1B), then the
+data-parallel gradient reduction that the last backward did not hide (buckets are reduced
+from backward hooks when overlap_comm is on; ZeRO-1/2's parameter all-gather after the step
+is exposed), then the optimizer step (memory-bound). Three efficiency constants, named
+below, are the model's only free numbers; they are the same for every device, model and
+layout (docs/PLAN.md: their values and why).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
+
+import torch
+
+from gigatron.parallel.pipeline.simulate import simulate_step
+from gigatron.parallel.zero.accounting import zero_comm_bytes_formula
+from gigatron.training.metrics import flops_per_token
+from gigatron.training.plan.hardware import Hardware
+from gigatron.parallel.pipeline.partition import PipelinePartition
+from gigatron.training.plan.memory import attention_kernel
+
+if TYPE_CHECKING:
+    from gigatron.models.config import TransformerConfig
+    from gigatron.training.config import RunConfig
+
+GEMM_EFFICIENCY = 0.75
+"""Fraction of the dense tensor-core peak a transformer's large GEMMs sustain (cuBLAS on
+A100/H100 reaches 70-85% on the shapes of a multi-billion-parameter layer)."""
+MEMORY_EFFICIENCY = 0.7
+"""Fraction of HBM bandwidth the element-wise kernels sustain (fused Megatron kernels on
+A100 reach 70-90% of the datasheet's bandwidth)."""
+NETWORK_EFFICIENCY = 0.7
+"""Fraction of a link's datasheet bandwidth NCCL's ring collectives and p2p sends sustain
+(nccl-tests' bus bandwidth: ~230 of 300 GB/s NVLink on DGX A100, ~20 of 25 GB/s HDR)."""
+
+OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 40, "adam": 40, "sgd": 20}
+"""Bytes one optimizer step reads and writes per fp32 master element: Adam moves master,
+two moments, gradient and the parameter copy, plus the norm's read and the grad zeroing."""
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Predicted time of one training step and what it is made of (seconds)."""
+
+    forward: float  # one micro-batch on the slowest stage (all its chunks), p2p included
+    backward: float  # the same for its backward, recomputation included
+    tp_communication: float  # share of forward + backward spent in tp collectives
+    pipeline: float  # the simulated schedule: every micro-batch, bubbles included
+    bubble: float  # idle over busy time of the simulated schedule
+    dp_communication: float  # gradient reduction (+ parameter gathers), all of it
+    dp_exposed: float  # the part the backward did not hide
+    optimizer: float
+    step: float
+    tp_bytes: float  # per rank per step
+    dp_bytes: float  # per rank per step
+    gemm_flops: float  # executed per rank per step (recomputation included)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The step's rates: tokens/s, model TFLOP/s per GPU (PaLM's count), MFU."""
+
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float  # what the GPUs execute (recomputation counted)
+    mfu: float
+
+
+def _layer_flops(c: "TransformerConfig", tokens: int, tp: int) -> Dict[str, float]:
+    """Forward matmul FLOPs of one layer on one tp rank: dense and attention's core."""
+    h, a, g, d, ffn = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim, \
+        c.ffn_hidden_size
+    qkv = g * (a // g + 2) * d
+    fc1 = 2 * ffn if c.activation == "swiglu" else ffn
+    dense = 2.0 * tokens * (h * qkv + a * d * h + h * fc1 + ffn * h) / tp
+    core = 2.0 * 2.0 * tokens * c.seq_length * a * d / tp  # QK^T and AV, mask not skipped
+    return {"dense": dense, "core": core}
+
+
+def _layer_bytes(c: "TransformerConfig", tokens: int, tp: int, sequence_parallel: bool,
+                 on_gpu: bool) -> Dict[str, float]:
+    """Bytes element-wise kernels move in one layer's forward on one tp rank."""
+    w = _width(c)
+    h, a, ffn, s = c.hidden_size, c.num_attention_heads, c.ffn_hidden_size, c.seq_length
+    split = tp if sequence_parallel else 1
+    mask = 1 if c.hidden_dropout > 0 else 0
+    norms = 2 * 2 * w * h / split
+    residual = 2 * (3 * w + mask) * h / split
+    activation = (3 if c.activation == "swiglu" else 2) * w * ffn / tp
+    rope = 4 * w * h / tp if c.position_embedding_type == "rope" else 0
+    if attention_kernel(c, on_gpu) == "flash":
+        core = 4 * w * a * c.head_dim / tp  # q, k, v in, output out
+    else:  # scores written, softmax read + written, dropout read + written (+ mask), AV read
+        core = (6 * w + (1 if c.attention_dropout > 0 else 0)) * a * s / tp
+    dense = norms + residual + activation + rope
+    return {"dense": dense * tokens, "core": core * tokens}
+
+
+def _width(c: "TransformerConfig") -> int:
+    return c.params_dtype.itemsize
+
+
+def _dtype_name(c: "TransformerConfig") -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(c.params_dtype, "fp32")
+
+
+def _all_reduce_time(nbytes: float, ranks: int, gbps: float) -> float:
+    if ranks <= 1:
+        return 0.0
+    return 2.0 * (ranks - 1) / ranks * nbytes / (gbps * 1e9 * NETWORK_EFFICIENCY)
+
+
+def _link(extent: int, gpus_per_node: int, hw: Hardware) -> float:
+    """Per-device bandwidth of a group whose ranks lie within `extent` consecutive ranks
+    (tp varies fastest, then dp, then pp): NVLink if that fits in one node, else the NIC."""
+    assert hw.intra_node_gbps is not None and hw.inter_node_gbps is not None
+    return hw.intra_node_gbps if extent <= gpus_per_node else hw.inter_node_gbps
+
+
+@lru_cache(maxsize=4096)
+def _schedule(pp: int, m: int, v: int, forward: float, backward: float):
+    result = simulate_step(pp, m, v, forward, backward)
+    return result.makespan, max(0.0, result.makespan / (m * v * (forward + backward)) - 1.0)
+
+
+def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
+              stage_parameters: Sequence[int], on_gpu: bool) -> StepCost:
+    """Predicted step time of `run` on `hw`: every stage's micro-batch times, the slowest
+    one run through the schedule simulator (`stage_parameters[r]`: parameters on one rank
+    of stage r)."""
+    c, p, t = run.model, run.parallel, run.train
+    assert c is not None and t.micro_batch_size is not None and hw.hbm_gbps is not None
+    peak = hw.peak(_dtype_name(c)) or hw.peak("fp32") or 1.0
+    flop_rate, byte_rate = peak * 1e12 * GEMM_EFFICIENCY, hw.hbm_gbps * 1e9 * MEMORY_EFFICIENCY
+    tokens, width = c.seq_length * t.micro_batch_size, _width(c)
+    sp = p.sequence_parallel and p.tp > 1
+    fl, by = _layer_flops(c, tokens, p.tp), _layer_bytes(c, tokens, p.tp, sp, on_gpu)
+    dense_fwd = fl["dense"] / flop_rate + by["dense"] / byte_rate
+    core_fwd = fl["core"] / flop_rate + by["core"] / byte_rate
+    vocab = c.padded_vocab_size(p.tp) / p.tp
+    logits_fwd = 2.0 * tokens * c.hidden_size * vocab / flop_rate + \
+        tokens * vocab * (width + 4) / byte_rate
+    one_collective = _all_reduce_time(tokens * c.hidden_size * width, p.tp,
+                                      _link(p.tp, hw.gpus_per_node, hw))
+    recompute = c.recompute_granularity or ""
+    collectives_fwd, collectives_bwd = 2, 2 + (2 if recompute == "full" else 0)
+    p2p = 0.0
+    if p.pp > 1:
+        pp_link = _link(p.tp * p.dp * p.pp, hw.gpus_per_node, hw)
+        p2p = tokens * c.hidden_size * width / (p.tp if sp else 1) / \
+            (pp_link * 1e9 * NETWORK_EFFICIENCY)
+    layer_fwd = dense_fwd + core_fwd + collectives_fwd * one_collective
+    layer_bwd = 2 * (dense_fwd + core_fwd) + collectives_bwd * one_collective + \
+        {"full": dense_fwd + core_fwd, "selective": core_fwd}.get(recompute, 0.0)
+    v = partition.virtual_chunks
+    forward = backward = 0.0
+    slowest = 0
+    for r in range(p.pp):
+        layers = sum(len(partition.layer_range(r, k)) for k in range(v))
+        last = partition.post_process(r, v - 1)
+        f = layers * layer_fwd + (logits_fwd if last else 0.0) + v * p2p
+        b = layers * layer_bwd + (2 * logits_fwd if last else 0.0) + v * p2p
+        if f + b > forward + backward:
+            forward, backward, slowest = f, b, r
+    m = t.num_microbatches
+    makespan, bubble = _schedule(p.pp, m, v, forward / v, backward / v)
+    dp_cost = _dp_cost(run, max(stage_parameters), hw, m, backward, byte_rate)
+    layers = sum(len(partition.layer_range(slowest, k)) for k in range(v))
+    collectives = layers * (collectives_fwd + collectives_bwd)
+    tp_bytes = m * collectives * 2.0 * (p.tp - 1) / p.tp * tokens * c.hidden_size * width
+    gemm = layers * (3 * (fl["dense"] + fl["core"]) + {
+        "full": fl["dense"] + fl["core"], "selective": fl["core"]}.get(recompute, 0.0))
+    return StepCost(forward, backward, collectives * one_collective, makespan, bubble,
+                    dp_cost["total"], dp_cost["exposed"], dp_cost["optimizer"],
+                    makespan + dp_cost["exposed"] + dp_cost["optimizer"], tp_bytes,
+                    dp_cost["bytes"], m * gemm)
+
+
+def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: int,
+             backward: float, byte_rate: float) -> Dict[str, float]:
+    """Data-parallel traffic of one rank, the part left exposed, and the optimizer step."""
+    c, p, z = run.model, run.parallel, run.zero
+    assert c is not None
+    param_bytes, grad_bytes = _width(c), z.reduce_dtype.itemsize
+    link = _link(p.tp * p.dp, hw.gpus_per_node, hw) if p.dp > 1 else 1.0
+    rate = link * 1e9 * NETWORK_EFFICIENCY
+    share = parameters * (p.dp - 1) / p.dp if p.dp > 1 else 0.0
+    grads = (2 if z.zero_stage == 0 else 1) * share * grad_bytes / rate
+    gather = share * param_bytes / rate if z.zero_stage in (1, 2) else 0.0
+    stage3 = 2 * num_microbatches * share * param_bytes / rate if z.zero_stage == 3 else 0.0
+    hidden = backward if z.overlap_comm else 0.0
+    exposed = max(0.0, grads - hidden) + gather + max(0.0, stage3 - num_microbatches *
+                                                      backward)
+    shard = parameters / (p.dp if z.zero_stage >= 1 else 1)
+    per_element = OPTIMIZER_BYTES_PER_ELEMENT.get(z.optimizer, 40)
+    optimizer = shard * per_element / byte_rate
+    if z.offload_optimizer == "cpu":  # the step runs in host memory; grads and params cross
+        host = hw.hbm_gbps if hw.key == "cpu" else 50.0
+        optimizer = shard * per_element / (host * 1e9 * MEMORY_EFFICIENCY) + \
+            shard * (4 + param_bytes) / (25e9 * NETWORK_EFFICIENCY)
+    total = zero_comm_bytes_formula(parameters, p.dp, z.zero_stage, grad_bytes, param_bytes) \
+        if p.dp > 1 else 0.0
+    return {"total": grads + gather + stage3, "exposed": exposed, "optimizer": optimizer,
+            "bytes": total}
+
+
+def throughput(run: "RunConfig", cost: StepCost, hw: Hardware) -> Throughput:
+    """Rates of the predicted step: PaLM-convention model FLOPs (metrics.py) for MFU."""
+    c, p, t = run.model, run.parallel, run.train
+    assert c is not None and t.global_batch_size is not None
+    tokens = t.global_batch_size * c.seq_length
+    model = flops_per_token(c, p.tp) * tokens / cost.step / p.world_size / 1e12
+    peak = hw.peak(_dtype_name(c)) or hw.peak("fp32") or 1.0
+    hardware_flops = cost.gemm_flops / cost.step / 1e12
+    return Throughput(tokens / cost.step, model, hardware_flops, model / peak)
+
+
+def megatron_sc21_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of one iteration as Narayanan et al. 2021 count them (eq. 3, full activation
+    recomputation included): 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))."""
+    return 96.0 * batch * seq * layers * hidden ** 2 * (
+        1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def sc21_tflops_per_gpu(run: "RunConfig", cost: StepCost, vocab: Optional[int] = None
+                        ) -> float:
+    """Achieved TFLOP/s per GPU counted as the SC21 paper counts them."""
+    c, t = run.model, run.train
+    assert c is not None and t.global_batch_size is not None
+    flops = megatron_sc21_flops(t.global_batch_size, c.seq_length, c.num_layers,
+                                c.hidden_size, vocab or c.vocab_size)
+    return flops / cost.step / run.parallel.world_size / 1e12

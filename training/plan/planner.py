@@ -1,0 +1,55 @@
+"""One layout's plan: a validated RunConfig and a device in, memory per stage and step time out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from gigatron.parallel.pipeline.partition import PipelinePartition
+from gigatron.training.config import RunConfig
+from gigatron.training.plan.cost import StepCost, Throughput, step_cost, throughput
+from gigatron.training.plan.hardware import Hardware
+from gigatron.training.plan.memory import GIB, StageMemory, plan_memory
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `gigatron plan` predicts for one layout on one device type."""
+
+    run: RunConfig
+    hardware: Hardware
+    stages: List[StageMemory]
+    cost: StepCost
+    rates: Throughput
+
+    @property
+    def peak_bytes(self) -> float:
+        """The highest peak of any rank."""
+        return max(m.peak for m in self.stages)
+
+    @property
+    def capacity_bytes(self) -> float:
+        assert self.hardware.memory_gib is not None
+        return self.hardware.memory_gib * GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity_bytes
+
+
+def partition_of(run: RunConfig) -> PipelinePartition:
+    """The run's layer partition (the builders' own function)."""
+    from gigatron.training.builders import partition
+
+    return partition(run)
+
+
+def plan_run(run: RunConfig, hw: Hardware) -> Plan:
+    """Memory of every pipeline stage and the step's cost for `run` on `hw` devices."""
+    c, p, t = run.model, run.parallel, run.train
+    assert c is not None and t.micro_batch_size is not None
+    on_gpu = hw.key != "cpu"
+    partition = partition_of(run)
+    stages = plan_memory(c, partition, p.tp, p.dp, run.zero, t.micro_batch_size,
+                         t.num_microbatches, on_gpu)
+    cost = step_cost(run, hw, partition, [m.parameters for m in stages], on_gpu)
+    return Plan(run, hw, stages, cost, throughput(run, cost, hw))
