@@ -34,13 +34,10 @@ if TYPE_CHECKING:
 def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pretrain_gpt.py"
                ) -> Tuple[RunConfig, Optional[Tokenizer]]:
     """Flags -> (RunConfig, tokenizer); raises ValueError with one clear line."""
-    from gigatron.data.tokenizer import tokenizer_type_to_build
     from gigatron.parallel.launch import require_world_size
-    from gigatron.training.arguments import build_run_config, parse_flags, with_other_problems
+    from gigatron.training.arguments import parse_flags, with_other_problems
     from gigatron.training.config_table import ParseProblems
-    from gigatron.training.builders import build_tokenizer
     from gigatron.training.operational_flags import check_local_rank
-    from gigatron.training.validation import Problems, check_data
 
     try:
         flags = parse_flags(argv, prog)
@@ -50,19 +47,31 @@ def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pret
     if launch.launcher == "none":  # a plain `python pretrain_gpt.py`: say how to launch
         require_world_size(launch, flags.tensor_model_parallel_size *
                            flags.pipeline_model_parallel_size)
+    run, tokenizer = build_run(flags, launch.world_size)
+    from gigatron.parallel.launch import device_and_backend
+    from gigatron.training.resources import check_run_fits
+
+    check_run_fits(run, device_and_backend(launch.local_rank)[0], os.environ)
+    return run, tokenizer
+
+
+def build_run(flags, world_size: int) -> Tuple["RunConfig", Optional["Tokenizer"]]:
+    """Parsed flags -> (RunConfig, tokenizer) for `world_size` ranks: the data check, the
+    tokenizer's vocabulary, build_run_config (also `gigatron plan`'s path)."""
+    from gigatron.data.tokenizer import tokenizer_type_to_build
+    from gigatron.training.arguments import build_run_config
+    from gigatron.training.builders import build_tokenizer
+    from gigatron.training.validation import Problems, check_data
+
     data_problems = Problems()  # reported with all others by build_run_config
     check_data(flags, data_problems)
     tokenizer = build_tokenizer(vars(flags)) if not data_problems and \
         tokenizer_type_to_build(vars(flags)) is not None \
         else None
-    run = build_run_config(flags, launch.world_size, tokenizer.vocab_size if tokenizer else None)
+    run = build_run_config(flags, world_size, tokenizer.vocab_size if tokenizer else None)
     if tokenizer is None:
         assert run.model is not None  # build_run_config built it
         tokenizer = build_tokenizer(vars(flags), run.model.vocab_size)
-    from gigatron.parallel.launch import device_and_backend
-    from gigatron.training.resources import check_run_fits
-
-    check_run_fits(run, device_and_backend(launch.local_rank)[0], os.environ)
     return run, tokenizer
 
 
