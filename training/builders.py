@@ -20,6 +20,7 @@ from gigatron.training.timers import TimedP2P, Timers
 if TYPE_CHECKING:
     from gigatron.data.gpt_dataset import SampleDataset
     from gigatron.parallel.tensor.fp8 import FP8Recipe
+    from gigatron.parallel.zero import ZeroOptimizer
     from gigatron.data.tokenizer import Tokenizer
     from gigatron.parallel.pipeline.partition import PipelinePartition
     from gigatron.parallel.topology import ProcessGroups
@@ -72,7 +73,34 @@ def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
     recipe = fp8_recipe(run.flags)
     if recipe is not None:
         apply_fp8(chunks, recipe, fp8_amax_group(groups))
+    mark_embedding_and_output(chunks)
     return chunks
+
+
+def mark_embedding_and_output(chunks: List[torch.nn.Module]) -> None:
+    """Tag the word-embedding weight (first stage) and the output-layer weight (last stage,
+    when it holds one: tied on one stage it is the embedding's) as Megatron-Core does, for
+    --decoupled-lr."""
+    from gigatron.parallel.zero.param_groups import DECOUPLED_ATTR
+
+    for chunk in chunks:
+        if getattr(chunk, "pre_process", False):
+            setattr(chunk.embedding.word_embeddings.weight, DECOUPLED_ATTR, True)
+        if getattr(chunk, "post_process", False) and chunk.output_layer.weight is not None:
+            setattr(chunk.output_layer.weight, DECOUPLED_ATTR, True)
+
+
+def build_optimizer(run: RunConfig, chunks: List[torch.nn.Module],
+                    groups: "ProcessGroups") -> "ZeroOptimizer":
+    """The ZeRO optimizer of the run: Megatron's parameter groups; with --decoupled-lr the
+    embedding and output weights in groups of their own (their lr: `decoupled_lr`)."""
+    from gigatron.parallel.zero import build_zero
+    from gigatron.parallel.zero.param_groups import megatron_param_groups
+
+    if run.flags.get("decoupled_lr") is None:
+        return build_zero(chunks, run.zero, groups)
+    return build_zero(chunks, run.zero, groups, param_groups=megatron_param_groups(
+        chunks, run.zero.weight_decay, decoupled=True))
 
 
 def transformer_linears(chunk: torch.nn.Module) -> List[torch.nn.Module]:

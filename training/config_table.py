@@ -17,6 +17,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelConfig,
                                       TrainConfig)
 from gigatron.training.config_field import SAME_DEFAULT, FieldSpec, field_spec
+from gigatron.training.decoupled_lr import DecoupledLRSettings
 from gigatron.training.fp8_flags import FP8Settings
 from gigatron.training.settings import (DataSettings, ImplementationSettings, ModelSettings,
                                         OptimizerSettings, PrecisionSettings, SourceSettings)
@@ -28,6 +29,7 @@ CONCERNS = (
     (PrecisionSettings, "precision and ZeRO"),
     (FP8Settings, "FP8 (emulated: docs/FP8.md)"),
     (OptimizerSettings, "optimizer and learning-rate schedule"),
+    (DecoupledLRSettings, "learning rate of the embedding and output layer"),
     (DataSettings, "data and tokenizer"),
     (TrainConfig, "training loop"),
     (CheckpointConfig, "checkpointing"),

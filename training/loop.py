@@ -35,6 +35,7 @@ from gigatron.training import state as checkpoint_state
 from gigatron.training.batch_rampup import run_rampup
 from gigatron.training.builders import Pipeline, micro_batches
 from gigatron.training.config import RunConfig
+from gigatron.training.decoupled_lr import set_decoupled_lr
 from gigatron.training.nan_check import NonFiniteWatch
 from gigatron.training.logger import MetricsLogger
 from gigatron.training.lr_schedule import learning_rate
@@ -135,6 +136,7 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     the step's, which a batch ramp-up grows)."""
     lr = learning_rate(progress.lr_steps, s.run.lr_schedule)
     s.zero.set_lr(lr)
+    set_decoupled_lr(s.zero.optimizer, progress.lr_steps, s.run.lr_schedule, s.run.flags)
     s.zero.zero_grad()
     losses = s.pipeline.executor.run(s.pipeline.train_schedule_for(len(batches)), batches,
                                      loss_scale=s.zero.loss_scale)

@@ -33,10 +33,12 @@ def check_operational(flags: argparse.Namespace, p: "Problems",
                       has_cuda: Optional[bool] = None) -> None:
     """Logging sinks whose package is missing, and overlap/backend flags Megatron refuses
     (`has_package`, `has_cuda`: what this machine has; default: look)."""
+    from gigatron.training.decoupled_lr import check_decoupled_lr
     from gigatron.training.fp8_flags import check_fp8
 
     has_package = has_package or installed
     check_fp8(flags, p)
+    check_decoupled_lr(flags, p)
     if flags.tensorboard_dir and not has_package("tensorboard"):
         p.add(f"--tensorboard-dir needs the tensorboard package, which is not installed: "
               f"{INSTALL['tensorboard']}, or drop --tensorboard-dir")
@@ -116,10 +118,6 @@ def _impl_notes(flags: Mapping[str, Any], has_package: Callable[[str], bool]) ->
 
 def _run_notes(flags: Mapping[str, Any], backend: str) -> List[str]:
     notes = []
-    if flags.get("ckpt_format") == "torch_dist":
-        notes.append("--ckpt-format torch_dist: checkpoints are written in gigatron's own "
-                     "torch format (per-rank shards) until the layout-free checkpoint of "
-                     "issue 19 exists; Megatron's torch_dist folders cannot be loaded yet")
     if flags.get("distributed_backend") == "nccl" and backend != "nccl":
         notes.append(f"--distributed-backend nccl: no GPU here, {backend} is used")
     if flags.get("deepspeed"):
@@ -151,7 +149,8 @@ def _run_notes(flags: Mapping[str, Any], backend: str) -> List[str]:
 def flag_notes(flags: Mapping[str, Any], backend: str,
                has_package: Optional[Callable[[str], bool]] = None) -> List[str]:
     """One banner line per accepted flag that maps to something else here."""
+    from gigatron.training.decoupled_lr import decoupled_lr_notes
     from gigatron.training.fp8_flags import fp8_notes
 
     return _impl_notes(flags, has_package or installed) + _run_notes(flags, backend) + \
-        fp8_notes(flags)
+        fp8_notes(flags) + decoupled_lr_notes(flags)

@@ -86,7 +86,6 @@ def _seed(seed: int, pp_rank: int) -> None:
 def _build_session(run, tokenizer, launch, device, started: Optional[float] = None):
     """Everything the loop needs; `started`: the program's start (--exit-duration-in-mins)."""
     from gigatron.parallel.topology import ProcessGroups, Topology
-    from gigatron.parallel.zero import build_zero
     from gigatron.training import builders, metrics, state
     from gigatron.training.logger import MetricsLogger
     from gigatron.training.loop import Session
@@ -98,7 +97,7 @@ def _build_session(run, tokenizer, launch, device, started: Optional[float] = No
     _seed(run.train.seed, groups.index("pp"))
     chunks = builders.build_model_chunks(run, groups, device)
     shard = state.load_model_weights(run, groups, chunks)
-    zero = build_zero(chunks, run.zero, groups)
+    zero = builders.build_optimizer(run, chunks, groups)
     progress = state.restore_training_state(run, shard, chunks, zero, device)
     schedule, schedule_note = state.resumed_schedule(run, shard)
     run = replace(run, lr_schedule=schedule)

@@ -3,6 +3,10 @@
 Two ways to say it:
   * Megatron's (pretrain_gpt.py; no user groups): every trainable parameter, grouped by kind
     and by "decayed or not", where only weights of 2+ dims decay.
+    With Megatron's --decoupled-lr the embedding and output weights (tagged
+    `is_embedding_or_output_parameter`, as Megatron-Core tags them) get groups of their own,
+    expressed as param-group dicts (`megatron_param_groups`) marked "is_decoupled_lr" (the
+    training loop sets their lr from the decoupled schedule).
   * DeepSpeed's (`model_parameters` of initialize, or the param groups of a user's torch
     optimizer): the user's groups, each with its own options; every parameter of a group gets
     the group's weight decay (no rule by shape). Parameters of the model in no group are not
@@ -126,6 +130,27 @@ def _megatron_plans(chunk: int, params: List[nn.Parameter],
         keyed.setdefault((param_kind(p), p.dim() >= 2), []).append(p)
     return [FlatGroupPlan(chunk, kind, ps, weight_decay if decay else 0.0, None)
             for (kind, decay), ps in sorted(keyed.items())]
+
+
+DECOUPLED_ATTR = "is_embedding_or_output_parameter"  # Megatron-Core's tag
+
+
+def megatron_param_groups(chunks: Iterable[nn.Module], weight_decay: float,
+                          decoupled: bool = False) -> List[Dict[str, Any]]:
+    """Megatron's grouping as torch param-group dicts: weights of 2+ dims decay, others do
+    not; with `decoupled`, the parameters tagged DECOUPLED_ATTR form groups of their own
+    marked "is_decoupled_lr" (Megatron's key). Empty groups are left out."""
+    keyed: Dict[Tuple[bool, bool], List[nn.Parameter]] = {}
+    seen = set()
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            split = decoupled and bool(getattr(p, DECOUPLED_ATTR, False))
+            keyed.setdefault((split, p.dim() >= 2), []).append(p)
+    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0,
+             "is_decoupled_lr": split} for (split, decay), ps in sorted(keyed.items())]
 
 
 def check_in_model(chunks: List[nn.Module], groups: Optional[List[UserGroup]]) -> None:
