@@ -1,51 +1,72 @@
-"""Convert weights between Hugging Face (GPT-2, Llama) and gigatron folders."""
+"""Convert models into and out of gigatron checkpoints (Hugging Face, Megatron-LM)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Optional, Sequence
 
-DIRECTIONS = ("hf-to-gigatron", "gigatron-to-hf")
+DIRECTIONS = {
+    "hf-to-gigatron": "a Hugging Face folder (config.json + safetensors) -> a gigatron "
+                      "checkpoint",
+    "gigatron-to-hf": "a gigatron checkpoint (any tp/pp/dp) -> a Hugging Face folder",
+    "megatron-to-gigatron": "a Megatron-LM torch checkpoint (mp_rank_XX[_YYY], any tp/pp) -> "
+                            "a gigatron checkpoint",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`gigatron convert hf-to-gigatron --hf DIR --out DIR` or
-    `gigatron convert gigatron-to-hf --checkpoint DIR --out DIR`."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("direction", choices=DIRECTIONS,
-                        help="hf-to-gigatron: a Hugging Face folder (config.json + "
-                             "safetensors) -> a gigatron folder (tp=1, pp=1); gigatron-to-hf: "
-                             "the reverse")
-    parser.add_argument("--hf", default=None, help="Hugging Face folder to read "
-                        "(hf-to-gigatron)")
-    parser.add_argument("--checkpoint", default=None, help="gigatron folder to read: "
-                        "config.json + model.safetensors (gigatron-to-hf)")
-    parser.add_argument("--out", required=True, help="folder to write")
+    """`gigatron convert DIRECTION --load SRC --save DST`."""
+    parser = argparse.ArgumentParser(
+        description=__doc__ + " A gigatron checkpoint written here loads with "
+        "`pretrain_gpt.py --load DST --finetune` at any tp/pp/dp, given the model flags "
+        "this command prints.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="directions:\n" + "\n".join(f"  {k:22} {v}" for k, v in DIRECTIONS.items()))
+    parser.add_argument("direction", choices=list(DIRECTIONS), help="what to convert")
+    parser.add_argument("--load", required=True, metavar="SRC",
+                        help="folder to read: the Hugging Face folder, or the checkpoint "
+                             "folder a run saved to (--save; its tracker names the iteration)")
+    parser.add_argument("--save", required=True, metavar="DST", help="folder to write")
     parser.add_argument("--family", choices=("auto", "gpt2", "llama"), default="auto",
-                        help="Hugging Face architecture to write (gigatron-to-hf); auto: "
-                             "llama for RoPE models, else gpt2")
+                        help="gigatron-to-hf: the architecture to write (auto: llama for RoPE "
+                             "models, else gpt2)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="megatron-to-gigatron: the tokenizer's vocabulary size, to drop "
+                             "Megatron's padding rows beyond it (default: the saved "
+                             "--vocab-size, else every padded row is kept as a token)")
     return parser
+
+
+def _run(args: argparse.Namespace) -> str:
+    """Do the conversion; returns the line to print."""
+    from gigatron.training import checkpoint_convert as convert
+
+    if args.direction == "gigatron-to-hf":
+        hf = convert.gigatron_to_hf(args.load, args.save,
+                                    "" if args.family == "auto" else args.family)
+        return f"wrote {args.save}: {hf['architectures'][0]}"
+    if args.direction == "hf-to-gigatron":
+        config = convert.hf_to_gigatron(args.load, args.save)
+    else:
+        config = convert.megatron_to_gigatron(args.load, args.save, args.vocab_size)
+    flags = convert.model_flags(config)
+    line = (f"wrote {args.save}: {config.num_layers} layers, hidden {config.hidden_size}, "
+            f"vocab {config.vocab_size}\nmodel flags for pretrain_gpt.py --load "
+            f"{args.save} --finetune: {' '.join(flags)}")
+    missing = convert.unexpressed_fields(
+        config, convert.config_from_flags(convert.parse_model_flags(flags)))
+    if missing:
+        line += f"\nnote: no flag sets {', '.join(missing)}: pretrain_gpt.py builds the model " \
+                f"without it"
+    return line
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one conversion; a config or tensor that cannot be mapped is one error line."""
-    from gigatron.models.hf_convert import ConversionError, gigatron_to_hf, hf_to_gigatron
+    from gigatron.models.hf_common import ConversionError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    source = "--hf" if args.direction == "hf-to-gigatron" else "--checkpoint"
-    if getattr(args, source[2:]) is None:
-        parser.error(f"{args.direction} needs {source} DIR")
+    args = build_parser().parse_args(argv)
     try:
-        if args.direction == "hf-to-gigatron":
-            config = hf_to_gigatron(args.hf, args.out)
-            print(f"wrote {args.out}: {config.num_layers} layers, hidden {config.hidden_size}, "
-                  f"vocab {config.vocab_size} (padded {config.padded_vocab_size(1)})")
-        else:
-            hf_config = gigatron_to_hf(args.checkpoint, args.out,
-                                       "" if args.family == "auto" else args.family)
-            print(f"wrote {args.out}: {hf_config['architectures'][0]}")
+        print(_run(args))
     except ConversionError as err:
         print(f"gigatron convert: {err}", file=sys.stderr)
         return 1

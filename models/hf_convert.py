@@ -1,12 +1,12 @@
 """Hugging Face <-> gigatron weights: GPT-2 (`GPT2LMHeadModel`) and Llama (`LlamaForCausalLM`).
 
 A Hugging Face folder holds config.json and safetensors (one file or an index of shards).
-A gigatron folder (tp=1, pp=1) holds `config.json` (the TransformerConfig's fields) and
-`model.safetensors` (a full GPTModel state dict, vocabulary padded as the config says).
+gigatron's side is a single-device GPTModel state dict (vocabulary padded as the config
+says); training/checkpoint_convert.py writes and reads it as a gigatron checkpoint, which
+any tp / pp layout loads.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from types import ModuleType
@@ -25,8 +25,7 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 __all__ = ["ConversionError", "config_from_hf", "config_to_hf", "state_dict_from_hf",
-           "state_dict_to_hf", "hf_to_gigatron", "gigatron_to_hf", "load_gigatron",
-           "save_gigatron", "family_of"]
+           "state_dict_to_hf", "read_hf", "write_hf", "family_of"]
 
 
 def family_of(hf_config: Dict[str, Any]) -> str:
@@ -104,17 +103,16 @@ def load_hf_state_dict(folder: str) -> StateDict:
     return state
 
 
-def hf_to_gigatron(hf_dir: str, out_dir: str) -> TransformerConfig:
-    """Convert a Hugging Face folder into a gigatron folder; returns the config."""
-    config, state = state_dict_from_hf(load_hf_state_dict(hf_dir),
-                                       _read_json(os.path.join(hf_dir, CONFIG_FILE)))
-    save_gigatron(out_dir, config, state)
-    return config
+def read_hf(hf_dir: str) -> Tuple[TransformerConfig, StateDict]:
+    """(config, single-device GPTModel state dict) of a Hugging Face folder."""
+    return state_dict_from_hf(load_hf_state_dict(hf_dir),
+                              _read_json(os.path.join(hf_dir, CONFIG_FILE)))
 
 
-def gigatron_to_hf(checkpoint_dir: str, out_dir: str, family: str = "") -> Dict[str, Any]:
-    """Convert a gigatron folder into a Hugging Face folder; returns the written config.json."""
-    config, state = load_gigatron(checkpoint_dir)
+def write_hf(out_dir: str, config: TransformerConfig, state: StateDict,
+             family: str = "") -> Dict[str, Any]:
+    """Write a single-device state dict as a Hugging Face folder (config.json +
+    model.safetensors) of `family` (default: default_family); returns the config.json."""
     family = family or default_family(config)
     hf_config = config_to_hf(config, family)
     hf_state = state_dict_to_hf(state, config, family)
@@ -122,30 +120,3 @@ def gigatron_to_hf(checkpoint_dir: str, out_dir: str, family: str = "") -> Dict[
     save_file(hf_state, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     _write_json(os.path.join(out_dir, CONFIG_FILE), hf_config)
     return hf_config
-
-
-def config_to_json(config: TransformerConfig) -> Dict[str, Any]:
-    """The TransformerConfig's fields as JSON values (dtype by name)."""
-    data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    data["params_dtype"] = _DTYPE_NAMES[config.params_dtype]
-    return data
-
-
-def save_gigatron(folder: str, config: TransformerConfig, state: StateDict) -> None:
-    """Write a gigatron folder: config.json + model.safetensors."""
-    os.makedirs(folder, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in state.items()}
-    save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
-    _write_json(os.path.join(folder, CONFIG_FILE), config_to_json(config))
-
-
-def load_gigatron(folder: str) -> Tuple[TransformerConfig, StateDict]:
-    """(config, state dict) of a gigatron folder written by save_gigatron."""
-    data = _read_json(os.path.join(folder, CONFIG_FILE))
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
-    unknown = sorted(set(data) - known)
-    require(not unknown, f"{folder}/{CONFIG_FILE}: unknown TransformerConfig fields "
-            f"{', '.join(unknown)}")
-    weights = os.path.join(folder, WEIGHTS_FILE)
-    require(os.path.isfile(weights), f"{weights} not found")
-    return TransformerConfig(**data), load_file(weights)
