@@ -187,7 +187,9 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     collectives = layers * (collectives_fwd + collectives_bwd)
     tp_bytes = m * collectives * 2.0 * (p.tp - 1) / p.tp * tokens * c.hidden_size * width
     gemm = layers * (3 * (fl["dense"] + fl["core"]) + {
-        "full": fl["dense"] + fl["core"], "selective": fl["core"]}.get(recompute, 0.0))
+        "full": fl["dense"] + fl["core"], "selective": fl["core"]}.get(recompute, 0.0)) + \
+        (3 * 2.0 * tokens * c.hidden_size * vocab if partition.post_process(slowest, v - 1)
+         else 0.0)
     return StepCost(forward, backward, collectives * one_collective, makespan, bubble,
                     dp_cost["total"], dp_cost["exposed"], dp_cost["optimizer"],
                     makespan + dp_cost["exposed"] + dp_cost["optimizer"], tp_bytes,

@@ -1,0 +1,123 @@
+"""Predict memory per pipeline stage and step time of a layout before renting the GPUs."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+PROG = "gigatron plan"
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    """The plan's own flags; every other flag is pretrain_gpt.py's, validated as the run
+    validates them."""
+    from gigatron.training.plan.hardware import PLAN_KEYS
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Predict per-stage memory and the step time of a pretrain_gpt.py run "
+                    "on NUM_GPUS devices of one type, from the run's own flags (every flag "
+                    "of `gigatron pretrain --help` is accepted and validated as the run "
+                    "does). docs/PLAN.md: the model, its constants and sources.",
+        epilog="example: gigatron plan --gpu h100-sxm --num-gpus 512 --model gpt3-175b "
+               "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 "
+               "--micro-batch-size 1 --global-batch-size 1536 --bf16 --lr 1e-4 "
+               "--train-iters 1 --mock-data")
+    parser.add_argument("--gpu", default="h100-sxm", choices=PLAN_KEYS,
+                        help="device type, a row of the hardware table")
+    parser.add_argument("--num-gpus", type=int, default=None,
+                        help="world size (None: tensor x pipeline parallel size, dp 1)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="devices per node (None: the table's, 8 for GPUs)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="override the device memory (GiB)")
+    parser.add_argument("--hbm-bandwidth", type=float, default=None,
+                        help="override the memory bandwidth (GB/s)")
+    parser.add_argument("--intra-node-bandwidth", type=float, default=None,
+                        help="override the per-device bandwidth inside a node (GB/s)")
+    parser.add_argument("--inter-node-bandwidth", type=float, default=None,
+                        help="override the per-device network bandwidth (GB/s)")
+    parser.add_argument("--search", action="store_true",
+                        help="rank every valid layout (tp, pp, dp, ZeRO stage, recompute, "
+                             "micro-batch) for this model and GPU count")
+    parser.add_argument("--top", type=int, default=10,
+                        help="with --search: how many ranked layouts the text shows")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return parser
+
+
+def _hardware(opts: argparse.Namespace, peak_tflops: Optional[float]):
+    from gigatron.training.plan.hardware import hardware, with_overrides
+
+    return with_overrides(hardware(opts.gpu), {
+        "peak_tflops": peak_tflops, "memory_gib": opts.gpu_memory_gib,
+        "hbm_gbps": opts.hbm_bandwidth, "intra_node_gbps": opts.intra_node_bandwidth,
+        "inter_node_gbps": opts.inter_node_bandwidth, "gpus_per_node": opts.gpus_per_node})
+
+
+def _check_plan_options(opts: argparse.Namespace) -> None:
+    from gigatron.training.validation import ConfigError
+
+    problems = []
+    for flag, value in (("--num-gpus", opts.num_gpus), ("--gpus-per-node", opts.gpus_per_node),
+                        ("--gpu-memory-gib", opts.gpu_memory_gib),
+                        ("--hbm-bandwidth", opts.hbm_bandwidth),
+                        ("--intra-node-bandwidth", opts.intra_node_bandwidth),
+                        ("--inter-node-bandwidth", opts.inter_node_bandwidth),
+                        ("--top", opts.top)):
+        if value is not None and value <= 0:
+            problems.append(f"{flag} must be > 0, got {value}")
+    if problems:
+        raise ConfigError(problems)
+
+
+def configure(argv: Sequence[str]) -> Tuple[argparse.Namespace, argparse.Namespace, object,
+                                             int]:
+    """(plan options, pretrain flags, validated RunConfig, world size): pretrain_gpt's own
+    parse and validation, with the world size from --num-gpus."""
+    from gigatron.training.arguments import parse_flags, with_other_problems
+    from gigatron.training.config_table import ParseProblems
+    from gigatron.training.pretrain import build_run
+
+    opts, rest = plan_parser().parse_known_args(list(argv))
+    _check_plan_options(opts)
+    try:
+        flags = parse_flags(rest, PROG)
+    except ParseProblems as err:
+        world = opts.num_gpus or 1
+        raise with_other_problems(err, world) from None
+    world = opts.num_gpus or flags.tensor_model_parallel_size * \
+        flags.pipeline_model_parallel_size
+    run, _ = build_run(flags, world)
+    return opts, flags, run, world
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`gigatron plan [--gpu KEY] [--num-gpus N] [--search] [--json] PRETRAIN_FLAGS`."""
+    from gigatron.training.plan import report
+    from gigatron.training.plan.planner import plan_run
+    from gigatron.training.plan.search import search
+
+    args: List[str] = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        plan_parser().print_help()
+        return 0
+    try:
+        opts, flags, run, world = configure(args)
+        hw = _hardware(opts, flags.peak_tflops)
+        if opts.search:
+            ranked, refused = search(flags, world, run.train.global_batch_size,
+                                     run.model.vocab_size, hw)
+            text = json.dumps(report.search_dict(ranked, refused), indent=1) if opts.json \
+                else report.describe_search(ranked, refused, opts.top)
+        else:
+            plan = plan_run(run, hw)
+            text = json.dumps(report.plan_dict(plan), indent=1) if opts.json \
+                else report.describe(plan)
+    except ValueError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0

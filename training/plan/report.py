@@ -1,0 +1,146 @@
+"""The plan as text for people and as JSON for programs (`gigatron plan [--json]`)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+from gigatron.training.plan.memory import GIB, StageMemory
+from gigatron.training.plan.planner import Plan
+from gigatron.training.plan.search import Candidate
+
+SCHEMA = "gigatron-plan-v1"
+
+
+def _recompute(plan: Plan) -> str:
+    c = plan.run.model
+    assert c is not None
+    if c.recompute_granularity == "full":
+        return f"full ({c.recompute_method}, {c.recompute_num_layers})"
+    return c.recompute_granularity or "none"
+
+
+def layout_dict(plan: Plan) -> Dict[str, Any]:
+    p, t, z = plan.run.parallel, plan.run.train, plan.run.zero
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp,
+            "virtual_chunks": plan.stages and len(plan.stages[0].in_flight),
+            "zero_stage": z.zero_stage, "optimizer_offload": z.offload_optimizer == "cpu",
+            "sequence_parallel": p.sequence_parallel, "recompute": _recompute(plan),
+            "micro_batch_size": t.micro_batch_size, "num_microbatches": t.num_microbatches,
+            "global_batch_size": t.global_batch_size}
+
+
+def stage_dict(m: StageMemory) -> Dict[str, Any]:
+    s = m.state
+    return {"pp_rank": m.pp_rank, "parameters": m.parameters,
+            "bytes": {"params": s.params, "grads": s.grads, "master_params": s.master_params,
+                      "optimizer_state": s.optimizer_state, "activations": m.activations,
+                      "transient": m.transient, "peak": m.peak},
+            "host_bytes": s.host_side if s.offloaded else 0,
+            "microbatches_in_flight": m.in_flight}
+
+
+def plan_dict(plan: Plan) -> Dict[str, Any]:
+    """The JSON form of one plan (schema SCHEMA; every size in bytes, every time in s)."""
+    hw, c, r = plan.hardware, plan.cost, plan.rates
+    return {"schema": SCHEMA, "gpu": {"key": hw.key, "name": hw.name,
+                                      "memory_bytes": plan.capacity_bytes,
+                                      "peak_tflops": dict(hw.peak_tflops),
+                                      "hbm_gbps": hw.hbm_gbps,
+                                      "intra_node_gbps": hw.intra_node_gbps,
+                                      "inter_node_gbps": hw.inter_node_gbps,
+                                      "gpus_per_node": hw.gpus_per_node},
+            "num_gpus": plan.run.parallel.world_size, "layout": layout_dict(plan),
+            "stages": [stage_dict(m) for m in plan.stages],
+            "fits": plan.fits, "peak_bytes": plan.peak_bytes,
+            "step": {"forward_s": c.forward, "backward_s": c.backward,
+                     "tp_communication_s": c.tp_communication, "tp_bytes": c.tp_bytes,
+                     "pipeline_s": c.pipeline, "bubble": c.bubble,
+                     "dp_communication_s": c.dp_communication, "dp_exposed_s": c.dp_exposed,
+                     "dp_bytes": c.dp_bytes, "optimizer_s": c.optimizer, "step_s": c.step,
+                     "executed_flops_per_gpu": c.gemm_flops},
+            "rates": {"tokens_per_s": r.tokens_per_s,
+                      "model_tflops_per_gpu": r.model_tflops_per_gpu,
+                      "executed_tflops_per_gpu": r.hardware_tflops_per_gpu, "mfu": r.mfu}}
+
+
+def search_dict(ranked: Sequence[Candidate], refused: Sequence[Candidate]) -> Dict[str, Any]:
+    return {"schema": SCHEMA,
+            "ranked": [plan_dict(c.plan) for c in ranked if c.plan is not None],
+            "refused": [{"layout": c.layout.__dict__, "reason": c.reason} for c in refused]}
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def describe(plan: Plan) -> str:
+    """The plan as text: header, memory per stage, the step."""
+    hw, run = plan.hardware, plan.run
+    c, p, t, z = run.model, run.parallel, run.train, run.zero
+    assert c is not None
+    lay = layout_dict(plan)
+    lines = [
+        f"plan: {p.world_size} x {hw.key} ({hw.name}, {hw.memory_gib} GiB), tp={p.tp} "
+        f"pp={p.pp} dp={p.dp}{' sequence-parallel' if p.sequence_parallel else ''}, "
+        f"zero stage {z.zero_stage}{' + optimizer offload' if lay['optimizer_offload'] else ''}"
+        f", recompute {lay['recompute']}",
+        f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {p.dp} x "
+        f"{t.num_microbatches} micro-batches, schedule "
+        f"{'interleaved 1F1B' if lay['virtual_chunks'] > 1 else '1F1B' if p.pp > 1 else 'none'}",
+        "", "memory per rank, GiB (model state exactly as ZeRO lays it out; activations at the "
+        "schedule's high point):",
+        f"  {'stage':>5} {'params':>14} {'weights':>8} {'grads':>8} {'master':>8} "
+        f"{'optim':>8} {'activ':>8} {'in flight':>10} {'transient':>9} {'peak':>8}"]
+    for m in plan.stages:
+        s = m.state
+        lines.append(f"  {m.pp_rank:>5} {m.parameters:>14,} {_gib(s.params):>8} "
+                     f"{_gib(s.grads):>8} {_gib(s.master_params):>8} "
+                     f"{_gib(s.optimizer_state):>8} {_gib(m.activations):>8} "
+                     f"{'+'.join(map(str, m.in_flight)):>10} {_gib(m.transient):>9} "
+                     f"{_gib(m.peak):>8}")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  peak {_gib(plan.peak_bytes)} GiB of {_gib(plan.capacity_bytes)}: {verdict}"
+                 + (" (master weights and optimizer state in host memory)"
+                    if lay["optimizer_offload"] else ""))
+    cost, rates = plan.cost, plan.rates
+    lines += ["", "step (slowest stage):",
+              f"  forward {cost.forward * 1e3:.1f} ms + backward {cost.backward * 1e3:.1f} ms "
+              f"per micro-batch (tensor-parallel collectives {cost.tp_communication * 1e3:.1f}"
+              f" ms of it, {cost.tp_bytes / GIB:.2f} GiB per step)",
+              f"  pipeline {cost.pipeline:.3f} s, bubble {cost.bubble:.3f} of busy time",
+              f"  data-parallel {cost.dp_bytes / GIB:.2f} GiB per rank, "
+              f"{cost.dp_communication * 1e3:.1f} ms ({cost.dp_exposed * 1e3:.1f} ms exposed)"
+              f"; optimizer step {cost.optimizer * 1e3:.1f} ms",
+              f"  step {cost.step:.3f} s: {rates.tokens_per_s:,.0f} tokens/s, "
+              f"{rates.model_tflops_per_gpu:.1f} model TFLOP/s per GPU "
+              f"({rates.hardware_tflops_per_gpu:.1f} executed), MFU {rates.mfu:.1%}"]
+    return "\n".join(lines)
+
+
+def describe_search(ranked: Sequence[Candidate], refused: Sequence[Candidate],
+                    top: int) -> str:
+    """Ranked layouts (fastest first) and every refused one with its reason."""
+    lines = [f"{len(ranked)} layouts fit, {len(refused)} refused; fastest first:"]
+    for i, cand in enumerate(ranked[:top], 1):
+        assert cand.plan is not None
+        r, cost = cand.plan.rates, cand.plan.cost
+        lines.append(f"  {i:>3}. {cand.layout.describe():<56} step {cost.step:8.3f} s  "
+                     f"{r.model_tflops_per_gpu:7.1f} TFLOP/s/GPU  MFU {r.mfu:6.1%}  peak "
+                     f"{cand.plan.peak_bytes / GIB:6.1f} GiB")
+    if len(ranked) > top:
+        lines.append(f"  ... {len(ranked) - top} more (--top N shows more, --json all)")
+    lines.append("refused:")
+    lines += [f"  {cand.layout.describe():<56} {cand.reason}" for cand in refused]
+    return "\n".join(lines)
+
+
+def startup_lines(stages: List[StageMemory]) -> List[str]:
+    """The banner's memory prediction, one line per pipeline stage."""
+    out = []
+    for m in stages:
+        s = m.state
+        out.append(f"memory plan, stage {m.pp_rank}: peak {_gib(m.peak)} GiB per rank = "
+                   f"weights {_gib(s.params)} + grads {_gib(s.grads)} + master "
+                   f"{_gib(s.master_params)} + optimizer {_gib(s.optimizer_state)}"
+                   f"{' (in host memory)' if s.offloaded else ''} + activations "
+                   f"{_gib(m.activations)} + transient {_gib(m.transient)}")
+    return out

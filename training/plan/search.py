@@ -1,0 +1,114 @@
+"""`gigatron plan --search`: every layout of the model on the GPU count, ranked or refused.
+
+A layout is (tp, pp, dp, ZeRO stage, recomputation, micro-batch size), with sequence
+parallelism whenever tp > 1 and the user's global batch. Each one is validated by the same
+`build_run_config` the real run uses (its error is the rejection reason), then planned; those
+that fit the device's memory are ranked by predicted step time, the others are refused with
+the stage and bytes that do not fit.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple
+
+from gigatron.training.plan.hardware import Hardware
+from gigatron.training.plan.memory import GIB
+from gigatron.training.plan.planner import Plan, plan_run
+
+RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None),
+             "full": ("full", "uniform", 1)}
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    recompute: str
+    micro_batch_size: int
+
+    def describe(self) -> str:
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero_stage} "
+                f"recompute={self.recompute} mbs={self.micro_batch_size}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout and its plan, or the reason it cannot run."""
+
+    layout: Layout
+    plan: Optional[Plan] = None
+    reason: Optional[str] = None
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(world_size: int, num_layers: int, gpus_per_node: int) -> Iterator[Layout]:
+    """The search space: tp within a node, pp up to one layer per stage."""
+    for tp in _divisors(world_size):
+        if tp > gpus_per_node:
+            continue
+        for pp in _divisors(world_size // tp):
+            if pp > num_layers:
+                continue
+            dp = world_size // (tp * pp)
+            for zero in ZERO_STAGES:
+                for recompute in RECOMPUTE:
+                    for mbs in MICRO_BATCH_SIZES:
+                        yield Layout(tp, pp, dp, zero, recompute, mbs)
+
+
+def _flags_for(flags: argparse.Namespace, layout: Layout,
+               global_batch_size: int) -> argparse.Namespace:
+    out = copy.copy(flags)
+    granularity, method, num = RECOMPUTE[layout.recompute]
+    out.tensor_model_parallel_size, out.pipeline_model_parallel_size = layout.tp, layout.pp
+    out.micro_batch_size, out.global_batch_size = layout.micro_batch_size, global_batch_size
+    out.zero_stage, out.use_distributed_optimizer = layout.zero_stage, False
+    out.recompute_granularity, out.recompute_method, out.recompute_num_layers = \
+        granularity, method, num
+    out.sequence_parallel = layout.tp > 1
+    out.num_layers_per_virtual_pipeline_stage = None
+    out.gradient_accumulation_steps = None
+    return out
+
+
+def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
+             global_batch_size: int, vocab_size: Optional[int], hw: Hardware) -> Candidate:
+    """Validate `layout` as the run would, plan it and say whether it fits."""
+    from gigatron.training.arguments import build_run_config
+
+    try:
+        run = build_run_config(_flags_for(flags, layout, global_batch_size), world_size,
+                               vocab_size)
+    except ValueError as err:
+        lines = getattr(err, "problems", str(err).splitlines())
+        return Candidate(layout, reason="; ".join(lines))
+    plan = plan_run(run, hw)
+    if not plan.fits:
+        worst = max(plan.stages, key=lambda m: m.peak)
+        return Candidate(layout, plan, reason=(
+            f"out of memory: stage {worst.pp_rank} needs {worst.peak / GIB:.1f} GiB, the "
+            f"{hw.key} has {plan.capacity_bytes / GIB:.1f}"))
+    return Candidate(layout, plan)
+
+
+def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
+           vocab_size: Optional[int], hw: Hardware) -> Tuple[List[Candidate], List[Candidate]]:
+    """(layouts that fit, fastest first; layouts refused, each with its reason)."""
+    ranked, refused = [], []
+    num_layers = flags.num_layers or 1
+    for layout in layouts(world_size, num_layers, hw.gpus_per_node):
+        candidate = evaluate(flags, layout, world_size, global_batch_size, vocab_size, hw)
+        (refused if candidate.reason else ranked).append(candidate)
+    ranked.sort(key=lambda c: c.plan.cost.step if c.plan else 0.0)
+    return ranked, refused
