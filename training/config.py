@@ -146,10 +146,15 @@ class CheckpointConfig:
     no_save_optim: bool = setting(False, "do not save the optimizer state", "--no-save-optim")
     no_save_rng: bool = setting(False, "do not save the RNG state", "--no-save-rng")
     ckpt_format: str = setting(
-        "torch", "checkpoint file format; torch_dist (Megatron's default) is accepted and "
-        "writes gigatron's torch format until the layout-free checkpoint (issue 19) exists, "
-        "with a note in the banner", "--ckpt-format",
-        choices=("torch", "safetensors", "torch_dist"))
+        "torch_dist", "checkpoint format: torch_dist writes one layout-free checkpoint "
+        "through torch.distributed.checkpoint that any tp/pp/dp/ZeRO layout loads; torch and "
+        "safetensors write one file per rank, loadable only by the layout that wrote it "
+        "(docs/CHECKPOINTS.md); --load reads the format from the folder",
+        "--ckpt-format", choices=("torch", "safetensors", "torch_dist"))
+    async_save: bool = setting(
+        False, "write checkpoints in the background while training goes on (staged to CPU "
+        "memory first; the tracker names a checkpoint once every rank finished it; needs "
+        "--ckpt-format torch_dist)", "--async-save")
     override_opt_param_scheduler: bool = setting(
         False, "on --load, follow the flags' lr schedule, not the checkpoint's",
         "--override-opt_param-scheduler")

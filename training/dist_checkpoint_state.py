@@ -218,7 +218,7 @@ def _common_scalars(per_group: List[Tuple[Dict[str, torch.Tensor], Dict[str, Any
                 raise ValueError(f"optimizer state {key!r} differs between parameter groups "
                                  f"({_number(scalars[key])} and {_number(value)}): the "
                                  f"torch_dist format stores one value for all")
-            scalars[key] = value
+            scalars[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
     return scalars
 
 

@@ -36,6 +36,7 @@ from gigatron.training.batch_rampup import run_rampup
 from gigatron.training.builders import Pipeline, micro_batches
 from gigatron.training.config import RunConfig
 from gigatron.training.decoupled_lr import set_decoupled_lr
+from gigatron.training.dist_checkpoint_async import SavedCheckpoint
 from gigatron.training.nan_check import NonFiniteWatch
 from gigatron.training.logger import MetricsLogger
 from gigatron.training.lr_schedule import learning_rate
@@ -65,6 +66,8 @@ class Session:
     started: float = field(default_factory=time.monotonic)  # --exit-duration-in-mins counts
     # from here (the program's start, as Megatron's)
     start_samples: int = 0  # samples consumed when this run started (a resume's are earlier)
+    checkpointer: checkpoint_state.Checkpointer = field(
+        default_factory=checkpoint_state.Checkpointer)  # --async-save keeps a save pending
 
 
 @dataclass
@@ -244,21 +247,33 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
 
 
 def _save(s: Session, progress: TrainProgress) -> None:
-    """Check for a non-finite step first (never checkpoint after one), then save if asked."""
+    """Check for a non-finite step first (never checkpoint after one), then save if asked
+    (with --async-save the save goes on in the background; the previous one is waited for)."""
     if s.nonfinite is not None:
         s.nonfinite.check(s.saved_iterations)
     if s.run.checkpoint.save is None or progress.iteration in s.saved_iterations:
         return
     activity.at(progress.iteration, "saving checkpoint")
-    start = time.perf_counter()
     with timeline.span("checkpoint save"):
-        folder = checkpoint_state.save(s.run, s.groups, progress, s.chunks, s.zero, s.device)
+        finished = s.checkpointer.save(s.run, s.groups, progress, s.chunks, s.zero, s.device)
     s.saved_iterations.append(progress.iteration)
-    seconds = time.perf_counter() - start
-    s.logger.print(f"saved checkpoint at iteration {progress.iteration:7d} to {folder} "
-                   f"({seconds:.1f} s)")
-    s.logger.event({"type": "checkpoint", "iteration": progress.iteration, "path": folder,
-                    "seconds": seconds})
+    for saved in finished:
+        _log_saved(s, saved)
+
+
+def _wait_for_saves(s: Session) -> None:
+    """The end of training waits for a background save (and logs it)."""
+    saved = s.checkpointer.wait()
+    if saved is not None:
+        _log_saved(s, saved)
+
+
+def _log_saved(s: Session, saved: SavedCheckpoint) -> None:
+    how = " in the background" if saved.background else ""
+    s.logger.print(f"saved checkpoint at iteration {saved.iteration:7d} to {saved.folder} "
+                   f"({saved.seconds:.1f} s{how})")
+    s.logger.event({"type": "checkpoint", "iteration": saved.iteration, "path": saved.folder,
+                    "seconds": saved.seconds})
 
 
 def _evaluate_and_log(s: Session, progress: TrainProgress, split: int, name: str) -> None:
@@ -340,8 +355,10 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
         if reason is not None:
             s.logger.print(reason)
             _save(s, progress)
+            _wait_for_saves(s)
             return progress
     _save(s, progress)
+    _wait_for_saves(s)
     if not t.skip_test:
         activity.at(progress.iteration, "test evaluation")
         _evaluate_and_log(s, progress, 2, "test")

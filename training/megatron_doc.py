@@ -81,8 +81,9 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("--ckpt-", "--no-ckpt-", "--async-", "--dist-ckpt", "--use-dist-ckpt",
       "--non-persistent", "--use-persistent-ckpt", "--auto-detect-ckpt", "--replication",
       "--distrib-optim", "--load-main-params", "--no-strict-fsdp", "--no-save-tokenizer"),
-     "a knob of Megatron's distributed checkpointing; gigatron's checkpoints are its own "
-     "(every rank writes its shard, saves are atomic)"),
+     "a knob of Megatron's distributed checkpointing; gigatron's torch_dist checkpoints "
+     "are written through torch.distributed.checkpoint with gigatron's own tensor names "
+     "and load into any layout (docs/CHECKPOINTS.md)"),
     (("--inference", "--flash-decode", "--nccl-all-reduce-for-prefill"),
      "text generation is not part of pretrain_gpt.py"),
     (("--reset-position-ids", "--reset-attention-mask", "--dataloader-inter-document"),
@@ -119,9 +120,7 @@ FAMILY_REASONS: Dict[str, str] = {
 }
 GENERIC_REASON = "not implemented in gigatron"
 # flags whose default differs from Megatron's on purpose (flag -> why)
-DIFFERENT_DEFAULTS: Dict[str, str] = {
-    "--ckpt-format": "gigatron's torch format; torch_dist (Megatron's default) is accepted",
-}
+DIFFERENT_DEFAULTS: Dict[str, str] = {}
 
 
 @functools.lru_cache(maxsize=None)

@@ -119,6 +119,8 @@ class Checkpointer:
             folder = save(run, groups, progress, chunks, zero, device)
             return finished + [SavedCheckpoint(progress.iteration, folder,
                                                time.perf_counter() - started)]
+        if run.checkpoint.ckpt_format != dist_checkpoint.FORMAT:
+            raise ValueError("--async-save needs --ckpt-format torch_dist")
         group = self._async.group(run.parallel.distributed_timeout_minutes)
         root, state, coords, meta = _dist_save_state(run, groups, progress, chunks, zero,
                                                       device)

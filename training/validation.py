@@ -216,6 +216,9 @@ def check_checkpointing(flags: argparse.Namespace, p: Problems) -> None:
     """--save/--load companions."""
     if flags.finetune and flags.load is None:
         p.add("--finetune needs --load DIR (the checkpoint to start from)")
+    if flags.async_save and flags.ckpt_format != "torch_dist":
+        p.add(f"--async-save needs --ckpt-format torch_dist (got {flags.ckpt_format}): drop "
+              f"--ckpt-format or --async-save")
     if flags.override_opt_param_scheduler and flags.use_checkpoint_opt_param_scheduler:
         p.add("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
               "contradict each other: give one")

@@ -372,8 +372,9 @@ class ZeroOptimizer:
         state = self.optimizer.state_dict()
         order = [p for group in self.optimizer.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(order)}
-        state["state"] = {index[id(g.master)]: {**scalars, **tensors} for g, tensors in
-                          zip(self.flat_groups, per_element) if tensors or scalars}
+        # each group its own scalars: optimizers step a tensor "step" in place
+        state["state"] = {index[id(g.master)]: {**_copies(scalars), **tensors} for g, tensors
+                          in zip(self.flat_groups, per_element) if tensors or scalars}
         self.optimizer.load_state_dict(state)
         self.scaler.load_state_dict(scaler)
         self.skipped_steps = int(skipped_steps)
@@ -396,3 +397,7 @@ class ZeroOptimizer:
         self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._publish_params()
+
+
+def _copies(values: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
