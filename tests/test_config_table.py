@@ -80,7 +80,7 @@ def test_megatron_defaults_are_kept():
     assert flags.num_workers == 2
     assert (flags.optimizer, flags.lr_decay_style, flags.lr_wsd_decay_style,
             flags.ckpt_format, flags.tensor_model_parallel_size) == \
-        ("adam", "linear", "exponential", "torch", 1)
+        ("adam", "linear", "exponential", "torch_dist", 1)
     assert flags.progress is None and flags.zero_stage is None and flags.sgd_momentum == 0.9
 
 

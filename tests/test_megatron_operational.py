@@ -113,8 +113,7 @@ def test_banner_notes_say_what_each_accepted_flag_maps_to():
                      "--use-mcore-models: gigatron's model is laid out as Megatron-Core's",
                      "--attention-backend fused: core attention is torch "
                      "scaled_dot_product_attention",
-                     "--ckpt-format torch_dist: checkpoints are written in gigatron's own "
-                     "torch format", "--distributed-backend nccl: no GPU here, gloo is used",
+                     "--distributed-backend nccl: no GPU here, gloo is used",
                      "--deepspeed: gigatron's own engine runs",
                      "--deepspeed-activation-checkpointing", "--openai-gelu: no effect",
                      "--overlap-param-gather: ZeRO gathers"):
