@@ -25,8 +25,9 @@ def plan_parser() -> argparse.ArgumentParser:
                "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 "
                "--micro-batch-size 1 --global-batch-size 1536 --bf16 --lr 1e-4 "
                "--train-iters 1 --mock-data")
-    parser.add_argument("--gpu", default="h100-sxm", choices=PLAN_KEYS,
-                        help="device type, a row of the hardware table")
+    parser.add_argument("--gpu", default="h100-sxm",
+                        help=f"device type, a row of the hardware table: "
+                             f"{', '.join(PLAN_KEYS)}")
     parser.add_argument("--num-gpus", type=int, default=None,
                         help="world size (None: tensor x pipeline parallel size, dp 1)")
     parser.add_argument("--gpus-per-node", type=int, default=None,

@@ -123,7 +123,7 @@ def describe_search(ranked: Sequence[Candidate], refused: Sequence[Candidate],
     for i, cand in enumerate(ranked[:top], 1):
         assert cand.plan is not None
         r, cost = cand.plan.rates, cand.plan.cost
-        lines.append(f"  {i:>3}. {cand.layout.describe():<56} step {cost.step:8.3f} s  "
+        lines.append(f"  {i:>3}. {cand.layout.describe():<56} step {cost.step * 1e3:10.1f} ms  "
                      f"{r.model_tflops_per_gpu:7.1f} TFLOP/s/GPU  MFU {r.mfu:6.1%}  peak "
                      f"{cand.plan.peak_bytes / GIB:6.1f} GiB")
     if len(ranked) > top:
