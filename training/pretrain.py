@@ -164,13 +164,30 @@ def _banner(s, progress, shard, launch, device) -> None:
         f"{_architecture(run.model)}{_rampup_phrase(t)}\n"
         f"{partition(run).describe()}")
     for line in device_notes(device, dist.get_backend(), run, os.environ) + \
-            flag_notes(run.flags, dist.get_backend()) + describe_datasets(s.datasets):
+            flag_notes(run.flags, dist.get_backend()) + _memory_plan(run, device) + \
+            describe_datasets(s.datasets):
         s.logger.print(line)
     if shard is not None:
         s.logger.print(f"loaded checkpoint {shard['_folder']} (iteration {progress.iteration}, "
                        f"{progress.consumed_train_samples} samples consumed)")
     elif run.checkpoint.load:
         s.logger.print(f"no checkpoint in --load {run.checkpoint.load}: training from scratch")
+
+
+def _memory_plan(run, device) -> List[str]:
+    """gigatron plan's memory prediction per pipeline stage (on CUDA the iteration lines'
+    'peak memory (MiB)' is the measured peak to compare it with)."""
+    from gigatron.training.builders import partition
+    from gigatron.training.plan.memory import plan_memory
+    from gigatron.training.plan.report import startup_lines
+
+    p, t = run.parallel, run.train
+    stages = plan_memory(run.model, partition(run), p.tp, p.dp, run.zero, t.micro_batch_size,
+                         t.num_microbatches, on_gpu=device.type == "cuda")
+    lines = startup_lines(stages)
+    if device.type == "cuda":
+        lines[-1] += " (measured: 'peak memory (MiB)' of the iteration lines)"
+    return lines
 
 
 def _architecture(model) -> str:
