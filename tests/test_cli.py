@@ -8,7 +8,7 @@ import pytest
 from gigatron import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = ["convert", "launch", "plan", "plot", "preprocess-data", "pretrain", "report", "schedule", "topology",
+COMMANDS = ["convert", "evaluate", "generate", "launch", "plan", "plot", "preprocess-data", "pretrain", "report", "schedule", "topology",
             "train-tokenizer"]
 
 

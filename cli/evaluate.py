@@ -1,0 +1,88 @@
+"""Evaluate a checkpoint's loss and perplexity on a dataset split, in any tp/pp/dp layout."""
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence, cast
+
+PROG = "gigatron evaluate"
+SPLITS = ("train", "valid", "test")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's own flags; every other flag is Megatron's and overrides the
+    checkpoint's (--data-path, --split, --eval-iters, batch sizes, the layout)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Megatron flags (docs/FLAGS.md) override the checkpoint's: the data (--data-path "
+               "with --split, or --train/valid/test-data-path), --eval-iters (batches of "
+               "--global-batch-size samples), --micro-batch-size, --tensor-model-parallel-size "
+               "and --pipeline-model-parallel-size (dp: the rest of the world size). Without "
+               "them, the training run's data, split and sizes are used.")
+    parser.add_argument("--load", required=True, help="checkpoint folder (a run's --save)")
+    parser.add_argument("--eval-split", choices=SPLITS, default="valid",
+                        help="which split of the data to evaluate (Megatron's --split "
+                             "shares, or the --<split>-data-path)")
+    return parser
+
+
+def _run(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from gigatron.parallel.launch import init_distributed, read_launch_env
+    from gigatron.training.from_checkpoint import (build_inference_run, inference_flags,
+                                                   load_model)
+
+    launch = read_launch_env()
+    flags = inference_flags(rest, args.load, PROG, {})
+    run, tokenizer = build_inference_run(flags, launch.world_size)
+    launch, device = init_distributed(run.parallel.distributed_timeout_minutes)
+    groups, chunks = load_model(run, launch.rank, device)
+    loss = _evaluate(run, tokenizer, groups, chunks, device, args.eval_split)
+    if loss is None:
+        raise ValueError(f"the {args.eval_split} split has no data: give it a --split share, "
+                         f"a --{args.eval_split}-data-path, or --eval-iters > 0")
+    return 0 if loss == loss else 1  # a NaN loss fails the command
+
+
+def _evaluate(run, tokenizer, groups, chunks, device, split_name: str) -> Optional[float]:
+    """The split's mean lm loss over --eval-iters global batches, through the trainer's
+    `evaluate` (same schedule, micro-batches and loss reduction as validation in training);
+    the console line and --metrics-file record carry loss and perplexity."""
+    from dataclasses import replace
+
+    from gigatron.data.builder import build_train_valid_test_datasets
+    from gigatron.parallel.pipeline.grad_sync import GradSync
+    from gigatron.parallel.zero import ZeroOptimizer
+    from gigatron.training import builders, checkpointing
+    from gigatron.training.logger import MetricsLogger
+    from gigatron.training.loop import Session, evaluate
+    from gigatron.training.timers import Timers
+
+    split = SPLITS.index(split_name)
+    iterations, batch = run.train.eval_iters, run.train.global_batch_size
+    counts = [0, 0, 0]
+    counts[split] = iterations * batch
+    data = replace(run.data, eod=tokenizer.eod, vocab_size=tokenizer.vocab_size)
+    datasets = build_train_valid_test_datasets(data, counts)
+    pipeline = builders.build_pipeline(run, groups, chunks, None, device)
+    log = run.logging
+    logger = MetricsLogger(groups.rank == 0, 0, log.metrics_file, None, log.progress)
+    # evaluation never steps or reduces gradients: no optimizer is built for it
+    session = Session(run, groups, device, chunks, cast(ZeroOptimizer, None),
+                      cast(GradSync, None), pipeline, datasets, logger, Timers(), 0.0, None)
+    loss = evaluate(session, split, 0, iterations, f"{split_name} evaluation")
+    if loss is not None:
+        iteration, _ = checkpointing.find_checkpoint(run.checkpoint.load or "")
+        samples = iterations * batch
+        logger.print(f"{split_name} split: {samples} samples ({iterations} batches of "
+                     f"{batch}), {samples * run.model.seq_length} tokens")
+        logger.evaluation({"split": split_name, "iteration": iteration, "lm loss": loss,
+                           "samples": samples})
+    logger.close()
+    return loss
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`gigatron evaluate --load CKPT [--eval-split valid] [Megatron flags]`."""
+    from gigatron.cli.generate import run_command
+
+    args, rest = build_parser().parse_known_args(None if argv is None else list(argv))
+    return run_command(PROG, lambda: _run(args, rest))
