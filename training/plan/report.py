@@ -133,14 +133,18 @@ def describe_search(ranked: Sequence[Candidate], refused: Sequence[Candidate],
     return "\n".join(lines)
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:.1f} MiB"
+
+
 def startup_lines(stages: List[StageMemory]) -> List[str]:
     """The banner's memory prediction, one line per pipeline stage."""
     out = []
     for m in stages:
         s = m.state
-        out.append(f"memory plan, stage {m.pp_rank}: peak {_gib(m.peak)} GiB per rank = "
-                   f"weights {_gib(s.params)} + grads {_gib(s.grads)} + master "
-                   f"{_gib(s.master_params)} + optimizer {_gib(s.optimizer_state)}"
+        out.append(f"memory plan, stage {m.pp_rank}: peak {_size(m.peak)} per rank = weights "
+                   f"{_size(s.params)} + grads {_size(s.grads)} + master "
+                   f"{_size(s.master_params)} + optimizer {_size(s.optimizer_state)}"
                    f"{' (in host memory)' if s.offloaded else ''} + activations "
-                   f"{_gib(m.activations)} + transient {_gib(m.transient)}")
+                   f"{_size(m.activations)} + transient {_size(m.transient)}")
     return out
