@@ -14,12 +14,17 @@ DIRECTIONS = {
 }
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                     argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, the directions table kept as written."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """`gigatron convert DIRECTION --load SRC --save DST`."""
     parser = argparse.ArgumentParser(
-        description=__doc__ + " A gigatron checkpoint written here loads with "
-        "`pretrain_gpt.py --load DST --finetune` at any tp/pp/dp, given the model flags "
-        "this command prints.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__ + "\nA gigatron checkpoint written here loads with "
+        "`pretrain_gpt.py --load DST --finetune`\nat any tp/pp/dp, given the model flags "
+        "this command prints.", formatter_class=_HelpFormatter,
         epilog="directions:\n" + "\n".join(f"  {k:22} {v}" for k, v in DIRECTIONS.items()))
     parser.add_argument("direction", choices=list(DIRECTIONS), help="what to convert")
     parser.add_argument("--load", required=True, metavar="SRC",
@@ -31,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "models, else gpt2)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="megatron-to-gigatron: the tokenizer's vocabulary size, to drop "
-                             "Megatron's padding rows beyond it (default: the saved "
+                             "Megatron's padding rows beyond it (not given: the saved "
                              "--vocab-size, else every padded row is kept as a token)")
     return parser
 

@@ -1,10 +1,8 @@
 """Hugging Face import/export: tiny random GPT-2 and Llama models built locally (no downloads)
 give the same logits in transformers and in gigatron, both ways, through gigatron
 checkpoints (training/dist_checkpoint.py's global-model functions)."""
-import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -20,14 +18,6 @@ from gigatron.training.checkpoint_convert import (  # noqa: E402
     save_model,
 )
 
-
-@pytest.fixture(autouse=True)
-def global_model_io(monkeypatch):
-    """training/dist_checkpoint.py, or the tests' stand-in while it does not exist."""
-    if importlib.util.find_spec("gigatron.training.dist_checkpoint") is None:
-        import dist_checkpoint_standin
-        monkeypatch.setitem(sys.modules, "gigatron.training.dist_checkpoint",
-                            dist_checkpoint_standin)
 
 VOCAB = 101  # not a multiple of 128: gigatron pads the table, only real logits are compared
 
@@ -224,3 +214,46 @@ def test_bf16_weights_round_trip_exactly_and_keep_their_dtype(tmp_path):
     assert before.keys() == after.keys()
     for name, tensor in before.items():
         assert after[name].dtype == torch.bfloat16 and torch.equal(after[name], tensor), name
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("gpt2", {}),
+    ("gpt2", {"activation_function": "gelu", "n_inner": 40}),
+    ("llama", {}),
+    ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192},
+               "max_position_embeddings": 16384, "rope_theta": 500000.0}),
+    ("llama", {"attention_bias": True, "mlp_bias": True, "head_dim": 12}),
+], ids=["gpt2", "gpt2_exact_gelu", "llama_gqa", "llama_mqa_tied", "llama3", "llama_biases"])
+def test_recorded_model_flags_rebuild_the_converted_config(tmp_path, family, overrides):
+    """What pretrain_gpt.py builds from the flags the checkpoint records (and the CLI prints)
+    is the converted model."""
+    from gigatron.training.checkpoint_convert import (config_from_flags, model_flags,
+                                                      parse_model_flags, unexpressed_fields)
+
+    (_gpt2 if family == "gpt2" else _llama)(tmp_path, **overrides)
+    config = hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))
+    rebuilt = config_from_flags(parse_model_flags(model_flags(config)))
+    assert unexpressed_fields(config, rebuilt) == []
+    assert rebuilt.activation == config.activation and rebuilt.kv_channels == config.kv_channels
+
+
+def test_a_run_checkpoint_without_a_recorded_config_converts_from_its_flags(tmp_path):
+    """A checkpoint pretrain_gpt.py saved records only its flags: the config they build and
+    the saved vocabulary's rows make the model."""
+    import gigatron.training.dist_checkpoint as dist_checkpoint
+    from gigatron.training.checkpoint_convert import model_flags, parse_model_flags
+
+    hf = _llama(tmp_path)
+    config = hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))
+    state, _ = dist_checkpoint.load_global_model(str(tmp_path / "gig"))
+    flags = parse_model_flags(model_flags(config))
+    flags["vocab_size"] = None  # a tokenizer file gave the vocabulary
+    dist_checkpoint.save_global_model(state, str(tmp_path / "run"), 7, {"flags": flags})
+    gigatron_to_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    exported = _assert_export_loads(str(tmp_path / "out"), transformers.LlamaForCausalLM)
+    tokens = _tokens(seed=6)
+    torch.testing.assert_close(_hf_logits(exported, tokens), _hf_logits(hf, tokens),
+                               rtol=0, atol=1e-5)

@@ -8,7 +8,6 @@ model (including transformer_engine names) imports to exactly that model, and th
 comparison is shown to catch a swapped q/k/v or gate/up.
 """
 import argparse
-import importlib.util
 import os
 import sys
 
@@ -34,14 +33,6 @@ GPT_LIKE = dict(position_embedding_type="learned_absolute", normalization="Layer
                 untie_embeddings_and_output_weights=False, group_query_attention=False,
                 num_query_groups=1, ffn_hidden_size=64)
 
-
-@pytest.fixture
-def global_model_io(monkeypatch):
-    """training/dist_checkpoint.py, or the tests' stand-in while it does not exist."""
-    if importlib.util.find_spec("gigatron.training.dist_checkpoint") is None:
-        import dist_checkpoint_standin
-        monkeypatch.setitem(sys.modules, "gigatron.training.dist_checkpoint",
-                            dist_checkpoint_standin)
 
 
 def _tokens(vocab=100, batch=2, seq=16, seed=1):
@@ -241,8 +232,7 @@ def test_missing_rank_folder_and_torch_dist_format_are_named(tmp_path):
         read_megatron(str(tmp_path / "dist"))
 
 
-def test_cli_writes_a_gigatron_checkpoint_and_prints_the_model_flags(tmp_path, capsys,
-                                                                     global_model_io):
+def test_cli_writes_a_gigatron_checkpoint_and_prints_the_model_flags(tmp_path, capsys):
     from gigatron.cli import convert
     from gigatron.training.checkpoint_convert import load_model
 
@@ -285,3 +275,22 @@ def test_megatron_core_checkpoint_imports_with_equal_logits(tmp_path, model, tp,
     assert config.vocab_size == args.padded_vocab_size  # Megatron's softmax sees every row
     ours = _gigatron_logits(config, state, tokens)
     torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, rtol=0, atol=1e-5)
+
+
+def test_args_holding_classes_of_a_missing_package_still_load(tmp_path, monkeypatch):
+    """Megatron pickles its enums into the args (attention_backend...): they must not need
+    megatron installed to read the checkpoint."""
+    import enum
+    import types
+
+    module = types.ModuleType("not_installed_megatron_enums")
+    Backend = enum.Enum("AttnBackend", {"auto": 5})
+    Backend.__module__ = module.__name__
+    module.AttnBackend = Backend
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    args = megatron_args(tp=2, vocab_size=100, attention_backend=Backend.auto)
+    config, state = _reference(args)
+    _write_layout(str(tmp_path / "meg"), args, state, config)
+    monkeypatch.delitem(sys.modules, module.__name__)
+    imported_config, _ = read_megatron(str(tmp_path / "meg"))
+    assert imported_config == config
