@@ -1,7 +1,9 @@
 """Converted checkpoints are layout-free: a Hugging Face Llama converted to a gigatron checkpoint
 loads with `--load` at tp=2 x pp=2 (forked gloo ranks) and gives Hugging Face's logits
 (fp32, 1e-5); a tp=2 x pp=2 run that trains on from it (lr 0: the weights stay) saves a
-checkpoint that converts back to a Hugging Face folder with the same logits again."""
+checkpoint that converts back to a Hugging Face folder with the same logits again. A
+Megatron-LM checkpoint (tp=4, GPT-style: tied embeddings, learned positions) imported to a
+gigatron checkpoint gives the single-device model's logits at tp=2 x pp=2 too."""
 import contextlib
 import io
 
@@ -9,13 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_layout import megatron_args
 from multirank import run_on_ranks
+from test_megatron_import import GPT_LIKE, _gigatron_logits, _reference, _write_layout
 
 transformers = pytest.importorskip("transformers")
 
 from gigatron.training.checkpoint_convert import (  # noqa: E402
     gigatron_to_hf,
     hf_to_gigatron,
+    megatron_to_gigatron,
     model_flags,
 )
 
@@ -101,3 +106,17 @@ def test_hf_checkpoint_loads_at_tp2_pp2_and_trains_back_to_hf_logits(tmp_path):
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_megatron_import_loads_at_tp2_pp2_with_the_single_device_logits(tmp_path):
+    args = megatron_args(tp=4, vocab_size=VOCAB, seq_length=SEQ, **GPT_LIKE)
+    config, state = _reference(args)
+    _write_layout(str(tmp_path / "meg"), args, state, config)
+    imported = megatron_to_gigatron(str(tmp_path / "meg"), str(tmp_path / "gig"))
+    assert imported == config
+    tokens = _tokens()
+    expected = _gigatron_logits(config, state, tokens)[..., :VOCAB]
+    results = run_on_ranks(_logits_at_layout, 4, model_flags(config) + LAYOUT + RUN + [
+        "--load", str(tmp_path / "gig"), "--finetune"], tokens)
+    logits = next(r for r in results if r is not None)
+    torch.testing.assert_close(logits[..., :VOCAB], expected, rtol=0, atol=1e-5)
