@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from gigatron.training.config import RunConfig
 
 PROG = "gigatron plan"
 
@@ -74,8 +77,8 @@ def _check_plan_options(opts: argparse.Namespace) -> None:
         raise ConfigError(problems)
 
 
-def configure(argv: Sequence[str]) -> Tuple[argparse.Namespace, argparse.Namespace, object,
-                                             int]:
+def configure(argv: Sequence[str]) -> Tuple[argparse.Namespace, argparse.Namespace,
+                                             "RunConfig", int]:
     """(plan options, pretrain flags, validated RunConfig, world size): pretrain_gpt's own
     parse and validation, with the world size from --num-gpus."""
     from gigatron.training.arguments import parse_flags, with_other_problems
@@ -109,6 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         opts, flags, run, world = configure(args)
         hw = _hardware(opts, flags.peak_tflops)
         if opts.search:
+            assert run.model is not None and run.train.global_batch_size is not None
             ranked, refused = search(flags, world, run.train.global_batch_size,
                                      run.model.vocab_size, hw)
             text = json.dumps(report.search_dict(ranked, refused), indent=1) if opts.json \

@@ -1,0 +1,10 @@
+"""`gigatron plan`: per-stage memory and step time of a layout, before a GPU is rented.
+
+hardware.py  the one table of device figures (also the training log's MFU peak)
+parameters.py  each stage's parameters as GPTModel registers them, without building it
+memory.py    model state as ZeRO lays it out (exact) and activations (Korthikanti et al.)
+cost.py      FLOPs, compute, tp/pp/dp communication, the bubble from the schedule simulator
+planner.py   one layout's plan; search.py: every layout ranked; report.py: text and JSON
+sc21.py      the Megatron-LM SC21 table and the plan's prediction of it
+docs/PLAN.md explains the model, its three constants and its sources.
+"""

@@ -35,7 +35,7 @@ Sources (retrieved for this table):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,12 @@ def for_device_name(name: str) -> Optional[Hardware]:
 
 def with_overrides(row: Hardware, overrides: Mapping[str, Optional[float]]) -> Hardware:
     """`row` with the given fields replaced; 'peak_tflops' replaces every dtype's peak."""
-    given = {k: v for k, v in overrides.items() if v is not None}
+    given: Dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     if "peak_tflops" in given:
         peak = float(given.pop("peak_tflops"))
         given["peak_tflops"] = {dtype: peak for dtype in ("bf16", "fp16", "fp32")}
+    if "gpus_per_node" in given:
+        given["gpus_per_node"] = int(given["gpus_per_node"])
     unknown = set(given) - {"peak_tflops", "memory_gib", "hbm_gbps", "intra_node_gbps",
                             "inter_node_gbps", "gpus_per_node"}
     if unknown:

@@ -20,7 +20,7 @@ interleaved schedule: Megatron's (p - 1) * 2 + (v - 1) * p + 1 chunk forwards).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
@@ -266,7 +266,3 @@ def plan_memory(c: "TransformerConfig", partition: PipelinePartition, tp: int, d
     return [stage_memory(c, partition, r, tp, dp, zero, micro_batch_size, num_microbatches,
                          on_gpu) for r in range(partition.pp_size)]
 
-
-def stage_ranks(stages: Sequence[StageMemory]) -> StageMemory:
-    """The stage whose rank peaks highest (the one that decides whether a layout fits)."""
-    return max(stages, key=lambda m: m.peak)

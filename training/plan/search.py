@@ -105,7 +105,8 @@ def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
 def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
            vocab_size: Optional[int], hw: Hardware) -> Tuple[List[Candidate], List[Candidate]]:
     """(layouts that fit, fastest first; layouts refused, each with its reason)."""
-    ranked, refused = [], []
+    ranked: List[Candidate] = []
+    refused: List[Candidate] = []
     num_layers = flags.num_layers or 1
     for layout in layouts(world_size, num_layers, hw.gpus_per_node):
         candidate = evaluate(flags, layout, world_size, global_batch_size, vocab_size, hw)
