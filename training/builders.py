@@ -175,7 +175,8 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
     p2p = PipelineP2P(shape, m.params_dtype, device, groups.pp, rank=groups.rank)
     pp_rank, v = groups.index("pp"), len(chunks)
     executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
-                                pp_rank, groups.ranks("pp"), grad_sync=grad_sync)
+                                pp_rank, groups.ranks("pp"), grad_sync=grad_sync,
+                                loss_fn=_loss_fn(run))
     n = run.train.num_microbatches
     train_schedule = build_schedule(pp_rank, p.pp, n, v)
     return Pipeline(executor, train_schedule,
@@ -183,6 +184,15 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
                     needs_inputs=pp_rank == 0, needs_labels=pp_rank == p.pp - 1,
                     pp_rank=pp_rank, pp_size=p.pp, virtual_chunks=v,
                     schedules={n: train_schedule})
+
+
+def _loss_fn(run: RunConfig) -> Any:
+    """The micro-batch loss: the masked mean (Megatron's default) or, with
+    --calculate-per-token-loss, the masked sum (the loop divides by the global token count)."""
+    from gigatron.parallel.pipeline.executor import masked_mean_loss, masked_sum_loss
+    from gigatron.training.per_token_loss import per_token_loss
+
+    return masked_sum_loss if per_token_loss(run.flags) else masked_mean_loss
 
 
 def sample_counts(run: RunConfig) -> List[int]:

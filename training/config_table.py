@@ -19,6 +19,7 @@ from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelC
 from gigatron.training.config_field import SAME_DEFAULT, FieldSpec, field_spec
 from gigatron.training.decoupled_lr import DecoupledLRSettings
 from gigatron.training.fp8_flags import FP8Settings
+from gigatron.training.per_token_loss import LossSettings
 from gigatron.training.settings import (DataSettings, ImplementationSettings, ModelSettings,
                                         OptimizerSettings, PrecisionSettings, SourceSettings)
 
@@ -32,6 +33,7 @@ CONCERNS = (
     (DecoupledLRSettings, "learning rate of the embedding and output layer"),
     (DataSettings, "data and tokenizer"),
     (TrainConfig, "training loop"),
+    (LossSettings, "loss normalisation"),
     (CheckpointConfig, "checkpointing"),
     (LoggingConfig, "logging"),
     (ImplementationSettings, "implementation selectors (the same numbers whichever is chosen)"),

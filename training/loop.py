@@ -38,6 +38,7 @@ from gigatron.training.config import RunConfig
 from gigatron.training.decoupled_lr import set_decoupled_lr
 from gigatron.training.dist_checkpoint_async import SavedCheckpoint
 from gigatron.training.nan_check import NonFiniteWatch
+from gigatron.training.per_token_loss import EvalLoss, loss_divisor, per_token_loss, step_loss
 from gigatron.training.logger import MetricsLogger
 from gigatron.training.lr_schedule import learning_rate
 from gigatron.training.metrics import peak_memory_bytes, throughput
@@ -130,10 +131,6 @@ def _next_batches(it: Iterator[dict], n: int, timers: Optional[Timers] = None) -
     return batches
 
 
-def _local_mean(losses: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    return torch.stack(losses).mean() if losses else None
-
-
 def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> StepOutcome:
     """One optimizer step over the global batch (this rank's micro-batches: their count is
     the step's, which a batch ramp-up grows)."""
@@ -141,14 +138,17 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     s.zero.set_lr(lr)
     set_decoupled_lr(s.zero.optimizer, progress.lr_steps, s.run.lr_schedule, s.run.flags)
     s.zero.zero_grad()
+    divisor = loss_divisor(s.pipeline.needs_labels and per_token_loss(s.run.flags), batches,
+                           s.groups.dp)  # --calculate-per-token-loss: global token count
     losses = s.pipeline.executor.run(s.pipeline.train_schedule_for(len(batches)), batches,
-                                     loss_scale=s.zero.loss_scale)
+                                     loss_scale=s.zero.loss_scale, loss_divisor=divisor)
     s.grad_sync.finish_sync()
     s.timers.start("optimizer")
     with timeline.span("optimizer step"):
         step = s.zero.step()
     s.timers.stop("optimizer")
-    return StepOutcome(_local_mean(losses), lr, step.grad_norm, step.loss_scale, step.skipped)
+    return StepOutcome(step_loss(losses, divisor), lr, step.grad_norm, step.loss_scale,
+                       step.skipped)
 
 
 def advance(progress: TrainProgress, outcome: StepOutcome, global_batch_size: int) -> None:
@@ -172,23 +172,21 @@ def evaluate(s: Session, split: int, consumed: int, iterations: int,
     it = micro_batches(s.run, dataset, consumed, s.groups.index("dp"), s.device, s.pipeline)
     for chunk in s.chunks:
         chunk.eval()
-    total: Optional[torch.Tensor] = None
+    terms = EvalLoss(s.pipeline.needs_labels and per_token_loss(s.run.flags), s.groups.dp)
     timed = dict(s.timers.elapsed)  # eval forwards are not the step's
     shown = s.logger.loop_progress(label, iterations)
     try:
         with torch.no_grad(), timeline.span(label):
             for done in range(1, iterations + 1):
                 batches = _next_batches(it, s.run.train.num_microbatches)
-                local = _local_mean(s.pipeline.executor.run(s.pipeline.eval_schedule, batches))
-                if local is not None:
-                    total = local if total is None else total + local
+                terms.add(s.pipeline.executor.run(s.pipeline.eval_schedule, batches), batches)
                 shown.update(done)
     finally:
         for chunk in s.chunks:
             chunk.train()
         s.timers.elapsed.clear()
         s.timers.elapsed.update(timed)
-    return mean_loss_over_ranks(s, total, iterations)
+    return mean_loss_over_ranks(s, *terms.result())
 
 
 class _Interval:

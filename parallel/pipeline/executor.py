@@ -5,7 +5,9 @@ alive. A model chunk is called Megatron-style: the first virtual stage gets
 `input_ids` (and `position_ids` if the batch has them), the others `hidden_states`; the last
 virtual stage also gets `labels` and its output goes through `loss_fn(output, batch)` to a
 scalar. Backward of micro-batch losses is scaled by `loss_scale / num_microbatches`, so
-grads are those of the mean loss over the step's micro-batches (gradient accumulation).
+grads are those of the mean loss over the step's micro-batches (gradient accumulation); a
+caller may divide by another `loss_divisor` instead (Megatron's --calculate-per-token-loss:
+losses are sums over tokens, divided by the step's token count, see `masked_sum_loss`).
 Memory: a sent activation's values are not needed by backward (only its autograd graph
 is), so the executor keeps a scalar anchor into the graph instead of the output and drops
 the output as soon as it is sent (Megatron frees it the same way, through private API); a
@@ -69,6 +71,24 @@ def masked_mean_loss(per_token_loss: torch.Tensor, batch: Batch) -> torch.Tensor
     return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
+def masked_sum_loss(per_token_loss: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Sum of the per-token loss over the batch's `loss_mask` (all tokens when it has none):
+    the micro-batch loss of Megatron's --calculate-per-token-loss."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return per_token_loss.float().sum()
+    return (per_token_loss.float() * mask.to(per_token_loss.dtype)).sum()
+
+
+def loss_tokens(batches: Sequence[Batch]) -> torch.Tensor:
+    """The tokens `masked_sum_loss` counts in these micro-batches (their loss_mask sum, or
+    every label), as an int64 device tensor."""
+    counts = [b["loss_mask"].sum() if b.get("loss_mask") is not None
+              else torch.tensor(b["labels"].numel(), device=b["labels"].device)
+              for b in batches]
+    return torch.stack(counts).sum().to(torch.int64)
+
+
 def as_tensors(payload: Payload) -> Tuple[torch.Tensor, ...]:
     """A payload's tensors in order (one tensor is a payload of one)."""
     return payload if isinstance(payload, tuple) else (payload,)
@@ -122,9 +142,11 @@ class PipelineExecutor:
         return len(self.pp_ranks)
 
     def run(self, schedule: Sequence[Instruction], batches: Sequence[Batch],
-            loss_scale: float = 1.0) -> List[torch.Tensor]:
+            loss_scale: float = 1.0,
+            loss_divisor: Union[float, torch.Tensor, None] = None) -> List[torch.Tensor]:
         """Run one step's forwards, backwards and messages; returns the detached
-        per-micro-batch losses (device tensors, last stage only).
+        per-micro-batch losses (device tensors, last stage only). Backward starts from each
+        loss x loss_scale / loss_divisor (default: the number of micro-batches).
 
         Grads accumulate into `.grad` or the grad sync's buffers (zero them before the
         step; finish the grad sync after it); `batches[mb]` holds
@@ -132,7 +154,8 @@ class PipelineExecutor:
         """
         self._check_inputs(schedule, batches)
         self._forward_only = not any(isinstance(i, Backward) for i in schedule)
-        self._batches, self._scale = batches, loss_scale / len(batches)
+        self._batches = batches
+        self._scale = loss_scale / (len(batches) if loss_divisor is None else loss_divisor)
         self._last_backward = last_backward_per_chunk(schedule)
         self._inputs: Dict[tuple, Optional[Payload]] = {}
         self._outputs: Dict[tuple, torch.Tensor] = {}  # loss, or anchor of a sent output
