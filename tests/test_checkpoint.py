@@ -109,8 +109,9 @@ def test_loading_under_another_layout_is_a_clear_error(tmp_path):
     files.save_checkpoint(str(tmp_path), 3, {}, COORDS, META)
     folder = files.iteration_dir(str(tmp_path), 3)
     with pytest.raises(ValueError, match=r"saved with tp=1 pp=1 dp=1 virtual_chunks=1 but this "
-                                         r"run has tp=2 pp=1 dp=1 virtual_chunks=1: loading "
-                                         r"across layouts is not supported yet"):
+                                         r"run has tp=2 pp=1 dp=1 virtual_chunks=1: a per-rank "
+                                         r"\(--ckpt-format torch or safetensors\) checkpoint "
+                                         r"loads only into the layout that saved it"):
         files.check_layout(files.read_metadata(folder), {**META, "tp": 2}, folder)
 
 

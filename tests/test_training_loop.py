@@ -96,6 +96,7 @@ def test_finetune_and_no_load_optim_and_layout_mismatch(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     fresh = str(tmp_path / "fresh.jsonl")
     code, _, _ = _program_on(1, FLAGS + ["--train-iters", "4", "--save", ckpt,
+                                         "--ckpt-format", "torch",  # per-rank: layout-bound
                                          "--metrics-file", fresh])[0]
     assert code == 0
     tuned = str(tmp_path / "tuned.jsonl")

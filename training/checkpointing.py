@@ -315,14 +315,17 @@ def fallback_hint(folder: str) -> str:
 
 
 def check_layout(metadata: Dict[str, Any], layout: Dict[str, int], folder: str) -> None:
-    """Loading across tp/pp/dp (or ZeRO stage) is not supported yet: say so clearly."""
+    """A per-rank (torch or safetensors) checkpoint loads only into the layout that wrote
+    it: say so clearly, with the way out."""
     saved = {k: metadata.get(k) for k in layout}
     if saved != layout:
         got = " ".join(f"{k}={v}" for k, v in saved.items())
         want = " ".join(f"{k}={v}" for k, v in layout.items())
         raise ValueError(
-            f"checkpoint {folder} was saved with {got} but this run has {want}: loading "
-            f"across layouts is not supported yet; relaunch with the saved sizes")
+            f"checkpoint {folder} was saved with {got} but this run has {want}: a per-rank "
+            f"(--ckpt-format torch or safetensors) checkpoint loads only into the layout that "
+            f"saved it; relaunch with the saved sizes, adding --ckpt-format torch_dist to "
+            f"write a checkpoint any layout loads at the next save")
 
 
 def find_checkpoint(root: str) -> Tuple[Optional[int], Optional[str]]:

@@ -45,8 +45,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from gigatron.training import checkpoint_integrity as integrity
 from gigatron.training import checkpointing as files
 from gigatron.training.checkpoint_integrity import Gather, StepReport
-from gigatron.training.dist_checkpoint_planner import (ShardedLoadPlanner, ShardedSavePlanner,
-                                                       ShardedValue)
+from gigatron.training.dist_checkpoint_planner import ShardedLoadPlanner, ShardedSavePlanner
 from gigatron.training.dist_checkpoint_state import COMMON, MODEL
 
 FORMAT = "torch_dist"

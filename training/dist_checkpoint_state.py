@@ -19,7 +19,7 @@ parameter is gathered to save it, and every rank writes about 1/world of the che
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
 
 import torch
 
