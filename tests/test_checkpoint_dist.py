@@ -125,7 +125,6 @@ CHILD = textwrap.dedent("""
     import torch.distributed.checkpoint as dcp
     from gigatron.training import checkpointing as files
     from gigatron.training import dist_checkpoint as dist
-from gigatron.training.checkpoint_integrity import file_sha256
 
     root, where = sys.argv[1], sys.argv[2]
     state = lambda it: {"model.w": torch.arange(4096.0).view(64, 64) + it,

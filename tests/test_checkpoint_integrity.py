@@ -266,11 +266,13 @@ def test_a_really_full_disk_fails_cleanly_and_keeps_the_previous_checkpoint(smal
     assert _load(root, fmt)["iteration"] == 2
 
 
-def _main_with_a_full_disk_at_the_second_save_of_rank_1(rank, world, argv):
+def _main_with_a_full_disk_at_the_second_save_of_rank_1(rank, world, argv, fmt):
+    import torch.distributed.checkpoint as dcp
+
     from gigatron.training.checkpoint_integrity import HashingWriter
     from test_training_loop import _main
 
-    if rank == 1:
+    if rank == 1 and fmt == "torch":
         real_save, shards = torch.save, []
 
         def torch_save(obj, f, *args, **kwargs):
@@ -280,11 +282,21 @@ def _main_with_a_full_disk_at_the_second_save_of_rank_1(rank, world, argv):
                     _fail_like_a_full_disk()
             return real_save(obj, f, *args, **kwargs)
         torch.save = torch_save
+    if rank == 1 and fmt == "torch_dist":
+        real_write, calls = dcp.FileSystemWriter.write_data, []
+
+        def write_data(self, plan, planner):
+            calls.append(plan)
+            if len(calls) == 2:
+                _fail_like_a_full_disk()
+            return real_write(self, plan, planner)
+        dcp.FileSystemWriter.write_data = write_data
     return _main(rank, world, argv)
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_full_disk_during_training_stops_every_rank_with_one_line_keeping_the_last_save(
-        tmp_path):
+        tmp_path, fmt):
     """The whole program: the loop's save fails on rank 1 only; both ranks exit 2 through
     main's handler with the message (no traceback, no hang) and the tracker names the last
     good checkpoint."""
@@ -296,12 +308,13 @@ def test_full_disk_during_training_stops_every_rank_with_one_line_keeping_the_la
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ckpt = str(tmp_path / "ckpt")
     argv = FLAGS + ["--train-iters", "4", "--save", ckpt, "--save-interval", "2",
-                    "--eval-iters", "0"]
-    results = run_on_ranks(_main_with_a_full_disk_at_the_second_save_of_rank_1, 2, argv)
+                    "--eval-iters", "0", "--ckpt-format", fmt]
+    results = run_on_ranks(_main_with_a_full_disk_at_the_second_save_of_rank_1, 2, argv, fmt)
     assert [r[0] for r in results] == [2, 2], results
+    part = "its shard " if fmt == "torch" else "its part of "
     for rank, (_, err, _) in enumerate(results):
         assert (f"pretrain_gpt.py: error (rank {rank}): could not save checkpoint iteration 4 "
-                f"to {files.iteration_dir(ckpt, 4)}: rank 1 could not write its shard ") in err
+                f"to {files.iteration_dir(ckpt, 4)}: rank 1 could not write {part}") in err
         assert "No space left on device" in err and "still names iteration 2" in err, err
         assert "Traceback" not in err, err
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", files.TRACKER]
@@ -322,3 +335,22 @@ def test_an_unwritable_save_folder_is_named_with_its_fix(tmp_path, monkeypatch):
     assert "PermissionError: [Errno 13] Permission denied" in message, message
     assert f"make {root} writable or point --save at a folder this job may write" in message
     assert sorted(os.listdir(root)) == ["iter_0000001", files.TRACKER]
+
+
+def test_a_really_full_disk_fails_a_torch_dist_save_cleanly(small_disk):
+    from gigatron.training import dist_checkpoint as dist
+
+    root = os.path.join(small_disk, "ckpt")
+    dist.save(root, 1, {"model.w": torch.ones(16, 16)}, COORDS, {}, single_process=True)
+    with pytest.raises(ValueError) as err:  # 512 KiB > the disk
+        dist.save(root, 2, {"model.w": torch.ones(128, 1024)}, COORDS, {},
+                  single_process=True)
+    message = str(err.value)
+    assert f"could not save checkpoint iteration 2 to {files.iteration_dir(root, 2)}: rank 0 " \
+           f"could not write its part of" in message, message
+    assert "No space left on device" in message, message
+    assert "the checkpoint needs about 512.0 KiB = 524288 bytes (an estimate" in message, message
+    assert "still names iteration 1, which stays loadable" in message, message
+    assert sorted(os.listdir(root)) == ["iter_0000001", files.TRACKER]
+    dist.save(root, 2, {"model.w": torch.ones(16, 16)}, COORDS, {}, single_process=True)
+    assert files.read_tracker(root) == 2

@@ -33,6 +33,7 @@ folder as one single-device state dict in a single process (converters, generati
 """
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -132,7 +133,15 @@ def _write(folder: str, state: Dict[str, Any], rank: int, group: Optional[Any],
         mine = err.failures.get(rank)
         if mine is None:
             return  # another rank failed: the agreement that follows names it
-        raise (mine[0] if isinstance(mine, tuple) else mine) from None
+        raise _os_reason(mine[0] if isinstance(mine, tuple) else mine, folder) from None
+
+
+def _os_reason(err: BaseException, folder: str) -> BaseException:
+    """torch's writer reports a full disk as its own RuntimeError: name the OS's reason."""
+    if isinstance(err, OSError) or integrity.free_bytes(folder) != 0:
+        return err
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (the writer said: "
+                                 f"{integrity.first_sentence(err)})")
 
 
 def _hash_share(folder: str, rank: int, world: int) -> Dict[str, Dict[str, Any]]:

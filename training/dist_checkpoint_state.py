@@ -290,6 +290,9 @@ def staged(values: Dict[str, Any]) -> Dict[str, Any]:
 
 def nbytes(values: Dict[str, Any]) -> int:
     """Bytes of the tensors this rank writes (the size estimate of a full-disk message)."""
-    return sum(t.numel() * t.element_size() for v in values.values()
-               if isinstance(v, ShardedValue) for _, t in v.pieces)
-
+    total = 0
+    for value in values.values():
+        tensors = [t for _, t in value.pieces] if isinstance(value, ShardedValue) else \
+            [value] if isinstance(value, torch.Tensor) else []
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
