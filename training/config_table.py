@@ -20,6 +20,7 @@ from gigatron.training.config_field import SAME_DEFAULT, FieldSpec, field_spec
 from gigatron.training.decoupled_lr import DecoupledLRSettings
 from gigatron.training.fp8_flags import FP8Settings
 from gigatron.training.per_token_loss import LossSettings
+from gigatron.training.profiling import ProfilingSettings
 from gigatron.training.settings import (DataSettings, ImplementationSettings, ModelSettings,
                                         OptimizerSettings, PrecisionSettings, SourceSettings)
 
@@ -36,6 +37,7 @@ CONCERNS = (
     (LossSettings, "loss normalisation"),
     (CheckpointConfig, "checkpointing"),
     (LoggingConfig, "logging"),
+    (ProfilingSettings, "profiling"),
     (ImplementationSettings, "implementation selectors (the same numbers whichever is chosen)"),
     (SourceSettings, "configuration file"),
 )

@@ -39,6 +39,7 @@ from gigatron.training.decoupled_lr import set_decoupled_lr
 from gigatron.training.dist_checkpoint_async import SavedCheckpoint
 from gigatron.training.nan_check import NonFiniteWatch
 from gigatron.training.per_token_loss import EvalLoss, loss_divisor, per_token_loss, step_loss
+from gigatron.training.profiling import Profiler
 from gigatron.training.logger import MetricsLogger
 from gigatron.training.lr_schedule import learning_rate
 from gigatron.training.metrics import peak_memory_bytes, throughput
@@ -320,16 +321,20 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
     _start_nonfinite_watch(s, progress)
     ramp = run_rampup(t, s.run.parallel.dp)
     interval, last_count = _Interval(), None
+    profiler = Profiler(s.run.flags, s.groups.rank, s.run.parallel.world_size, s.device.type,
+                        s.run.logging.log_interval)  # --profile, --record-memory-history
     while progress.iteration < t.train_iters:
         batch_size = ramp.batch_size(progress.consumed_train_samples)
         count = batch_size // ramp.micro_batch_times_dp
         if last_count is not None and count != last_count:
             _save(s, progress)
         last_count = count
+        profiler.before_step(progress.iteration)
         activity.at(progress.iteration + 1, "train step")  # for hang reports (watchdog)
         started = timeline.now() if timeline.on else 0
         outcome = train_step(s, _next_batches(it, count, s.timers), progress)
         advance(progress, outcome, batch_size)
+        profiler.after_step(progress.iteration)
         if timeline.on:
             timeline.record(f"iteration {progress.iteration}", started)
         if s.nonfinite is not None:

@@ -35,10 +35,12 @@ def check_operational(flags: argparse.Namespace, p: "Problems",
     (`has_package`, `has_cuda`: what this machine has; default: look)."""
     from gigatron.training.decoupled_lr import check_decoupled_lr
     from gigatron.training.fp8_flags import check_fp8
+    from gigatron.training.profiling import check_profiling
 
     has_package = has_package or installed
     check_fp8(flags, p)
     check_decoupled_lr(flags, p)
+    check_profiling(flags, p)
     if flags.tensorboard_dir and not has_package("tensorboard"):
         p.add(f"--tensorboard-dir needs the tensorboard package, which is not installed: "
               f"{INSTALL['tensorboard']}, or drop --tensorboard-dir")
@@ -151,6 +153,8 @@ def flag_notes(flags: Mapping[str, Any], backend: str,
     """One banner line per accepted flag that maps to something else here."""
     from gigatron.training.decoupled_lr import decoupled_lr_notes
     from gigatron.training.fp8_flags import fp8_notes
+    from gigatron.training.profiling import profiling_notes
 
     return _impl_notes(flags, has_package or installed) + _run_notes(flags, backend) + \
-        fp8_notes(flags) + decoupled_lr_notes(flags)
+        fp8_notes(flags) + decoupled_lr_notes(flags) + \
+        profiling_notes(flags, "cuda" if backend == "nccl" else "cpu")
