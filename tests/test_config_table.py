@@ -118,7 +118,8 @@ SAMPLES = {"model": "gpt2-124m", "position_embedding_type": "rope", "normalizati
            "data_path": ["a"], "train_data_path": ["a"], "valid_data_path": ["b"],
            "test_data_path": ["c"], "deepspeed_config": None, "num_key_value_heads": 2,
            "train_samples": 160, "rampup_batch_size": [8, 8, 32], "kv_channels": 16,
-           "distributed_backend": "gloo", "profile_ranks": [0, 1]}
+           "distributed_backend": "gloo", "profile_ranks": [0, 1],
+           "rope_scaling_high_freq_factor": 16.0}  # above the low factor's default 1
 NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layers 1",
          "recompute_granularity": "--recompute-method uniform --recompute-num-layers 1",
          "recompute_num_layers": "--recompute-granularity full --recompute-method uniform",

@@ -88,3 +88,32 @@ def test_llama31_rope_scaling_keys_round_trip_and_change_the_model():
         plain.config.rope_scaling_high_freq_factor = 4.0
         plain.config.rope_scaling_original_max_position_embeddings = 8192
         assert not torch.allclose(plain(tokens)[..., :VOCAB], logits, atol=1e-3)
+
+
+def test_converted_checkpoint_generates_transformers_tokens_from_the_cli(tmp_path):
+    """HF folder -> `gigatron convert hf-to-gigatron` -> `gigatron generate --load` (no model
+    flag) on 1 rank and on 2 tensor-parallel ranks: transformers' greedy tokens."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from multirank import run_on_ranks
+    from test_generation_cli import _command
+
+    hf = _hf_model("llama", rope_scaling=SCALING, rope_theta=10000.0)
+    hf.save_pretrained(tmp_path / "hf")
+    folder = str(tmp_path / "ckpt")
+    (code, _, err), = run_on_ranks(_command, 1, "cli.convert", [
+        "hf-to-gigatron", "--load", str(tmp_path / "hf"), "--save", folder])
+    assert code == 0, err
+    expected = _hf_greedy(hf, PROMPTS, NEW)
+    for world in (1, 2):
+        out = str(tmp_path / f"tp{world}.jsonl")
+        args = ["--load", folder, "--max-new-tokens", str(NEW), "--ignore-eod", "--output", out]
+        for prompt in PROMPTS:
+            args += ["--prompt", " ".join(map(str, prompt))]
+        results = run_on_ranks(_command, world, "cli.generate", args)
+        assert [r[0] for r in results] == [0] * world, results
+        with open(out) as f:
+            assert [json.loads(line)["tokens"] for line in f] == expected

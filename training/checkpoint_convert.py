@@ -65,7 +65,11 @@ def model_flags(config: TransformerConfig) -> List[str]:
             argv += ["--rotary-seq-len-interpolation-factor",
                      config.rotary_seq_len_interpolation_factor]
         if config.rope_scaling:
-            argv += ["--use-rope-scaling", "--rope-scaling-factor", config.rope_scaling_factor]
+            argv += ["--use-rope-scaling", "--rope-scaling-factor", config.rope_scaling_factor,
+                     "--rope-scaling-low-freq-factor", config.rope_scaling_low_freq_factor,
+                     "--rope-scaling-high-freq-factor", config.rope_scaling_high_freq_factor,
+                     "--rope-scaling-original-max-position-embeddings",
+                     config.rope_scaling_original_max_position_embeddings]
     argv += _activation_flags(config)
     if not config.add_bias_linear:
         argv.append("--disable-bias-linear")

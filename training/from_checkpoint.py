@@ -25,6 +25,9 @@ NOT_INHERITED: Dict[str, Any] = {
     "save": None, "metrics_file": None, "tensorboard_dir": None, "wandb_project": None,
     "timeline": None, "deepspeed_config": None, "exit_signal_handler": False, "finetune": False,
 }
+# training settings a converted checkpoint (Hugging Face, Megatron-LM) does not record: the
+# run config needs them, inference never uses them (micro-batch: evaluate's default)
+TRAINING_ONLY = {"micro_batch_size": 1, "lr": 1.0e-4, "train_iters": 1}
 DATA_SOURCES = ("data_path", "train_data_path", "valid_data_path", "test_data_path",
                 "mock_data")
 
@@ -62,6 +65,9 @@ def inference_flags(argv: Sequence[str], load: str, prog: str,
     from gigatron.training.arguments import make_parser
 
     base = {**saved_flags(load), **NOT_INHERITED, **overrides, "load": load}
+    for name, value in TRAINING_ONLY.items():
+        if base.get(name) is None and not (name == "train_iters" and base.get("train_samples")):
+            base[name] = value
     given = explicit_dests(argv, prog)
     if given & set(DATA_SOURCES):
         base.update({name: None for name in DATA_SOURCES}, mock_data=False)

@@ -29,6 +29,10 @@ MODEL_FIELDS = {
     "rotary_percent": "rotary_percent",
     "rotary_seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
     "use_rope_scaling": "rope_scaling", "rope_scaling_factor": "rope_scaling_factor",
+    "rope_scaling_low_freq_factor": "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor": "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings":
+        "rope_scaling_original_max_position_embeddings",
     "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
     "apply_layernorm_1p": "layernorm_zero_centered_gamma",
     "hidden_dropout": "hidden_dropout", "attention_dropout": "attention_dropout",
@@ -40,7 +44,8 @@ MODEL_FIELDS = {
 _POSITIVE_MODEL = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                    "kv_channels", "seq_length", "max_position_embeddings",
                    "make_vocab_size_divisible_by", "init_method_std", "recompute_num_layers",
-                   "num_key_value_heads", "num_query_groups")
+                   "num_key_value_heads", "num_query_groups",
+                   "rope_scaling_original_max_position_embeddings")
 REQUIRED_WITHOUT_MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 # Megatron's --attention-backend (and gigatron's sdpa) -> TransformerConfig.attention_backend
 ATTENTION_BACKENDS = {"auto": "sdpa", "flash": "sdpa", "fused": "sdpa", "sdpa": "sdpa",

@@ -66,6 +66,18 @@ class ModelSettings:
         "frequency factors 1 and 4, original context 8192)", "--use-rope-scaling")
     rope_scaling_factor: Optional[float] = setting(
         None, "factor of --use-rope-scaling (model default 8.0)", "--rope-scaling-factor")
+    rope_scaling_low_freq_factor: Optional[float] = setting(
+        None, "gigatron's: --use-rope-scaling slows wavelengths above the original context / "
+        "this (Hugging Face's rope_scaling.low_freq_factor; model default 1.0, the value "
+        "Megatron-Core fixes)", "--rope-scaling-low-freq-factor")
+    rope_scaling_high_freq_factor: Optional[float] = setting(
+        None, "gigatron's: --use-rope-scaling keeps wavelengths below the original context / "
+        "this (rope_scaling.high_freq_factor; model default 4.0, Megatron-Core's)",
+        "--rope-scaling-high-freq-factor")
+    rope_scaling_original_max_position_embeddings: Optional[int] = setting(
+        None, "gigatron's: the context --use-rope-scaling's model was trained on "
+        "(rope_scaling.original_max_position_embeddings; model default 8192, Megatron-Core's)",
+        "--rope-scaling-original-max-position-embeddings")
     normalization: Optional[str] = setting(
         None, "norm layer (model default LayerNorm; Megatron-DeepSpeed's layernorm/rmsnorm "
         "too)", "--normalization", choices=("LayerNorm", "RMSNorm", "layernorm", "rmsnorm"))
