@@ -143,9 +143,9 @@ def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
     if run.checkpoint.save is None:
         raise ValueError("saving a checkpoint needs --save DIR")
     if run.checkpoint.ckpt_format == dist_checkpoint.FORMAT:
-        root, state, coords, meta = _dist_save_state(run, groups, progress, chunks, zero,
-                                                      device)
-        return dist_checkpoint.save(root, progress.iteration, state, coords, meta)
+        root, dist_state_dict, coords, meta = _dist_save_state(run, groups, progress, chunks,
+                                                                zero, device)
+        return dist_checkpoint.save(root, progress.iteration, dist_state_dict, coords, meta)
     with zero.gathered_parameters():
         model = [{k: v.detach().cpu().clone() for k, v in c.state_dict().items()}
                  for c in chunks]
@@ -167,9 +167,9 @@ def _dist_save_state(run: RunConfig, groups: "ProcessGroups", progress: TrainPro
                      device: torch.device
                      ) -> Tuple[str, Dict[str, Any], Dict[str, int], Dict[str, Any]]:
     """(root, this rank's torch_dist state, coordinates, metadata.json's content)."""
-    if run.checkpoint.save is None:
-        raise ValueError("saving a checkpoint needs --save DIR")
     ck, coords = run.checkpoint, groups.coords
+    if ck.save is None:
+        raise ValueError("saving a checkpoint needs --save DIR")
     with_optimizer = not ck.no_save_optim
     values, scalars = dist_state.zero_state_to_save(zero, chunks, coords["tp"], run.parallel.tp,
                                                     coords["dp"], with_optimizer)
