@@ -53,42 +53,25 @@ def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> List[Tupl
 
 def _cut(shape: Shape, prefix: Shape, lo: int, hi: int, base: int,
          out: List[Tuple[int, Box]]) -> None:
-    """Boxes of the flat range [lo, hi) of the sub-tensor at index `prefix`; `base` is the
-    global flat index of the range's first element (positions are relative to it)."""
+    """Append the boxes of the elements [lo, hi) of the sub-tensor at index `prefix` (flat
+    offsets within it); `base` is the flat index the returned positions count from."""
     dim = len(prefix)
-    inner = math.prod(shape[dim + 1:])
     rest = shape[dim + 1:]
-    fixed = (1,) * dim
-    origin = _flat_index(shape, prefix)
-
-    def rows(first: int, count: int) -> None:
-        box = Box(prefix + (first,) + (0,) * len(rest), fixed + (count,) + rest)
-        out.append((origin + first * inner - base, box))
-
-    first, last = lo // inner, (hi - 1) // inner  # rows holding the first and last element
-    if lo % inner == 0 and hi % inner == 0:
-        rows(first, last - first + 1)
+    inner = math.prod(rest)
+    if lo // inner == (hi - 1) // inner and hi - lo < inner:  # inside one row: go deeper
+        row = lo // inner
+        _cut(shape, prefix + (row,), lo - row * inner, hi - row * inner, base, out)
         return
-    if first == last:
-        _cut_row(shape, prefix, first, lo, hi, base, out)
-        return
-    full_from, full_to = first, last + 1
-    if lo % inner:
-        _cut_row(shape, prefix, first, lo, (first + 1) * inner, base, out)
-        full_from = first + 1
-    if hi % inner:
-        full_to = last
-    if full_to > full_from:
-        rows(full_from, full_to - full_from)
-    if hi % inner:
-        _cut_row(shape, prefix, last, last * inner, hi, base, out)
-
-
-def _cut_row(shape: Shape, prefix: Shape, row: int, lo: int, hi: int, base: int,
-             out: List[Tuple[int, Box]]) -> None:
-    """Recurse into one row of dimension len(prefix) (lo, hi relative to the sub-tensor)."""
-    inner = math.prod(shape[len(prefix) + 1:])
-    _cut(shape, prefix + (row,), lo - row * inner, hi - row * inner, base, out)
+    whole_from, whole_to = -(-lo // inner), hi // inner  # the rows the range covers whole
+    if lo < whole_from * inner:  # the tail of the row before them
+        row = whole_from - 1
+        _cut(shape, prefix + (row,), lo - row * inner, inner, base, out)
+    if whole_to > whole_from:
+        box = Box(prefix + (whole_from,) + (0,) * len(rest),
+                  (1,) * dim + (whole_to - whole_from,) + rest)
+        out.append((_flat_index(shape, prefix) + whole_from * inner - base, box))
+    if hi > whole_to * inner:  # the head of the row after them
+        _cut(shape, prefix + (whole_to,), 0, hi - whole_to * inner, base, out)
 
 
 def _flat_index(shape: Shape, prefix: Shape) -> int:
