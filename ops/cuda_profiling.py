@@ -20,8 +20,7 @@ def nsys_range_stop() -> None:
 def record_memory_history() -> None:
     """Record the CUDA caching allocator's alloc/free events with their Python stacks
     (Megatron's --record-memory-history: up to 100k events)."""
-    torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100_000,
-                                             trace_alloc_record_context=True)
+    torch.cuda.memory._record_memory_history("all", max_entries=100_000)
 
 
 def dump_memory_snapshot(path: str) -> None:

@@ -84,10 +84,11 @@ def mark_embedding_and_output(chunks: List[torch.nn.Module]) -> None:
     from gigatron.parallel.zero.param_groups import DECOUPLED_ATTR
 
     for chunk in chunks:
-        if getattr(chunk, "pre_process", False):
-            setattr(chunk.embedding.word_embeddings.weight, DECOUPLED_ATTR, True)
-        if getattr(chunk, "post_process", False) and chunk.output_layer.weight is not None:
-            setattr(chunk.output_layer.weight, DECOUPLED_ATTR, True)
+        gpt: Any = chunk  # a GPTModel
+        if gpt.pre_process:
+            setattr(gpt.embedding.word_embeddings.weight, DECOUPLED_ATTR, True)
+        if gpt.post_process and gpt.output_layer.weight is not None:
+            setattr(gpt.output_layer.weight, DECOUPLED_ATTR, True)
 
 
 def build_optimizer(run: RunConfig, chunks: List[torch.nn.Module],
@@ -108,7 +109,8 @@ def transformer_linears(chunk: torch.nn.Module) -> List[torch.nn.Module]:
     Megatron-Core runs in FP8 (not the embedding, not the output layer)."""
     from gigatron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
-    return [m for m in chunk.decoder.modules()
+    decoder: torch.nn.Module = getattr(chunk, "decoder")
+    return [m for m in decoder.modules()
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
@@ -118,7 +120,7 @@ def apply_fp8(chunks: List[torch.nn.Module], recipe: "FP8Recipe", amax_group: An
     from gigatron.parallel.tensor.fp8 import enable_fp8
 
     for chunk in chunks:
-        enable_fp8(chunk.decoder, transformer_linears(chunk), recipe, amax_group)
+        enable_fp8(getattr(chunk, "decoder"), transformer_linears(chunk), recipe, amax_group)
 
 
 def fp8_amax_group(groups: "ProcessGroups") -> Any:

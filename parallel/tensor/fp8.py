@@ -274,7 +274,8 @@ def enable_fp8(region_module: nn.Module, linears: Iterable[nn.Module], recipe: F
         if id(layer) not in inside or not hasattr(layer, "fp8"):
             raise ValueError(f"enable_fp8: {type(layer).__name__} is not an FP8-capable "
                              f"tensor-parallel linear inside {type(region_module).__name__}")
-        device = layer.weight.device if layer.weight is not None else None
-        layer.fp8 = FP8LinearState(recipe, device)
-        states.append(layer.fp8)
+        weight = getattr(layer, "weight", None)
+        state = FP8LinearState(recipe, None if weight is None else weight.device)
+        setattr(layer, "fp8", state)  # Column/RowParallelLinear.fp8
+        states.append(state)
     return FP8Region(states, amax_group).attach(region_module)
