@@ -176,9 +176,10 @@ def _decode(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
     step_input, step_mask = tokens, mask
     for _ in range(max_new_tokens):
         if cache is None:  # the whole (left-padded) sequence again
-            logits = model(tokens, attention_mask=mask)
+            logits = model(tokens, attention_mask=mask, last_logits_only=True)
         else:
-            logits = model(step_input, kv_cache=cache, attention_mask=step_mask)
+            logits = model(step_input, kv_cache=cache, attention_mask=step_mask,
+                           last_logits_only=True)
         chosen = next_tokens(_last_logits(model, logits), params, generator).tolist()
         news: List[Optional[int]] = []
         for row, token in enumerate(chosen):

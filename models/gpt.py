@@ -147,7 +147,8 @@ class GPTModel(nn.Module):
                 hidden_states: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None,
+                last_logits_only: bool = False) -> torch.Tensor:
         """Per-token loss [b, s] (last stage, labels), tp-sharded logits [b, s, V_pad/tp]
         with the padded vocabulary's columns at -inf (last stage, no labels), else hidden
         states [s(/tp), b, h].
@@ -155,7 +156,9 @@ class GPTModel(nn.Module):
         Positions (learned or RoPE) are `position_ids` [b, s], default 0 .. s-1. Inference:
         `kv_cache` holds the earlier tokens (positions continue from them) and keeps these;
         `attention_mask` [b, s] (1: token, 0: padding) keeps padding out of attention (a
-        forward without a cache then uses a one-step cache of its own)."""
+        forward without a cache then uses a one-step cache of its own); `last_logits_only`:
+        the output layer on the last position only ([b, 1, V_pad/tp]: a long prompt's
+        prefill needs no more)."""
         step = None
         if kv_cache is not None or attention_mask is not None:
             step = self._begin_inference(input_ids, hidden_states, kv_cache, attention_mask)
@@ -174,6 +177,10 @@ class GPTModel(nn.Module):
             step.cache.commit(step)
         if not self.post_process:
             return x
+        if last_logits_only:
+            if self.config.sequence_parallel and tp_size(self.tp_group) > 1:
+                raise ValueError("last_logits_only needs sequence_parallel=False")
+            x = x[-1:]
         logits = self.output_layer(x, self.output_weight())  # [s, b, V_pad/tp]
         if labels is None:
             return self._mask_padded_vocab(logits).transpose(0, 1).contiguous()

@@ -199,3 +199,13 @@ def test_position_ids_are_honoured(style):
     gapped = arange + (arange >= cfg.seq_length // 2) * 3  # a jump mid-sequence
     out = model(ids, position_ids=gapped)
     assert not torch.allclose(out[:, cfg.seq_length // 2:], model(ids)[:, cfg.seq_length // 2:])
+
+
+def test_last_logits_only_is_the_last_position_of_the_full_logits():
+    """Within atol 1e-6: a one-row matmul may sum in another order than the full one."""
+    cfg = load_config("debug-llama", **NO_DROPOUT)
+    model = GPTModel(cfg)
+    ids = _ids(cfg)
+    last = model(ids, last_logits_only=True)
+    assert last.shape == (2, 1, cfg.padded_vocab_size())
+    torch.testing.assert_close(last, model(ids)[:, -1:], rtol=0, atol=1e-6)
