@@ -11,6 +11,8 @@ from gigatron.training import checkpointing as files
 from gigatron.training import state
 from gigatron.training.arguments import build_run_config, parse_flags
 from gigatron.training.checkpoint_integrity import job_gather
+from gigatron.training.dist_checkpoint import save_global_model
+from gigatron.training.dist_checkpoint_state import placement_of
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 1e-2 --mock-data --vocab-size 128 "
@@ -28,8 +30,14 @@ def _run(root, changes=()):
     return build_run_config(parse_flags(argv + ["--load", root], "pretrain_gpt.py"), 1, None)
 
 
-def _save(root, run):
+def _save(root, run, fmt="torch"):
     model = GPTModel(run.model)
+    if fmt == "torch_dist":  # the single-device state, as a converter writes it
+        global_state = {n: p.detach()[tuple(slice(0, k) for k in
+                                            placement_of(p, 0, 1).global_shape)]
+                        for n, p in model.named_parameters()}
+        save_global_model(global_state, root, 3, {"flags": run.flags})
+        return model
     meta = {**state.layout(run, 1), "zero_stage": 0, "flags": run.flags}
     files.save_checkpoint(root, 3, {"model": [model.state_dict()]}, GROUPS.coords, meta)
     return model
@@ -69,9 +77,10 @@ def _load_error(root, run):
      ["output_layer.weight is missing from the checkpoint",
       "decided by --untie-embeddings-and-output-weights"]),
 ], ids=["hidden", "ffn", "heads", "layers", "vocab", "positions", "untied"])
-def test_shape_mismatch_names_parameter_shapes_and_flags(tmp_path, changes, phrases):
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_shape_mismatch_names_parameter_shapes_and_flags(tmp_path, changes, phrases, fmt):
     root = str(tmp_path)
-    _save(root, _run(root))
+    _save(root, _run(root), fmt)
     message = _load_error(root, _run(root, changes))
     assert message.startswith(f"checkpoint {files.iteration_dir(root, 3)} does not fit this "
                               f"run's model: "), message
@@ -106,10 +115,11 @@ def test_same_flags_but_other_shapes_says_so(tmp_path):
             "checkpoint and this run") in message, message
 
 
-def test_matching_checkpoint_loads_its_weights(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_matching_checkpoint_loads_its_weights(tmp_path, fmt):
     root = str(tmp_path)
     run = _run(root)
-    saved = _save(root, run)
+    saved = _save(root, run, fmt)
     model = GPTModel(run.model, seed=99)
     assert not torch.equal(model.state_dict()["decoder.layers.0.mlp.linear_fc1.weight"],
                            saved.state_dict()["decoder.layers.0.mlp.linear_fc1.weight"])
@@ -159,7 +169,7 @@ def test_one_damaged_shard_stops_every_rank_at_load(tmp_path):
     root = str(tmp_path)
     errors = run_on_ranks(_load_with_rank_1_shard_damaged, 2, root)
     folder = files.iteration_dir(root, 3)
-    assert errors[0] == (f"rank 1 could not load its shard of checkpoint {folder} (the error "
+    assert errors[0] == (f"rank 1 could not load its part of checkpoint {folder} (the error "
                          f"line of rank 1 names the file and the fix): this rank stops too")
     assert errors[1].startswith(f"checkpoint shard {folder}/mp_rank_00_000_001/model_optim_rng"
                                 f".pt of iteration 3 does not match the checksum"), errors[1]
