@@ -208,3 +208,28 @@ def test_tp2_equals_tp1_under_fp8_emulation():
             err = ((params[name] - want).norm() / want.norm()).item()
             assert err <= 1e-5, f"{name}: {err:.3g}"
     assert one[1][0] != [1.0, 1.0, 1.0]  # the scales did move off their start
+
+
+FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--micro-batch-size 2 --train-iters 4 --lr 1e-3 --mock-data --vocab-size 64").split()
+
+
+def test_flags_map_to_the_recipe_and_refuse_what_is_not_emulated():
+    from gigatron.training.arguments import parse_args
+    from gigatron.training.fp8_flags import fp8_recipe
+    from gigatron.training.validation import ConfigError
+
+    run = parse_args(FLAGS + "--fp8-format e4m3 --fp8-margin 1 --fp8-amax-history-len 16 "
+                             "--fp8-amax-compute-algo max --disable-fp8-wgrad".split(), 1)
+    assert fp8_recipe(run.flags) == FP8Recipe("e4m3", 1, 16, "max", wgrad=False)
+    assert fp8_recipe(parse_args(FLAGS, 1).flags) is None
+    defaults = fp8_recipe(parse_args(FLAGS + ["--fp8-format", "hybrid"], 1).flags)
+    assert defaults == FP8Recipe("hybrid", 0, 1, "most_recent", wgrad=True)  # Megatron's
+    with pytest.raises(ConfigError) as err:
+        parse_args(FLAGS + "--fp8-format hybrid --fp8-recipe mxfp8 --recompute-activations "
+                           "--fp8-param-gather".split(), 1)
+    for message in ("--fp8-recipe mxfp8 is not emulated", "with activation recomputation",
+                    "--fp8-param-gather needs the distributed optimizer"):
+        assert message in str(err.value)
+    with pytest.raises(ConfigError, match="--fp8-param-gather needs --fp8-format"):
+        parse_args(FLAGS + ["--fp8-param-gather", "--use-distributed-optimizer"], 1)
