@@ -223,3 +223,16 @@ def test_format_is_read_from_the_folder():
         == "torch"
     assert dist.checkpoint_format(
         {"shards": {"mp_rank_00_000_000/model_optim_rng.safetensors": {}}}) == "safetensors"
+
+
+def test_async_save_needs_the_torch_dist_format():
+    from gigatron.training.arguments import parse_args
+
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 "
+            "--mock-data --vocab-size 100 --save ckpt --async-save").split()
+    with pytest.raises(ValueError, match=r"--async-save needs --ckpt-format torch_dist "
+                                         r"\(got torch\): drop --ckpt-format or --async-save"):
+        parse_args(base + ["--ckpt-format", "torch"], 1, None)
+    run = parse_args(base, 1, None)
+    assert run.checkpoint.async_save and run.checkpoint.ckpt_format == "torch_dist"
