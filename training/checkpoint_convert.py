@@ -160,6 +160,7 @@ def load_model(root: str) -> Tuple[TransformerConfig, StateDict]:
     require("embedding.word_embeddings.weight" in state, f"checkpoint {root} holds no "
             f"embedding.word_embeddings.weight")
     vocab = state["embedding.word_embeddings.weight"].shape[0]
+    assert isinstance(flags, dict)  # (require raised otherwise)
     return _padded(config_from_flags(flags, vocab), state)
 
 

@@ -13,6 +13,7 @@ with one line naming the flags. `--model NAME` starts from a zoo config;
 """
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import sys
@@ -55,7 +56,8 @@ def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pret
     return run, tokenizer
 
 
-def build_run(flags, world_size: int) -> Tuple["RunConfig", Optional["Tokenizer"]]:
+def build_run(flags: "argparse.Namespace", world_size: int
+              ) -> Tuple["RunConfig", Optional["Tokenizer"]]:
     """Parsed flags -> (RunConfig, tokenizer) for `world_size` ranks: the data check, the
     tokenizer's vocabulary, build_run_config (also `gigatron plan`'s path)."""
     from gigatron.data.tokenizer import tokenizer_type_to_build

@@ -215,7 +215,7 @@ def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: 
     per_element = OPTIMIZER_BYTES_PER_ELEMENT.get(z.optimizer, 40)
     optimizer = shard * per_element / byte_rate
     if z.offload_optimizer == "cpu":  # the step runs in host memory; grads and params cross
-        host = hw.hbm_gbps if hw.key == "cpu" else 50.0
+        host = hw.hbm_gbps if hw.key == "cpu" and hw.hbm_gbps else 50.0
         optimizer = shard * per_element / (host * 1e9 * MEMORY_EFFICIENCY) + \
             shard * (4 + param_bytes) / (25e9 * NETWORK_EFFICIENCY)
     total = zero_comm_bytes_formula(parameters, p.dp, z.zero_stage, grad_bytes, param_bytes) \

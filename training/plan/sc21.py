@@ -15,7 +15,10 @@ no distributed optimizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import TYPE_CHECKING, List, Tuple
+
+if TYPE_CHECKING:
+    from gigatron.training.plan.planner import Plan
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ TABLE_1: Tuple[SC21Row, ...] = (
 )
 
 
-def predict(row: SC21Row, gpu: str = "a100-80gb"):
+def predict(row: SC21Row, gpu: str = "a100-80gb") -> Tuple["Plan", float]:
     """(the plan of this row's run, its predicted TFLOP/s per GPU as the paper counts)."""
     from gigatron.training.arguments import build_run_config, parse_flags
     from gigatron.training.plan.cost import sc21_tflops_per_gpu
