@@ -33,10 +33,11 @@ folder as one single-device state dict in a single process (converters, generati
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -124,9 +125,9 @@ def _write(folder: str, state: Dict[str, Any], rank: int, group: Optional[Any],
     from torch.distributed.checkpoint.api import CheckpointException
 
     writer = dcp.FileSystemWriter(folder, single_file_per_rank=True, sync_files=True)
+    alone = single_process or not (dist.is_available() and dist.is_initialized())
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-            warnings.simplefilter("ignore", UserWarning)
+        with _quiet() if alone else contextlib.nullcontext():
             dcp.save(state, storage_writer=writer, planner=ShardedSavePlanner(),
                      process_group=group, no_dist=single_process)
     except CheckpointException as err:
@@ -134,6 +135,16 @@ def _write(folder: str, state: Dict[str, Any], rank: int, group: Optional[Any],
         if mine is None:
             return  # another rank failed: the agreement that follows names it
         raise _os_reason(mine[0] if isinstance(mine, tuple) else mine, folder) from None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Without DCP's warning that a process alone is "assuming the intent is to save (load)
+    in a single process": that is the intent here. (Only around single-process calls: the
+    warnings filters are process-wide, and an async save runs beside training.)"""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        yield
 
 
 def _os_reason(err: BaseException, folder: str) -> BaseException:
@@ -202,8 +213,7 @@ def entries(folder: str) -> Dict[str, Any]:
 def read(folder: str, state: Dict[str, Any]) -> Dict[str, Any]:
     """Fill `state` from the checkpoint in this process alone: ShardedValue pieces and
     tensors are written in place, other keys (None) receive the saved objects."""
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
+    with _quiet():
         try:
             dcp.load(state, storage_reader=dcp.FileSystemReader(folder),
                      planner=ShardedLoadPlanner(), no_dist=True)
