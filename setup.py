@@ -75,7 +75,7 @@ setup(
     extras_require={
         # the tests cover every optional path, so they need the optional packages too
         "test": ["pytest>=7", "safetensors", "tensorboard", "matplotlib", "transformers",
-                 "tiktoken"],
+                 "tiktoken", "megatron-core==0.16.1"],  # megatron-core: the import oracle
         "monitor": ["tensorboard"],
         "plot": ["matplotlib"],  # gigatron plot metrics.jsonl
     },

@@ -21,7 +21,7 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -70,6 +70,9 @@ class Session:
     start_samples: int = 0  # samples consumed when this run started (a resume's are earlier)
     checkpointer: checkpoint_state.Checkpointer = field(
         default_factory=checkpoint_state.Checkpointer)  # --async-save keeps a save pending
+    # gigatron plan's predicted peak bytes per pipeline stage: on CUDA the first log line is
+    # followed by the measured peak beside it (then None)
+    memory_plan: Optional[Dict[int, float]] = None
 
 
 @dataclass
@@ -241,8 +244,28 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
     if "forward" in phases:  # backward is what the measured phases leave of the step
         record["timers_ms"]["backward"] = max(0.0, 1000 * (elapsed - accounted) / n)
     s.logger.train(record)
+    if s.memory_plan is not None and s.device.type == "cuda":
+        _report_planned_memory(s)
     s.logger.progress(progress.iteration, loss)
     return exit_signal.enabled and stop > 0
+
+
+def _report_planned_memory(s: Session) -> None:
+    """Collective, once: each pipeline stage's measured peak (the max over its ranks) beside
+    the plan's prediction."""
+    from gigatron.training.plan.report import measured_lines
+
+    assert s.memory_plan is not None
+    world, rank = comm.group_size(), comm.group_rank()
+    peaks = torch.zeros(2, world, dtype=torch.float64, device=s.device)
+    peaks[0, rank], peaks[1, rank] = float(peak_memory_bytes(s.device)), s.groups.index("pp")
+    comm.all_reduce(peaks)
+    measured: Dict[int, float] = {}
+    for peak, stage in zip(*peaks.tolist()):
+        measured[int(stage)] = max(measured.get(int(stage), 0.0), peak)
+    for line in measured_lines(s.memory_plan, measured):
+        s.logger.print(line)
+    s.memory_plan = None
 
 
 def _save(s: Session, progress: TrainProgress) -> None:

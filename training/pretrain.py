@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -165,8 +165,9 @@ def _banner(s, progress, shard, launch, device) -> None:
         f"{t.num_microbatches} micro-batches; {s.flops_per_token / 1e6:.2f} MFLOP/token\n"
         f"{_architecture(run.model)}{_rampup_phrase(t)}\n"
         f"{partition(run).describe()}")
+    plan_lines, s.memory_plan = _memory_plan(run, device)
     for line in device_notes(device, dist.get_backend(), run, os.environ) + \
-            flag_notes(run.flags, dist.get_backend()) + _memory_plan(run, device) + \
+            flag_notes(run.flags, dist.get_backend()) + plan_lines + \
             describe_datasets(s.datasets):
         s.logger.print(line)
     if shard is not None:
@@ -176,9 +177,10 @@ def _banner(s, progress, shard, launch, device) -> None:
         s.logger.print(f"no checkpoint in --load {run.checkpoint.load}: training from scratch")
 
 
-def _memory_plan(run, device) -> List[str]:
-    """gigatron plan's memory prediction per pipeline stage (on CUDA the iteration lines'
-    'peak memory (MiB)' is the measured peak to compare it with)."""
+def _memory_plan(run, device) -> Tuple[List[str], Dict[int, float]]:
+    """gigatron plan's memory prediction per pipeline stage: the banner's lines and the
+    predicted peak bytes per stage (on CUDA the loop prints the measured peak beside it after
+    the first log line)."""
     from gigatron.training.builders import partition
     from gigatron.training.plan.memory import plan_memory
     from gigatron.training.plan.report import startup_lines
@@ -186,10 +188,7 @@ def _memory_plan(run, device) -> List[str]:
     p, t = run.parallel, run.train
     stages = plan_memory(run.model, partition(run), p.tp, p.dp, run.zero, t.micro_batch_size,
                          t.num_microbatches, on_gpu=device.type == "cuda")
-    lines = startup_lines(stages)
-    if device.type == "cuda":
-        lines[-1] += " (measured: 'peak memory (MiB)' of the iteration lines)"
-    return lines
+    return startup_lines(stages), {m.pp_rank: float(m.peak) for m in stages}
 
 
 def _architecture(model) -> str:

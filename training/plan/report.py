@@ -148,3 +148,14 @@ def startup_lines(stages: List[StageMemory]) -> List[str]:
                    f"{' (in host memory)' if s.offloaded else ''} + activations "
                    f"{_size(m.activations)} + transient {_size(m.transient)}")
     return out
+
+
+def measured_lines(planned: Dict[int, float], measured: Dict[int, float]) -> List[str]:
+    """'memory, stage r: planned X, measured peak Y (+d%)' for each stage in both."""
+    out = []
+    for stage in sorted(set(planned) & set(measured)):
+        want, got = planned[stage], measured[stage]
+        diff = f" ({(got - want) / want:+.0%})" if want > 0 else ""
+        out.append(f"memory, stage {stage}: planned peak {_size(want)}, measured peak "
+                   f"{_size(got)}{diff} (the allocator's max_memory_allocated)")
+    return out
