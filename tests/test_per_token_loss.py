@@ -108,11 +108,13 @@ def test_per_token_and_per_micro_batch_references_differ(references):
 def test_step_equals_the_hand_computed_reference(layout, references):
     world, extra = LAYOUTS[layout]
     results = run_on_ranks(_step, world, extra)
+    token_loss = references[True][0]
     for per_token in (False, True):
-        want_loss, want = references[per_token]
+        _, want = references[per_token]
         logged = [r[per_token][0] for r in results if r[per_token][0] is not None]
-        # the loop's log line averages the last-stage ranks' shares
-        assert sum(logged) / len(logged) == pytest.approx(want_loss, rel=RTOL)
+        # the loop's log line averages the last-stage ranks' shares; Megatron logs the
+        # token-weighted loss whether or not the gradient is normalised per token
+        assert sum(logged) / len(logged) == pytest.approx(token_loss, rel=RTOL)
         seen = set()
         for r in results:
             for name, got in r[per_token][1].items():
@@ -123,8 +125,8 @@ def test_step_equals_the_hand_computed_reference(layout, references):
 
 
 def test_evaluation_is_the_ratio_over_all_its_iterations():
-    """Megatron's evaluate: (sum of losses) / (sum of tokens) over every iteration; without
-    per-token loss, the mean of each iteration's mean micro-batch loss."""
+    """Megatron's evaluate: (sum of losses) / (sum of tokens) over every iteration, with or
+    without per-token loss (then the micro-batch means are weighed by their tokens)."""
     batches = micro_batches()
     sums = [torch.tensor(3.0), torch.tensor(5.0), torch.tensor(1.0), torch.tensor(7.0)]
     tokens = [int(b["loss_mask"].sum()) for b in batches]
@@ -137,6 +139,7 @@ def test_evaluation_is_the_ratio_over_all_its_iterations():
     means = EvalLoss(False, None)
     means.add(sums[:2], batches[:2])
     means.add(sums[2:], batches[2:])
-    total, steps = means.result()
-    assert steps == 2 and total.item() == pytest.approx(4.0 + 4.0)
+    total, steps = means.result()  # micro-batch means, weighed by their tokens
+    weighed = sum(m.item() * n for m, n in zip(sums, tokens))
+    assert steps == 1 and total.item() == pytest.approx(weighed / sum(tokens))
     assert masked_mean_loss(torch.ones(2, 16), batches[0]).item() == 1.0

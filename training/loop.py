@@ -151,8 +151,8 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     with timeline.span("optimizer step"):
         step = s.zero.step()
     s.timers.stop("optimizer")
-    return StepOutcome(step_loss(losses, divisor), lr, step.grad_norm, step.loss_scale,
-                       step.skipped)
+    return StepOutcome(step_loss(losses, divisor, batches, s.groups.dp), lr, step.grad_norm,
+                       step.loss_scale, step.skipped)
 
 
 def advance(progress: TrainProgress, outcome: StepOutcome, global_batch_size: int) -> None:

@@ -63,21 +63,29 @@ def loss_divisor(enabled: bool, batches: Sequence[Mapping[str, Any]],
     return divisor_from_tokens(loss_tokens(batches), dp_group)
 
 
-def step_loss(losses: List[torch.Tensor], divisor: Optional[torch.Tensor]
+def step_loss(losses: List[torch.Tensor], divisor: Optional[torch.Tensor],
+              batches: Sequence[Mapping[str, Any]] = (), dp_group: Group = None
               ) -> Optional[torch.Tensor]:
-    """This rank's share of the step's logged loss: the mean of its micro-batch losses, or
-    with a divisor their sum over it (averaged over dp ranks: the global per-token loss)."""
+    """This rank's share of the step's logged loss, whose mean over the data-parallel ranks
+    is Megatron's logged loss: the global batch's loss sum over its token count, with or
+    without --calculate-per-token-loss (Megatron's loss function reports (sum, tokens) pairs
+    either way). `losses` are micro-batch sums when `divisor` (the per-token loss's count/dp)
+    is given, else micro-batch means, weighed here by their `batches`' tokens (a collective
+    over `dp_group`: the last stage's ranks, as in `loss_divisor`)."""
     if not losses:
         return None
     if divisor is None:
-        return torch.stack(losses).mean()
+        sums = [loss * loss_tokens([batch]) for loss, batch in zip(losses, batches)]
+        assert len(sums) == len(losses), "one batch per micro-batch loss"
+        return torch.stack(sums).sum() / divisor_from_tokens(loss_tokens(batches), dp_group)
     return torch.stack(losses).sum() / divisor
 
 
 class EvalLoss:
-    """The validation loss's terms on this rank over an evaluation: the sum of each
-    iteration's mean micro-batch loss (default), or with per-token loss the loss sums and
-    the token counts, the ratio over all iterations (Megatron's evaluate)."""
+    """The validation loss's terms on this rank over an evaluation: the loss sums and the
+    token counts, the ratio over all iterations (Megatron's evaluate). `per_token`: the
+    micro-batch losses are sums (--calculate-per-token-loss), else means, weighed by their
+    tokens."""
 
     def __init__(self, per_token: bool, dp_group: Group) -> None:
         self.per_token, self.dp_group = per_token, dp_group
@@ -90,15 +98,18 @@ class EvalLoss:
         self.iterations += 1
         if not losses:
             return
-        local = torch.stack(losses).sum() if self.per_token else torch.stack(losses).mean()
-        self.total = local if self.total is None else self.total + local
         if self.per_token:
-            count = loss_tokens(batches)
-            self.tokens = count if self.tokens is None else self.tokens + count
+            local = torch.stack(losses).sum()
+        else:
+            local = torch.stack([loss * loss_tokens([batch])
+                                 for loss, batch in zip(losses, batches)]).sum()
+        self.total = local if self.total is None else self.total + local
+        count = loss_tokens(batches)
+        self.tokens = count if self.tokens is None else self.tokens + count
 
     def result(self) -> "tuple[Optional[torch.Tensor], int]":
         """(this rank's term, the steps it spans) for `loop.mean_loss_over_ranks`; with
         per-token loss a collective over the data-parallel group (ranks with the loss)."""
-        if not self.per_token or self.total is None or self.tokens is None:
+        if self.total is None or self.tokens is None:
             return self.total, self.iterations
         return self.total / divisor_from_tokens(self.tokens, self.dp_group), 1
