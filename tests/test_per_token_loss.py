@@ -143,3 +143,32 @@ def test_evaluation_is_the_ratio_over_all_its_iterations():
     weighed = sum(m.item() * n for m, n in zip(sums, tokens))
     assert steps == 1 and total.item() == pytest.approx(weighed / sum(tokens))
     assert masked_mean_loss(torch.ones(2, 16), batches[0]).item() == 1.0
+
+
+def _evaluate_on_two_stages(rank, world):
+    """Rank 1 (the last stage) holds 3 iterations' losses, rank 0 none: the validation loss
+    every rank reports (rank 0 prints it in pretrain_gpt) must be the same ratio."""
+    import types
+
+    from gigatron.training.loop import mean_loss_over_ranks
+
+    last = rank == world - 1
+    session = types.SimpleNamespace(pipeline=types.SimpleNamespace(needs_labels=last),
+                                    device=torch.device("cpu"))
+    batches = micro_batches()
+    dp_groups = [torch.distributed.new_group([r]) for r in range(world)]  # dp = 1 per stage
+    terms = EvalLoss(False, dp_groups[rank])
+    for it in range(3):  # 3 iterations of 2 micro-batches each
+        chunk = batches[it % 2 * 2:it % 2 * 2 + 2]
+        terms.add([torch.tensor(2.0 + it), torch.tensor(4.0)] if last else [], chunk)
+    return mean_loss_over_ranks(session, *terms.result())
+
+
+def test_every_rank_reports_the_same_validation_loss_whichever_stage_it_is():
+    """(A first-stage rank once divided by its iteration count: 3x too small a loss.)"""
+    batches = micro_batches()
+    n = [int(b["loss_mask"].sum()) for b in batches]
+    weighed = sum((2.0 + it) * n[it % 2 * 2] + 4.0 * n[it % 2 * 2 + 1] for it in range(3))
+    tokens = sum(n[it % 2 * 2] + n[it % 2 * 2 + 1] for it in range(3))
+    results = run_on_ranks(_evaluate_on_two_stages, 2)
+    assert results[0] == results[1] == pytest.approx(weighed / tokens)

@@ -91,11 +91,9 @@ class EvalLoss:
         self.per_token, self.dp_group = per_token, dp_group
         self.total: Optional[torch.Tensor] = None
         self.tokens: Optional[torch.Tensor] = None
-        self.iterations = 0
 
     def add(self, losses: List[torch.Tensor], batches: Sequence[Mapping[str, Any]]) -> None:
         """One iteration's micro-batch losses (none on a rank without the loss)."""
-        self.iterations += 1
         if not losses:
             return
         if self.per_token:
@@ -108,8 +106,9 @@ class EvalLoss:
         self.tokens = count if self.tokens is None else self.tokens + count
 
     def result(self) -> "tuple[Optional[torch.Tensor], int]":
-        """(this rank's term, the steps it spans) for `loop.mean_loss_over_ranks`; with
-        per-token loss a collective over the data-parallel group (ranks with the loss)."""
+        """(this rank's term, 1: the ratio spans the whole evaluation) for
+        `loop.mean_loss_over_ranks`; a collective over the data-parallel group on the ranks
+        with the loss."""
         if self.total is None or self.tokens is None:
-            return self.total, self.iterations
+            return None, 1  # no loss on this rank; every rank must name the same steps
         return self.total / divisor_from_tokens(self.tokens, self.dp_group), 1
