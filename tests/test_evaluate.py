@@ -77,3 +77,16 @@ def test_an_empty_split_is_one_error_line(trained):
     (code, _, err), = run_on_ranks(_command, 1, "cli.evaluate",
                                    ["--load", folder, "--split", "100,0,0"])
     assert code == 2 and "the valid split has no data" in err, err
+
+
+def test_a_layout_free_checkpoint_evaluates_on_one_rank_without_layout_flags(tmp_path):
+    """Trained and saved at tp=2 (torch_dist): `gigatron evaluate --load` on one rank starts
+    from one rank's layout, not the saved tp=2, and gives the run's validation loss."""
+    folder, metrics = str(tmp_path / "ckpt"), str(tmp_path / "train.jsonl")
+    results = run_on_ranks(_command, 2, "cli.pretrain",
+                           TRAIN + ["--tensor-model-parallel-size", "2", "--save", folder,
+                                    "--metrics-file", metrics])
+    assert [r[0] for r in results] == [0, 0], results
+    (valid,) = [r for r in _records(metrics) if r["split"] == "valid" and r["iteration"] == 4]
+    record, _ = _evaluate(folder, 1, tmp_path)
+    assert record["lm loss"] == pytest.approx(valid["lm loss"], rel=1e-6)

@@ -25,6 +25,12 @@ NOT_INHERITED: Dict[str, Any] = {
     "save": None, "metrics_file": None, "tensorboard_dir": None, "wandb_project": None,
     "timeline": None, "deepspeed_config": None, "exit_signal_handler": False, "finetune": False,
 }
+# the layout of the training run: a layout-free (torch_dist) checkpoint loads into any, so
+# an inference command starts from one rank's layout (the flags of its command line choose
+# another); a per-rank (torch) checkpoint keeps the layout that wrote it
+LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+          "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+          "decoder_last_pipeline_num_layers", "sequence_parallel", "context_parallel_size")
 # training settings a converted checkpoint (Hugging Face, Megatron-LM) does not record: the
 # run config needs them, inference never uses them (micro-batch: evaluate's default)
 TRAINING_ONLY = {"micro_batch_size": 1, "lr": 1.0e-4, "train_iters": 1}
@@ -33,17 +39,24 @@ DATA_SOURCES = ("data_path", "train_data_path", "valid_data_path", "test_data_pa
 
 
 def saved_flags(load: str) -> Dict[str, Any]:
-    """The flags recorded in the metadata.json of the checkpoint `load` tracks."""
+    """The flags recorded in the metadata.json of the checkpoint `load` tracks (with the
+    default layout in place of the saved one when the checkpoint is layout-free)."""
     from gigatron.training import checkpointing as files
+    from gigatron.training.arguments import make_parser
+    from gigatron.training.dist_checkpoint import checkpoint_format
 
     _, folder = files.find_checkpoint(load)
     if folder is None:
         raise ValueError(f"--load {load}: no checkpoint there ({files.TRACKER} missing): "
                          f"give the --save folder of a training run")
-    flags = files.read_metadata(folder).get("flags")
+    metadata = files.read_metadata(folder)
+    flags = metadata.get("flags")
     if not isinstance(flags, dict):
         raise ValueError(f"{folder}/{files.METADATA} records no flags: it was not written by "
                          f"gigatron pretrain")
+    if checkpoint_format(metadata) == "torch_dist":
+        parser = make_parser()
+        flags = {**flags, **{dest: parser.get_default(dest) for dest in LAYOUT}}
     return flags
 
 
