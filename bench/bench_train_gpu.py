@@ -1,0 +1,437 @@
+"""Single-device training speed (issue 21): gigatron's trainer beside a torch.compile plain
+loop and megatron-core's GPTModel, on the same GPT config, sequence length and micro-batch.
+
+For each size: the largest micro-batch from a descending list that trains a step without
+running out of memory (per path), warm-up steps, then N timed steps (device events; the
+median step is reported) -> tokens/s, model TFLOP/s (6N + 12 L h s per token,
+training/metrics.py) and MFU against training/plan/hardware.py's peak, and peak memory.
+gigatron's timed steps run under HostSyncCounter (the count is reported; 0 is the goal) and
+one profiled step writes a torch profiler trace with its top-10 kernels printed.
+
+    python bench/bench_train_gpu.py --sizes gpt2-124m              # one size per device call
+    python bench/bench_train_gpu.py --capacity --sizes gpt3-2.7b gpt3-6.7b
+    python bench/bench_train_gpu.py --device cpu --tiny             # every path, tiny, on CPU
+
+--capacity: each size in its own process (a host out-of-memory kills only that one) with
+--optimizer-cpu-offload, bf16, full recompute, micro-batch 1, 2 steps; the largest that
+trains is reported with its TFLOP/s. Output: a markdown table on stdout and results.json
+under --out (default $OUT, else bench_out/).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import megatron_gpt  # noqa: E402
+import plain_gpt  # noqa: E402
+
+from gigatron.training import metrics  # noqa: E402
+from gigatron.training.host_syncs import HostSyncCounter  # noqa: E402
+
+SIZES = {"gpt2-124m": "gpt2-124m", "gpt3-350m": "gpt2-355m", "gpt3-1.3b": "gpt3-1.3b",
+         "gpt3-2.7b": "gpt3-2.7b", "gpt3-6.7b": "gpt3-6.7b", "gpt3-13b": "gpt3-13b"}
+TINY = dict(num_layers=2, num_attention_heads=4, vocab_size=256)  # hidden grows with the size
+MICRO_BATCHES = (32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
+Step = Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+# ---- one measured path ---------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Step, batch: tuple, device: torch.device, warmup: int, iters: int,
+               counter: Optional[HostSyncCounter] = None) -> List[float]:
+    """Seconds of each of `iters` steps after `warmup` (CUDA events: no host wait between
+    steps; the host reads the events once at the end)."""
+    for _ in range(warmup):
+        step(*batch)
+    _sync(device)
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        events[0].record()
+        with counter or contextlib.nullcontext():
+            for i in range(iters):
+                step(*batch)
+                events[i + 1].record()
+        torch.cuda.synchronize(device)
+        return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(iters)]
+    times = []
+    with counter or contextlib.nullcontext():
+        for _ in range(iters):
+            start = time.perf_counter()
+            step(*batch)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _batch(micro: int, seq: int, vocab: int, device: torch.device) -> tuple:
+    tokens = torch.randint(0, vocab, (micro, seq + 1), device=device)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def largest_fitting(build: Callable[[int], Step], micro_batches: List[int], batch_for,
+                    device: torch.device) -> tuple:
+    """(micro, step) for the first micro-batch (descending) whose build and two steps fit."""
+    errors = []
+    for micro in micro_batches:
+        try:
+            step = build(micro)
+            batch = batch_for(micro)
+            step(*batch)
+            step(*batch)
+            _sync(device)
+            return micro, step, batch
+        except torch.OutOfMemoryError as err:
+            errors.append(f"{micro}: {str(err).splitlines()[0]}")
+            step = batch = None  # type: ignore[assignment]
+            _free(device)
+    raise RuntimeError("no micro-batch fits: " + "; ".join(errors))
+
+
+# ---- the three paths -------------------------------------------------------------------------
+
+def gigatron_flags(size: Dict[str, Any], micro: int, args: argparse.Namespace,
+                   extra: List[str]) -> List[str]:
+    model = [f"--model={size['zoo']}"] if size.get("zoo") else [
+        "--num-layers", str(size["num_layers"]), "--hidden-size", str(size["hidden_size"]),
+        "--num-attention-heads", str(size["num_attention_heads"]),
+        "--vocab-size", str(size["vocab_size"]), "--make-vocab-size-divisible-by", "128"]
+    precision = ["--bf16"] if args.dtype == "bf16" else []
+    return model + precision + [
+        "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
+        "--micro-batch-size", str(micro), "--global-batch-size", str(micro),
+        "--train-iters", "1000000", "--lr", "1e-4", "--clip-grad", "1.0", "--mock-data",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--attention-backend", "flash",
+        "--seed", "1234"] + extra
+
+
+def build_gigatron(flags: List[str], device: torch.device):
+    """(session, step(tokens, labels)): the run's own builders and the loop's train_step."""
+    from gigatron.parallel.topology import ProcessGroups, Topology
+    from gigatron.training import builders
+    from gigatron.training.arguments import parse_args
+    from gigatron.training.loop import Session, train_step
+    from gigatron.training.state import TrainProgress
+    from gigatron.training.timers import Timers
+
+    run = parse_args(flags, 1)
+    groups = ProcessGroups(Topology(tp=1, dp=1, pp=1), 0)
+    chunks = builders.build_model_chunks(run, groups, device)
+    zero = builders.build_optimizer(run, chunks, groups)
+    pipeline = builders.build_pipeline(run, groups, chunks, zero, device)
+    session = Session(run, groups, device, chunks, zero, zero, pipeline, [], None,
+                      Timers(None), metrics.flops_per_token(run.model), None)
+    progress = TrainProgress()
+    mask = None
+
+    def step(tokens: torch.Tensor, labels: torch.Tensor):
+        nonlocal mask
+        if mask is None:
+            mask = torch.ones(labels.shape, device=device)
+        batch = {"input_ids": tokens, "labels": labels, "loss_mask": mask,
+                 "position_ids": torch.arange(tokens.shape[1], device=device).expand_as(tokens)}
+        return train_step(session, [batch], progress).loss
+
+    return session, step
+
+
+def build_plain(cfg: plain_gpt.PlainConfig, device: torch.device, dtype: torch.dtype,
+                compile_backend: str) -> Step:
+    model = plain_gpt.PlainGPT(cfg).to(device)
+    fused = device.type in ("cuda", "cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    compiled = torch.compile(model, backend=compile_backend)
+    return lambda tokens, labels: plain_gpt.train_step(compiled, optimizer, tokens, labels,
+                                                       dtype)
+
+
+def profile_top_kernels(step: Step, batch: tuple, device: torch.device, trace: str,
+                        top: int = 10) -> List[Dict[str, Any]]:
+    """One profiled step: the Chrome trace written to `trace`, the top kernels by device time
+    (CPU ops on a CPU run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        step(*batch)
+        _sync(device)
+    prof.export_chrome_trace(trace)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    return [{"name": e.key[:90], "us": getattr(e, key), "calls": e.count} for e in rows]
+
+
+# ---- one size --------------------------------------------------------------------------------
+
+def _size(name: str, tiny: bool) -> Dict[str, Any]:
+    if tiny:
+        order = list(SIZES).index(name) if name in SIZES else 0
+        return dict(TINY, hidden_size=32 * (order + 1), name=f"tiny-{name}")
+    from gigatron.models.zoo import model_fields
+
+    if name not in SIZES:
+        raise SystemExit(f"--sizes: unknown size {name!r}; use any of {', '.join(SIZES)}")
+    zoo = SIZES[name]
+    cfg = model_fields(zoo)
+    return dict(name=name, zoo=zoo, num_layers=cfg["num_layers"],
+                hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+                vocab_size=cfg["vocab_size"])
+
+
+def _report(path: str, micro: int, seq: int, times: List[float], flops_token: float,
+            peak: Optional[float], device: torch.device, **extra: Any) -> Dict[str, Any]:
+    median = statistics.median(times)
+    out = metrics.throughput(micro * seq, median, flops_token, 1, peak)
+    return dict(path=path, micro_batch=micro, step_s=median, step_s_min=min(times),
+                step_s_max=max(times), peak_memory_gib=metrics.peak_memory_bytes(device) / 2**30,
+                **out, **extra)
+
+
+def _flops_config(size: Dict[str, Any], seq: int) -> Any:
+    """What metrics.flops_per_token reads, for the zoo's GPT shapes (LayerNorm, GeLU, biases)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_layers=size["num_layers"], hidden_size=size["hidden_size"],
+                           num_attention_heads=size["num_attention_heads"],
+                           vocab_size=size["vocab_size"], seq_length=seq,
+                           make_vocab_size_divisible_by=128)
+
+
+def run_size(name: str, args: argparse.Namespace, device: torch.device) -> List[Dict[str, Any]]:
+    """Every path on one size; a path that fails is reported with its error, not raised."""
+    size = _size(name, args.tiny)
+    seq, dtype = args.seq_length, DTYPES[args.dtype]
+    flops_token = metrics.flops_per_token(_flops_config(size, seq))
+    vocab = metrics.padded_vocab_size(size["vocab_size"], 128, 1)
+    peak = args.peak_tflops or metrics.device_peak_tflops(device, dtype)
+    micro_batches = [m for m in args.micro_batches]
+    batch_for = lambda micro: _batch(micro, seq, vocab, device)  # noqa: E731
+    common = dict(size=size["name"], seq_length=seq, dtype=args.dtype)
+    results = []
+
+    def measure(path: str, build: Callable[[int], Step], counted: bool = False) -> None:
+        _free(device)
+        try:
+            micro, step, batch = largest_fitting(build, micro_batches, batch_for, device)
+            counter = HostSyncCounter() if counted else None
+            times = time_steps(step, batch, device, args.warmup, args.iters, counter)
+            extra: Dict[str, Any] = dict(common)
+            if counter is not None:
+                extra.update(host_syncs=counter.count, host_sync_sites=dict(counter.sites))
+            if path == "gigatron" and args.profile:
+                trace = os.path.join(args.out, f"trace_{size['name']}.json")
+                extra.update(trace=trace, top_kernels=profile_top_kernels(step, batch, device,
+                                                                          trace))
+            results.append(_report(path, micro, seq, times, flops_token, peak, device, **extra))
+        except Exception as err:  # a path's failure is a result of the bench, not its end
+            results.append(dict(common, path=path, error=f"{type(err).__name__}: {err}"[:500]))
+        finally:
+            step = batch = None  # type: ignore[assignment]
+            _free(device)
+
+    recompute = [] if not args.recompute else ["--recompute-granularity", "full",
+                                               "--recompute-method", "uniform",
+                                               "--recompute-num-layers", "1"]
+    measure("gigatron", lambda micro: build_gigatron(
+        gigatron_flags(size, micro, args, recompute + args.gigatron_flags), device)[1],
+        counted=True)
+    if "plain" in args.paths:
+        cfg = plain_gpt.PlainConfig(size["num_layers"], size["hidden_size"],
+                                    size["num_attention_heads"], vocab, seq)
+        measure("torch.compile", lambda micro: build_plain(cfg, device, dtype,
+                                                           args.compile_backend))
+    if "megatron" in args.paths:
+        if megatron_gpt.available():
+            measure("megatron-core", lambda micro: megatron_gpt.build(
+                size["num_layers"], size["hidden_size"], size["num_attention_heads"], vocab,
+                seq, device, dtype)[1])
+        else:
+            results.append(dict(common, path="megatron-core",
+                                error="megatron.core is not importable: carry its wheel"))
+    return results
+
+
+# ---- capacity with optimizer offload -----------------------------------------------------------
+
+def capacity_one(name: str, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """Two offloaded steps of one size at micro-batch 1 (run in its own process)."""
+    size = _size(name, args.tiny)
+    flags = gigatron_flags(size, 1, args, [
+        "--optimizer-cpu-offload", "--use-distributed-optimizer",
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"] + args.gigatron_flags)
+    session, step = build_gigatron(flags, device)
+    params = sum(p.numel() for c in session.chunks for p in c.parameters())
+    batch = _batch(1, args.seq_length, metrics.padded_vocab_size(size["vocab_size"], 128, 1),
+                   device)
+    times = time_steps(step, batch, device, 1, 1)
+    peak = args.peak_tflops or metrics.device_peak_tflops(device, DTYPES[args.dtype])
+    return _report("gigatron offload", 1, args.seq_length, times,
+                   metrics.flops_per_token(session.run.model), peak, device, size=size["name"],
+                   parameters=params, host_peak_rss_gib=_host_peak_gib())
+
+
+def _host_peak_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def capacity(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Each size (ascending) in a child process; stops at the first that does not train."""
+    results = []
+    for name in args.sizes:
+        cmd = [sys.executable, os.path.abspath(__file__), "--capacity-one", name] + \
+            _forwarded(args)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.size_timeout)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+        if proc.returncode == 0 and lines:
+            results.append(json.loads(lines[-1]))
+            continue
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        results.append(dict(size=name, path="gigatron offload",
+                            error=f"exit {proc.returncode}: " + " | ".join(tail)))
+        break
+    return results
+
+
+def _forwarded(args: argparse.Namespace) -> List[str]:
+    out = ["--device", args.device, "--seq-length", str(args.seq_length), "--dtype", args.dtype,
+           "--out", args.out]
+    if args.tiny:
+        out.append("--tiny")
+    if args.peak_tflops:
+        out += ["--peak-tflops", str(args.peak_tflops)]
+    return out + [f"--gigatron-flag={f}" for f in args.gigatron_flags]
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+def markdown(results: List[Dict[str, Any]]) -> str:
+    head = ("| size | path | micro-batch | tokens/s | TFLOP/s | MFU | step ms (median) | "
+            "peak GiB | host syncs |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['size']} | {r['path']} | failed: {r['error'][:120]} |||||||")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        rows.append(f"| {r['size']} | {r['path']} | {r['micro_batch']} | "
+                    f"{r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.2f} | {mfu} | "
+                    f"{1e3 * r['step_s']:.1f} | {r['peak_memory_gib']:.2f} | "
+                    f"{r.get('host_syncs', '-')} |")
+    return "\n".join([head] + rows)
+
+
+def _environment(device: torch.device) -> Dict[str, Any]:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return dict(device=name or device.type, torch=torch.__version__,
+                python=platform.python_version(),
+                date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                argv=sys.argv[1:])
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["gpt2-124m", "gpt3-350m", "gpt3-1.3b"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU end-to-end check)")
+    p.add_argument("--seq-length", type=int, default=None, help="default 2048 (tiny: 32)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=None,
+                   help=f"tried in this order (default {MICRO_BATCHES}; tiny: 4 2)")
+    p.add_argument("--warmup", type=int, default=None, help="default 5 (tiny: 1)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps (default 20; tiny: 3)")
+    p.add_argument("--paths", nargs="+", default=["gigatron", "plain", "megatron"])
+    p.add_argument("--recompute", action="store_true", help="gigatron: full recompute")
+    p.add_argument("--gigatron-flag", dest="gigatron_flags", action="append", default=[],
+                   help="extra pretrain flag for gigatron's path (repeat; --gigatron-flag=--x)")
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="MFU denominator (default: training/plan/hardware.py's for the device)")
+    p.add_argument("--capacity", action="store_true",
+                   help="largest --sizes that trains 2 steps with --optimizer-cpu-offload")
+    p.add_argument("--capacity-one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--size-timeout", type=float, default=540.0,
+                   help="--capacity: seconds per size before it counts as failed")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    args = p.parse_args(argv)
+    args.seq_length = args.seq_length or (32 if args.tiny else 2048)
+    args.micro_batches = args.micro_batches or ([4, 2] if args.tiny else list(MICRO_BATCHES))
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
+    args.iters = args.iters or (3 if args.tiny else 20)
+    return args
+
+
+def init_single_process(device: torch.device) -> None:
+    """A one-rank default process group (the trainer's groups and megatron-core need one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse(argv)
+    device = torch.device(args.device)
+    os.makedirs(args.out, exist_ok=True)
+    if args.capacity_one:
+        init_single_process(device)
+        print(json.dumps(capacity_one(args.capacity_one, args, device)), flush=True)
+        return 0
+    if args.capacity:
+        results = capacity(args)
+        trained = [r for r in results if "error" not in r]
+        summary = {"largest": trained[-1]["size"] if trained else None}
+    else:
+        init_single_process(device)
+        results = [r for name in args.sizes for r in run_size(name, args, device)]
+        summary = {}
+    report = dict(_environment(device), results=results, **summary)
+    name = "capacity.json" if args.capacity else "results.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(markdown(results))
+    if summary:
+        print(f"largest that trains with --optimizer-cpu-offload: {summary['largest']}")
+    for r in results:
+        for k in r.get("top_kernels", []):
+            print(f"  {r['size']} top: {k['us'] / 1e3:9.2f} ms x{k['calls']:<4} {k['name']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
