@@ -106,8 +106,8 @@ def largest_fitting(build: Callable[[int], Step], micro_batches: List[int], batc
             return micro, step, batch
         except torch.OutOfMemoryError as err:
             errors.append(f"{micro}: {str(err).splitlines()[0]}")
-            step = batch = None  # type: ignore[assignment]
-            _free(device)
+        step = batch = None  # type: ignore[assignment]
+        _free(device)  # outside the except: its traceback holds the failed try's tensors
     raise RuntimeError("no micro-batch fits: " + "; ".join(errors))
 
 

@@ -1,0 +1,67 @@
+"""bench/bench_train_gpu.py runs end to end on the CPU (--device cpu --tiny) before any GPU
+sees it: every path trains and is timed, gigatron's timed steps make no host read, the
+profiler trace is written, and --capacity reports the largest offloaded size that trains.
+
+Run as a subprocess: the bench joins a one-rank process group and megatron-core's CPU
+shims patch torch.cuda in its own process only.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                     "bench_train_gpu.py")
+
+
+def _bench(tmp_path, *argv):
+    proc = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--tiny",
+                           "--out", str(tmp_path), *argv],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_tiny_run_times_every_path_without_host_syncs(tmp_path):
+    pytest.importorskip("megatron.core")
+    # the eager backend keeps the test fast; the torch.compile wrapping is the same
+    stdout = _bench(tmp_path, "--sizes", "gpt2-124m", "--compile-backend", "eager")
+    report = json.loads((tmp_path / "results.json").read_text())
+    by_path = {r["path"]: r for r in report["results"]}
+    assert set(by_path) == {"gigatron", "torch.compile", "megatron-core"}
+    for r in by_path.values():
+        assert "error" not in r, r
+        assert r["micro_batch"] == 4 and r["tokens_per_s"] > 0 and r["tflops_per_device"] > 0
+        assert r["mfu"] is None  # no peak for a CPU: MFU is never invented
+    assert by_path["gigatron"]["host_syncs"] == 0, by_path["gigatron"]["host_sync_sites"]
+    assert os.path.getsize(by_path["gigatron"]["trace"]) > 0
+    assert len(by_path["gigatron"]["top_kernels"]) == 10
+    assert "| tiny-gpt2-124m | megatron-core | 4 |" in stdout
+
+
+def test_micro_batch_search_takes_the_first_that_fits():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import torch
+    from bench_train_gpu import largest_fitting
+
+    def build(micro):
+        if micro > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return lambda tokens, labels: None
+
+    micro, _, _ = largest_fitting(build, [8, 4, 2, 1], lambda m: (None, None),
+                                  torch.device("cpu"))
+    assert micro == 2
+    with pytest.raises(RuntimeError, match="no micro-batch fits: 8: CUDA out of memory"):
+        largest_fitting(build, [8, 4], lambda m: (None, None), torch.device("cpu"))
+
+
+def test_capacity_reports_the_largest_offloaded_size_that_trains(tmp_path):
+    stdout = _bench(tmp_path, "--capacity", "--sizes", "gpt3-1.3b", "gpt3-2.7b")
+    report = json.loads((tmp_path / "capacity.json").read_text())
+    assert report["largest"] == "tiny-gpt3-2.7b"
+    small, large = report["results"]
+    assert large["parameters"] > small["parameters"] and large["tflops_per_device"] > 0
+    assert "largest that trains with --optimizer-cpu-offload: tiny-gpt3-2.7b" in stdout
