@@ -170,8 +170,9 @@ def build_plain(cfg: plain_gpt.PlainConfig, device: torch.device, dtype: torch.d
 
 def profile_top_kernels(step: Step, batch: tuple, device: torch.device, trace: str,
                         top: int = 10) -> List[Dict[str, Any]]:
-    """One profiled step: the Chrome trace written to `trace`, the top kernels by device time
-    (CPU ops on a CPU run)."""
+    """One profiled step: the Chrome trace written to `trace` (gzipped when it ends in .gz:
+    the device tool returns files up to 16 MiB), the top kernels by device time (CPU ops on a
+    CPU run)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
@@ -243,7 +244,7 @@ def run_size(name: str, args: argparse.Namespace, device: torch.device) -> List[
             if counter is not None:
                 extra.update(host_syncs=counter.count, host_sync_sites=dict(counter.sites))
             if path == "gigatron" and args.profile:
-                trace = os.path.join(args.out, f"trace_{size['name']}.json")
+                trace = os.path.join(args.out, f"trace_{size['name']}.json.gz")
                 extra.update(trace=trace, top_kernels=profile_top_kernels(step, batch, device,
                                                                           trace))
             results.append(_report(path, micro, seq, times, flops_token, peak, device, **extra))
