@@ -17,7 +17,6 @@ import torch
 from megatron_layout import megatron_args, megatron_padded, rank_chunks, write_megatron
 from multirank import run_on_ranks
 
-from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
 from gigatron.models.hf_common import ConversionError
 from gigatron.models.megatron_import import (

@@ -221,7 +221,6 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
     if s.nonfinite is not None:
         s.nonfinite.check(s.saved_iterations)
     n = interval.steps
-    t = s.run.train
     loss = mean_loss_over_ranks(s, interval.loss_sum, n)
     memory, stop = max_over_ranks(s, [peak_memory_bytes(s.device), float(exit_signal.received)])
     tokens = interval.samples * s.run.model.seq_length
