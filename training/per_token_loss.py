@@ -75,10 +75,20 @@ def step_loss(losses: List[torch.Tensor], divisor: Optional[torch.Tensor],
     if not losses:
         return None
     if divisor is None:
-        sums = [loss * loss_tokens([batch]) for loss, batch in zip(losses, batches)]
-        assert len(sums) == len(losses), "one batch per micro-batch loss"
-        return torch.stack(sums).sum() / divisor_from_tokens(loss_tokens(batches), dp_group)
+        total, tokens = loss_sum_and_tokens(losses, batches, are_sums=False)
+        return total / divisor_from_tokens(tokens, dp_group)
     return torch.stack(losses).sum() / divisor
+
+
+def loss_sum_and_tokens(losses: List[torch.Tensor], batches: Sequence[Mapping[str, Any]],
+                        are_sums: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+    """(the loss summed over the micro-batches' tokens, their token count): `losses` are
+    per-micro-batch sums, or means (`are_sums` False) weighed here by their tokens."""
+    assert len(losses) == len(batches), "one batch per micro-batch loss"
+    counts = [loss_tokens([batch]) for batch in batches]
+    total = torch.stack(losses).sum() if are_sums else \
+        torch.stack([loss * n for loss, n in zip(losses, counts)]).sum()
+    return total, torch.stack(counts).sum()
 
 
 class EvalLoss:
@@ -96,13 +106,8 @@ class EvalLoss:
         """One iteration's micro-batch losses (none on a rank without the loss)."""
         if not losses:
             return
-        if self.per_token:
-            local = torch.stack(losses).sum()
-        else:
-            local = torch.stack([loss * loss_tokens([batch])
-                                 for loss, batch in zip(losses, batches)]).sum()
+        local, count = loss_sum_and_tokens(losses, batches, are_sums=self.per_token)
         self.total = local if self.total is None else self.total + local
-        count = loss_tokens(batches)
         self.tokens = count if self.tokens is None else self.tokens + count
 
     def result(self) -> "tuple[Optional[torch.Tensor], int]":
