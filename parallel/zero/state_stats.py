@@ -13,7 +13,7 @@ Optimizers without Adam's moments (SGD) report the weight series only.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
@@ -27,19 +27,15 @@ if TYPE_CHECKING:
 SERIES = ("variance", "variance_sqrt", "momentum", "weight")
 
 
-def _counted_pieces(zero: "ZeroOptimizer", group_index: int, shard: torch.Tensor
-                    ) -> List[torch.Tensor]:
-    """The pieces of a master-shaped tensor of flat group `group_index` this rank counts."""
+def _counted_ranges(zero: "ZeroOptimizer", group_index: int) -> List[Tuple[int, int]]:
+    """(start, length) in the master shard of flat group `group_index` of every piece this
+    rank counts (the same for every master-shaped tensor of the group)."""
     g = zero.flat_groups[group_index]
     pg = zero.process_groups
     counts = [counts_in_norm(p, pg.tp_rank, pg.pp_rank) for p in g.params]
-    pieces = []
-    for b in g.buckets:
-        base = shard[b.shard_offset:b.shard_offset + b.shard_numel]
-        for idx, _, start, length in shard_overlaps(b, g.numels, g.rank_in_shard):
-            if counts[idx]:
-                pieces.append(base[start:start + length])
-    return pieces
+    return [(b.shard_offset + start, length) for b in g.buckets
+            for idx, _, start, length in shard_overlaps(b, g.numels, g.rank_in_shard)
+            if counts[idx]]
 
 
 def _series_tensors(zero: "ZeroOptimizer", master: torch.Tensor
@@ -61,14 +57,13 @@ def optimizer_state_stats(zero: "ZeroOptimizer") -> Dict[str, float]:
     present = torch.zeros(n, dtype=torch.float64, device=device)
     stage0_copy = zero.stage == 0 and any(g.dp_rank != 0 for g in zero.flat_groups)
     for gi, g in enumerate(zero.flat_groups):
+        ranges = [] if stage0_copy else _counted_ranges(zero, gi)
         for si, tensor in enumerate(_series_tensors(zero, g.master).values()):
             if tensor is None:
                 continue
             present[si] = 1
-            if stage0_copy:
-                continue
-            for piece in _counted_pieces(zero, gi, tensor):
-                x = piece.detach().to(device=device, dtype=torch.float64)
+            for start, length in ranges:
+                x = tensor[start:start + length].detach().to(device=device, dtype=torch.float64)
                 sums[2 * si] += x.pow(2).sum()
                 sums[2 * si + 1] += x.abs().sum()
                 if x.numel():
