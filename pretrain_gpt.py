@@ -5,7 +5,7 @@
 """
 import sys
 
-from gigatron.training.pretrain import main
+from gigatron.training.run.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(main())

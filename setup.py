@@ -75,7 +75,8 @@ setup(
     extras_require={
         # the tests cover every optional path, so they need the optional packages too
         "test": ["pytest>=7", "safetensors", "tensorboard", "matplotlib", "transformers",
-                 "tiktoken", "megatron-core==0.16.1"],  # megatron-core: the import oracle
+                 "tiktoken", "megatron-core==0.16.1",  # megatron-core: the import oracle
+                 "import-linter"],  # the import contracts in pyproject.toml
         "monitor": ["tensorboard"],
         "plot": ["matplotlib"],  # gigatron plot metrics.jsonl
     },

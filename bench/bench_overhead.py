@@ -20,7 +20,7 @@ Wall time and process CPU time are both reported: on a shared machine the CPU ti
 inflated by this process waiting for a core.
 
 Host syncs: afterwards one more block per side runs under `HostSyncCounter`
-(gigatron/training/host_syncs.py): every Tensor.item/tolist/numpy/__bool__/__float__/
+(gigatron/training/observe/host_syncs.py): every Tensor.item/tolist/numpy/__bool__/__float__/
 __int__/__index__/__format__ call and device synchronise made from code outside torch is
 counted (torch.optim's reads of its host-side step counters are torch's own and happen in
 both loops). The per-step count between log lines is printed (target 0).
@@ -37,11 +37,12 @@ from typing import Callable, List, Tuple
 import torch
 
 from gigatron.models.gpt import GPTModel
-from gigatron.parallel.launch import init_distributed, read_launch_env
+from gigatron.parallel.world import init_distributed, read_launch_env
 from gigatron.parallel.pipeline.executor import masked_mean_loss
-from gigatron.training import loop, pretrain
-from gigatron.training.builders import micro_batches
-from gigatron.training.host_syncs import HostSyncCounter
+from gigatron.training.run import loop
+from gigatron.training.run import pretrain
+from gigatron.training.run.builders import micro_batches
+from gigatron.training.observe.host_syncs import HostSyncCounter
 
 
 def _flags(args: argparse.Namespace) -> List[str]:

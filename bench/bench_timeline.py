@@ -28,9 +28,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from gigatron.parallel import timeline
-from gigatron.parallel.launch import init_distributed, read_launch_env
-from gigatron.training import loop, pretrain
-from gigatron.training.builders import micro_batches
+from gigatron.parallel.world import init_distributed, read_launch_env
+from gigatron.training.run import loop
+from gigatron.training.run import pretrain
+from gigatron.training.run.builders import micro_batches
 
 
 def _flags(args: argparse.Namespace) -> List[str]:

@@ -4,7 +4,7 @@ loop and megatron-core's GPTModel, on the same GPT config, sequence length and m
 For each size: the largest micro-batch from a descending list that trains a step without
 running out of memory (per path), warm-up steps, then N timed steps (device events; the
 median step is reported) -> tokens/s, model TFLOP/s (6N + 12 L h s per token,
-training/metrics.py) and MFU against training/plan/hardware.py's peak, and peak memory.
+training/observe/flops.py) and MFU against training/observe/devices.py's peak, and peak memory.
 gigatron's timed steps run under HostSyncCounter (the count is reported; 0 is the goal) and
 one profiled step writes a torch profiler trace with its top-10 kernels printed.
 
@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_gpt  # noqa: E402
 import plain_gpt  # noqa: E402
 
-from gigatron.training import metrics  # noqa: E402
-from gigatron.training.host_syncs import HostSyncCounter  # noqa: E402
+from gigatron.training.observe import flops as metrics  # noqa: E402
+from gigatron.training.observe.host_syncs import HostSyncCounter  # noqa: E402
 
 SIZES = {"gpt2-124m": "gpt2-124m", "gpt3-350m": "gpt2-355m", "gpt3-1.3b": "gpt3-1.3b",
          "gpt3-2.7b": "gpt3-2.7b", "gpt3-6.7b": "gpt3-6.7b", "gpt3-13b": "gpt3-13b"}
@@ -131,11 +131,11 @@ def gigatron_flags(size: Dict[str, Any], micro: int, args: argparse.Namespace,
 def build_gigatron(flags: List[str], device: torch.device):
     """(session, step(tokens, labels)): the run's own builders and the loop's train_step."""
     from gigatron.parallel.topology import ProcessGroups, Topology
-    from gigatron.training import builders
-    from gigatron.training.arguments import parse_args
-    from gigatron.training.loop import Session, train_step
-    from gigatron.training.state import TrainProgress
-    from gigatron.training.timers import Timers
+    from gigatron.training.run import builders
+    from gigatron.training.config.arguments import parse_args
+    from gigatron.training.run.loop import Session, train_step
+    from gigatron.training.checkpoint.orchestrator import TrainProgress
+    from gigatron.training.observe.timers import Timers
 
     run = parse_args(flags, 1)
     groups = ProcessGroups(Topology(tp=1, dp=1, pp=1), 0)
@@ -377,7 +377,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="MFU denominator (default: training/plan/hardware.py's for the device)")
+                   help="MFU denominator (default: training/observe/devices.py's for the device)")
     p.add_argument("--capacity", action="store_true",
                    help="largest --sizes that trains 2 steps with --optimizer-cpu-offload")
     p.add_argument("--capacity-one", default=None, help=argparse.SUPPRESS)

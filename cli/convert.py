@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> str:
     """Do the conversion; returns the line to print."""
-    from gigatron.training import checkpoint_convert as convert
+    from gigatron.training.checkpoint import convert
 
     if args.direction == "gigatron-to-hf":
         hf = convert.gigatron_to_hf(args.load, args.save,

@@ -26,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from gigatron.parallel.launch import init_distributed, read_launch_env
-    from gigatron.training.from_checkpoint import (build_inference_run, inference_flags,
+    from gigatron.parallel.world import init_distributed, read_launch_env
+    from gigatron.training.run.from_checkpoint import (build_inference_run, inference_flags,
                                                    load_model)
 
     launch = read_launch_env()
@@ -49,12 +49,13 @@ def _evaluate(run, tokenizer, groups, chunks, device, split_name: str) -> Option
     from dataclasses import replace
 
     from gigatron.data.builder import build_train_valid_test_datasets
-    from gigatron.parallel.pipeline.grad_sync import GradSync
+    from gigatron.parallel.pipeline.interfaces import GradSync
     from gigatron.parallel.zero import ZeroOptimizer
-    from gigatron.training import builders, checkpointing
-    from gigatron.training.logger import MetricsLogger
-    from gigatron.training.loop import Session, evaluate
-    from gigatron.training.timers import Timers
+    from gigatron.training.run import builders
+    from gigatron.training.checkpoint import folders
+    from gigatron.training.observe.logger import MetricsLogger
+    from gigatron.training.run.loop import Session, evaluate
+    from gigatron.training.observe.timers import Timers
 
     split = SPLITS.index(split_name)
     iterations, batch = run.train.eval_iters, run.train.global_batch_size
@@ -70,7 +71,7 @@ def _evaluate(run, tokenizer, groups, chunks, device, split_name: str) -> Option
                       cast(GradSync, None), pipeline, datasets, logger, Timers(), 0.0, None)
     loss = evaluate(session, split, 0, iterations, f"{split_name} evaluation")
     if loss is not None:
-        iteration, _ = checkpointing.find_checkpoint(run.checkpoint.load or "")
+        iteration, _ = folders.find_checkpoint(run.checkpoint.load or "")
         samples = iterations * batch
         logger.print(f"{split_name} split: {samples} samples ({iterations} batches of "
                      f"{batch}), {samples * run.model.seq_length} tokens")

@@ -99,8 +99,8 @@ def _streamer(tokenizer: "Tokenizer", prompt: List[int],
 
 def _run(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from gigatron.models.generation import SamplingParams, generate
-    from gigatron.parallel.launch import init_distributed, read_launch_env
-    from gigatron.training.from_checkpoint import (build_inference_run, inference_flags,
+    from gigatron.parallel.world import init_distributed, read_launch_env
+    from gigatron.training.run.from_checkpoint import (build_inference_run, inference_flags,
                                                    load_model)
 
     problems = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).problems()
@@ -157,7 +157,7 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     """Run an inference command's body: a ValueError is one error line (from rank 0) and
     exit status 2; the process group is left at the end."""
     import torch.distributed as dist
-    from gigatron.parallel.launch import read_launch_env
+    from gigatron.parallel.world import read_launch_env
 
     try:
         return body()

@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
-    from gigatron.training.config import RunConfig
+    from gigatron.training.config.run_config import RunConfig
 
 PROG = "gigatron plan"
 
@@ -15,7 +15,7 @@ PROG = "gigatron plan"
 def plan_parser() -> argparse.ArgumentParser:
     """The plan's own flags; every other flag is pretrain_gpt.py's, validated as the run
     validates them."""
-    from gigatron.training.plan.hardware import PLAN_KEYS
+    from gigatron.training.observe.devices import PLAN_KEYS
 
     parser = argparse.ArgumentParser(
         prog=PROG, allow_abbrev=False,
@@ -53,7 +53,7 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def _hardware(opts: argparse.Namespace, peak_tflops: Optional[float]):
-    from gigatron.training.plan.hardware import hardware, with_overrides
+    from gigatron.training.observe.devices import hardware, with_overrides
 
     return with_overrides(hardware(opts.gpu), {
         "peak_tflops": peak_tflops, "memory_gib": opts.gpu_memory_gib,
@@ -62,7 +62,7 @@ def _hardware(opts: argparse.Namespace, peak_tflops: Optional[float]):
 
 
 def _check_plan_options(opts: argparse.Namespace) -> None:
-    from gigatron.training.validation import ConfigError
+    from gigatron.training.config.validation import ConfigError
 
     problems = []
     for flag, value in (("--num-gpus", opts.num_gpus), ("--gpus-per-node", opts.gpus_per_node),
@@ -81,9 +81,9 @@ def configure(argv: Sequence[str]) -> Tuple[argparse.Namespace, argparse.Namespa
                                              "RunConfig", int]:
     """(plan options, pretrain flags, validated RunConfig, world size): pretrain_gpt's own
     parse and validation, with the world size from --num-gpus."""
-    from gigatron.training.arguments import parse_flags, with_other_problems
-    from gigatron.training.config_table import ParseProblems
-    from gigatron.training.pretrain import build_run
+    from gigatron.training.config.arguments import parse_flags, with_other_problems
+    from gigatron.training.config.table import ParseProblems
+    from gigatron.training.run.pretrain import build_run
 
     opts, rest = plan_parser().parse_known_args(list(argv))
     _check_plan_options(opts)

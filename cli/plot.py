@@ -18,7 +18,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="folder for the PNGs (default: a folder <name>_plots next to "
                              "the metrics file)")
     args = parser.parse_args(argv)
-    from gigatron.training.plot import default_output_dir, plot_metrics, read_metrics
+    from gigatron.training.observe.plot import default_output_dir, plot_metrics, read_metrics
 
     output_dir = os.path.abspath(args.output_dir or default_output_dir(args.metrics_file))
     try:

@@ -249,7 +249,7 @@ def comm_check(args: argparse.Namespace) -> Tuple[bool, Optional[Dict[str, Any]]
     """(this process prints, the benchmark summary): inside a launched job every rank
     joins and rank 0 prints; otherwise `--nproc` local workers are started."""
     from gigatron.parallel import comm_check as check
-    from gigatron.parallel.launch import read_launch_env
+    from gigatron.parallel.world import read_launch_env
 
     sizes = check.parse_sizes(args.comm_sizes)
     launch = read_launch_env()
@@ -265,7 +265,7 @@ def comm_check(args: argparse.Namespace) -> Tuple[bool, Optional[Dict[str, Any]]
 
 def _first_rank() -> bool:
     """False on every rank but 0 of a launched job, so a job prints one report."""
-    from gigatron.parallel.launch import read_launch_env
+    from gigatron.parallel.world import read_launch_env
 
     try:
         return read_launch_env().rank == 0

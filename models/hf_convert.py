@@ -2,7 +2,7 @@
 
 A Hugging Face folder holds config.json and safetensors (one file or an index of shards).
 gigatron's side is a single-device GPTModel state dict (vocabulary padded as the config
-says); training/checkpoint_convert.py writes and reads it as a gigatron checkpoint, which
+says); training/checkpoint/convert.py writes and reads it as a gigatron checkpoint, which
 any tp / pp layout loads.
 """
 from __future__ import annotations

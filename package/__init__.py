@@ -8,10 +8,10 @@ The names below load on first use, so `import gigatron.parallel.topology` stays 
 from typing import Any
 
 _LAZY = {
-    "initialize": "gigatron.engine.initialize",
-    "add_config_arguments": "gigatron.engine.initialize",
-    "init_distributed": "gigatron.engine.distributed",
-    "Engine": "gigatron.engine.engine",
+    "initialize": "gigatron.engine.deepspeed.initialize",
+    "add_config_arguments": "gigatron.engine.deepspeed.initialize",
+    "init_distributed": "gigatron.engine.deepspeed.distributed",
+    "Engine": "gigatron.engine.deepspeed.engine",
     "generate": "gigatron.models.generation",
 }
 __all__ = sorted(_LAZY)

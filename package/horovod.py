@@ -16,11 +16,11 @@ NotImplementedError naming what to use instead. `hvd.start_timeline(path)` (or
 GIGATRON_TIMELINE=path) records gigatron's timeline: one Chrome trace over every rank with
 each collective and the optimizer's spans.
 Differences: collectives are matched by call order on every rank, not by name;
-`broadcast_optimizer_state` needs no zero-gradient step (see horovod_functions.py).
+`broadcast_optimizer_state` needs no zero-gradient step (see engine/horovod/functions.py).
 """
 from typing import Any, NoReturn
 
-from gigatron.engine.horovod_basics import (Adasum, Average, HorovodInternalError, Max, Min,
+from gigatron.engine.horovod.basics import (Adasum, Average, HorovodInternalError, Max, Min,
                                             ProcessSet, Product, Sum, ccl_built, cross_rank,
                                             cross_size, cuda_built, ddl_built, gloo_built,
                                             gloo_enabled, global_process_set, init,
@@ -28,16 +28,16 @@ from gigatron.engine.horovod_basics import (Adasum, Average, HorovodInternalErro
                                             local_size, mpi_built, mpi_enabled,
                                             mpi_threads_supported, nccl_built, rank, rocm_built,
                                             shutdown, size, start_timeline, stop_timeline)
-from gigatron.engine.horovod_compression import Compression, Compressor
-from gigatron.engine.horovod_functions import (allgather_object, broadcast_object,
+from gigatron.engine.horovod.compression import Compression, Compressor
+from gigatron.engine.horovod.functions import (allgather_object, broadcast_object,
                                                broadcast_optimizer_state, broadcast_parameters)
-from gigatron.engine.horovod_ops import (allgather, allgather_async, allreduce, allreduce_,
+from gigatron.engine.horovod.ops import (allgather, allgather_async, allreduce, allreduce_,
                                          allreduce_async, allreduce_async_, barrier, broadcast,
                                          broadcast_, broadcast_async, broadcast_async_,
                                          grouped_allreduce, grouped_allreduce_,
                                          grouped_allreduce_async, grouped_allreduce_async_, poll,
                                          synchronize)
-from gigatron.engine.horovod_optimizer import DistributedOptimizer
+from gigatron.engine.horovod.optimizer import DistributedOptimizer
 
 # Horovod names without an implementation here, and what to do instead
 _MISSING = {

@@ -7,12 +7,12 @@
 
 `Topology` (gigatron.parallel.topology) takes the place of DeepSpeed's ProcessTopology
 classes: `PipelineModule(layers, topology=Topology(tp=2, dp=2, pp=2))`. The implementation
-lives in gigatron/engine/pipe_*.py and pipeline_engine.py; see examples/
+lives in gigatron/engine/pipe/; see examples/
 pipeline_user_model.py for a whole script.
 """
-from gigatron.engine.pipe_module import PipelineModule
-from gigatron.engine.pipe_specs import LayerSpec, TiedLayerSpec
-from gigatron.engine.pipeline_engine import PipelineEngine
+from gigatron.engine.pipe.module import PipelineModule
+from gigatron.engine.pipe.specs import LayerSpec, TiedLayerSpec
+from gigatron.engine.pipe.engine import PipelineEngine
 from gigatron.parallel.topology import Topology
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipelineEngine", "Topology"]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gigatron.parallel import comm
-from gigatron.parallel.launch import init_distributed
+from gigatron.parallel.world import init_distributed
 
 DEFAULT_SIZES = "1M,16M,64M"
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}

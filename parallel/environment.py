@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Mapping, Optional
 
-from gigatron.parallel.launch import read_launch_env
+from gigatron.parallel.world import read_launch_env
 
 # always listed (null when unset); variables with these prefixes are listed when set
 NAMED_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",

@@ -172,7 +172,7 @@ def _where() -> Tuple[int, int, bool]:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), True
-    from gigatron.parallel.launch import read_launch_env
+    from gigatron.parallel.world import read_launch_env
 
     launch = read_launch_env()
     return launch.rank, launch.world_size, False

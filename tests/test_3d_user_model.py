@@ -97,7 +97,7 @@ def _three_d(rank, world):
 
 def single_device():
     """The same layers, seeded as seed_layers seeds them, trained by torch on one device."""
-    from gigatron.engine.pipe_specs import set_random_seed
+    from gigatron.engine.pipe.specs import set_random_seed
     model = nn.Module()
     set_random_seed(BASE_SEED + 0)
     model.tied_modules = nn.ModuleDict({"embed": Embed()})

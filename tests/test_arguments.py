@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from gigatron.training.arguments import parse_args, parse_flags
+from gigatron.training.config.arguments import parse_args, parse_flags
 
 BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 "

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gigatron.training import checkpointing as files
-from gigatron.training.safetensors_io import load_state, save_state
+from gigatron.training.checkpoint import folders as files
+from gigatron.training.checkpoint.safetensors_io import load_state, save_state
 
 COORDS = {"tp": 0, "pp": 0, "dp": 0}
 META = {"tp": 1, "pp": 1, "dp": 1, "virtual_chunks": 1}
@@ -20,7 +20,7 @@ META = {"tp": 1, "pp": 1, "dp": 1, "virtual_chunks": 1}
 # argv[2] while saving iteration 2.
 CHILD = textwrap.dedent("""
     import os, signal, sys, torch
-    from gigatron.training import checkpointing as files
+    from gigatron.training.checkpoint import folders as files
 
     root, where = sys.argv[1], sys.argv[2]
     coords = {"tp": 0, "pp": 0, "dp": 0}
@@ -116,7 +116,7 @@ def test_loading_under_another_layout_is_a_clear_error(tmp_path):
 
 
 def _rank_saves(rank, world, root):
-    from gigatron.training.checkpoint_integrity import job_gather
+    from gigatron.training.checkpoint.integrity import job_gather
     coords = {"tp": rank % 2, "pp": 0, "dp": rank // 2}
     files.save_checkpoint(root, 4, {"rank": rank}, coords, {"tp": 2, "pp": 1, "dp": 2},
                           job_gather(torch.device("cpu")), rank == 0)

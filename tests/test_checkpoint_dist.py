@@ -14,10 +14,10 @@ import threading
 import pytest
 import torch
 
-from gigatron.training import checkpointing as files
-from gigatron.training import dist_checkpoint as dist
-from gigatron.training.checkpoint_integrity import file_sha256
-from gigatron.training.dist_checkpoint_async import AsyncSaver
+from gigatron.training.checkpoint import folders as files
+from gigatron.training.checkpoint.torch_dist import save_load as dist
+from gigatron.training.checkpoint.integrity import file_sha256
+from gigatron.training.checkpoint.torch_dist.async_save import AsyncSaver
 
 COORDS = {"tp": 0, "pp": 0, "dp": 0}
 
@@ -123,8 +123,8 @@ def test_a_damaged_file_is_one_error_naming_it_and_the_fallback(tmp_path, damage
 CHILD = textwrap.dedent("""
     import os, signal, sys, torch
     import torch.distributed.checkpoint as dcp
-    from gigatron.training import checkpointing as files
-    from gigatron.training import dist_checkpoint as dist
+    from gigatron.training.checkpoint import folders as files
+    from gigatron.training.checkpoint.torch_dist import save_load as dist
 
     root, where = sys.argv[1], sys.argv[2]
     state = lambda it: {"model.w": torch.arange(4096.0).view(64, 64) + it,
@@ -162,7 +162,7 @@ def test_kill_9_during_a_torch_dist_save_leaves_the_previous_loadable(tmp_path, 
 def _full_disk_on_rank_1(rank, world, root):
     import torch.distributed.checkpoint as dcp
 
-    from gigatron.training.dist_checkpoint_planner import ShardedValue
+    from gigatron.training.checkpoint.torch_dist.planner import ShardedValue
 
     coords = {"tp": rank, "pp": 0, "dp": 0}
 
@@ -226,7 +226,7 @@ def test_format_is_read_from_the_folder():
 
 
 def test_async_save_needs_the_torch_dist_format():
-    from gigatron.training.arguments import parse_args
+    from gigatron.training.config.arguments import parse_args
 
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 "

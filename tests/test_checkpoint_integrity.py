@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gigatron.training import checkpointing as files
+from gigatron.training.checkpoint import folders as files
 
 COORDS = {"tp": 0, "pp": 0, "dp": 0}
 META = {"tp": 1, "pp": 1, "dp": 1, "virtual_chunks": 1}
@@ -171,7 +171,7 @@ def _fail_like_a_full_disk(*_args, **_kwargs):
 def _save_with_a_full_disk_on_one_rank(rank, world, root, where):
     """Iteration 1 saves; iteration 2 fails on one rank only. Returns (this rank's error,
     the iteration and state the tracked checkpoint then loads)."""
-    from gigatron.training.checkpoint_integrity import job_gather
+    from gigatron.training.checkpoint.integrity import job_gather
 
     gather = job_gather(torch.device("cpu"))
     coords = {"tp": rank, "pp": 0, "dp": 0}
@@ -269,7 +269,7 @@ def test_a_really_full_disk_fails_cleanly_and_keeps_the_previous_checkpoint(smal
 def _main_with_a_full_disk_at_the_second_save_of_rank_1(rank, world, argv, fmt):
     import torch.distributed.checkpoint as dcp
 
-    from gigatron.training.checkpoint_integrity import HashingWriter
+    from gigatron.training.checkpoint.integrity import HashingWriter
     from test_training_loop import _main
 
     if rank == 1 and fmt == "torch":
@@ -338,7 +338,7 @@ def test_an_unwritable_save_folder_is_named_with_its_fix(tmp_path, monkeypatch):
 
 
 def test_a_really_full_disk_fails_a_torch_dist_save_cleanly(small_disk):
-    from gigatron.training import dist_checkpoint as dist
+    from gigatron.training.checkpoint.torch_dist import save_load as dist
 
     root = os.path.join(small_disk, "ckpt")
     dist.save(root, 1, {"model.w": torch.ones(16, 16)}, COORDS, {}, single_process=True)

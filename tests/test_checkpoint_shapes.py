@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from gigatron.models.gpt import GPTModel
-from gigatron.training import checkpointing as files
-from gigatron.training import state
-from gigatron.training.arguments import build_run_config, parse_flags
-from gigatron.training.checkpoint_integrity import job_gather
-from gigatron.training.dist_checkpoint import save_global_model
-from gigatron.training.dist_checkpoint_state import placement_of
+from gigatron.training.checkpoint import folders as files
+from gigatron.training.checkpoint import orchestrator as state
+from gigatron.training.config.arguments import build_run_config, parse_flags
+from gigatron.training.checkpoint.integrity import job_gather
+from gigatron.training.checkpoint.torch_dist.save_load import save_global_model
+from gigatron.training.checkpoint.torch_dist.state import placement_of
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 1e-2 --mock-data --vocab-size 128 "

@@ -7,15 +7,15 @@ import re
 import pytest
 
 from gigatron.parallel.zero import ZeroConfig
-from gigatron.training.arguments import (ZERO_FLAGS, build_run_config, make_parser, parse_args,
+from gigatron.training.config.arguments import (ZERO_FLAGS, build_run_config, make_parser, parse_args,
                                          parse_flags)
-from gigatron.training.config import (CheckpointConfig, LoggingConfig, ParallelConfig,
+from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig, ParallelConfig,
                                       TrainConfig)
-from gigatron.training.config_table import flags_markdown, table
-from gigatron.training.deepspeed_config import apply_deepspeed_config, from_deepspeed_config
-from gigatron.training.settings import OptimizerSettings, PrecisionSettings
-from gigatron.training.model_flags import MODEL_FIELDS
-from gigatron.training.validation import ConfigError
+from gigatron.training.config.table import flags_markdown, table
+from gigatron.training.config.deepspeed.pretrain import apply_deepspeed_config, from_deepspeed_config
+from gigatron.training.config.settings import OptimizerSettings, PrecisionSettings
+from gigatron.training.config.megatron.model import MODEL_FIELDS
+from gigatron.training.config.validation import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -98,7 +98,7 @@ def test_help_shows_every_flags_default():
 def test_flags_md_is_generated_from_the_table():
     with open(os.path.join(ROOT, "docs", "FLAGS.md")) as f:
         assert f.read() == flags_markdown(), \
-            "regenerate: python -m gigatron.training.config_table > docs/FLAGS.md"
+            "regenerate: python -m gigatron.training.config.table > docs/FLAGS.md"
     for row in table():
         assert (f"`{row.flag}`" if row.flag else f"`{row.spec.ds}`") in flags_markdown()
 
@@ -180,7 +180,7 @@ def _argv(row, value):
 @pytest.mark.parametrize("row", [r for r in table() if r.flag], ids=lambda r: r.flag)
 def test_every_flag_parses_and_lands_in_its_config_field(row, monkeypatch):
     # optional packages (tensorboard, wandb) have their own tests: here they are "installed"
-    monkeypatch.setattr("gigatron.training.operational_flags.installed", lambda name: True)
+    monkeypatch.setattr("gigatron.training.config.features.installed", lambda name: True)
     value = _sample(row)
     if value is None:
         return  # --deepspeed-config has its own tests

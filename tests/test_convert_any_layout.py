@@ -17,7 +17,7 @@ from test_megatron_import import GPT_LIKE, _gigatron_logits, _reference, _write_
 
 transformers = pytest.importorskip("transformers")
 
-from gigatron.training.checkpoint_convert import (  # noqa: E402
+from gigatron.training.checkpoint.convert import (  # noqa: E402
     gigatron_to_hf,
     hf_to_gigatron,
     megatron_to_gigatron,
@@ -54,8 +54,9 @@ def _logits_at_layout(rank, world, argv, tokens):
     """pretrain_gpt's model at the flags' layout, --load weights; full logits on the last
     stage's tp rank 0 (stage 0 sends its hidden states on, the last stage gathers tp)."""
     from gigatron.parallel.topology import ProcessGroups, Topology
-    from gigatron.training import builders, state
-    from gigatron.training.arguments import build_run_config, parse_flags
+    from gigatron.training.run import builders
+    from gigatron.training.checkpoint import orchestrator as state
+    from gigatron.training.config.arguments import build_run_config, parse_flags
 
     run = build_run_config(parse_flags(argv), world, None)
     p = run.parallel
@@ -77,7 +78,7 @@ def _logits_at_layout(rank, world, argv, tokens):
 
 
 def _pretrain(rank, world, argv):
-    from gigatron.training import pretrain
+    from gigatron.training.run import pretrain
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

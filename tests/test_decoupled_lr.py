@@ -10,10 +10,10 @@ from multirank import run_on_ranks
 
 from gigatron.models.gpt import GPTModel
 from gigatron.parallel.zero.param_groups import DECOUPLED_ATTR, megatron_param_groups
-from gigatron.training.arguments import parse_args
-from gigatron.training.builders import build_optimizer, mark_embedding_and_output
-from gigatron.training.decoupled_lr import set_decoupled_lr
-from gigatron.training.lr_schedule import learning_rate
+from gigatron.training.config.arguments import parse_args
+from gigatron.training.run.builders import build_optimizer, mark_embedding_and_output
+from gigatron.training.run.decoupled_lr import set_decoupled_lr
+from gigatron.training.lr.megatron import learning_rate
 
 LR, MIN_LR, DLR, DMIN = 1e-3, 1e-4, 5e-3, 4.5e-4
 ITERS, GBS, WARMUP = 8, 4, 2

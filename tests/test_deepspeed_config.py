@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from gigatron.training.arguments import build_run_config, parse_args, parse_flags
-from gigatron.training.deepspeed_config import apply_deepspeed_config, deepspeed_batch_sizes
+from gigatron.training.config.arguments import build_run_config, parse_args, parse_flags
+from gigatron.training.config.deepspeed.pretrain import apply_deepspeed_config, deepspeed_batch_sizes
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
          "--train-iters 10 --mock-data --vocab-size 100")
@@ -229,7 +229,7 @@ def test_example_deepspeed_config_is_valid_at_its_world_size():
 
 def test_keys_spelled_at_what_gigatron_does_are_accepted_others_refused():
     """Real configs spell defaults out ("prescale_gradients": false, fp32 accumulation)."""
-    from gigatron.training.deepspeed_config import from_deepspeed_config
+    from gigatron.training.config.deepspeed.pretrain import from_deepspeed_config
 
     run = from_deepspeed_config({"train_batch_size": 8, "prescale_gradients": False,
                                  "gradient_predivide_factor": 1.0,
@@ -246,7 +246,7 @@ def test_megatron_deepspeed_command_line_batch_and_log_interval_win_with_a_note(
     iteration and logs every --log-interval: under --deepspeed those flags win over the JSON
     (its run_deepspeed_example.sh passes 1024 against a JSON of 64); without --deepspeed a
     disagreement stays an error, and the JSON's clipping is never overridden."""
-    from gigatron.training.operational_flags import flag_notes
+    from gigatron.training.config.features import flag_notes
 
     ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10}
     argv = "--lr 1e-3 --micro-batch-size 2 --global-batch-size 16 --log-interval 1"
@@ -265,7 +265,7 @@ def test_megatron_deepspeed_command_line_batch_and_log_interval_win_with_a_note(
 
 
 def test_save_interval_without_save_is_megatrons_no_save_with_a_note():
-    from gigatron.training.operational_flags import flag_notes
+    from gigatron.training.config.features import flag_notes
 
     run = parse_args(f"{MODEL} --lr 1e-3 --micro-batch-size 1 --save-interval 5".split(), 1)
     assert run.checkpoint.save is None

@@ -12,11 +12,11 @@ import types
 import pytest
 import torch
 
-from gigatron.training.config_table import deepspeed_default, row_of, table
-from gigatron.training.deepspeed_config import engine_config, from_deepspeed_config
-from gigatron.training.deepspeed_engine_config import deepspeed_batch_triple
-from gigatron.training.deepspeed_optimizer import OPTIMIZER_PARAMS
-from gigatron.training.validation import ConfigError
+from gigatron.training.config.table import deepspeed_default, row_of, table
+from gigatron.training.config.deepspeed.pretrain import engine_config, from_deepspeed_config
+from gigatron.training.config.deepspeed.engine import deepspeed_batch_triple
+from gigatron.training.config.deepspeed.optimizer import OPTIMIZER_PARAMS
+from gigatron.training.config.validation import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data", "deepspeed_configs")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gigatron.parallel import comm
-from gigatron.training import loop
+from gigatron.training.run import loop
 
 FAKE_DEVICE = torch.device("meta")  # any non-CPU device: what matters is that it is passed on
 
@@ -33,7 +33,7 @@ def test_training_loop_reductions_run_on_the_session_device(monkeypatch):
 
 def _init_distributed_kwargs(monkeypatch, device, backend):
     import torch.distributed as dist
-    from gigatron.parallel import launch
+    from gigatron.parallel import world as launch
 
     calls = []
     monkeypatch.setattr(launch, "device_and_backend", lambda local_rank: (device, backend))
@@ -53,7 +53,7 @@ def test_init_distributed_binds_the_gpu_so_nccl_communicators_start_eagerly(monk
 
 def test_tracker_rng_saved_on_one_gpu_index_resumes_on_another():
     from gigatron.parallel.tensor.random import MODEL_PARALLEL_RNG, TensorParallelRNGTracker
-    from gigatron.training.state import restore_rng, rng_state
+    from gigatron.training.checkpoint.orchestrator import restore_rng, rng_state
 
     tracker = TensorParallelRNGTracker()
     tracker.add(MODEL_PARALLEL_RNG, 7)

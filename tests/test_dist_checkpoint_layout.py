@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gigatron.parallel.tensor.init import shard
-from gigatron.training.dist_checkpoint_layout import Box, TensorPlacement, flat_range_boxes
-from gigatron.training.dist_checkpoint_planner import ShardedValue
-from gigatron.training.dist_checkpoint_state import add_flat, add_whole
+from gigatron.training.checkpoint.torch_dist.layout import Box, TensorPlacement, flat_range_boxes
+from gigatron.training.checkpoint.torch_dist.planner import ShardedValue
+from gigatron.training.checkpoint.torch_dist.state import add_flat, add_whole
 
 
 def _region(t, box):

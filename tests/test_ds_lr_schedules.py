@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from gigatron.engine.config import SchedulerSpec
-from gigatron.engine.lr_formulas import (
+from gigatron.training.config.deepspeed.engine_config import SchedulerSpec
+from gigatron.training.lr.formulas import (
     lr_range_test_lr, one_cycle_lr, one_cycle_momentum, one_cycle_scale, warmup_cosine_lr,
     warmup_decay_lr, warmup_lr)
-from gigatron.engine.lr_schedules import (
+from gigatron.training.lr.deepspeed import (
     LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler,
     scheduler_params)
 

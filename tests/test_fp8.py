@@ -14,7 +14,7 @@ from gigatron.models.gpt import GPTModel
 from gigatron.parallel.tensor import ColumnParallelLinear, RowParallelLinear, gather_full_parameter
 from gigatron.parallel.tensor.fp8 import (E4M3, E5M2, FP8Recipe, ScalingMeta, enable_fp8,
                                           fake_quantize, fp8_linear, scale_from_amax)
-from gigatron.training.builders import apply_fp8, transformer_linears
+from gigatron.training.run.builders import apply_fp8, transformer_linears
 
 ONE = torch.tensor(1.0)
 
@@ -215,9 +215,9 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 
 
 def test_flags_map_to_the_recipe_and_refuse_what_is_not_emulated():
-    from gigatron.training.arguments import parse_args
-    from gigatron.training.fp8_flags import fp8_recipe
-    from gigatron.training.validation import ConfigError
+    from gigatron.training.config.arguments import parse_args
+    from gigatron.training.config.megatron.fp8 import fp8_recipe
+    from gigatron.training.config.validation import ConfigError
 
     run = parse_args(FLAGS + "--fp8-format e4m3 --fp8-margin 1 --fp8-amax-history-len 16 "
                              "--fp8-amax-compute-algo max --disable-fp8-wgrad".split(), 1)

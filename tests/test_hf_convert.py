@@ -1,6 +1,6 @@
 """Hugging Face import/export: tiny random GPT-2 and Llama models built locally (no downloads)
 give the same logits in transformers and in gigatron, both ways, through gigatron
-checkpoints (training/dist_checkpoint.py's global-model functions)."""
+checkpoints (training/checkpoint/torch_dist/save_load.py's global-model functions)."""
 import json
 import os
 
@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from gigatron.models.gpt import GPTModel  # noqa: E402
 from gigatron.models.hf_common import ConversionError  # noqa: E402
-from gigatron.training.checkpoint_convert import (  # noqa: E402
+from gigatron.training.checkpoint.convert import (  # noqa: E402
     gigatron_to_hf,
     hf_to_gigatron,
     load_model,
@@ -230,7 +230,7 @@ def test_bf16_weights_round_trip_exactly_and_keep_their_dtype(tmp_path):
 def test_recorded_model_flags_rebuild_the_converted_config(tmp_path, family, overrides):
     """What pretrain_gpt.py builds from the flags the checkpoint records (and the CLI prints)
     is the converted model."""
-    from gigatron.training.checkpoint_convert import (config_from_flags, model_flags,
+    from gigatron.training.checkpoint.convert import (config_from_flags, model_flags,
                                                       parse_model_flags, unexpressed_fields)
 
     (_gpt2 if family == "gpt2" else _llama)(tmp_path, **overrides)
@@ -243,8 +243,8 @@ def test_recorded_model_flags_rebuild_the_converted_config(tmp_path, family, ove
 def test_a_run_checkpoint_without_a_recorded_config_converts_from_its_flags(tmp_path):
     """A checkpoint pretrain_gpt.py saved records only its flags: the config they build and
     the saved vocabulary's rows make the model."""
-    import gigatron.training.dist_checkpoint as dist_checkpoint
-    from gigatron.training.checkpoint_convert import model_flags, parse_model_flags
+    import gigatron.training.checkpoint.torch_dist.save_load as dist_checkpoint
+    from gigatron.training.checkpoint.convert import model_flags, parse_model_flags
 
     hf = _llama(tmp_path)
     config = hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import gigatron.horovod as hvd
-from gigatron.engine.horovod_basics import node_layout
-from gigatron.engine.horovod_optimizer import fusion_threshold, plan_buckets
+from gigatron.engine.horovod.basics import node_layout
+from gigatron.engine.horovod.optimizer import fusion_threshold, plan_buckets
 from multirank import free_port, run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,6 @@
 """No training step between two log lines waits for the host (counted, not timed).
 
-The whole training loop runs under `HostSyncCounter` (training/host_syncs.py) with only the
+The whole training loop runs under `HostSyncCounter` (training/observe/host_syncs.py) with only the
 log line, evaluation and checkpoint saving paused: fp32 and bf16 steps make zero host reads;
 fp16 makes exactly one per step (its overflow flag decides the skip and the loss-scale
 update, see ZeroOptimizer.step).
@@ -13,7 +13,7 @@ import torch
 
 from multirank import run_on_ranks
 
-from gigatron.training.host_syncs import HostSyncCounter
+from gigatron.training.observe.host_syncs import HostSyncCounter
 
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
          "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data --vocab-size 128 "
@@ -36,8 +36,8 @@ def test_counter_counts_reads_from_our_code_and_restores_tensor():
 
 def _count_train_syncs(rank, world, argv):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from gigatron.training import loop
-    from gigatron.training import pretrain
+    from gigatron.training.run import loop
+    from gigatron.training.run import pretrain
 
     counter = HostSyncCounter()
 

@@ -1,7 +1,7 @@
 """Launch environment: rank/world/master read from torchrun, SLURM and MPI variables."""
 import pytest
 
-from gigatron.parallel.launch import (LaunchEnv, device_and_backend, first_slurm_host,
+from gigatron.parallel.world import (LaunchEnv, device_and_backend, first_slurm_host,
                                       read_launch_env, require_world_size)
 
 
@@ -94,7 +94,7 @@ def test_cpu_machine_uses_gloo():
 
 def test_current_device_is_cpu_without_accelerator():
     import torch
-    from gigatron.parallel.launch import current_device
+    from gigatron.parallel.world import current_device
     if not torch.accelerator.is_available():
         assert current_device() == torch.device("cpu")
     else:

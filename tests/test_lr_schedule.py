@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from gigatron.training.config import LRScheduleConfig
-from gigatron.training.lr_schedule import learning_rate, lr_for_iteration, validate_schedule
+from gigatron.training.config.run_config import LRScheduleConfig
+from gigatron.training.lr.megatron import learning_rate, lr_for_iteration, validate_schedule
 
 MAX, MIN = 1e-3, 1e-5
 
@@ -84,7 +84,7 @@ def test_every_schedule_problem_is_reported_at_once():
     """Three independent schedule mistakes: three lines, each naming its flag."""
     import pytest
 
-    from gigatron.training.arguments import parse_args
+    from gigatron.training.config.arguments import parse_args
 
     argv = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
             "--vocab-size 128 --mock-data --micro-batch-size 1 --train-iters 10 --lr 1e-4 "

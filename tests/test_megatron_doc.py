@@ -5,12 +5,12 @@ import os
 
 import pytest
 
-from gigatron.training.arguments import parse_flags
-from gigatron.training.config_table import table
-from gigatron.training.megatron_doc import (DIFFERENT_DEFAULTS, FAMILY_REASONS, NOT_SUPPORTED,
+from gigatron.training.config.arguments import parse_flags
+from gigatron.training.config.table import table
+from gigatron.training.config.megatron.doc import (DIFFERENT_DEFAULTS, FAMILY_REASONS, NOT_SUPPORTED,
                                             SUPPORTED, default_differences, megatron_flag_note,
                                             megatron_markdown, status)
-from gigatron.training.megatron_flags import MEGATRON_DEEPSPEED, MEGATRON_LM, entries
+from gigatron.training.config.megatron.catalog import MEGATRON_DEEPSPEED, MEGATRON_LM, entries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_megatron_md_is_generated_from_the_table():
     with open(os.path.join(ROOT, "docs", "MEGATRON.md")) as f:
         assert f.read() == megatron_markdown(), \
-            "regenerate: python -m gigatron.training.megatron_doc > docs/MEGATRON.md"
+            "regenerate: python -m gigatron.training.config.megatron.doc > docs/MEGATRON.md"
 
 
 def test_every_megatron_flag_is_listed_once_with_a_status():

@@ -233,7 +233,7 @@ def test_missing_rank_folder_and_torch_dist_format_are_named(tmp_path):
 
 def test_cli_writes_a_gigatron_checkpoint_and_prints_the_model_flags(tmp_path, capsys):
     from gigatron.cli import convert
-    from gigatron.training.checkpoint_convert import load_model
+    from gigatron.training.checkpoint.convert import load_model
 
     args = megatron_args(tp=2, pp=2, vocab_size=100)
     config, state = _reference(args)

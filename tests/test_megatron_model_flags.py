@@ -15,9 +15,9 @@ from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
 from gigatron.models.transformer import (ACTIVATIONS, MLP, apply_rotary, rotary_cos_sin,
                                          rotary_inv_freq)
-from gigatron.training.arguments import parse_args
-from gigatron.training.model_flags import megatron_activation
-from gigatron.training.validation import ConfigError
+from gigatron.training.config.arguments import parse_args
+from gigatron.training.config.megatron.model import megatron_activation
+from gigatron.training.config.validation import ConfigError
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --train-iters 4 --lr 1e-3 --mock-data --vocab-size 100 "

@@ -9,10 +9,10 @@ import types
 
 import pytest
 
-from gigatron.training.arguments import parse_args
-from gigatron.training.logger import MetricsLogger
-from gigatron.training.operational_flags import check_local_rank, flag_notes
-from gigatron.training.validation import ConfigError
+from gigatron.training.config.arguments import parse_args
+from gigatron.training.observe.logger import MetricsLogger
+from gigatron.training.config.features import check_local_rank, flag_notes
+from gigatron.training.config.validation import ConfigError
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --train-iters 4 --lr 1e-3 --mock-data --vocab-size 100")
@@ -24,7 +24,7 @@ def run(extra: str, world: int = 1):
 
 @pytest.fixture
 def nothing_installed(monkeypatch):
-    monkeypatch.setattr("gigatron.training.operational_flags.installed", lambda name: False)
+    monkeypatch.setattr("gigatron.training.config.features.installed", lambda name: False)
 
 
 def test_missing_tensorboard_and_wandb_are_configuration_problems(nothing_installed):
@@ -42,7 +42,7 @@ def test_missing_tensorboard_and_wandb_are_configuration_problems(nothing_instal
 
 def test_missing_tensorboard_stops_the_program_before_any_process_group(nothing_installed):
     import torch.distributed as dist
-    from gigatron.training import pretrain
+    from gigatron.training.run import pretrain
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -75,9 +75,9 @@ def test_overlap_flags_and_backends_that_are_accepted():
 
 
 def test_gloo_with_gpus_is_refused():
-    from gigatron.training.operational_flags import check_operational
-    from gigatron.training.arguments import parse_flags
-    from gigatron.training.validation import Problems
+    from gigatron.training.config.features import check_operational
+    from gigatron.training.config.arguments import parse_flags
+    from gigatron.training.config.validation import Problems
 
     p = Problems()
     check_operational(parse_flags((BASE + " --distributed-backend gloo").split()), p,

@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from gigatron.training.arguments import parse_args
-from gigatron.training.batch_rampup import (BatchRampup, build_rampup, rampup_problems,
+from gigatron.training.config.arguments import parse_args
+from gigatron.training.run.batch_rampup import (BatchRampup, build_rampup, rampup_problems,
                                             train_iters_from_samples)
-from gigatron.training.config import LRScheduleConfig
-from gigatron.training.lr_schedule import learning_rate
-from gigatron.training.validation import ConfigError
+from gigatron.training.config.run_config import LRScheduleConfig
+from gigatron.training.lr.megatron import learning_rate
+from gigatron.training.config.validation import ConfigError
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --lr 1e-3 --mock-data --vocab-size 100")
@@ -140,7 +140,7 @@ def test_mode_mistakes_are_reported(extra, message):
 def test_rampup_with_train_iters_ramps_over_the_consumed_samples():
     """Megatron-LM's own GPT-3 175B example passes --rampup-batch-size with --train-iters
     (Megatron refuses the pair): here the batch ramps as by samples, --train-iters run."""
-    from gigatron.training.operational_flags import flag_notes
+    from gigatron.training.config.features import flag_notes
 
     cfg = run("--train-iters 9 --global-batch-size 8 --rampup-batch-size 2 2 20 "
               "--lr-decay-iters 8")

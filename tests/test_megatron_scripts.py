@@ -108,8 +108,8 @@ def validate(argv, world_size):
     """What pretrain_gpt.py checks before any rank starts work: every flag and value, the
     tokenizer and data files, the model and batch arithmetic for this world size."""
     from gigatron.data.tokenizer import tokenizer_type_to_build
-    from gigatron.training.arguments import build_run_config, parse_flags
-    from gigatron.training.builders import build_tokenizer
+    from gigatron.training.config.arguments import build_run_config, parse_flags
+    from gigatron.training.run.builders import build_tokenizer
 
     flags = parse_flags(argv)
     tokenizer = build_tokenizer(vars(flags)) if tokenizer_type_to_build(vars(flags)) else None
@@ -162,7 +162,7 @@ def shrunk(argv, extra=None):
 
 
 def _main(rank, world, argv):
-    from gigatron.training import pretrain
+    from gigatron.training.run import pretrain
 
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from gigatron.training.arguments import parse_args
-from gigatron.training.lr_schedule import lr_for_iteration
-from gigatron.training.validation import ConfigError
+from gigatron.training.config.arguments import parse_args
+from gigatron.training.lr.megatron import lr_for_iteration
+from gigatron.training.config.validation import ConfigError
 
 SEQ = 16
 BASE = (f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length {SEQ} "
@@ -89,7 +89,7 @@ def test_decay_tokens_override_the_iteration_decay_too():
 def test_train_tokens_stops_at_the_first_iteration_that_reaches_them(extra, iterations):
     cfg = run(extra)
     if iterations is None:  # count through the ramp as Megatron-DeepSpeed's loop does
-        from gigatron.training.batch_rampup import build_rampup
+        from gigatron.training.run.batch_rampup import build_rampup
         ramp = build_rampup([2, 2, 24], 8, 2)
         consumed = iterations = 0
         while consumed * SEQ < 30 * SEQ:

@@ -22,7 +22,7 @@ def _main(rank, world, argv):
     import contextlib
     import io
 
-    from gigatron.training import pretrain
+    from gigatron.training.run import pretrain
 
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):

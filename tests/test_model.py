@@ -179,7 +179,7 @@ def test_apply_layernorm_1p_equals_the_plain_model_whose_norm_weights_are_1_plus
 
 
 def test_apply_layernorm_1p_flag_sets_zero_centred_norms():
-    from gigatron.training.arguments import parse_args
+    from gigatron.training.config.arguments import parse_args
 
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--micro-batch-size 2 --train-iters 4 --lr 1e-3 --mock-data --vocab-size 100")

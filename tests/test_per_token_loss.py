@@ -18,8 +18,8 @@ from multirank import run_on_ranks
 
 from gigatron.models.gpt import GPTModel
 from gigatron.parallel.pipeline.executor import loss_tokens, masked_mean_loss
-from gigatron.training.arguments import parse_args
-from gigatron.training.per_token_loss import EvalLoss
+from gigatron.training.config.arguments import parse_args
+from gigatron.training.run.per_token_loss import EvalLoss
 
 GLOBAL, MICRO, LR, RTOL = 8, 2, 0.5, 1e-5
 BASE = (f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -61,10 +61,10 @@ def reference(per_token):
 
 def _step(rank, world, extra):
     from gigatron.parallel.topology import ProcessGroups, Topology
-    from gigatron.training import builders
-    from gigatron.training.loop import Session, train_step
-    from gigatron.training.state import TrainProgress
-    from gigatron.training.timers import Timers
+    from gigatron.training.run import builders
+    from gigatron.training.run.loop import Session, train_step
+    from gigatron.training.checkpoint.orchestrator import TrainProgress
+    from gigatron.training.observe.timers import Timers
 
     out = {}
     for per_token in (False, True):
@@ -150,7 +150,7 @@ def _evaluate_on_two_stages(rank, world):
     every rank reports (rank 0 prints it in pretrain_gpt) must be the same ratio."""
     import types
 
-    from gigatron.training.loop import mean_loss_over_ranks
+    from gigatron.training.run.loop import mean_loss_over_ranks
 
     last = rank == world - 1
     session = types.SimpleNamespace(pipeline=types.SimpleNamespace(needs_labels=last),

@@ -14,7 +14,7 @@ from multirank import run_on_ranks
 from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
 from gigatron.parallel.pipeline.executor import PipelineExecutor, masked_mean_loss
-from gigatron.parallel.pipeline.grad_sync import AllReduceGradSync
+from gigatron.parallel.pipeline.interfaces import AllReduceGradSync
 from gigatron.models.pipeline_chunks import build_model_chunks
 from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
 from gigatron.parallel.pipeline.partition import partition_layers

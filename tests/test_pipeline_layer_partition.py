@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from gigatron.parallel.pipeline.layer_partition import (describe_partition, partition_balanced,
+from gigatron.engine.pipe.partition_method import (describe_partition, partition_balanced,
                                                         partition_by_method, partition_uniform,
                                                         stage_of_layer, tied_stages)
 from gigatron.parallel.pipeline.schedules import (COMMUNICATION, RecvActivation, RecvGrad,

@@ -145,7 +145,7 @@ def test_tied_embedding_gradients_are_summed_over_first_and_last_stage():
 def _with_loader(rank, world):
     """pp2 x dp2 fed by training_data: each replica reads its share of the dataset."""
     import gigatron
-    from gigatron.engine.data import EngineDataLoader
+    from gigatron.engine.deepspeed.data_loader import EngineDataLoader
     from gigatron.pipe import PipelineModule
 
     pairs = [um.micro_batch(0, i, 1) for i in range(32)]

@@ -21,7 +21,7 @@ def _report(rank, world):
     import torch
 
     from gigatron.parallel.topology import ProcessGroups, Topology
-    from gigatron.training import loop
+    from gigatron.training.run import loop
 
     printed = []
     groups = ProcessGroups(Topology(pp=2, dp=2), rank)

@@ -33,7 +33,7 @@ TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 
 def _run(argv, world):
-    from gigatron.training.arguments import build_run_config, parse_flags
+    from gigatron.training.config.arguments import build_run_config, parse_flags
 
     return build_run_config(parse_flags(argv), world)
 
@@ -60,7 +60,7 @@ def _measure_state(rank, world, argv):
     from gigatron.parallel.topology import ProcessGroups, Topology
     from gigatron.parallel.zero import build_zero
     from gigatron.parallel.zero.accounting import measure_memory
-    from gigatron.training import builders
+    from gigatron.training.run import builders
 
     run = _run(argv, world)
     p = run.parallel

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from gigatron.cli import plot as plot_cli
-from gigatron.training.plot import default_output_dir, read_metrics, series
+from gigatron.training.observe.plot import default_output_dir, read_metrics, series
 
 RECORDS = [
     {"type": "train", "iteration": 1, "lm loss": 7.0, "lr": 1e-4, "grad norm": 2.0,

@@ -12,9 +12,9 @@ import pytest
 
 from multirank import run_on_ranks
 
-from gigatron.training.arguments import parse_args
-from gigatron.training.profiling import profiling_notes, trace_path
-from gigatron.training.validation import ConfigError
+from gigatron.training.config.arguments import parse_args
+from gigatron.training.observe.profiling import profiling_notes, trace_path
+from gigatron.training.config.validation import ConfigError
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --lr 1e-3 --mock-data --vocab-size 64 --log-interval 1 "
@@ -22,7 +22,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 
 def _main(rank, world, argv):
-    from gigatron.training import pretrain
+    from gigatron.training.run import pretrain
 
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):

@@ -19,8 +19,8 @@ import torch
 
 from test_training_loop import FLAGS, _program_on
 
-from gigatron.training import checkpointing as files
-from gigatron.training import dist_checkpoint as dist
+from gigatron.training.checkpoint import folders as files
+from gigatron.training.checkpoint.torch_dist import save_load as dist
 
 BASE = FLAGS + ["--num-layers", "4", "--eval-iters", "0", "--num-workers", "0"]
 

@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from gigatron.training.resources import (GIB, MemoryEstimate, check_memory, device_notes,
+from gigatron.training.run.preflight import (GIB, MemoryEstimate, check_memory, device_notes,
                                          estimate_memory, local_ranks)
 
 SMALL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -14,7 +14,7 @@ SMALL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 
 
 def _run(argv, world=1):
-    from gigatron.training.arguments import build_run_config, parse_flags
+    from gigatron.training.config.arguments import build_run_config, parse_flags
 
     return build_run_config(parse_flags(argv), world, None)
 
@@ -75,7 +75,7 @@ def test_device_notes_say_what_the_cpu_cannot_honour():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 def test_pretrain_refuses_a_model_larger_than_the_machine_before_start_up():
-    from gigatron.training import pretrain
+    from gigatron.training.run import pretrain
 
     argv = ("--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
             "--micro-batch-size 1 --global-batch-size 1 --lr 1e-4 --mock-data "

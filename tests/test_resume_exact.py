@@ -86,8 +86,8 @@ def test_changed_schedule_on_resume_is_an_error_unless_told_which_wins(tmp_path)
         return next(r["lr"] for r in _records(metrics) if r.get("iteration") == 5
                     and r["type"] == "train")
 
-    from gigatron.training.config import LRScheduleConfig
-    from gigatron.training.lr_schedule import learning_rate
+    from gigatron.training.config.run_config import LRScheduleConfig
+    from gigatron.training.lr.megatron import learning_rate
     at = 4 * 8  # samples consumed before iteration 5
     assert lr_at_5(["--use-checkpoint-opt_param-scheduler"]) == pytest.approx(
         learning_rate(at, LRScheduleConfig(max_lr=1e-2, decay_steps=4 * 8)))

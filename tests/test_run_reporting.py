@@ -9,8 +9,8 @@ import pytest
 
 from multirank import run_on_ranks
 
-from gigatron.training.logger import LoopProgress, MetricsLogger
-from gigatron.training.summary import RunTotals, format_summary
+from gigatron.training.observe.logger import LoopProgress, MetricsLogger
+from gigatron.training.observe.summary import RunTotals, format_summary
 
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
          "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --mock-data --vocab-size 128 "
@@ -69,7 +69,8 @@ def _train_with_fast_progress(rank, world, argv, every_s):
     """pretrain main on this rank with evaluation progress lines every `every_s` seconds."""
     import contextlib
 
-    from gigatron.training import logger, pretrain
+    from gigatron.training.observe import logger
+    from gigatron.training.run import pretrain
 
     logger.EVAL_PROGRESS_EVERY_S = every_s
     out = io.StringIO()
@@ -90,8 +91,10 @@ def test_evaluation_shows_progress_with_eta_in_non_tty_logs(tmp_path):
 
 def _eval_host_reads(rank, world, argv, every_s):
     """Host reads made inside `evaluate` (progress shown every `every_s` seconds)."""
-    from gigatron.training import logger, loop, pretrain
-    from gigatron.training.host_syncs import HostSyncCounter
+    from gigatron.training.observe import logger
+    from gigatron.training.run import loop
+    from gigatron.training.run import pretrain
+    from gigatron.training.observe.host_syncs import HostSyncCounter
 
     logger.EVAL_PROGRESS_EVERY_S = every_s
     counter, real_evaluate = HostSyncCounter(), loop.evaluate
@@ -152,7 +155,7 @@ def test_summary_text_names_time_tokens_losses_throughput_memory_and_paths():
 def _run(rank, world, argv):
     import contextlib
 
-    from gigatron.training import pretrain
+    from gigatron.training.run import pretrain
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):

@@ -97,8 +97,8 @@ def test_bad_splits_name_the_flag_and_the_form(text):
 
 
 def test_a_quoted_split_from_a_shell_script_reaches_the_datasets(tmp_path):
-    from gigatron.training.arguments import parse_flags
-    from gigatron.training.validation import check_data
+    from gigatron.training.config.arguments import parse_flags
+    from gigatron.training.config.validation import check_data
 
     prefix = str(tmp_path / "docs")
     builder = IndexedDatasetBuilder(prefix + ".bin", np.int32)

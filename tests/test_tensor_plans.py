@@ -20,10 +20,10 @@ from multirank import run_on_ranks
 from torch import nn
 from user_transformer import SEQ, VOCAB, UserTransformer, user_plan
 
+from gigatron.models.tensor_plans import gigatron_gpt_plan, gpt2_plan, llama_plan, plan_for
 from gigatron.parallel.tensor import (ColumnParallel, TensorParallelPlan,
                                       allreduce_sequence_parallel_grads, gather_full_parameter,
-                                      gigatron_gpt_plan, gpt2_plan, llama_plan, parallelize,
-                                      plan_for, vocab_parallel_cross_entropy)
+                                      parallelize, vocab_parallel_cross_entropy)
 from gigatron.parallel.tensor.init import shard, unshard
 from gigatron.parallel.tensor.styles import is_conv1d
 

@@ -27,7 +27,7 @@ def _pretrain(rank, world, argv):
     import contextlib
     import io
 
-    from gigatron.training import pretrain
+    from gigatron.training.run import pretrain
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

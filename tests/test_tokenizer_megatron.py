@@ -169,8 +169,8 @@ def test_null_tokenizer_vocab_is_exactly_vocab_size_and_default_type_is_megatron
 
 
 def test_validation_names_the_default_tokenizer_type_and_its_files(tmp_path):
-    from gigatron.training.arguments import parse_flags
-    from gigatron.training.validation import ConfigError, check_data
+    from gigatron.training.config.arguments import parse_flags
+    from gigatron.training.config.validation import ConfigError, check_data
 
     (tmp_path / "d.bin").write_bytes(b"")
     (tmp_path / "d.idx").write_bytes(b"")
@@ -286,7 +286,7 @@ def test_preprocess_writes_bert_wordpiece_documents(bert_vocab, tmp_path):
 
 
 def test_null_tokenizer_for_mock_data_keeps_the_vocab_size():
-    from gigatron.training.builders import build_tokenizer as from_flags
+    from gigatron.training.run.builders import build_tokenizer as from_flags
 
     tok = from_flags({"mock_data": True, "vocab_size": 100})
     assert isinstance(tok, NullTokenizer) and (tok.vocab_size, tok.eod) == (100, 99)

@@ -46,7 +46,7 @@ def _batch(device):
     ("torch", "sdpa", ["--use-distributed-optimizer", "--optimizer-cpu-offload"]),
 ], ids=["fused_kernels", "torch_sdpa", "cpu_offload"])
 def test_bf16_steps_are_finite_and_the_loss_falls(monkeypatch, ops_backend, attention, extra):
-    from gigatron.training.host_syncs import HostSyncCounter
+    from gigatron.training.observe.host_syncs import HostSyncCounter
 
     monkeypatch.setenv("GIGATRON_OPS_BACKEND", ops_backend)
     (session, step), device = _session(["--attention-backend", attention] + extra)

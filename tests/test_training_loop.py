@@ -20,8 +20,9 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 
 def _main(rank, world, argv, sigterm_at=None, nan_at=None, inf_grads=False, max_skips=None):
     """pretrain_gpt.main on this rank; returns (exit code, stderr text)."""
-    from gigatron.training import pretrain as pretrain_gpt
-    from gigatron.training import loop, nan_check
+    from gigatron.training.run import pretrain as pretrain_gpt
+    from gigatron.training.run import loop
+    from gigatron.training.run import nan_check
 
     if max_skips is not None:
         nan_check.MAX_CONSECUTIVE_SKIPS = max_skips

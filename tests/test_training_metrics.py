@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gigatron.training.logger import MetricsLogger, ProgressBar, format_train_line
-from gigatron.training.metrics import (device_peak_tflops, flops_per_token,
+from gigatron.training.observe.logger import MetricsLogger, ProgressBar, format_train_line
+from gigatron.training.observe.flops import (device_peak_tflops, flops_per_token,
                                        matmul_parameter_count, peak_memory_bytes, throughput)
 
 GPT2_124M = SimpleNamespace(num_layers=12, hidden_size=768, num_attention_heads=12,
@@ -106,7 +106,7 @@ def test_progress_bar_renders_fraction_and_eta():
 
 
 def test_banner_counts_ranks_in_english():
-    from gigatron.training.pretrain import _ranks_phrase
+    from gigatron.training.run.pretrain import _ranks_phrase
 
     assert _ranks_phrase(1, "none") == "1 rank (no launcher)"
     assert _ranks_phrase(8, "torchrun") == "8 ranks (torchrun)"

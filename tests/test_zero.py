@@ -17,7 +17,7 @@ from gigatron.parallel import comm
 from gigatron.parallel.zero import (ZeroConfig, ZeroGroups, build_zero, measure_memory,
                                     zero_comm_bytes_formula, zero_memory_formula)
 from gigatron.parallel.zero.layout import plan_buckets, shard_overlaps
-from gigatron.training.deepspeed_config import from_deepspeed_config
+from gigatron.training.config.deepspeed.pretrain import from_deepspeed_config
 
 STEPS, BATCH, LR, WD, RTOL = 5, 12, 1e-2, 0.1, 1e-5
 BUCKET = 300  # elements: several buckets per group
@@ -300,8 +300,8 @@ def test_fp32_master_is_the_parameter_storage_so_parameter_memory_is_1x(stage, b
 
 
 def test_zero_plain_and_timed_grad_syncs_implement_the_executor_protocol():
-    from gigatron.parallel.pipeline.grad_sync import AllReduceGradSync, GradSync
-    from gigatron.training.timers import TimedGradSync, Timers
+    from gigatron.parallel.pipeline.interfaces import AllReduceGradSync, GradSync
+    from gigatron.training.observe.timers import TimedGradSync, Timers
 
     zero = build_zero(TinyLM(), ZeroConfig(zero_stage=1, lr=LR))
     syncs = [zero, AllReduceGradSync([]), TimedGradSync(zero, Timers())]

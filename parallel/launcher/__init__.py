@@ -10,5 +10,5 @@ failures.py  the short report: which rank failed first, why, its last error line
 worker.py    what each rank runs first: torchrun-style env under any launcher, --local_rank,
              per-rank logs, the failure record
 
-Inside a rank, `gigatron.parallel.launch` reads the environment this sets up.
+Inside a rank, `gigatron.parallel.world` reads the environment this sets up.
 """

@@ -2,7 +2,7 @@
 
 `python -u -m gigatron.parallel.launcher.worker [--no_local_rank] [--log_dir D] script.py ARGS`
 
-- reads this rank's place the way `gigatron.parallel.launch` does (torchrun, SLURM or MPI
+- reads this rank's place the way `gigatron.parallel.world` does (torchrun, SLURM or MPI
   variables) and exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
   MASTER_PORT, plus DeepSpeed's LOCAL_SIZE, CROSS_RANK (node index) and CROSS_SIZE (nodes),
   so a script written for torchrun runs under mpirun or srun unchanged;
@@ -26,7 +26,7 @@ import traceback
 from types import TracebackType
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from gigatron.parallel.launch import read_launch_env
+from gigatron.parallel.world import read_launch_env
 
 ERROR_DIR_ENV = "GIGATRON_LAUNCH_ERROR_DIR"
 

@@ -12,14 +12,14 @@ A training step on one rank:
     grad_sync.finish_sync()   # then the optimizer step: the executor owns no optimizer
 
 Users' own models (`gigatron.pipe.PipelineModule`, DeepSpeed's API) run through the same
-executor: `layer_partition.py` cuts their layer lists DeepSpeed's way, and `shaped_p2p.py`
+executor: `engine/pipe/partition_method.py` cuts their layer lists DeepSpeed's way, and `shaped_p2p.py`
 carries stage outputs of any shapes (learnt by a handshake before the first step).
 
 `gigatron schedule --pp 4 --num-microbatches 8` draws a schedule
 (`simulate.py` checks one across all ranks; both are pure, import them from their modules).
 """
 from gigatron.parallel.pipeline.executor import PipelineExecutor, masked_mean_loss
-from gigatron.parallel.pipeline.grad_sync import AllReduceGradSync, GradSync
+from gigatron.parallel.pipeline.interfaces import AllReduceGradSync, GradSync
 from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
 from gigatron.parallel.pipeline.partition import (PipelinePartition, partition_layers,
                                                   stage_layer_counts)

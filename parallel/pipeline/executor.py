@@ -31,7 +31,7 @@ import torch
 
 from gigatron.parallel import timeline
 
-from .grad_sync import GradSync
+from .interfaces import GradSync
 from .schedules import (Backward, Forward, Instruction, RecvActivation, RecvGrad,
                         SendActivation, SendGrad, comm_batches, is_first_stage, is_last_stage,
                         last_backward_per_chunk, message_boundary, peer)

@@ -1,6 +1,6 @@
 """Tensor slicing: column/row-parallel linear, vocab-parallel embedding and cross-entropy,
 the (sequence-parallel) communication mappings, the TP-aware RNG tracker, and
-`parallelize(model, plan, groups)` for splitting any model by a plan (plans.py: ready-made).
+`parallelize(model, plan, groups)` for splitting any model by a plan (ready-made plans for GPT-2, Llama and gigatron's GPT: gigatron.models.tensor_plans).
 
 Process groups come in as arguments; `tp_group=None` means no tensor parallelism.
 """
@@ -22,7 +22,6 @@ from gigatron.parallel.tensor.mappings import (
     tp_size,
 )
 from gigatron.parallel.tensor.parallelize import TensorParallelPlan, parallelize
-from gigatron.parallel.tensor.plans import gigatron_gpt_plan, gpt2_plan, llama_plan, plan_for
 from gigatron.parallel.tensor.random import (
     TensorParallelRNGTracker,
     checkpoint,
@@ -54,5 +53,4 @@ __all__ = [
     "allreduce_sequence_parallel_grads", "divide", "gather_full_parameter",
     "parallelize", "TensorParallelPlan", "Style", "ColumnParallel", "RowParallel",
     "VocabParallel", "SequenceParallelNorm", "Replicate", "LocalAttributes",
-    "gpt2_plan", "llama_plan", "gigatron_gpt_plan", "plan_for",
 ]

@@ -8,7 +8,7 @@
 
 The model is built (and loaded) whole, then each matched Linear/Embedding is swapped for
 the existing Column/RowParallelLinear or VocabParallelEmbedding holding this tp rank's slice
-of the module's own weights; tied weights stay tied. Ready-made plans: plans.py.
+of the module's own weights; tied weights stay tied. Ready-made plans: models/tensor_plans.py.
 
 Patterns are shell-style (`fnmatch.fnmatchcase`, case-sensitive) over the full dotted names
 of `model.named_modules()` ("" is the model itself); `*` matches any run of characters,

@@ -34,7 +34,7 @@ from gigatron.parallel.zero.config import ZeroConfig
 from gigatron.parallel.zero.flat_group import FlatGroup
 from gigatron.parallel.zero.grad_norm import (clip_coefficient, counts_in_norm,
                                              global_norm_and_nonfinite)
-from gigatron.parallel.zero.grad_sync import BucketedGradSync
+from gigatron.parallel.zero.bucketed_grad_sync import BucketedGradSync
 from gigatron.parallel.zero.lamb import Lamb, TrustRatioLayout
 from gigatron.parallel.zero.layout import shard_pieces
 from gigatron.parallel.zero.loss_scaler import DynamicLossScaler, LossScaler

@@ -1,6 +1,6 @@
 """Optimizers as a DeepSpeed config names them, built over ZeRO's flat master shards.
 
-`OptimizerSpec` is the contract between the config reader (training/deepspeed_optimizer.py,
+`OptimizerSpec` is the contract between the config reader (training/config/deepspeed/optimizer.py,
 which fills it with DeepSpeed's defaults per type) and ZeRO (which builds the torch optimizer over this
 rank's master shards with `build_optimizer`). What DeepSpeed builds for each type, and here:
   adam     adam_w_mode=True (default): AdamW, decoupled decay; False: Adam with L2 decay

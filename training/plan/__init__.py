@@ -1,6 +1,6 @@
 """`gigatron plan`: per-stage memory and step time of a layout, before a GPU is rented.
 
-hardware.py  the one table of device figures (also the training log's MFU peak)
+training/observe/devices.py  the one table of device figures (also the training log's MFU peak)
 parameters.py  each stage's parameters as GPTModel registers them, without building it
 memory.py    model state as ZeRO lays it out (exact) and activations (Korthikanti et al.)
 cost.py      FLOPs, compute, tp/pp/dp communication, the bubble from the schedule simulator

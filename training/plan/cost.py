@@ -32,14 +32,14 @@ import torch
 
 from gigatron.parallel.pipeline.simulate import simulate_step
 from gigatron.parallel.zero.accounting import zero_comm_bytes_formula
-from gigatron.training.metrics import flops_per_token
-from gigatron.training.plan.hardware import Hardware
+from gigatron.training.observe.flops import flops_per_token
+from gigatron.training.observe.devices import Hardware
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.plan.memory import attention_kernel
 
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
-    from gigatron.training.config import RunConfig
+    from gigatron.training.config.run_config import RunConfig
 
 GEMM_EFFICIENCY = 0.75
 """Fraction of the dense tensor-core peak a transformer's large GEMMs sustain (cuBLAS on
@@ -225,7 +225,7 @@ def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: 
 
 
 def throughput(run: "RunConfig", cost: StepCost, hw: Hardware) -> Throughput:
-    """Rates of the predicted step: PaLM-convention model FLOPs (metrics.py) for MFU."""
+    """Rates of the predicted step: PaLM-convention model FLOPs (training/observe/flops.py) for MFU."""
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.global_batch_size is not None
     tokens = t.global_batch_size * c.seq_length

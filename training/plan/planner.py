@@ -5,9 +5,9 @@ from dataclasses import dataclass
 from typing import List
 
 from gigatron.parallel.pipeline.partition import PipelinePartition
-from gigatron.training.config import RunConfig
+from gigatron.training.config.run_config import RunConfig
 from gigatron.training.plan.cost import StepCost, Throughput, step_cost, throughput
-from gigatron.training.plan.hardware import Hardware
+from gigatron.training.observe.devices import Hardware
 from gigatron.training.plan.memory import GIB, StageMemory, plan_memory
 
 
@@ -38,7 +38,7 @@ class Plan:
 
 def partition_of(run: RunConfig) -> PipelinePartition:
     """The run's layer partition (the builders' own function)."""
-    from gigatron.training.builders import partition
+    from gigatron.training.run.builders import partition
 
     return partition(run)
 

@@ -65,9 +65,9 @@ TABLE_1: Tuple[SC21Row, ...] = (
 
 def predict(row: SC21Row, gpu: str = "a100-80gb") -> Tuple["Plan", float]:
     """(the plan of this row's run, its predicted TFLOP/s per GPU as the paper counts)."""
-    from gigatron.training.arguments import build_run_config, parse_flags
+    from gigatron.training.config.arguments import build_run_config, parse_flags
     from gigatron.training.plan.cost import sc21_tflops_per_gpu
-    from gigatron.training.plan.hardware import hardware
+    from gigatron.training.observe.devices import hardware
     from gigatron.training.plan.planner import plan_run
 
     run = build_run_config(parse_flags(row.flags()), row.gpus)

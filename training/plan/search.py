@@ -13,7 +13,7 @@ import copy
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
-from gigatron.training.plan.hardware import Hardware
+from gigatron.training.observe.devices import Hardware
 from gigatron.training.plan.memory import GIB
 from gigatron.training.plan.planner import Plan, plan_run
 
@@ -85,7 +85,7 @@ def _flags_for(flags: argparse.Namespace, layout: Layout,
 def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
              global_batch_size: int, vocab_size: Optional[int], hw: Hardware) -> Candidate:
     """Validate `layout` as the run would, plan it and say whether it fits."""
-    from gigatron.training.arguments import build_run_config
+    from gigatron.training.config.arguments import build_run_config
 
     try:
         run = build_run_config(_flags_for(flags, layout, global_batch_size), world_size,

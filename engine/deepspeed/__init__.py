@@ -1,0 +1,1 @@
+"""DeepSpeed's engine API: `gigatron.initialize`, the engine, its checkpoints and data loader."""

@@ -1,0 +1,1 @@
+"""Horovod's API (`gigatron.horovod`): collectives, compression, DistributedOptimizer."""

@@ -1,0 +1,1 @@
+"""DeepSpeed's `deepspeed.pipe`: PipelineModule, layer specs, partition methods and the pipeline engine."""

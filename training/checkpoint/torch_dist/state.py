@@ -1,0 +1,298 @@
+"""A rank's model chunks and ZeRO shards as pieces of global tensors, for torch_dist.
+
+Names are the single-device model's parameter names (`embedding.word_embeddings.weight`,
+`decoder.layers.<global layer>.…`): a chunk built for a pipeline stage already names its
+layers by global number. Keys of the checkpoint:
+
+    model.<name>              the weights, in the model's dtype
+    optimizer.master.<name>   fp32 master weights (bf16/fp16 models; fp32 masters equal
+                              the weights and are not stored twice)
+    optimizer.<state>.<name>  each per-element optimizer state (exp_avg, exp_avg_sq, ...)
+
+Which rank writes what: every element once. ZeRO's shard of a parameter is a range of its
+flattened elements (cut into boxes, training/checkpoint/torch_dist/layout.py) and is written by the dp rank
+that owns it (stage 0 keeps no shards: dp rank 0 writes); a tensor replicated over tp
+(norms, row-parallel biases) is written by tp rank 0; the tied output weight of a last
+pipeline stage is the embedding of the first and is written by the first only. No
+parameter is gathered to save it, and every rank writes about 1/world of the checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
+
+import torch
+
+from gigatron.training.checkpoint.torch_dist.layout import Box, TensorPlacement, flat_range_boxes
+from gigatron.training.checkpoint.torch_dist.planner import ShardedValue
+
+if TYPE_CHECKING:
+    from gigatron.parallel.zero.flat_group import FlatGroup
+    from gigatron.parallel.zero.optimizer import ZeroOptimizer
+
+MODEL = "model."
+MASTER = "optimizer.master."
+COMMON = "common"
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+TIED_OUTPUT = "output_layer.weight"
+
+
+def optimizer_key(state: str) -> str:
+    """The checkpoint prefix of a per-element optimizer state."""
+    return f"optimizer.{state}."
+
+
+def rng_key(tp_rank: int, pp_rank: int) -> str:
+    """RNG states are the same on every dp rank of a (tp, pp) position (Megatron's seeding)."""
+    return f"rng.tp{tp_rank}.pp{pp_rank}"
+
+
+def placement_of(param: torch.Tensor, tp_rank: int, tp_size: int) -> TensorPlacement:
+    """Where `param` (this rank's tensor) sits in its global tensor, from the tags the
+    tensor-parallel layers put on it (parallel/tensor/init.py): the full shape, the
+    partition dimension and stride, the vocabulary rows that are not padding."""
+    local = tuple(param.shape)
+    spec = getattr(param, "init_spec", None)
+    if spec is None:
+        return TensorPlacement(local, local)
+    full = tuple(spec.full_shape)
+    global_shape = full if spec.valid_rows is None else (spec.valid_rows,) + full[1:]
+    if getattr(param, "tensor_model_parallel", False):
+        dim = getattr(param, "partition_dim")
+        stride = getattr(param, "partition_stride", 1)
+        blocks = tuple(stride) if isinstance(stride, tuple) else (full[dim] // stride,) * stride
+        return TensorPlacement(global_shape, local, dim, blocks, tp_rank, tp_size)
+    if global_shape != local:  # a padded table that is not split: its padding is dropped
+        return TensorPlacement(global_shape, local, 0, (local[0],))
+    return TensorPlacement(global_shape, local)
+
+
+def global_names(chunks: List[torch.nn.Module]) -> Dict[int, Tuple[str, bool]]:
+    """id(parameter) -> (global name, whether this copy is the one saved): the tied output
+    weight of a last stage without the embedding is a copy of the embedding."""
+    names: Dict[int, Tuple[str, bool]] = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if name == TIED_OUTPUT and getattr(param, "shared_embedding", False):
+                names[id(param)] = (WORD_EMBEDDING, False)
+            else:
+                names[id(param)] = (name, True)
+    return names
+
+
+def add_flat(value: ShardedValue, flat: torch.Tensor, start: int,
+             placement: TensorPlacement) -> None:
+    """Add the pieces of `flat`, the elements [start, start + len(flat)) of a local tensor
+    placed by `placement`, to `value` (views of `flat`: a load writes through them)."""
+    for position, box in flat_range_boxes(placement.local_shape, start, flat.numel()):
+        block = flat[position:position + box.numel].view(box.sizes)
+        for sub, offsets in placement.pieces(box):
+            value.add(offsets, _narrow(block, box, sub))
+
+
+def add_whole(value: ShardedValue, tensor: torch.Tensor, placement: TensorPlacement) -> None:
+    """Add every globally existing part of a whole local tensor to `value` (views)."""
+    whole = Box((0,) * tensor.dim(), tuple(tensor.shape))
+    for sub, offsets in placement.pieces(whole):
+        value.add(offsets, _narrow(tensor, whole, sub))
+
+
+def _narrow(tensor: torch.Tensor, box: Box, sub: Box) -> torch.Tensor:
+    for dim, (outer, inner, size) in enumerate(zip(box.offsets, sub.offsets, sub.sizes)):
+        if size != tensor.shape[dim]:
+            tensor = tensor.narrow(dim, inner - outer, size)
+    return tensor
+
+
+@dataclass
+class ShardPiece:
+    """One parameter's elements in this rank's ZeRO shard of a flat group."""
+
+    group: int  # index into zero.flat_groups
+    name: str  # global name
+    placement: TensorPlacement
+    start: int  # first element, in the parameter's flattened local tensor
+    bucket: int  # the bucket holding it
+    in_bucket: int  # position within this rank's slice of the bucket
+    length: int
+    saved_here: bool  # this rank writes it (see the module doc)
+
+    def position(self, g: "FlatGroup") -> int:
+        """Position within the group's master shard."""
+        return g.buckets[self.bucket].shard_offset + self.in_bucket
+
+
+def shard_pieces(zero: "ZeroOptimizer", names: Dict[int, Tuple[str, bool]], tp_rank: int,
+                 tp_size: int) -> Iterator[ShardPiece]:
+    """Every piece of a parameter in this rank's ZeRO shards, in group and bucket order."""
+    from gigatron.parallel.zero.layout import shard_overlaps
+
+    for index, g in enumerate(zero.flat_groups):
+        dp_owner = g.ways > 1 or g.dp_rank == 0
+        for b in g.buckets:
+            for idx, start, in_bucket, length in shard_overlaps(b, g.numels, g.rank_in_shard):
+                param = g.params[idx]
+                name, owner = names[id(param)]
+                placement = placement_of(param, tp_rank, tp_size)
+                yield ShardPiece(index, name, placement, start, b.index, in_bucket, length,
+                                 owner and dp_owner and (tp_rank == 0 or _split(placement)))
+
+
+def _split(placement: TensorPlacement) -> bool:
+    """Whether the tensor is split over tp (else every tp rank holds the same copy)."""
+    return placement.partition_dim is not None and placement.tp_size > 1
+
+
+def _values(values: Dict[str, ShardedValue], key: str, placement: TensorPlacement
+            ) -> ShardedValue:
+    if key not in values:
+        values[key] = ShardedValue(placement.global_shape)
+    return values[key]
+
+
+def optimizer_state(zero: "ZeroOptimizer", g: "FlatGroup"
+                    ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """A flat group's optimizer state: (per-element tensors shaped like the master shard,
+    scalars such as the step count)."""
+    per_element, scalars = {}, {}
+    for key, value in zero.optimizer.state.get(g.master, {}).items():
+        if isinstance(value, torch.Tensor) and value.shape == g.master.shape and value.dim():
+            per_element[key] = value
+        else:
+            scalars[key] = value
+    return per_element, scalars
+
+
+def zero_state_to_save(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_rank: int,
+                       tp_size: int, dp_rank: int, with_optimizer: bool
+                       ) -> Tuple[Dict[str, ShardedValue], Dict[str, Any]]:
+    """The pieces this rank writes (weights, and masters + optimizer state when asked), and
+    the optimizer's scalar state (one value per key: every group steps together)."""
+    names = global_names(chunks)
+    values: Dict[str, ShardedValue] = {}
+    masters = zero.param_dtype != torch.float32
+    per_group = [optimizer_state(zero, g) for g in zero.flat_groups]
+    for piece in shard_pieces(zero, names, tp_rank, tp_size):
+        if not piece.saved_here:
+            continue
+        g = zero.flat_groups[piece.group]
+        at = piece.position(g)
+        weights = g.param_shard_piece(g.buckets[piece.bucket])
+        add_flat(_values(values, MODEL + piece.name, piece.placement),
+                 weights[piece.in_bucket:piece.in_bucket + piece.length], piece.start,
+                 piece.placement)
+        if not with_optimizer:
+            continue
+        sources = dict(per_group[piece.group][0])
+        if masters:
+            sources["master"] = g.master
+        for key, tensor in sources.items():
+            prefix = MASTER if key == "master" else optimizer_key(key)
+            add_flat(_values(values, prefix + piece.name, piece.placement),
+                     tensor[at:at + piece.length], piece.start, piece.placement)
+    _add_unmanaged_weights(values, zero, chunks, names, tp_rank, tp_size, dp_rank)
+    return values, _common_scalars(per_group)
+
+
+def _add_unmanaged_weights(values: Dict[str, ShardedValue], zero: "ZeroOptimizer",
+                           chunks: List[torch.nn.Module], names: Dict[int, Tuple[str, bool]],
+                           tp_rank: int, tp_size: int, dp_rank: int) -> None:
+    """Parameters ZeRO does not train (frozen) are saved whole by dp rank 0."""
+    managed = {id(p) for g in zero.flat_groups for p in g.params}
+    for chunk in chunks:
+        for param in chunk.parameters():
+            name, owner = names[id(param)]
+            placement = placement_of(param, tp_rank, tp_size)
+            if id(param) in managed or not owner or dp_rank or \
+                    (tp_rank and not _split(placement)):
+                continue
+            add_whole(_values(values, MODEL + name, placement), param.detach(), placement)
+
+
+def _common_scalars(per_group: List[Tuple[Dict[str, torch.Tensor], Dict[str, Any]]]
+                    ) -> Dict[str, Any]:
+    scalars: Dict[str, Any] = {}
+    for _, group_scalars in per_group:
+        for key, value in group_scalars.items():
+            if key in scalars and _number(scalars[key]) != _number(value):
+                raise ValueError(f"optimizer state {key!r} differs between parameter groups "
+                                 f"({_number(scalars[key])} and {_number(value)}): the "
+                                 f"torch_dist format stores one value for all")
+            scalars[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    return scalars
+
+
+def _number(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+def model_weights_to_load(chunks: List[torch.nn.Module], tp_rank: int, tp_size: int
+                          ) -> Dict[str, ShardedValue]:
+    """Views of every chunk parameter, keyed by checkpoint name (the tied output weight of
+    a last stage reads the embedding)."""
+    names = global_names(chunks)
+    values: Dict[str, ShardedValue] = {}
+    for chunk in chunks:
+        for param in chunk.parameters():
+            name, _ = names[id(param)]
+            placement = placement_of(param, tp_rank, tp_size)
+            key = MODEL + name
+            if key in values:  # the same global tensor twice on one rank: one read is enough
+                continue
+            add_whole(_values(values, key, placement), param.data, placement)
+    return values
+
+
+@dataclass
+class ResumedZero:
+    """Tensors a load fills, laid out like this rank's ZeRO shards."""
+
+    masters: List[torch.Tensor]
+    per_element: List[Dict[str, torch.Tensor]]
+
+
+def zero_state_to_load(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_rank: int,
+                       tp_size: int, state_keys: List[str], master_prefix: str
+                       ) -> Tuple[Dict[str, ShardedValue], ResumedZero]:
+    """Fresh master shards (read from `master_prefix`, the masters or the fp32 weights) and
+    per-element states, and the pieces a load writes into them."""
+    names = global_names(chunks)
+    resumed = ResumedZero([g.master.detach().clone() for g in zero.flat_groups],
+                          [{k: torch.zeros_like(g.master) for k in state_keys}
+                           for g in zero.flat_groups])
+    values: Dict[str, ShardedValue] = {}
+    for piece in shard_pieces(zero, names, tp_rank, tp_size):
+        g = zero.flat_groups[piece.group]
+        at = piece.position(g)
+        targets = {master_prefix: resumed.masters[piece.group]}
+        targets.update({optimizer_key(k): t for k, t in
+                        resumed.per_element[piece.group].items()})
+        for prefix, tensor in targets.items():
+            add_flat(_values(values, prefix + piece.name, piece.placement),
+                     tensor[at:at + piece.length], piece.start, piece.placement)
+    return values, resumed
+
+
+def staged(values: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of the state in CPU memory (for a save that runs while training goes on)."""
+    out: Dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, ShardedValue):
+            out[key] = ShardedValue(value.global_shape,
+                                    [(o, t.detach().to("cpu", copy=True)) for o, t in
+                                     value.pieces])
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().to("cpu", copy=True)
+        else:
+            out[key] = value
+    return out
+
+
+def nbytes(values: Dict[str, Any]) -> int:
+    """Bytes of the tensors this rank writes (the size estimate of a full-disk message)."""
+    total = 0
+    for value in values.values():
+        tensors = [t for _, t in value.pieces] if isinstance(value, ShardedValue) else \
+            [value] if isinstance(value, torch.Tensor) else []
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total

@@ -1,0 +1,199 @@
+"""The `"optimizer"` and `"scheduler"` sections of a DeepSpeed config, for `gigatron.initialize`.
+
+Each optimizer type takes the params, with the defaults, of what DeepSpeed builds for it (read
+at deepspeedai/DeepSpeed edaa7221, `_configure_basic_optimizer`): Adam and AdamW -> FusedAdam
+(torch.optim.Adam/AdamW with `torch_adam`), Lamb -> FusedLamb, SGD -> torch.optim.SGD,
+Adagrad -> torch.optim.Adagrad. So weight decay is 0 unless given, Adagrad's lr is 0.01 and its
+eps 1e-10. "Adam" decouples weight decay (AdamW) unless `adam_w_mode` is false; "AdamW" always
+does. With `torch_adam` DeepSpeed hands the params to torch, whose AdamW defaults weight_decay
+to 0.01: so does this reader. Params OptimizerSpec has no field for (bias_correction, amsgrad,
+...) go to OptimizerSpec.extra when they differ from DeepSpeed's default; what the optimizer
+builder refuses (`optimizer_problems`, e.g. Adam's bias_correction false) is reported here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+
+from gigatron.training.config.deepspeed.engine_config import SchedulerSpec
+from gigatron.parallel.zero.optimizers import OptimizerSpec, optimizer_problems
+
+_ADAM = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+         "bias_correction": True, "amsgrad": False, "adam_w_mode": True, "torch_adam": False,
+         "fp32_optimizer_states": True}
+OPTIMIZER_PARAMS: Dict[str, Dict[str, Any]] = {  # lower-case type -> param -> default
+    "adam": _ADAM, "adamw": _ADAM,
+    "lamb": {"lr": 1e-3, "bias_correction": True, "betas": (0.9, 0.999), "eps": 1e-8,
+             "eps_inside_sqrt": False, "weight_decay": 0.0, "max_coeff": 10.0,
+             "min_coeff": 0.01, "amsgrad": False},
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
+            "nesterov": False, "maximize": False},
+    "adagrad": {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0,
+                "initial_accumulator_value": 0.0, "eps": 1e-10, "maximize": False},
+}
+_SPELLED = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "sgd": "SGD", "adagrad": "Adagrad"}
+# keyword arguments that only pick an implementation (torch's and FusedAdam's)
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "set_grad_none")
+_PASS_OWN = "pass it as initialize(optimizer=...) and drop the optimizer section (under ZeRO " \
+            "also set zero_allow_untested_optimizer true)"
+DEEPSPEED_ONLY: Dict[str, str] = {  # DeepSpeed's own optimizer types -> what to use here
+    "onebitadam": "1-bit Adam compresses the gradient all-reduce (it changes results): use "
+                  "Adam, the same update without compression",
+    "zerooneadam": "0/1 Adam compresses communication and skips variance updates: use Adam",
+    "onebitlamb": "1-bit LAMB compresses the gradient all-reduce: use Lamb",
+    "muadam": f"build mup.MuAdam(model.parameters(), ...) yourself and {_PASS_OWN}",
+    "muadamw": f"build mup.MuAdamW(model.parameters(), ...) yourself and {_PASS_OWN}",
+    "musgd": f"build mup.MuSGD(model.parameters(), ...) yourself and {_PASS_OWN}",
+    "lion": f"build a Lion optimizer (e.g. from the lion-pytorch package) and {_PASS_OWN}",
+    "muon": f"build a Muon optimizer and {_PASS_OWN}",
+}
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+
+
+def _close(name: str, choices: List[str]) -> str:
+    """'; did you mean X?' by spelling, ignoring case."""
+    lowered = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
+    return f"; did you mean {lowered[close[0]]}?" if close else ""
+
+
+def _optimizer_type(raw: Any, problems: List[str]) -> Optional[str]:
+    """The lower-case type, or None with the problem recorded."""
+    listed = ", ".join(_SPELLED.values())
+    if not isinstance(raw, str):
+        problems.append(f"optimizer.type is required: one of {listed} (or drop the optimizer "
+                        f"section and pass optimizer= to initialize)")
+        return None
+    kind = raw.lower()
+    if kind in OPTIMIZER_PARAMS:
+        return kind
+    if kind in DEEPSPEED_ONLY:
+        problems.append(f"optimizer.type {raw!r} (DeepSpeed's own) is not supported: "
+                        f"{DEEPSPEED_ONLY[kind]}")
+    elif isinstance(getattr(torch.optim, raw, None), type):
+        problems.append(f"optimizer.type {raw!r}: DeepSpeed builds torch.optim.{raw} from it; "
+                        f"here build torch.optim.{raw}(model.parameters(), ...) and {_PASS_OWN}")
+    else:
+        problems.append(f"optimizer.type {raw!r} is not supported: use one of {listed}"
+                        f"{_close(raw, list(_SPELLED.values()))}")
+    return None
+
+
+def _number(key: str, value: Any, problems: List[str]) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        problems.append(f"{key} must be a number >= 0, got {value!r}")
+        return None
+    return float(value)
+
+
+def _param(key: str, value: Any, default: Any, problems: List[str]) -> Any:
+    """The checked value of one param (None when bad, with the problem recorded)."""
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{key} must be true or false, got {value!r}")
+        return None
+    if isinstance(default, tuple):  # betas
+        if isinstance(value, (list, tuple)) and len(value) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                for b in value):
+            return (float(value[0]), float(value[1]))
+        problems.append(f"{key} must be [beta1, beta2] with each in [0, 1), got {value!r}")
+        return None
+    return _number(key, value, problems)
+
+
+def _params(kind: str, params: Mapping, info: List[str], problems: List[str]) -> Dict[str, Any]:
+    """Param -> value: DeepSpeed's defaults for `kind` overridden by the JSON's params."""
+    defaults = OPTIMIZER_PARAMS[kind]
+    values = dict(defaults)
+    for name, raw in params.items():
+        key = f"optimizer.params.{name}"
+        if name == "max_grad_norm":
+            problems.append(f"{key} is not supported (DeepSpeed refuses it too): use the "
+                            f"top-level gradient_clipping")
+        elif name in _IMPLEMENTATION:
+            info.append(f"{key}: accepted, no effect here (it picks an implementation)")
+        elif name not in defaults:
+            problems.append(f"{key} is not a parameter of {_SPELLED[kind]}; known: "
+                            f"{', '.join(sorted(defaults))}{_close(name, sorted(defaults))}")
+        else:
+            value = _param(key, raw, defaults[name], problems)
+            if value is not None:
+                values[name] = value
+    if kind in ("adam", "adamw"):
+        values["adam_w_mode"] = kind == "adamw" or values["adam_w_mode"]
+        if values["torch_adam"] and values["adam_w_mode"] and "weight_decay" not in params:
+            values["weight_decay"] = 0.01  # torch.optim.AdamW's default, as DeepSpeed gets it
+    return values
+
+
+def read_optimizer(section: Any, info: List[str], problems: List[str]) -> Optional[OptimizerSpec]:
+    """The OptimizerSpec of an `"optimizer"` section; None when there is none (the caller
+    passes an optimizer) or it is bad (problems recorded, one line each; a section that is not
+    an object is `check_keys`'s to report)."""
+    if not isinstance(section, dict):
+        return None
+    kind = _optimizer_type(section.get("type"), problems)
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        problems.append(f'optimizer.params must be a JSON object like {{"lr": 0.001}}, got '
+                        f'{params!r}')
+        return None
+    if kind is None:
+        return None
+    values = _params(kind, params, info, problems)
+    fields = {f.name for f in dataclasses.fields(OptimizerSpec)} - {"type", "extra"}
+    defaults = OPTIMIZER_PARAMS[kind]
+    spec = OptimizerSpec(type=kind, **{k: v for k, v in values.items() if k in fields},
+                         extra={k: v for k, v in values.items()
+                                if k not in fields and v != defaults[k]})
+    refused = optimizer_problems(spec)  # what the ZeRO optimizer builder will not build
+    problems += refused
+    return None if refused else spec
+
+
+def read_scheduler(section: Any, problems: List[str]) -> Optional[SchedulerSpec]:
+    """The SchedulerSpec of a `"scheduler"` section (type checked, params carried); None
+    when there is none or it is bad (problems recorded; a section that is not an object is
+    `check_keys`'s to report)."""
+    if not isinstance(section, dict):
+        return None
+    kind, params = section.get("type"), section.get("params", {})
+    if not isinstance(params, dict):
+        problems.append(f"scheduler.params must be a JSON object, got {params!r}")
+    if kind not in SCHEDULER_TYPES:
+        listed = ", ".join(SCHEDULER_TYPES)
+        if isinstance(kind, str) and isinstance(getattr(torch.optim.lr_scheduler, kind, None),
+                                                type):
+            problems.append(f"scheduler.type {kind!r} is not one of DeepSpeed's schedulers "
+                            f"({listed}): build torch.optim.lr_scheduler.{kind} yourself, pass "
+                            f"it as initialize(lr_scheduler=...) and drop the scheduler section")
+        else:
+            problems.append(f"scheduler.type {kind!r} is not supported: use one of {listed}"
+                            f"{_close(str(kind), list(SCHEDULER_TYPES))}")
+        return None
+    if not isinstance(params, dict):
+        return None
+    _check_scheduler_params(kind, params, problems)
+    return SchedulerSpec(type=kind, params=dict(params))
+
+
+def _check_scheduler_params(kind: str, params: Mapping, problems: List[str]) -> None:
+    """Unknown and missing params, by the schedules' own signatures (when importable)."""
+    try:
+        from gigatron.training.lr.deepspeed import scheduler_params
+    except ImportError:  # the schedules check their params when they are built
+        return
+    allowed = scheduler_params(kind)
+    for name in params:
+        if name not in allowed:
+            problems.append(f"scheduler.params.{name} is not a parameter of {kind}; known: "
+                            f"{', '.join(allowed)}{_close(name, list(allowed))}")
+    for name, default in allowed.items():
+        reported = any(line.startswith(f"scheduler.params.{name} ") for line in problems)
+        if default == "REQUIRED" and name not in params and not reported:
+            problems.append(f"scheduler.params.{name} is required by {kind}")

@@ -1,0 +1,396 @@
+"""A DeepSpeed JSON config as pretrain_gpt.py flags, read through the config table.
+
+Every row of the table (`training/config/table.py`) with a DeepSpeed key is read from the JSON with
+DeepSpeed's meaning; the key list and the docs are in docs/FLAGS.md. `apply_deepspeed_config`
+is pure: the JSON's values fill the flags not given on the command line; a flag given with a
+different value is an error naming both (as DeepSpeed refuses conflicting settings). Unknown
+keys are errors naming the key and what to use instead. Keys the JSON leaves out keep
+pretrain_gpt.py's (Megatron's) defaults, e.g. --weight-decay 0.01. Loss-scaling keys apply
+only with fp16.enabled true (DeepSpeed ignores them otherwise). `from_deepspeed_config`
+builds the config objects from a JSON alone (for engines that get no command line).
+
+`engine_config` is `gigatron.initialize`'s reader (training/config/deepspeed/engine.py): it reads the
+same table rows with `read_rows`, but a key the JSON leaves out gets DeepSpeed's default.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import os
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set,
+                    Tuple, Union)
+
+from gigatron.training.config.table import Row, deepspeed_default, defaults, flag_name, table
+from gigatron.training.config.validation import ConfigError, dedupe
+
+if TYPE_CHECKING:
+    import torch
+
+    from gigatron.training.config.deepspeed.engine_config import EngineConfig
+    from gigatron.training.config.run_config import RunConfig
+
+_INSTEAD = {
+    "scheduler": "use --lr-decay-style/--lr-warmup-iters/--lr-decay-iters/--min-lr",
+    "activation_checkpointing": "use --recompute-granularity/--recompute-method/"
+                                "--recompute-num-layers",
+    "comms_logger": "collective bytes are counted in gigatron.parallel.comm.stats",
+    "flops_profiler": "TFLOP/s and MFU are logged every --log-interval",
+    "tensorboard": "use --tensorboard-dir", "csv_monitor": "use --metrics-file",
+    "wandb": "use --metrics-file or --tensorboard-dir",
+    "bfloat16": 'spell it "bf16"', "amp": 'use "fp16" or "bf16"',
+    "pipeline": "use --pipeline-model-parallel-size",
+    "checkpoint": "use --save/--load/--ckpt-format",
+    "prescale_gradients": "gradients are averaged over data-parallel ranks after reduction",
+    "gradient_predivide_factor": "gradients are averaged over data-parallel ranks after "
+                                 "reduction",
+    "data_types": "gradients accumulate in fp32; use --grad-reduce-in-bf16 to reduce in bf16",
+}
+# top-level keys accepted at the value that says what gigatron does anyway (a real config
+# often spells its defaults out): prescale false, predivide 1, accumulation in fp32
+_AS_GIGATRON_DOES = {"prescale_gradients": False, "gradient_predivide_factor": 1.0,
+                     "data_types": {"grad_accum_dtype": "fp32"}}
+# accepted without a row: DeepSpeed's Adam switches (adam_w_mode must stay true)
+_ADAM_ONLY_KEYS = ("adam_w_mode", "torch_adam")
+_OPTIMIZER_TYPES = {"adam": "adam", "adamw": "adam", "sgd": "sgd"}
+
+# Under Megatron-DeepSpeed's --deepspeed switch its own loop drives these from the command line
+# whatever the JSON says (megatron/training.py), so there the flag wins, with a banner note
+MEGATRON_DEEPSPEED_FLAG_WINS = {
+    "global_batch_size": "Megatron-DeepSpeed sets the engine's batch from --global-batch-size "
+                         "every iteration (set_train_batch_size)",
+    "log_interval": "steps_per_print paces only DeepSpeed's own prints; Megatron logs every "
+                    "--log-interval",
+}
+
+# dest -> (JSON key, JSON value, flag value, same(explicit flag value, flag value) or None)
+Entry = Tuple[str, Any, Any, Optional[Callable[[Any, Any], bool]]]
+
+
+def _rows() -> List[Tuple[str, Row]]:
+    """(DeepSpeed key, row) of every table row that has a DeepSpeed key."""
+    return [(r.spec.ds, r) for r in table() if r.spec.ds]
+
+
+def _path(key: str) -> List[str]:
+    """'optimizer.params.betas[1]' -> ['optimizer', 'params', 'betas']."""
+    return [re.sub(r"\[\d+\]$", "", part) for part in key.split(".")]
+
+
+def _tree() -> Dict[str, Any]:
+    """The JSON sections the table knows, as nested dicts (leaves are None)."""
+    tree: Dict[str, Any] = {}
+    for key, _ in _rows():
+        node = tree
+        *sections, leaf = _path(key)
+        for s in sections:
+            node = node.setdefault(s, {})
+        node.setdefault(leaf, None)
+    return tree
+
+
+def _close(key: str, known) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _known(node: Dict[str, Any], prefix: str, ds_type: Any) -> set:
+    """The keys of a section; optimizer.params depends on the optimizer type."""
+    if prefix != "optimizer.params.":
+        return set(node)
+    kind = _OPTIMIZER_TYPES.get(str(ds_type).lower())
+    known = {k for k in node if _params_kind(k) in (None, kind)}
+    return known | (set(_ADAM_ONLY_KEYS) if kind == "adam" else set())
+
+
+def _unknown(key: str, prefix: str, known: set, ds_type: Any) -> str:
+    if not prefix:
+        hint = _INSTEAD.get(key, f"supported keys: {', '.join(sorted(known))}")
+        return f"{key} is not supported: {hint}{_close(key, known)}"
+    if prefix == "optimizer.params.":
+        hint = "; use gradient_clipping" if key == "max_grad_norm" else ""
+        return (f"optimizer.params.{key} is not supported for {ds_type}; known: "
+                f"{', '.join(sorted(known))}{hint}")
+    return f"{prefix}{key} is not supported; known keys: {sorted(known)}{_close(key, known)}"
+
+
+def _check_keys(section: Mapping, node: Dict[str, Any], prefix: str, out: List[str],
+                ds_type: Any = None) -> None:
+    """Unknown keys at every level the table knows, each with a hint."""
+    known = _known(node, prefix, ds_type)
+    for key, value in section.items():
+        if not prefix and key in _AS_GIGATRON_DOES and value == _AS_GIGATRON_DOES[key]:
+            continue
+        if key not in known:
+            out.append(_unknown(key, prefix, known, ds_type))
+        elif isinstance(node.get(key), dict):
+            if not isinstance(value, dict):
+                example = ' like {"enabled": true}' if key in ("fp16", "bf16") else ""
+                out.append(f"{prefix}{key} must be a JSON object{example}, got {value!r}")
+                continue
+            _check_keys(value, node[key], f"{prefix}{key}.", out,
+                        section.get("type") if key == "params" else ds_type)
+
+
+def _params_kind(param: str) -> Optional[str]:
+    """'adam' or 'sgd' for optimizer.params keys of one optimizer type only."""
+    kinds = {r.spec.ds_when for key, r in _rows() if _path(key)[-1] == param
+             and key.startswith("optimizer.params.")}
+    return next(iter(kinds)) if len(kinds) == 1 else None
+
+
+def _reject_placeholders(node: Any, path: str, out: List[str]) -> None:
+    """HuggingFace's "auto" is filled by its Trainer; here there is nothing to fill it."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _reject_placeholders(value, f"{path}.{key}" if path else key, out)
+    elif node == "auto":
+        out.append(f'{path} is "auto" (a HuggingFace Trainer placeholder): give the value '
+                   f"or drop the key and use the pretrain_gpt.py flag")
+
+
+def _lookup(ds: Mapping, key: str) -> Tuple[bool, Any]:
+    """(present, value) of a dotted key; 'betas[1]' indexes a two-element list."""
+    node: Any = ds
+    for part in key.split("."):
+        match = re.fullmatch(r"(\w+)\[(\d+)\]", part)
+        name = match.group(1) if match else part
+        if not isinstance(node, dict) or name not in node:
+            return False, None
+        node = node[name]
+        if match:
+            if not (isinstance(node, list) and len(node) == 2):
+                raise ValueError(f"{key[:key.index('[')]} must be [beta1, beta2], got {node!r}")
+            node = node[int(match.group(2))]
+    return True, node
+
+
+def _number(key: str, value: Any, integer: bool = False) -> Any:
+    ok = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok):
+        raise ValueError(f"{key} must be {'an integer' if integer else 'a number'}, "
+                         f"got {value!r}")
+    return value
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _count(key: str, value: Any) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # DeepSpeed configs often write 5e8
+    return _number(key, value, integer=True)
+
+
+def _offload(key: str, value: Any) -> bool:
+    """offload_optimizer {device, pin_memory} -> --optimizer-cpu-offload."""
+    if not isinstance(value, dict):
+        raise ValueError(f'{key} must be a JSON object like {{"device": "cpu"}}, got {value!r}')
+    unknown = sorted(set(value) - {"device", "pin_memory"})
+    if unknown:
+        raise ValueError(f"{key}.{unknown[0]} is not supported; known keys: "
+                         f"['device', 'pin_memory']")
+    if value.get("pin_memory", True) is not True:
+        raise ValueError(f"{key}.pin_memory false is not supported: offloaded state is always "
+                         f"pinned on CUDA (set it to true or drop it)")
+    device = value.get("device", "none")
+    if device not in ("cpu", "none"):
+        raise ValueError(f'{key}.device {device!r} is not supported: use "cpu" or "none"')
+    return device == "cpu"
+
+
+def _optimizer_type(key: str, value: Any) -> str:
+    # DeepSpeed's "Adam" runs in adam_w_mode by default, so Adam and AdamW are both AdamW
+    kind = _OPTIMIZER_TYPES.get(str(value).lower())
+    if kind is None:
+        raise ValueError(f"{key} {value!r} is not supported: use Adam, AdamW or SGD")
+    return kind
+
+
+_CONVERT: Dict[str, Callable[[str, Any], Any]] = {
+    "timing": lambda key, on: int(_boolean(key, on)),
+    "loss_scale": lambda key, v: float(_number(key, v)) or None,  # 0 = dynamic
+    "power_of_2": lambda key, power: 2.0 ** _number(key, power, integer=True),
+    "count": _count, "offload": _offload, "optimizer_type": _optimizer_type,
+}
+_SAME: Dict[str, Callable[[Any, Any], bool]] = {
+    "timing": lambda given, value: (given >= 1) == bool(value)}
+
+
+def _convert(row: Row, key: str, raw: Any) -> Any:
+    """The flag value of a JSON value: by the row's ds_as, else by the row's type."""
+    if row.spec.ds_as:
+        value = _CONVERT[row.spec.ds_as](key, raw)
+    elif row.type is bool:
+        value = _boolean(key, raw)
+    elif row.type is int:
+        value = _number(key, raw, integer=True)
+    elif row.type is float:
+        value = float(_number(key, raw))
+    else:
+        value = raw
+    choices = row.spec.choices
+    if choices is not None and value not in choices:
+        listed = ", ".join(map(str, choices[:-1])) + f" or {choices[-1]}"
+        raise ValueError(f"{key} must be {listed}, got {raw!r}")
+    return value
+
+
+def _applies(row: Row, ds: Mapping) -> bool:
+    """fp16 loss scaling needs fp16 on; Adam/SGD params need that optimizer type."""
+    when = row.spec.ds_when
+    if when == "fp16":
+        return isinstance(ds.get("fp16"), dict) and ds["fp16"].get("enabled") is True
+    if when in ("adam", "sgd"):
+        optimizer = ds.get("optimizer")
+        kind = optimizer.get("type") if isinstance(optimizer, dict) else None
+        return _OPTIMIZER_TYPES.get(str(kind).lower()) == when
+    return True
+
+
+def read_deepspeed_config(ds: Mapping) -> Tuple[Dict[str, Entry], List[str]]:
+    """(dest -> entry for every table key present in `ds`, every problem found)."""
+    if not isinstance(ds, dict):
+        return {}, ["a DeepSpeed config must be a JSON object"]
+    problems: List[str] = []
+    _reject_placeholders(ds, "", problems)
+    _check_keys(ds, _tree(), "", problems)
+    optimizer = ds.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict) and \
+            optimizer["params"].get("adam_w_mode", True) is not True:
+        problems.append("optimizer.params.adam_w_mode false (Adam with L2 weight decay) is not "
+                        "supported: pretrain_gpt.py's adam is AdamW (decoupled weight decay)")
+    entries: Dict[str, Entry] = {}
+    for key, row in _rows():
+        try:
+            present, raw = _lookup(ds, key)
+            if present and raw != "auto" and _applies(row, ds):
+                entries[row.dest] = (key, raw, _convert(row, key, raw),
+                                     _SAME.get(row.spec.ds_as or ""))
+        except ValueError as err:
+            problems.append(str(err))
+    return entries, dedupe(problems)
+
+
+def read_rows(ds: Mapping, dests: Sequence[str]) -> Tuple[Dict[str, Any], List[str]]:
+    """dest -> value of the named table rows as gigatron.initialize reads them: the JSON's value
+    converted as for pretrain_gpt.py, or DeepSpeed's default (`deepspeed_default`) when the JSON
+    leaves the key out (or fp16 is off, for loss-scaling keys); and every problem found."""
+    rows = {r.dest: r for r in table()}
+    values: Dict[str, Any] = {}
+    problems: List[str] = []
+    for dest in dests:
+        row = rows[dest]
+        values[dest] = deepspeed_default(row)
+        try:
+            present, raw = _lookup(ds, str(row.spec.ds))
+            if present and _applies(row, ds):
+                values[dest] = _convert(row, str(row.spec.ds), raw)
+        except ValueError as err:
+            problems.append(str(err))
+    return values, problems
+
+
+def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
+                           explicit: Set[str]) -> argparse.Namespace:
+    """The flags with the DeepSpeed config's values filled in; `explicit` holds the dests given
+    on the command line, which must agree with the config (under Megatron-DeepSpeed's
+    --deepspeed, the flags of MEGATRON_DEEPSPEED_FLAG_WINS win instead). Raises a ConfigError
+    listing every problem (one line each)."""
+    entries, problems = read_deepspeed_config(ds)
+    if ("gradient_accumulation_steps" not in entries and "global_batch_size" in entries
+            and "micro_batch_size" not in entries and flags.micro_batch_size is None):
+        entries["gradient_accumulation_steps"] = (
+            "train_batch_size", ds["train_batch_size"], 1, None)  # DeepSpeed: micro = train/dp
+    out = argparse.Namespace(**vars(flags))
+    for dest, (key, raw, value, same) in entries.items():
+        given = getattr(flags, dest, None)
+        if dest not in explicit:
+            setattr(out, dest, value)
+        elif getattr(flags, "deepspeed", False) and dest in MEGATRON_DEEPSPEED_FLAG_WINS:
+            continue  # the command line's value stays (megatron_deepspeed_notes says so)
+        elif not (same(given, value) if same else given == value):
+            shown = "" if isinstance(given, bool) else f" {given}"
+            problems.append(f"{flag_name(dest)}{shown} on the command line conflicts with "
+                            f"{key}: {json.dumps(raw)} in the DeepSpeed config: drop one or "
+                            f"make them agree")
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def megatron_deepspeed_notes(flags: Mapping[str, Any]) -> List[str]:
+    """Banner lines for the JSON values a Megatron-DeepSpeed command line overrode."""
+    path = flags.get("deepspeed_config")
+    if not flags.get("deepspeed") or not path:
+        return []
+    entries, _ = read_deepspeed_config(load_deepspeed_config(path))
+    notes = []
+    for dest, why in MEGATRON_DEEPSPEED_FLAG_WINS.items():
+        if dest in entries and flags.get(dest) != entries[dest][2]:
+            key, raw = entries[dest][0], entries[dest][1]
+            notes.append(f"{flag_name(dest)} {flags.get(dest)} is used, not {key}: "
+                         f"{json.dumps(raw)} of the DeepSpeed config: {why}")
+    return notes
+
+
+def deepspeed_batch_sizes(train: Optional[int], micro: Optional[int], grad_acc: int,
+                          dp: int) -> Tuple[int, int]:
+    """(micro batch, global batch) by DeepSpeed's rule train = micro x grad_acc x dp."""
+    if grad_acc < 1:
+        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {grad_acc}")
+    if train is None and micro is None:
+        raise ValueError("give train_batch_size or train_micro_batch_size_per_gpu in the "
+                         "DeepSpeed config (or --micro-batch-size)")
+    if micro is None:
+        assert train is not None  # one of the two is given (checked above)
+        micro = max(train // (grad_acc * dp), 1)
+    if train is None:
+        train = micro * grad_acc * dp
+    if train != micro * grad_acc * dp:
+        raise ValueError(
+            f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {grad_acc} x data-parallel size {dp} = "
+            f"{micro * grad_acc * dp} (--global-batch-size = --micro-batch-size x "
+            f"accumulation x dp): fix one of them")
+    return micro, train
+
+
+def load_deepspeed_config(path: str) -> Dict[str, Any]:
+    """The JSON object in `path`, or a ValueError naming the flag and the problem."""
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except OSError as err:
+        raise ValueError(f"--deepspeed-config {path}: cannot read it ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--deepspeed-config {path} is not valid JSON: {err}") from None
+    if not isinstance(ds, dict):
+        raise ValueError(f"--deepspeed-config {path} must hold a JSON object")
+    return ds
+
+
+def from_deepspeed_config(ds: Mapping, world_size: int = 1, tp: int = 1,
+                          pp: int = 1) -> "RunConfig":
+    """The config objects a DeepSpeed JSON alone defines (for `gigatron.initialize`): a
+    RunConfig with zero, parallel, train, checkpoint and logging set; model, data and
+    lr_schedule are None (the JSON does not describe them). Unset keys keep the defaults."""
+    from gigatron.training.config.arguments import build_engine_config
+
+    flags = argparse.Namespace(**defaults())
+    flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size = tp, pp
+    return build_engine_config(apply_deepspeed_config(ds, flags, set()), world_size)
+
+
+def engine_config(config: Union[str, "os.PathLike[str]", Mapping], world_size: int, *,
+                  dp_world_size: Optional[int] = None, model: Optional["torch.nn.Module"] = None,
+                  args: Optional[argparse.Namespace] = None) -> "EngineConfig":
+    """`gigatron.initialize`'s config: a DeepSpeed JSON (path or dict) with DeepSpeed's meanings
+    and defaults; see `gigatron.training.config.deepspeed.engine.engine_config`."""
+    from gigatron.training.config.deepspeed.engine import engine_config as read
+
+    return read(config, world_size, dp_world_size=dp_world_size, model=model, args=args)

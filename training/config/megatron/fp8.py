@@ -1,0 +1,114 @@
+"""Megatron's FP8 flags (--fp8-format and its family) -> the FP8 emulation's recipe.
+
+Megatron-Core hands these flags to Transformer Engine's DelayedScaling recipe; gigatron
+emulates that recipe in its tensor-parallel linears (`gigatron.parallel.tensor.fp8`,
+docs/FP8.md): the same layers, formats, scales and amax histories, the GEMMs in the run's
+dtype. Only delayed scaling (Megatron's default --fp8-recipe) is emulated; the other recipes
+are refused with the reason. --fp8-param-gather changes where the FP8 copy of the weights
+lives and what the distributed optimizer all-gathers (memory and communication only): it is
+accepted, under Megatron's own conditions, without effect.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional
+
+from gigatron.training.config.field import setting
+
+if TYPE_CHECKING:
+    from gigatron.parallel.tensor.fp8 import FP8Recipe
+    from gigatron.training.config.validation import Problems
+
+RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")  # Megatron's choices
+
+
+@dataclass(frozen=True)
+class FP8Settings:
+    """FP8 training through Transformer Engine in Megatron, emulated here (docs/FP8.md)."""
+
+    fp8_format: Optional[str] = setting(
+        None, "FP8 GEMMs in the transformer layers' linears (emulated, docs/FP8.md): e4m3 "
+        "everywhere, or hybrid (E4M3 activations and weights, E5M2 output-gradients); the "
+        "embedding and output layer stay in the run's dtype, as in Megatron-Core",
+        "--fp8-format", choices=("e4m3", "hybrid"))
+    fp8_recipe: str = setting(
+        "delayed", "FP8 scaling recipe: delayed (scales from the amax history) is emulated; "
+        "tensorwise, mxfp8, blockwise and custom are refused", "--fp8-recipe",
+        choices=RECIPES)
+    fp8_margin: int = setting(0, "scale = FP8 max / amax / 2**margin", "--fp8-margin")
+    fp8_interval: int = setting(
+        1, "accepted without effect: deprecated by Transformer Engine 1.8 (scales update "
+        "every step), as Megatron warns", "--fp8-interval")
+    fp8_amax_history_len: int = setting(
+        1, "steps of amax history the scale is computed from", "--fp8-amax-history-len")
+    fp8_amax_compute_algo: str = setting(
+        "most_recent", "the amax of the history: its max, or the most recent step's",
+        "--fp8-amax-compute-algo", choices=("max", "most_recent"))
+    no_fp8_wgrad: bool = setting(
+        False, "compute the weight-gradient GEMM in the run's precision, not in FP8",
+        "--no-fp8-wgrad", "--disable-fp8-wgrad")
+    fp8_param_gather: bool = setting(
+        False, "accepted without effect (needs --fp8-format and the distributed optimizer, "
+        "as in Megatron): Megatron keeps the weights in FP8 and all-gathers them in FP8, "
+        "which saves memory and communication only; gigatron gathers them in the run's "
+        "dtype and quantises them in each forward", "--fp8-param-gather")
+
+
+def fp8_recipe(flags: Mapping[str, Any]) -> Optional["FP8Recipe"]:
+    """The emulated DelayedScaling recipe of these (validated) flags; None without
+    --fp8-format."""
+    from gigatron.parallel.tensor.fp8 import FP8Recipe
+
+    if not flags.get("fp8_format"):
+        return None
+    return FP8Recipe(format=flags["fp8_format"], margin=flags["fp8_margin"],
+                     amax_history_len=flags["fp8_amax_history_len"],
+                     amax_compute_algo=flags["fp8_amax_compute_algo"],
+                     wgrad=not flags["no_fp8_wgrad"])
+
+
+def fp8_problems(flags: argparse.Namespace) -> List[str]:
+    """What Megatron (or this emulation) refuses in the FP8 flags, one line each."""
+    out: List[str] = []
+    if flags.fp8_param_gather:
+        if not flags.fp8_format:
+            out.append("--fp8-param-gather needs --fp8-format (Megatron: fp8_param must be "
+                       "used together with fp8 mode)")
+        if not (flags.use_distributed_optimizer or (flags.zero_stage or 0) >= 1):
+            out.append("--fp8-param-gather needs the distributed optimizer: add "
+                       "--use-distributed-optimizer (or --zero-stage 1, 2 or 3)")
+    if not flags.fp8_format:
+        return out
+    if flags.fp8_recipe != "delayed":
+        out.append(f"--fp8-recipe {flags.fp8_recipe} is not emulated: gigatron emulates "
+                   f"delayed scaling only (--fp8-recipe delayed, Megatron's default)")
+    if flags.fp8_amax_history_len < 1:
+        out.append(f"--fp8-amax-history-len must be >= 1, got {flags.fp8_amax_history_len}")
+    if flags.recompute_granularity or flags.recompute_activations or \
+            flags.checkpoint_activations:
+        out.append("--fp8-format with activation recomputation is not supported by the FP8 "
+                   "emulation (the recomputed forward would quantise with updated scales): "
+                   "drop the recomputation flags or --fp8-format")
+    return out
+
+
+def check_fp8(flags: argparse.Namespace, p: "Problems") -> None:
+    """Record the FP8 flags' problems in `p`."""
+    p.lines += fp8_problems(flags)
+
+
+def fp8_notes(flags: Mapping[str, Any]) -> List[str]:
+    """The banner's lines for the FP8 flags."""
+    notes = []
+    if flags.get("fp8_format"):
+        wgrad = "" if not flags.get("no_fp8_wgrad") else ", weight gradients in full precision"
+        notes.append(f"--fp8-format {flags['fp8_format']}: FP8 is emulated (docs/FP8.md): the "
+                     f"transformer layers' GEMM operands are rounded through FP8 with delayed "
+                     f"scaling (amax history {flags.get('fp8_amax_history_len')}, "
+                     f"{flags.get('fp8_amax_compute_algo')}){wgrad}; the GEMMs run in the "
+                     f"run's dtype, so it is slower than without FP8 and saves no memory")
+    if flags.get("fp8_param_gather"):
+        notes.append("--fp8-param-gather: no effect here (memory and communication only): "
+                     "parameters are gathered in the run's dtype")
+    return notes

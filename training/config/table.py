@@ -1,0 +1,293 @@
+"""The one config table: every settable field of a run, read from the config dataclasses.
+
+Each row is one field declared with `config_field.setting` (its type from the annotation, its
+default, doc, flags and DeepSpeed key). Generated from it: pretrain_gpt.py's argparse
+(`build_parser`), the DeepSpeed-JSON reader (`training/config/deepspeed/pretrain.py`), docs/FLAGS.md
+(`flags_markdown`; regenerate with `python -m gigatron.training.config.table > docs/FLAGS.md`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+
+from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig, ParallelConfig,
+                                      TrainConfig)
+from gigatron.training.config.field import SAME_DEFAULT, FieldSpec, field_spec
+from gigatron.training.run.decoupled_lr import DecoupledLRSettings
+from gigatron.training.config.megatron.fp8 import FP8Settings
+from gigatron.training.run.per_token_loss import LossSettings
+from gigatron.training.observe.profiling import ProfilingSettings
+from gigatron.training.config.settings import (DataSettings, ImplementationSettings, ModelSettings,
+                                        OptimizerSettings, PrecisionSettings, SourceSettings)
+
+# (config dataclass, argparse group / FLAGS.md section), in --help order
+CONCERNS = (
+    (ModelSettings, "model (flags override the --model zoo config)"),
+    (ParallelConfig, "parallelism"),
+    (PrecisionSettings, "precision and ZeRO"),
+    (FP8Settings, "FP8 (emulated: docs/FP8.md)"),
+    (OptimizerSettings, "optimizer and learning-rate schedule"),
+    (DecoupledLRSettings, "learning rate of the embedding and output layer"),
+    (DataSettings, "data and tokenizer"),
+    (TrainConfig, "training loop"),
+    (LossSettings, "loss normalisation"),
+    (CheckpointConfig, "checkpointing"),
+    (LoggingConfig, "logging"),
+    (ProfilingSettings, "profiling"),
+    (ImplementationSettings, "implementation selectors (the same numbers whichever is chosen)"),
+    (SourceSettings, "configuration file"),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One settable field: where it lives, how it is typed, how it is named."""
+
+    owner: type
+    field: str
+    dest: str  # the argparse dest (the key of RunConfig.flags)
+    type: type  # int, float, str or bool (of a list: the element type)
+    is_list: bool
+    optional: bool  # None is a value ("not given")
+    default: Any
+    spec: FieldSpec
+
+    @property
+    def flag(self) -> Optional[str]:
+        """The canonical flag; None for a field only the DeepSpeed JSON sets."""
+        return self.spec.flags[0] if self.spec.flags else None
+
+    @property
+    def name(self) -> str:
+        """How a user names this setting in a message: its flag, else its JSON key."""
+        return self.flag or str(self.spec.ds)
+
+
+def _base_type(hint: Any) -> Tuple[type, bool, bool]:
+    """(element type, is a list, Optional) of an annotation like Optional[List[str]]."""
+    optional = False
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional, hint = True, args[0]
+    if typing.get_origin(hint) in (list, List):
+        return typing.get_args(hint)[0], True, optional
+    return hint, False, optional
+
+
+def _rows(cls: type) -> List[Row]:
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        spec = field_spec(f)
+        if spec is None:
+            continue
+        kind, is_list, optional = _base_type(hints[f.name])
+        rows.append(Row(cls, f.name, spec.dest or f.name, kind, is_list, optional, f.default,
+                        spec))
+    return rows
+
+
+@functools.lru_cache(maxsize=None)
+def table() -> Tuple[Row, ...]:
+    """Every row, in CONCERNS order; a dest, flag or JSON key appears once."""
+    rows = tuple(r for cls, _ in CONCERNS for r in _rows(cls))
+    duplicated = []
+    for names in ([r.dest for r in rows], [f for r in rows for f in r.spec.flags],
+                  [r.spec.ds for r in rows if r.spec.ds]):
+        duplicated += sorted({n for n in names if names.count(n) > 1})
+    if duplicated:
+        raise AssertionError(f"config table names used twice: {duplicated}")
+    return rows
+
+
+def row_of(dest: str) -> Row:
+    """The row of an argparse dest."""
+    return {r.dest: r for r in table()}[dest]
+
+
+def flag_name(dest: str) -> str:
+    """The flag (or JSON key) a message names for `dest`."""
+    return row_of(dest).name
+
+
+def values(owner: type, flags: argparse.Namespace) -> Dict[str, Any]:
+    """Field -> value of `owner`'s settable fields, read from the flags."""
+    return {r.field: getattr(flags, r.dest) for r in table() if r.owner is owner}
+
+
+def deepspeed_default(row: Row) -> Any:
+    """The value gigatron.initialize gives a DeepSpeed key the JSON leaves out: DeepSpeed's
+    default (pretrain_gpt.py keeps the flag's default, `row.default`)."""
+    return row.default if row.spec.ds_default is SAME_DEFAULT else row.spec.ds_default
+
+
+def defaults() -> Dict[str, Any]:
+    """dest -> default of every row; JSON-only rows start at None ("the JSON did not say")."""
+    return {r.dest: r.default if r.flag else None for r in table()}
+
+
+class ParseProblems(ValueError):
+    """Every bad flag value and unknown flag of one command line (one line each); `flags`:
+    the rest of the command line parsed (bad values at their defaults), so the caller can
+    add the problems of the values that did parse (`arguments.parse_args`)."""
+
+    def __init__(self, problems: Sequence[str], flags: Optional[argparse.Namespace] = None,
+                 bad_flags: Sequence[str] = ()) -> None:
+        from gigatron.training.config.validation import join_problems
+
+        self.problems, self.flags, self.bad_flags = list(problems), flags, list(bad_flags)
+        super().__init__(join_problems(self.problems))
+
+
+def _shown(value: Any) -> str:
+    return str(value).replace("%", "%%")
+
+
+def _help(row: Row) -> str:
+    return f"{row.spec.doc} (default: {_shown(row.default)})"
+
+
+def _converter(row: Row, problems: List[str]):
+    """argparse `type` that records a bad value or choice instead of stopping at the first."""
+    def convert(text: str) -> Any:
+        try:
+            value = row.type(text)
+        except ValueError:
+            problems.append(f"argument {row.flag}: invalid {row.type.__name__} value: "
+                            f"{text!r}")
+            return None
+        if row.spec.choices is not None and value not in row.spec.choices:
+            problems.append(f"argument {row.flag}: invalid choice: {value!r} (choose from "
+                            f"{', '.join(map(str, row.spec.choices))})")
+            return None
+        return value
+    convert.__name__ = row.type.__name__
+    return convert
+
+
+def add_row(group: "argparse._ArgumentGroup", row: Row, problems: List[str]) -> None:
+    """The argparse argument(s) of one row."""
+    if row.type is bool:
+        default = None if row.optional else bool(row.default)  # a True default: --no-X turns it off
+        group.add_argument(*row.spec.flags, dest=row.dest, action="store_true",
+                           default=default, help=_help(row))
+        if row.spec.negative:
+            group.add_argument(row.spec.negative, dest=row.dest, action="store_false",
+                               help=f"the opposite of {row.flag}")
+        return
+    metavar = row.spec.metavar
+    if row.spec.choices is not None:
+        metavar = "{" + ",".join(map(str, row.spec.choices)) + "}"
+    group.add_argument(*row.spec.flags, dest=row.dest, type=_converter(row, problems),
+                       default=row.default, nargs="*" if row.is_list else None,
+                       metavar=metavar, help=_help(row))
+
+
+class ConfigParser(argparse.ArgumentParser):
+    """argparse that reports every bad value and unknown flag at once, as a ValueError."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.problems: List[str] = []
+        self.suggested: List[str] = []  # the known flags an unknown one was probably meant as
+
+    def error(self, message: str) -> NoReturn:
+        raise ParseProblems([message])
+
+    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
+        """Parse; unknown flags and bad values raise one ParseProblems listing them all."""
+        self.problems.clear()
+        self.suggested.clear()
+        flags, unknown = self.parse_known_args(args, namespace)
+        problems = list(self.problems)
+        if unknown:
+            problems[:0] = [self._unknown(unknown)] + megatron_notes(unknown)
+        if problems:
+            bad = [m.split()[1].rstrip(":") for m in self.problems]
+            for row in table():  # a bad value leaves its flag at the default
+                if row.flag in bad:
+                    setattr(flags, row.dest, row.default)
+            raise ParseProblems(problems, flags, bad + self.suggested)
+        return flags
+
+    def _unknown(self, unknown: List[str]) -> str:
+        """One line naming every unknown flag, each with its nearest known spelling."""
+        import difflib
+
+        from gigatron.training.config.megatron.doc import megatron_flag_note
+
+        known = [s for a in self._actions for s in a.option_strings]
+        names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
+        # a Megatron flag gigatron does not support gets its own line (megatron_notes)
+        names = [n for n in names if not megatron_flag_note(n)]
+        hints = []
+        for name in names:
+            close = difflib.get_close_matches(name, known, n=1)
+            if close:
+                hints.append(close[0] if len(names) == 1 else f"{close[0]} for {name}")
+                self.suggested.append(close[0])
+        hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+        if len(hints) < len(names):
+            hint += f"; see {self.prog} --help"
+        return f"unknown flag(s) {' '.join(unknown)}{hint}"
+
+
+def megatron_notes(unknown: Sequence[str]) -> List[str]:
+    """For each unknown flag that is a Megatron flag: why gigatron does not support it."""
+    from gigatron.training.config.megatron.doc import megatron_flag_note
+
+    notes = [megatron_flag_note(u.split("=")[0]) for u in unknown if u.startswith("-")]
+    return [note for note in notes if note]
+
+
+def build_parser(prog: str, description: str) -> ConfigParser:
+    """The argparse parser of every row with a flag; JSON-only rows become plain defaults."""
+    parser = ConfigParser(prog=prog, description=description, allow_abbrev=False)
+    for cls, title in CONCERNS:
+        group = parser.add_argument_group(title)
+        for row in table():
+            if row.owner is cls and row.flag:
+                add_row(group, row, parser.problems)
+    parser.set_defaults(**{r.dest: None for r in table() if not r.flag})
+    return parser
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def flags_markdown() -> str:
+    """docs/FLAGS.md: one table per concern, generated from the config table."""
+    lines = ["# pretrain_gpt.py flags and DeepSpeed JSON keys", "",
+             "Generated from the config table (`gigatron/training/config/table.py`); do not "
+             "edit by hand:", "`python -m gigatron.training.config.table > docs/FLAGS.md`.",
+             "A DeepSpeed key fills the flag when the flag is not given; both given and "
+             "different is an error.",
+             "A key the JSON leaves out keeps the flag's default in pretrain_gpt.py; "
+             "`gigatron.initialize` gives it DeepSpeed's default, shown where it differs.", ""]
+    for cls, title in CONCERNS:
+        lines += [f"## {title}", "", "| flag | DeepSpeed key | default | meaning |",
+                  "|---|---|---|---|"]
+        for r in table():
+            if r.owner is not cls:
+                continue
+            flags = ", ".join(f"`{f}`" for f in r.spec.flags + (
+                (r.spec.negative,) if r.spec.negative else ())) or "(JSON only)"
+            ds = f"`{r.spec.ds}`" if r.spec.ds else ""
+            if r.spec.ds and r.spec.ds_default not in (SAME_DEFAULT, None):
+                ds += f" (DeepSpeed default `{r.spec.ds_default}`)"
+            if r.spec.ds_doc:
+                ds += f" ({r.spec.ds_doc})"
+            lines.append(f"| {_cell(flags)} | {_cell(ds)} | `{_cell(r.default)}` | "
+                         f"{_cell(r.spec.doc)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(flags_markdown(), end="")

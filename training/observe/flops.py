@@ -1,0 +1,95 @@
+"""Throughput arithmetic: model FLOPs per token, TFLOP/s per device, MFU, peak memory.
+
+FLOPs per token follow the PaLM convention (Chowdhery et al. 2022, appendix B):
+
+    flops_per_token = 6 * N + 12 * L * h * s
+
+N counts the parameters that take part in matrix multiplies: every decoder-layer parameter,
+the final norm and the output layer (padded vocab x hidden; with tied embeddings the shared
+matrix counts once, as the output projection). Input embedding tables (word and learned
+position) are lookups and are not counted. The 12*L*h*s term is attention's QK^T and AV
+matmuls (forward + backward) at sequence length s, without halving for the causal mask.
+These are *model* FLOPs: activation recomputation is not counted, so MFU is comparable
+across recomputation settings.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+
+from gigatron.training.observe.devices import for_device_name
+
+if TYPE_CHECKING:
+    from gigatron.models.config import TransformerConfig
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocab padded to a multiple of divisible_by x tp, as Megatron pads it."""
+    multiple = max(divisible_by, 1) * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _get(config, name: str, default=None):
+    value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def matmul_parameter_count(config: "TransformerConfig", tp: int = 1) -> int:
+    """N of the FLOPs formula: decoder layers + final norm + output layer (see module doc)."""
+    h, layers = config.hidden_size, config.num_layers
+    heads = config.num_attention_heads
+    groups = _get(config, "num_query_groups", heads)
+    ffn = _get(config, "ffn_hidden_size", 4 * h)
+    bias = _get(config, "add_bias_linear", True)
+    swiglu = _get(config, "activation", "gelu") == "swiglu"
+    norm = h * (2 if _get(config, "normalization", "LayerNorm") == "LayerNorm" else 1)
+    d = _get(config, "kv_channels", h // heads)  # channels per head (--kv-channels)
+    q, kv = heads * d, 2 * groups * d
+    attention = h * (q + kv) + q * h + ((q + kv) + h if bias else 0)
+    mlp_in = 2 * ffn if swiglu else ffn
+    mlp = h * mlp_in + ffn * h + ((mlp_in + h) if bias else 0)
+    vocab = padded_vocab_size(config.vocab_size, _get(config, "make_vocab_size_divisible_by",
+                                                      128), tp)
+    return layers * (attention + mlp + 2 * norm) + norm + vocab * h
+
+
+def flops_per_token(config: "TransformerConfig", tp: int = 1) -> float:
+    """Model FLOPs (forward + backward) per trained token: 6N + 12 L h s."""
+    return 6.0 * matmul_parameter_count(config, tp) + \
+        12.0 * config.num_layers * config.hidden_size * config.seq_length
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def device_peak_tflops(device: torch.device, dtype: Union[torch.dtype, str]) -> Optional[float]:
+    """The hardware table's peak (training/observe/devices.py) for this device and params
+    dtype (torch dtype or 'bf16'|'fp16'|'fp32'); None if unknown."""
+    if device.type != "cuda":
+        return None
+    dtype_name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype, str(dtype))
+    row = for_device_name(torch.cuda.get_device_name(device))
+    return None if row is None else row.peak(dtype_name)
+
+
+def throughput(tokens: float, seconds: float, flops_token: float, world_size: int,
+               peak_tflops: Optional[float]) -> dict:
+    """tokens/s, TFLOP/s per device and MFU (None without a peak) over one interval."""
+    tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+    tflops = tokens_per_s * flops_token / world_size / 1e12
+    mfu = tflops / peak_tflops if peak_tflops else None
+    return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "mfu": mfu}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: accelerator max allocated, else the host peak RSS."""
+    if device.type != "cpu":
+        accel = getattr(torch, "accelerator", None)
+        fn = getattr(accel, "max_memory_allocated", None)
+        if fn is not None:
+            return int(fn(device))
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB

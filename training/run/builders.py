@@ -1,0 +1,261 @@
+"""Build a run's pieces from its RunConfig: tokenizer, model chunks, ZeRO, pipeline, data.
+
+Nothing here reimplements a piece: the model is `gigatron.models.gpt.GPTModel` built per
+pipeline chunk (`gigatron.models.pipeline_chunks`), the optimizer is `gigatron.parallel.zero` (every stage, also stage 0), the
+schedule and executor are `gigatron.parallel.pipeline`'s, the data is `gigatron.data`'.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
+
+import torch
+
+from gigatron.parallel.pipeline.executor import PipelineExecutor
+from gigatron.parallel.pipeline.interfaces import GradSync
+from gigatron.parallel.pipeline.schedules import Instruction
+from gigatron.training.config.run_config import RunConfig
+from gigatron.training.observe.timers import TimedP2P, Timers
+
+if TYPE_CHECKING:
+    from gigatron.data.gpt_dataset import SampleDataset
+    from gigatron.parallel.tensor.fp8 import FP8Recipe
+    from gigatron.parallel.zero import ZeroOptimizer
+    from gigatron.data.tokenizer import Tokenizer
+    from gigatron.parallel.pipeline.partition import PipelinePartition
+    from gigatron.parallel.topology import ProcessGroups
+
+
+# What the builders assert of their RunConfig: build_run_config fills model, data and batch
+# sizes; build_engine_config's (a DeepSpeed JSON's parts) leaves them None.
+_NEEDS_RUN_CONFIG = "a RunConfig from build_run_config (model, data and batch sizes set)"
+
+
+def build_tokenizer(flags: Dict[str, Any],
+                    model_vocab: Optional[int] = None) -> Optional["Tokenizer"]:
+    """The tokenizer the data flags name (Megatron's default type when none is named); for
+    --mock-data without one, a null tokenizer whose vocabulary is --vocab-size (or the zoo
+    model's) with eod as its last id."""
+    from gigatron.data.tokenizer import (NullTokenizer, tokenizer_from_flags,
+                                         tokenizer_type_to_build)
+
+    tokenizer_type = tokenizer_type_to_build(flags)
+    if tokenizer_type is not None:
+        return tokenizer_from_flags(flags, tokenizer_type)
+    vocab = flags.get("vocab_size") or model_vocab
+    if vocab is None or vocab < 2:
+        return None
+    return NullTokenizer(vocab, flags.get("null_tokenizer_eod_id"))
+
+
+def partition(run: RunConfig) -> "PipelinePartition":
+    """Which layers each (pipeline rank, virtual chunk) builds."""
+    from gigatron.parallel.pipeline.partition import partition_layers
+
+    p = run.parallel
+    assert run.model is not None, _NEEDS_RUN_CONFIG
+    return partition_layers(run.model.num_layers, p.pp,
+                            first_stage_layers=p.decoder_first_pipeline_num_layers,
+                            last_stage_layers=p.decoder_last_pipeline_num_layers,
+                            num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage)
+
+
+def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
+                       device: torch.device) -> List[torch.nn.Module]:
+    """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`; with
+    --fp8-format their transformer layers' linears run in FP8 emulation."""
+    from gigatron.models.pipeline_chunks import build_model_chunks as build
+    from gigatron.training.config.megatron.fp8 import fp8_recipe
+
+    assert run.model is not None, _NEEDS_RUN_CONFIG
+    chunks = build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
+                   seed=run.train.seed, device=device)
+    recipe = fp8_recipe(run.flags)
+    if recipe is not None:
+        apply_fp8(chunks, recipe, fp8_amax_group(groups))
+    mark_embedding_and_output(chunks)
+    return chunks
+
+
+def mark_embedding_and_output(chunks: List[torch.nn.Module]) -> None:
+    """Tag the word-embedding weight (first stage) and the output-layer weight (last stage,
+    when it holds one: tied on one stage it is the embedding's) as Megatron-Core does, for
+    --decoupled-lr."""
+    from gigatron.parallel.zero.param_groups import DECOUPLED_ATTR
+
+    for chunk in chunks:
+        gpt: Any = chunk  # a GPTModel
+        if gpt.pre_process:
+            setattr(gpt.embedding.word_embeddings.weight, DECOUPLED_ATTR, True)
+        if gpt.post_process and gpt.output_layer.weight is not None:
+            setattr(gpt.output_layer.weight, DECOUPLED_ATTR, True)
+
+
+def build_optimizer(run: RunConfig, chunks: List[torch.nn.Module],
+                    groups: "ProcessGroups") -> "ZeroOptimizer":
+    """The ZeRO optimizer of the run: Megatron's parameter groups; with --decoupled-lr the
+    embedding and output weights in groups of their own (their lr: `decoupled_lr`)."""
+    from gigatron.parallel.zero import build_zero
+    from gigatron.parallel.zero.param_groups import megatron_param_groups
+
+    if run.flags.get("decoupled_lr") is None:
+        return build_zero(chunks, run.zero, groups)
+    return build_zero(chunks, run.zero, groups, param_groups=megatron_param_groups(
+        chunks, run.zero.weight_decay, decoupled=True))
+
+
+def transformer_linears(chunk: torch.nn.Module) -> List[torch.nn.Module]:
+    """The tensor-parallel linears of a GPT chunk's transformer layers: the GEMMs
+    Megatron-Core runs in FP8 (not the embedding, not the output layer)."""
+    from gigatron.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    decoder: torch.nn.Module = getattr(chunk, "decoder")
+    return [m for m in decoder.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def apply_fp8(chunks: List[torch.nn.Module], recipe: "FP8Recipe", amax_group: Any) -> None:
+    """FP8 emulation on each chunk's transformer layers, one FP8 region per chunk (as
+    Megatron-Core's fp8_autocast around the transformer block)."""
+    from gigatron.parallel.tensor.fp8 import enable_fp8
+
+    for chunk in chunks:
+        enable_fp8(getattr(chunk, "decoder"), transformer_linears(chunk), recipe, amax_group)
+
+
+def fp8_amax_group(groups: "ProcessGroups") -> Any:
+    """This rank's FP8 amax-reduction group: its pipeline stage's tensor- and data-parallel
+    ranks (Megatron's default amax reduction group). Collective: every rank creates every
+    such group, in the same order."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in groups.topology.groups("tp-dp"):
+        group = dist.new_group(ranks, timeout=groups.timeout)
+        if groups.rank in ranks:
+            mine = group
+    return mine
+
+
+@dataclass
+class Pipeline:
+    """The executor and the step's schedules for this rank."""
+
+    executor: PipelineExecutor
+    train_schedule: List[Instruction]
+    eval_schedule: List[Instruction]
+    needs_inputs: bool  # this rank runs the first virtual stage: reads input ids
+    needs_labels: bool  # this rank runs the last virtual stage: reads labels and loss mask
+    pp_rank: int = 0
+    pp_size: int = 1
+    virtual_chunks: int = 1
+    schedules: Dict[int, List[Instruction]] = field(default_factory=dict)  # by micro-batches
+
+    def train_schedule_for(self, num_microbatches: int) -> List[Instruction]:
+        """The train schedule of a step with `num_microbatches` (a batch ramp-up changes the
+        count; each count's schedule is built once)."""
+        from gigatron.parallel.pipeline.schedules import build_schedule
+
+        if num_microbatches not in self.schedules:
+            self.schedules[num_microbatches] = build_schedule(
+                self.pp_rank, self.pp_size, num_microbatches, self.virtual_chunks)
+        return self.schedules[num_microbatches]
+
+
+def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.nn.Module],
+                   grad_sync: Optional[GradSync], device: torch.device,
+                   timers: Optional[Timers] = None) -> Pipeline:
+    """The pipeline executor (pp = 1 runs the no-pipelining schedule) and its schedules;
+    with `timers`, its p2p transfers are timed as 'comm'."""
+    from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
+    from gigatron.parallel.pipeline.schedules import build_schedule
+
+    m, p, mbs = run.model, run.parallel, run.train.micro_batch_size
+    assert m is not None and mbs is not None, _NEEDS_RUN_CONFIG
+    shape = p2p_tensor_shape(m.seq_length, mbs, m.hidden_size, p.tp,
+                             p.sequence_parallel)
+    p2p = PipelineP2P(shape, m.params_dtype, device, groups.pp, rank=groups.rank)
+    pp_rank, v = groups.index("pp"), len(chunks)
+    executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
+                                pp_rank, groups.ranks("pp"), grad_sync=grad_sync,
+                                loss_fn=_loss_fn(run))
+    n = run.train.num_microbatches
+    train_schedule = build_schedule(pp_rank, p.pp, n, v)
+    return Pipeline(executor, train_schedule,
+                    build_schedule(pp_rank, p.pp, n, v, forward_only=True),
+                    needs_inputs=pp_rank == 0, needs_labels=pp_rank == p.pp - 1,
+                    pp_rank=pp_rank, pp_size=p.pp, virtual_chunks=v,
+                    schedules={n: train_schedule})
+
+
+def _loss_fn(run: RunConfig) -> Any:
+    """The micro-batch loss: the masked mean (Megatron's default) or, with
+    --calculate-per-token-loss, the masked sum (the loop divides by the global token count)."""
+    from gigatron.parallel.pipeline.executor import masked_mean_loss, masked_sum_loss
+    from gigatron.training.run.per_token_loss import per_token_loss
+
+    return masked_sum_loss if per_token_loss(run.flags) else masked_mean_loss
+
+
+def sample_counts(run: RunConfig) -> List[int]:
+    """Samples each split must provide: Megatron's train/valid/test arithmetic (training by
+    samples: --train-samples, or what the batch ramp's iterations consume if more)."""
+    from gigatron.training.run.batch_rampup import run_rampup
+
+    t = run.train
+    assert t.train_iters is not None and t.global_batch_size is not None, _NEEDS_RUN_CONFIG
+    train = t.train_iters * t.global_batch_size
+    if t.train_samples is not None:
+        train = max(t.train_samples, run_rampup(t, run.parallel.dp).consumed_after(
+            t.train_iters))
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters
+    return [train, evals * t.global_batch_size, t.eval_iters * t.global_batch_size]
+
+
+def build_datasets(run: RunConfig,
+                   tokenizer: Optional["Tokenizer"]) -> List[Optional["SampleDataset"]]:
+    """[train, valid, test] datasets (collective: index caches are built by one rank)."""
+    from gigatron.data.builder import build_train_valid_test_datasets
+
+    config = run.data
+    assert config is not None, _NEEDS_RUN_CONFIG
+    if tokenizer is not None:
+        config = replace(config, eod=tokenizer.eod, vocab_size=tokenizer.vocab_size)
+    return build_train_valid_test_datasets(config, sample_counts(run))
+
+
+def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_samples: int,
+                  dp_rank: int, device: torch.device,
+                  pipeline: Pipeline) -> Optional[Iterator[dict]]:
+    """This rank's micro-batches (executor keys), from `consumed_samples` on; None if the
+    split is empty. Ranks of middle pipeline stages get empty dicts (they read nothing)."""
+    from gigatron.data.samplers import build_pretraining_data_loader
+
+    if dataset is None:
+        return None
+    if not (pipeline.needs_inputs or pipeline.needs_labels):
+        return _empty_batches()
+    mbs = run.train.micro_batch_size
+    assert mbs is not None, _NEEDS_RUN_CONFIG
+    loader = build_pretraining_data_loader(dataset, consumed_samples, mbs, dp_rank,
+                                           run.parallel.dp,
+                                           num_workers=run.train.num_workers,
+                                           seed=run.train.seed)
+    return _to_executor(loader, device, pipeline)
+
+
+def _empty_batches() -> Iterator[dict]:
+    while True:
+        yield {}
+
+
+def _to_executor(loader, device: torch.device, pipeline: Pipeline) -> Iterator[dict]:
+    for batch in loader:
+        out = {}
+        if pipeline.needs_inputs:
+            out["input_ids"] = batch["tokens"].to(device)
+            out["position_ids"] = batch["position_ids"].to(device)
+        if pipeline.needs_labels:
+            out["labels"] = batch["labels"].to(device)
+            out["loss_mask"] = batch["loss_mask"].to(device)
+        yield out
