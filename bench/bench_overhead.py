@@ -38,7 +38,7 @@ import torch
 
 from gigatron.models.gpt import GPTModel
 from gigatron.parallel.world import init_distributed, read_launch_env
-from gigatron.parallel.pipeline.executor import masked_mean_loss
+from gigatron.models.losses import masked_mean_loss
 from gigatron.training.run import loop
 from gigatron.training.run import pretrain
 from gigatron.training.run.builders import micro_batches

@@ -14,6 +14,7 @@ from torch import nn
 
 from gigatron.models.config import TransformerConfig
 from gigatron.models.kv_cache import CacheStep, KVCache
+from gigatron.models.losses import LayerLosses
 from gigatron.models.transformer import (TransformerBlock, dropout, rotary_cos_sin,
                                          rotary_cos_sin_at)
 from gigatron.parallel.tensor import (
@@ -103,6 +104,8 @@ class GPTModel(nn.Module):
             rng_tracker = TensorParallelRNGTracker()
             rng_tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank(tp_group)))
         self.rng_tracker = rng_tracker
+        # losses the layers add during forward (none yet: a router's load-balancing loss)
+        self.layer_losses = LayerLosses()
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, tp_group, self.rng_tracker, device)

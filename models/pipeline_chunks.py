@@ -1,16 +1,19 @@
-"""Build this pipeline rank's GPT model chunks (one GPTModel per virtual chunk).
+"""This pipeline rank's GPT model chunks (one GPTModel per virtual chunk), and how the
+pipeline executor runs them on a micro-batch (`GPTMicroBatchStep`).
 
 Lives with the model, not in parallel/pipeline/: the pipeline knows only the pure layer
-partition (parallel/pipeline/partition.py), never GPT.
+partition (parallel/pipeline/partition.py) and the `MicroBatchStep` contract, never GPT.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
 from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
+from gigatron.models.losses import LayerLosses, MicroBatch, masked_mean_loss, masked_sum_loss
+from gigatron.parallel.pipeline.interfaces import Payload, StageLoss
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.parallel.tensor import TensorParallelRNGTracker, model_parallel_seed, tp_rank
 from gigatron.parallel.tensor.random import MODEL_PARALLEL_RNG
@@ -39,3 +42,37 @@ def build_model_chunks(config: TransformerConfig, partition: PipelinePartition, 
                      layer_range=partition.layer_range(pp_rank, c), seed=seed, device=device,
                      rng_tracker=tracker)
             for c in range(partition.virtual_chunks)]
+
+
+class GPTMicroBatchStep:
+    """The executor's `MicroBatchStep` for GPT chunks, on Megatron's micro-batches:
+    `input_ids` (+ `position_ids`) for the first stage, `labels` (+ `loss_mask`) for the
+    last, whose chunk returns the per-token loss; the micro-batch loss is its masked mean,
+    or its masked sum with `per_token_loss` (--calculate-per-token-loss)."""
+
+    def __init__(self, per_token_loss: bool = False) -> None:
+        self._reduce = masked_sum_loss if per_token_loss else masked_mean_loss
+
+    def chunk_inputs(self, batch: MicroBatch, received: Optional[Payload],
+                     last: bool) -> Dict[str, Any]:
+        """GPTModel.forward's arguments: token ids (first stage) or hidden states, labels
+        on the last stage (its output is then the per-token loss)."""
+        kwargs: Dict[str, Any] = {}
+        if received is None:
+            kwargs["input_ids"] = batch["input_ids"]
+            if batch.get("position_ids") is not None:
+                kwargs["position_ids"] = batch["position_ids"]
+        else:
+            kwargs["hidden_states"] = received
+        if last and batch.get("labels") is not None:
+            kwargs["labels"] = batch["labels"]
+        return kwargs
+
+    def loss(self, output: torch.Tensor, batch: MicroBatch) -> StageLoss:
+        """The per-token loss reduced over the micro-batch's loss mask."""
+        return StageLoss(self._reduce(output, batch))
+
+    def layer_losses(self, chunk: torch.nn.Module) -> Mapping[str, torch.Tensor]:
+        """What the chunk's layers left in its `LayerLosses` during the forward."""
+        losses: LayerLosses = getattr(chunk, "layer_losses")  # a GPTModel's, or a wrapper's
+        return losses.take()

@@ -78,7 +78,7 @@ def gpt_reference_norm():
 
 def _tp2_pp2_dp2(rank, world):
     from gigatron.parallel.pipeline.executor import PipelineExecutor
-    from gigatron.models.pipeline_chunks import build_model_chunks
+    from gigatron.models.pipeline_chunks import GPTMicroBatchStep, build_model_chunks
     from test_pipeline_gpt import p2p_for
     from gigatron.parallel.pipeline.partition import partition_layers
     from gigatron.parallel.pipeline.schedules import build_schedule
@@ -93,7 +93,8 @@ def _tp2_pp2_dp2(rank, world):
         chunks = build_model_chunks(config, partition, pp_rank, groups.tp, SEED)
         zero = build_zero(chunks, ZeroConfig(zero_stage=stage, lr=LR), groups)
         p2p = p2p_for(config, 2, groups.pp, groups.size("tp"))
-        executor = PipelineExecutor(chunks, p2p, pp_rank, groups.ranks("pp"), grad_sync=zero)
+        executor = PipelineExecutor(chunks, p2p, pp_rank, groups.ranks("pp"), grad_sync=zero,
+                                    micro_batch_step=GPTMicroBatchStep())
         zero.zero_grad()
         executor.run(build_schedule(pp_rank, 2, 2), gpt_micro_batches(groups.index("dp")),
                      loss_scale=zero.loss_scale)

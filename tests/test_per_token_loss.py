@@ -17,7 +17,7 @@ import torch
 from multirank import run_on_ranks
 
 from gigatron.models.gpt import GPTModel
-from gigatron.parallel.pipeline.executor import loss_tokens, masked_mean_loss
+from gigatron.models.losses import loss_tokens, masked_mean_loss
 from gigatron.training.config.arguments import parse_args
 from gigatron.training.run.per_token_loss import EvalLoss
 

@@ -13,9 +13,10 @@ from multirank import run_on_ranks
 
 from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
-from gigatron.parallel.pipeline.executor import PipelineExecutor, masked_mean_loss
+from gigatron.models.losses import masked_mean_loss
+from gigatron.parallel.pipeline.executor import PipelineExecutor
 from gigatron.parallel.pipeline.interfaces import AllReduceGradSync
-from gigatron.models.pipeline_chunks import build_model_chunks
+from gigatron.models.pipeline_chunks import GPTMicroBatchStep, build_model_chunks
 from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
 from gigatron.parallel.pipeline.partition import partition_layers
 from gigatron.parallel.pipeline.schedules import build_schedule
@@ -81,7 +82,8 @@ def _run_case(groups, config, num_microbatches, virtual, dp_index):
     embedding = groups.embedding if groups.ranks("embedding") else None
     sync = AllReduceGradSync(params, groups.dp, embedding, tp_group)
     p2p = p2p_for(config, MICRO_BATCH, groups.pp, groups.size("tp"))
-    executor = PipelineExecutor(chunks, p2p, pp_rank, groups.ranks("pp"), grad_sync=sync)
+    executor = PipelineExecutor(chunks, p2p, pp_rank, groups.ranks("pp"), grad_sync=sync,
+                                micro_batch_step=GPTMicroBatchStep())
     schedule = build_schedule(pp_rank, pp, num_microbatches, partition.virtual_chunks)
 
     def sgd():
@@ -167,7 +169,7 @@ def test_single_stage_executor_is_gradient_accumulation():
     chunks = build_model_chunks(config, partition_layers(config.num_layers, 1), 0, None, SEED)
     sync = AllReduceGradSync(chunks[0].parameters())
     executor = PipelineExecutor(chunks, p2p_for(config, MICRO_BATCH), 0, [0],
-                                grad_sync=sync)
+                                grad_sync=sync, micro_batch_step=GPTMicroBatchStep())
     losses = executor.run(build_schedule(0, 1, 3), micro_batches(3))
     torch.testing.assert_close(torch.stack(losses), ref_losses, rtol=RTOL, atol=0)
     for name, p in chunks[0].named_parameters():

@@ -20,13 +20,14 @@ Float inputs are cast to the model's dtype (fp16/bf16); labels only move to the 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from gigatron.training.config.deepspeed.engine_config import EngineConfig
 from gigatron.engine.deepspeed.distributed import DistributedContext
 from gigatron.engine.deepspeed.engine import Engine
+from gigatron.engine.pipe.micro_batch_step import PipeModuleStep
 from gigatron.engine.pipe.specs import preserved_rng
 from gigatron.parallel import comm, timeline
 from gigatron.parallel.pipeline.executor import Payload, PipelineExecutor
@@ -56,7 +57,8 @@ class PipelineEngine(Engine):
         groups = module.groups
         self.p2p = ShapedP2P(ctx.device, groups.pp if groups is not None else None, ctx.rank)
         self.executor = PipelineExecutor(module.chunks, self.p2p, self.stage_id,
-                                         module.pp_ranks, grad_sync=zero, loss_fn=self._loss)
+                                         module.pp_ranks, grad_sync=zero,
+                                         micro_batch_step=PipeModuleStep(module))
         self._schedules: Dict[Tuple[int, bool], List[Instruction]] = {}
         self._shapes_known = module.num_stages * module.virtual_stages == 1
         self.data_iterator: Optional[Iterator[Any]] = None
@@ -129,18 +131,6 @@ class PipelineEngine(Engine):
                                                   num_microbatches, self.pipe.virtual_stages,
                                                   forward_only)
         return self._schedules[key]
-
-    def _loss(self, output: Any, batch: Mapping[str, Any]) -> torch.Tensor:
-        """DeepSpeed's: loss_fn(outputs, labels), or the last layer's output itself."""
-        loss_fn = self.pipe.loss_fn
-        loss = output if loss_fn is None else loss_fn(output, batch.get("labels"))
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            what = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else \
-                type(loss).__name__
-            source = "loss_fn(outputs, labels)" if loss_fn is not None else \
-                "the last layer (no loss_fn was given)"
-            raise ValueError(f"{source} must return a scalar loss tensor, got {what}")
-        return loss.reshape(())
 
     # -- data -------------------------------------------------------------------------------------
     def _read(self, data_iter: Optional[Iterator[Any]], n: int, caller: str,

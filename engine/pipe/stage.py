@@ -1,9 +1,9 @@
 """One virtual pipeline stage of a `PipelineModule`: a run of consecutive layers.
 
-The executor calls a stage like a GPT chunk (`input_ids=` on the first stage, else
-`hidden_states=`; `labels=` on the last, unused here): the stage passes its input through
-its layers in order, each layer getting the previous layer's output as its one argument
-(a tensor, or a tuple of tensors for several), as DeepSpeed's PipelineModule does.
+The executor calls a stage through `PipeModuleStep` (`input_ids=` on the first stage, else
+`hidden_states=`): the stage passes its input through its layers in order, each layer
+getting the previous layer's output as its one argument (a tensor, or a tuple of tensors
+for several), as DeepSpeed's PipelineModule does.
 
 With `seed_layers`, every layer's forward first seeds the random generators with
 `base_seed * (micro-batch count + 1) + layer index` (DeepSpeed's formula), so dropout
@@ -64,10 +64,9 @@ class PipelineStage(nn.Module):
             return module if forward_fn is None else functools.partial(forward_fn, module)
         return what
 
-    def forward(self, input_ids: Any = None, hidden_states: Any = None,
-                position_ids: Any = None, labels: Any = None) -> Any:
+    def forward(self, input_ids: Any = None, hidden_states: Any = None) -> Any:
         """The stage's output for its input (`input_ids` on the first stage, else
-        `hidden_states`); `position_ids` and `labels` are the GPT chunks' and unused."""
+        `hidden_states`)."""
         x = input_ids if hidden_states is None else hidden_states
         self.micro_offset += 1
         offset = self.micro_offset + 1

@@ -1,13 +1,14 @@
 """The one executor that runs any pipeline schedule (a list of instructions) on this rank.
 
 It owns nothing but the bookkeeping of one step: which stage inputs, outputs and grads are
-alive. A model chunk is called Megatron-style: the first virtual stage gets
-`input_ids` (and `position_ids` if the batch has them), the others `hidden_states`; the last
-virtual stage also gets `labels` and its output goes through `loss_fn(output, batch)` to a
-scalar. Backward of micro-batch losses is scaled by `loss_scale / num_microbatches`, so
-grads are those of the mean loss over the step's micro-batches (gradient accumulation); a
-caller may divide by another `loss_divisor` instead (Megatron's --calculate-per-token-loss:
-losses are sums over tokens, divided by the step's token count, see `masked_sum_loss`).
+alive. It knows no model: the model's `MicroBatchStep` (interfaces.py) says how a chunk is
+called on a micro-batch, what the last stage's loss is (a `StageLoss`) and which losses the
+chunk's layers added on the way. Backward of micro-batch losses (with their auxiliary and
+layer losses) is scaled by `loss_scale / num_microbatches`, so grads are those of the mean
+loss over the step's micro-batches (gradient accumulation); a caller may divide by another
+`loss_divisor` instead (Megatron's --calculate-per-token-loss: losses are sums over tokens,
+divided by the step's token count). `run` returns the micro-batch losses; the auxiliary and
+layer losses, summed over the micro-batches by name, are in `aux_losses` after it.
 Memory: a sent activation's values are not needed by backward (only its autograd graph
 is), so the executor keeps a scalar anchor into the graph instead of the output and drops
 the output as soon as it is sent (Megatron frees it the same way, through private API); a
@@ -24,21 +25,18 @@ caller waits for them (`grad_sync.finish_sync()`) after `run`, then steps its op
 """
 from __future__ import annotations
 
-from typing import (Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple,
-                    Union, cast, runtime_checkable)
+from typing import (Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, cast,
+                    runtime_checkable)
 
 import torch
 
 from gigatron.parallel import timeline
 
-from .interfaces import GradSync
+from .interfaces import GradSync, MicroBatch, MicroBatchStep, Payload
 from .schedules import (Backward, Forward, Instruction, RecvActivation, RecvGrad,
                         SendActivation, SendGrad, comm_batches, is_first_stage, is_last_stage,
                         last_backward_per_chunk, message_boundary, peer)
 
-Batch = Mapping[str, Any]  # tensors by the executor's keys (a user model's: tuples too)
-LossFn = Callable[[Any, Batch], torch.Tensor]
-Payload = Union[torch.Tensor, Tuple[torch.Tensor, ...]]  # a stage output or its grads
 MessageKey = Tuple[str, int]  # ("activation" or "grad", stage boundary)
 
 
@@ -60,33 +58,6 @@ class PointToPoint(Protocol):
                     recv_from: Sequence[int]) -> List[torch.Tensor]:
         """Send (tensor, global rank) pairs, receive one tensor from each rank in one batch."""
         ...
-
-
-def masked_mean_loss(per_token_loss: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Mean per-token loss over the batch's `loss_mask` (all tokens when it has none)."""
-    mask = batch.get("loss_mask")
-    if mask is None:
-        return per_token_loss.float().mean()
-    mask = mask.to(per_token_loss.dtype)
-    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
-
-
-def masked_sum_loss(per_token_loss: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Sum of the per-token loss over the batch's `loss_mask` (all tokens when it has none):
-    the micro-batch loss of Megatron's --calculate-per-token-loss."""
-    mask = batch.get("loss_mask")
-    if mask is None:
-        return per_token_loss.float().sum()
-    return (per_token_loss.float() * mask.to(per_token_loss.dtype)).sum()
-
-
-def loss_tokens(batches: Sequence[Batch]) -> torch.Tensor:
-    """The tokens `masked_sum_loss` counts in these micro-batches (their loss_mask sum, or
-    every label), as an int64 device tensor."""
-    counts = [b["loss_mask"].sum() if b.get("loss_mask") is not None
-              else torch.tensor(b["labels"].numel(), device=b["labels"].device)
-              for b in batches]
-    return torch.stack(counts).sum().to(torch.int64)
 
 
 def as_tensors(payload: Payload) -> Tuple[torch.Tensor, ...]:
@@ -127,21 +98,24 @@ class PipelineExecutor:
     """Runs schedules for this rank's model chunks (`chunks[c]` = virtual chunk c)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], p2p: PointToPoint, pp_rank: int,
-                 pp_ranks: Sequence[int], grad_sync: Optional[GradSync] = None,
-                 loss_fn: LossFn = masked_mean_loss) -> None:
+                 pp_ranks: Sequence[int], grad_sync: Optional[GradSync] = None, *,
+                 micro_batch_step: MicroBatchStep) -> None:
         self.chunks = list(chunks)
         self.p2p = p2p
         self.pp_rank = pp_rank
         self.pp_ranks = list(pp_ranks)  # global rank of each pipeline stage
         self.grad_sync = grad_sync
-        self.loss_fn = loss_fn
+        self.micro_batch_step = micro_batch_step
         self.peak_stored = 0  # most (micro-batch, chunk) activations alive at once: for tests
+        # the last run's auxiliary and layer losses by name, summed over its micro-batches
+        # (detached; this rank's chunks only)
+        self.aux_losses: Dict[str, torch.Tensor] = {}
 
     @property
     def pp_size(self) -> int:
         return len(self.pp_ranks)
 
-    def run(self, schedule: Sequence[Instruction], batches: Sequence[Batch],
+    def run(self, schedule: Sequence[Instruction], batches: Sequence[MicroBatch],
             loss_scale: float = 1.0,
             loss_divisor: Union[float, torch.Tensor, None] = None) -> List[torch.Tensor]:
         """Run one step's forwards, backwards and messages; returns the detached
@@ -149,8 +123,8 @@ class PipelineExecutor:
         loss x loss_scale / loss_divisor (default: the number of micro-batches).
 
         Grads accumulate into `.grad` or the grad sync's buffers (zero them before the
-        step; finish the grad sync after it); `batches[mb]` holds
-        micro-batch mb's `input_ids`, `labels` (and optional `loss_mask`, `position_ids`).
+        step; finish the grad sync after it); `batches[mb]` is micro-batch mb as the
+        micro-batch step reads it (ranks whose chunks never read it may pass anything).
         """
         self._check_inputs(schedule, batches)
         self._forward_only = not any(isinstance(i, Backward) for i in schedule)
@@ -166,6 +140,7 @@ class PipelineExecutor:
         self._input_grads: Dict[tuple, Payload] = {}
         self._losses: Dict[int, torch.Tensor] = {}
         self.peak_stored = 0
+        self.aux_losses = {}
         for step in comm_batches(schedule):
             if isinstance(step, tuple):
                 self._communicate(step)
@@ -192,7 +167,8 @@ class PipelineExecutor:
             "microbatch": step.microbatch, "chunk": step.chunk,
             "stage": step.chunk * self.pp_size + self.pp_rank})
 
-    def _check_inputs(self, schedule: Sequence[Instruction], batches: Sequence[Batch]) -> None:
+    def _check_inputs(self, schedule: Sequence[Instruction],
+                      batches: Sequence[MicroBatch]) -> None:
         forwards = [i for i in schedule if isinstance(i, Forward)]
         microbatches = 1 + max((i.microbatch for i in forwards), default=-1)
         chunks = 1 + max((i.chunk for i in forwards), default=-1)
@@ -208,27 +184,21 @@ class PipelineExecutor:
         return is_last_stage(self.pp_rank, chunk, self.pp_size, len(self.chunks))
 
     def _forward(self, mb: int, chunk: int) -> None:
-        batch, key = self._batches[mb], (mb, chunk)
-        kwargs: Dict[str, Any] = {}
+        batch, key, step = self._batches[mb], (mb, chunk), self.micro_batch_step
         hidden: Optional[Payload] = None
-        if is_first_stage(self.pp_rank, chunk):
-            kwargs["input_ids"] = batch["input_ids"]
-            if batch.get("position_ids") is not None:
-                kwargs["position_ids"] = batch["position_ids"]
-        else:
+        if not is_first_stage(self.pp_rank, chunk):
             hidden = self._received[RecvActivation].pop(key)
             for t in _float_tensors(hidden):
                 t.requires_grad_(not self._forward_only)
-            kwargs["hidden_states"] = hidden
         last = self._is_last(chunk)
-        if last and batch.get("labels") is not None:
-            kwargs["labels"] = batch["labels"]
         with torch.set_grad_enabled(not self._forward_only):
-            output = self.chunks[chunk](**kwargs)
+            output = self.chunks[chunk](**step.chunk_inputs(batch, hidden, last))
+            extra = self._add_aux_losses(step.layer_losses(self.chunks[chunk]))
             if last:
-                loss = self.loss_fn(output, batch)
-                self._losses[mb] = loss.detach()
-                output = loss
+                loss = step.loss(output, batch)
+                self._losses[mb] = loss.loss.detach()
+                aux = self._add_aux_losses(loss.aux_losses)
+                output = loss.loss if aux is None else loss.loss + aux
         if not last:
             self._to_send[key] = output
         if not self._forward_only:
@@ -236,17 +206,26 @@ class PipelineExecutor:
             if not last:
                 self._grad_holders[key] = []
                 output = _OutputAnchor.apply(self._grad_holders[key], *as_tensors(output))
-            self._outputs[key] = output
+            self._outputs[key] = output if extra is None else output + extra
         self.peak_stored = max(self.peak_stored, len(self._inputs))
+
+    def _add_aux_losses(self, losses: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """Report `losses` in `aux_losses`; their sum to back-propagate (None: there are none)."""
+        total: Optional[torch.Tensor] = None
+        for name, value in losses.items():
+            seen = self.aux_losses.get(name)
+            self.aux_losses[name] = value.detach() if seen is None else seen + value.detach()
+            total = value if total is None else total + value
+        return total
 
     def _backward(self, mb: int, chunk: int) -> None:
         key = (mb, chunk)
         if self.grad_sync is not None:
             self.grad_sync.enable_sync(chunk, self._last_backward.get(chunk) == mb)
-        output, hidden = self._outputs.pop(key), self._inputs.pop(key)
-        if self._is_last(chunk):
-            output = output * self._scale
-        else:
+        # a sent output's anchor ignores the grad it gets: scaling it scales only the
+        # layer losses added to it
+        output, hidden = self._outputs.pop(key) * self._scale, self._inputs.pop(key)
+        if not self._is_last(chunk):
             self._grad_holders.pop(key).append(self._received[RecvGrad].pop(key))
         if output.requires_grad:  # a stage whose output depends on nothing trainable: no-op
             torch.autograd.backward(output)

@@ -217,9 +217,8 @@ class ConfigParser(argparse.ArgumentParser):
 
     def _unknown(self, unknown: List[str]) -> str:
         """One line naming every unknown flag, each with its nearest known spelling."""
-        import difflib
-
         from gigatron.training.config.megatron.doc import megatron_flag_note
+        from gigatron.training.config.spelling import nearest
 
         known = [s for a in self._actions for s in a.option_strings]
         names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
@@ -227,10 +226,10 @@ class ConfigParser(argparse.ArgumentParser):
         names = [n for n in names if not megatron_flag_note(n)]
         hints = []
         for name in names:
-            close = difflib.get_close_matches(name, known, n=1)
+            close = nearest(name, known)
             if close:
-                hints.append(close[0] if len(names) == 1 else f"{close[0]} for {name}")
-                self.suggested.append(close[0])
+                hints.append(close if len(names) == 1 else f"{close} for {name}")
+                self.suggested.append(close)
         hint = f"; did you mean {', '.join(hints)}?" if hints else ""
         if len(hints) < len(names):
             hint += f"; see {self.prog} --help"

@@ -6,9 +6,10 @@ W = max(2, warmup_num_steps); T = total_num_steps. Formulas as DeepSpeed's
 """
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any, Optional, Sequence, Tuple
+
+from gigatron.training.config.spelling import nearest
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -166,6 +167,6 @@ def check_warmup(warmup_num_steps: Any, warmup_type: str) -> None:
 
 def unknown_name_message(what: str, name: str, valid: Sequence[str]) -> str:
     """'unknown X 'y': valid names are ...; did you mean 'z'?' for a misspelt name."""
-    nearest = difflib.get_close_matches(str(name), list(valid), n=1, cutoff=0.0)
-    hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+    close = nearest(str(name), valid, cutoff=0.0)
+    hint = f"; did you mean {close!r}?" if close else ""
     return f"unknown {what} {name!r}: valid names are {', '.join(valid)}{hint}"

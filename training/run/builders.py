@@ -167,8 +167,10 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
                    timers: Optional[Timers] = None) -> Pipeline:
     """The pipeline executor (pp = 1 runs the no-pipelining schedule) and its schedules;
     with `timers`, its p2p transfers are timed as 'comm'."""
+    from gigatron.models.pipeline_chunks import GPTMicroBatchStep
     from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
     from gigatron.parallel.pipeline.schedules import build_schedule
+    from gigatron.training.run.per_token_loss import per_token_loss
 
     m, p, mbs = run.model, run.parallel, run.train.micro_batch_size
     assert m is not None and mbs is not None, _NEEDS_RUN_CONFIG
@@ -178,7 +180,7 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
     pp_rank, v = groups.index("pp"), len(chunks)
     executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
                                 pp_rank, groups.ranks("pp"), grad_sync=grad_sync,
-                                loss_fn=_loss_fn(run))
+                                micro_batch_step=GPTMicroBatchStep(per_token_loss(run.flags)))
     n = run.train.num_microbatches
     train_schedule = build_schedule(pp_rank, p.pp, n, v)
     return Pipeline(executor, train_schedule,
@@ -186,15 +188,6 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
                     needs_inputs=pp_rank == 0, needs_labels=pp_rank == p.pp - 1,
                     pp_rank=pp_rank, pp_size=p.pp, virtual_chunks=v,
                     schedules={n: train_schedule})
-
-
-def _loss_fn(run: RunConfig) -> Any:
-    """The micro-batch loss: the masked mean (Megatron's default) or, with
-    --calculate-per-token-loss, the masked sum (the loop divides by the global token count)."""
-    from gigatron.parallel.pipeline.executor import masked_mean_loss, masked_sum_loss
-    from gigatron.training.run.per_token_loss import per_token_loss
-
-    return masked_sum_loss if per_token_loss(run.flags) else masked_mean_loss
 
 
 def sample_counts(run: RunConfig) -> List[int]:

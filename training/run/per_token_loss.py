@@ -27,7 +27,7 @@ import torch
 
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
-from gigatron.parallel.pipeline.executor import loss_tokens
+from gigatron.models.losses import loss_tokens
 from gigatron.training.config.field import setting
 
 

@@ -18,9 +18,9 @@ nearest valid spelling (DeepSpeed itself ignores unknown top-level keys).
 from __future__ import annotations
 
 import copy
-import difflib
 from typing import Any, Dict, List, Mapping, Set, Tuple
 
+from gigatron.training.config.spelling import did_you_mean
 from gigatron.training.config.table import table
 
 _JOB = "DeepSpeedJobName"
@@ -183,17 +183,12 @@ def _enabled(value: Any) -> bool:
     return isinstance(value, dict) and value.get("enabled") is True
 
 
-def _close(key: str, known: Set[str]) -> str:
-    close = difflib.get_close_matches(key, sorted(known), n=1)
-    return f"; did you mean {close[0]}?" if close else ""
-
-
 def _unknown(path: str, prefix: str, siblings: Set[str]) -> str:
     key = path[len(prefix):]
     if not prefix:
         return (f"{key} is not a DeepSpeed config key: fix or drop it (DeepSpeed would ignore "
-                f"it silently){_close(key, siblings)}")
-    close = _close(key, siblings)
+                f"it silently){did_you_mean(key, siblings)}")
+    close = did_you_mean(key, siblings)
     listed = f"; known keys: {', '.join(sorted(siblings))}" if len(siblings) <= 12 or not close \
         else ""
     return f"{path} is not a key of {prefix[:-1]}{listed}{close}"

@@ -13,13 +13,13 @@ builder refuses (`optimizer_problems`, e.g. Adam's bias_correction false) is rep
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
 from gigatron.training.config.deepspeed.engine_config import SchedulerSpec
 from gigatron.parallel.zero.optimizers import OptimizerSpec, optimizer_problems
+from gigatron.training.config.spelling import did_you_mean
 
 _ADAM = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
          "bias_correction": True, "amsgrad": False, "adam_w_mode": True, "torch_adam": False,
@@ -53,13 +53,6 @@ DEEPSPEED_ONLY: Dict[str, str] = {  # DeepSpeed's own optimizer types -> what to
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
-def _close(name: str, choices: List[str]) -> str:
-    """'; did you mean X?' by spelling, ignoring case."""
-    lowered = {c.lower(): c for c in choices}
-    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
-    return f"; did you mean {lowered[close[0]]}?" if close else ""
-
-
 def _optimizer_type(raw: Any, problems: List[str]) -> Optional[str]:
     """The lower-case type, or None with the problem recorded."""
     listed = ", ".join(_SPELLED.values())
@@ -78,7 +71,7 @@ def _optimizer_type(raw: Any, problems: List[str]) -> Optional[str]:
                         f"here build torch.optim.{raw}(model.parameters(), ...) and {_PASS_OWN}")
     else:
         problems.append(f"optimizer.type {raw!r} is not supported: use one of {listed}"
-                        f"{_close(raw, list(_SPELLED.values()))}")
+                        f"{did_you_mean(raw, _SPELLED.values(), ignore_case=True)}")
     return None
 
 
@@ -119,7 +112,8 @@ def _params(kind: str, params: Mapping, info: List[str], problems: List[str]) ->
             info.append(f"{key}: accepted, no effect here (it picks an implementation)")
         elif name not in defaults:
             problems.append(f"{key} is not a parameter of {_SPELLED[kind]}; known: "
-                            f"{', '.join(sorted(defaults))}{_close(name, sorted(defaults))}")
+                            f"{', '.join(sorted(defaults))}"
+                            f"{did_you_mean(name, defaults, ignore_case=True)}")
         else:
             value = _param(key, raw, defaults[name], problems)
             if value is not None:
@@ -174,7 +168,7 @@ def read_scheduler(section: Any, problems: List[str]) -> Optional[SchedulerSpec]
                             f"it as initialize(lr_scheduler=...) and drop the scheduler section")
         else:
             problems.append(f"scheduler.type {kind!r} is not supported: use one of {listed}"
-                            f"{_close(str(kind), list(SCHEDULER_TYPES))}")
+                            f"{did_you_mean(str(kind), SCHEDULER_TYPES, ignore_case=True)}")
         return None
     if not isinstance(params, dict):
         return None
@@ -192,7 +186,7 @@ def _check_scheduler_params(kind: str, params: Mapping, problems: List[str]) -> 
     for name in params:
         if name not in allowed:
             problems.append(f"scheduler.params.{name} is not a parameter of {kind}; known: "
-                            f"{', '.join(allowed)}{_close(name, list(allowed))}")
+                            f"{', '.join(allowed)}{did_you_mean(name, allowed, ignore_case=True)}")
     for name, default in allowed.items():
         reported = any(line.startswith(f"scheduler.params.{name} ") for line in problems)
         if default == "REQUIRED" and name not in params and not reported:
