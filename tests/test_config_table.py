@@ -12,7 +12,7 @@ from gigatron.training.config.arguments import (ZERO_FLAGS, build_run_config, ma
 from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig, ParallelConfig,
                                       TrainConfig)
 from gigatron.training.config.table import flags_markdown, table
-from gigatron.training.config.deepspeed.pretrain import apply_deepspeed_config, from_deepspeed_config
+from gigatron.training.config.deepspeed.pretrain import apply_deepspeed_config
 from gigatron.training.config.settings import OptimizerSettings, PrecisionSettings
 from gigatron.training.config.megatron.model import MODEL_FIELDS
 from gigatron.training.config.validation import ConfigError
@@ -208,7 +208,9 @@ def test_every_flag_parses_and_lands_in_its_config_field(row, monkeypatch):
         field = next(f for f, d in ZERO_FLAGS.items() if d == row.dest)
         expected = {"initial_scale_power": 10, "optimizer": "sgd"}.get(field, value)
         assert getattr(run.zero, field) == expected
-    assert run.flags[row.dest] == value
+    # every setting, also those no resolved config holds, is a typed field of the run
+    typed = getattr(getattr(run.settings, row.concern), row.field)
+    assert typed == value and isinstance(typed, list if row.is_list else row.type)
 
 
 # every DeepSpeed key of the table: (JSON holding it, dest, expected flag value)
@@ -261,26 +263,10 @@ def test_every_deepspeed_key_is_read_into_its_flag(key):
     assert getattr(flags, row.dest) == expected
 
 
-def test_from_deepspeed_config_builds_the_engine_objects():
-    ds = json.load(open(os.path.join(ROOT, "examples", "ds_config_zero2.json")))
-    run = from_deepspeed_config(ds, world_size=8)
-    assert (run.parallel.dp, run.train.global_batch_size, run.train.micro_batch_size,
-            run.train.num_microbatches, run.logging.log_interval) == (8, 256, 4, 8, 10)
-    z = run.zero
-    assert (z.zero_stage, z.lr, z.adam_beta2, z.weight_decay, z.reduce_bucket_size,
-            z.offload_optimizer) == (2, 6e-4, 0.95, 0.1, 50_000_000, "none")
-    assert run.model is None and run.data is None and run.lr_schedule is None
-    with pytest.raises(ValueError, match=r"train_batch_size 256 != .* data-parallel size 4"):
-        from_deepspeed_config(ds, world_size=4)
-    empty = from_deepspeed_config({}, world_size=2)
-    assert (empty.train.micro_batch_size, empty.train.global_batch_size, empty.zero.zero_stage,
-            empty.zero.clip_grad) == (1, 2, 0, 1.0)
-
-
 def test_json_run_matches_flags_run_field_for_field():
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.3,
           "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
-    from_json = from_deepspeed_config(ds, world_size=2)
+    from_json = build_run_config(apply_deepspeed_config(ds, parse_flags(BASE), set()), 2)
     flags = parse_flags(BASE + "--clip-grad 0.3 --zero-stage 1 --bf16".split())
     from_flags = build_run_config(flags, 2)
     assert from_json.zero == from_flags.zero and from_json.train.micro_batch_size == 2

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gigatron.training.config.arguments import build_run_config, parse_args, parse_flags
-from gigatron.training.config.deepspeed.pretrain import apply_deepspeed_config, deepspeed_batch_sizes
+from gigatron.training.config.deepspeed.pretrain import apply_deepspeed_config
 
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
          "--train-iters 10 --mock-data --vocab-size 100")
@@ -107,11 +107,15 @@ def test_json_config_gives_the_same_run_config_as_the_equivalent_flags(tmp_path)
     assert dataclasses.replace(from_json, flags={}) == dataclasses.replace(from_flags, flags={})
 
 
-@pytest.mark.parametrize("train, micro, grad_acc, dp, expect", [
-    (32, 4, 2, 4, (4, 32)), (32, None, 2, 4, (4, 32)), (None, 4, 2, 4, (4, 32)),
-    (32, None, 1, 4, (8, 32))])
-def test_batch_sizes_follow_deepspeed_rule(train, micro, grad_acc, dp, expect):
-    assert deepspeed_batch_sizes(train, micro, grad_acc, dp) == expect
+@pytest.mark.parametrize("ds, expect", [  # (micro batch, global batch, accumulation) at dp 4
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 2}, (4, 32, 2)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, (4, 32, 2)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, (4, 32, 2)),
+    ({"train_batch_size": 32}, (8, 32, 1))])
+def test_batch_sizes_follow_deepspeeds_rule(tmp_path, ds, expect):
+    train = with_config(tmp_path, ds, world=4).train
+    assert (train.micro_batch_size, train.global_batch_size, train.num_microbatches) == expect
 
 
 def test_inconsistent_batch_sizes_name_the_three_numbers(tmp_path):
@@ -229,16 +233,13 @@ def test_example_deepspeed_config_is_valid_at_its_world_size():
 
 def test_keys_spelled_at_what_gigatron_does_are_accepted_others_refused():
     """Real configs spell defaults out ("prescale_gradients": false, fp32 accumulation)."""
-    from gigatron.training.config.deepspeed.pretrain import from_deepspeed_config
-
-    run = from_deepspeed_config({"train_batch_size": 8, "prescale_gradients": False,
-                                 "gradient_predivide_factor": 1.0,
-                                 "data_types": {"grad_accum_dtype": "fp32"}}, world_size=1)
-    assert run.train.global_batch_size == 8
+    flags = apply({"train_batch_size": 8, "prescale_gradients": False,
+                   "gradient_predivide_factor": 1.0, "data_types": {"grad_accum_dtype": "fp32"}})
+    assert flags.global_batch_size == 8
     for key, value in (("prescale_gradients", True), ("gradient_predivide_factor", 2.0),
                        ("data_types", {"grad_accum_dtype": "bf16"})):
         with pytest.raises(Exception, match=f"{key} is not supported"):
-            from_deepspeed_config({"train_batch_size": 8, key: value}, world_size=1)
+            apply({"train_batch_size": 8, key: value})
 
 
 def test_megatron_deepspeed_command_line_batch_and_log_interval_win_with_a_note(tmp_path):
@@ -253,7 +254,7 @@ def test_megatron_deepspeed_command_line_batch_and_log_interval_win_with_a_note(
     run = with_config(tmp_path, ds, extra=argv + " --deepspeed", world=2)
     assert (run.train.global_batch_size, run.train.num_microbatches) == (16, 4)
     assert run.logging.log_interval == 1
-    notes = "\n".join(flag_notes(run.flags, "gloo"))
+    notes = "\n".join(flag_notes(run.settings, "gloo"))
     assert "--global-batch-size 16 is used, not train_batch_size: 8" in notes
     assert "--log-interval 1 is used, not steps_per_print: 10" in notes
     with pytest.raises(ValueError, match=r"--global-batch-size 16 on the command line "
@@ -269,4 +270,4 @@ def test_save_interval_without_save_is_megatrons_no_save_with_a_note():
 
     run = parse_args(f"{MODEL} --lr 1e-3 --micro-batch-size 1 --save-interval 5".split(), 1)
     assert run.checkpoint.save is None
-    assert any("--save-interval without --save" in n for n in flag_notes(run.flags, "gloo"))
+    assert any("--save-interval without --save" in n for n in flag_notes(run.settings, "gloo"))

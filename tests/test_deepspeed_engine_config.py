@@ -12,15 +12,24 @@ import types
 import pytest
 import torch
 
+from gigatron.training.config.arguments import build_run_config, parse_flags
+from gigatron.training.config.deepspeed.batch import deepspeed_batch_triple
+from gigatron.training.config.deepspeed.engine import engine_config
+from gigatron.training.config.deepspeed.pretrain import apply_deepspeed_config
 from gigatron.training.config.table import deepspeed_default, row_of, table
-from gigatron.training.config.deepspeed.pretrain import engine_config, from_deepspeed_config
-from gigatron.training.config.deepspeed.engine import deepspeed_batch_triple
 from gigatron.training.config.deepspeed.optimizer import OPTIMIZER_PARAMS
 from gigatron.training.config.validation import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data", "deepspeed_configs")
 MICRO = {"train_micro_batch_size_per_gpu": 2}
+MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--train-iters 10 --mock-data --vocab-size 100 --lr 1e-3").split()
+
+
+def pretrain_run(ds, world=1):
+    """pretrain_gpt.py's RunConfig of MODEL's flags with --deepspeed-config `ds`."""
+    return build_run_config(apply_deepspeed_config(ds, parse_flags(MODEL), set()), world)
 
 
 def problems(ds, world=1, **kw):
@@ -113,7 +122,7 @@ def test_keys_left_out_get_deepspeeds_defaults_not_pretrain_gpts():
     assert cfg.activation_checkpointing["partition_activations"] is False
     assert cfg.checkpoint == {"tag_validation": "Warn", "load_universal": False,
                               "use_node_local_storage": False}
-    megatron = from_deepspeed_config(MICRO).zero  # pretrain_gpt.py keeps Megatron's defaults
+    megatron = pretrain_run(MICRO).zero  # pretrain_gpt.py keeps Megatron's defaults
     assert (megatron.clip_grad, megatron.weight_decay) == (1.0, 0.01)
 
 
@@ -482,10 +491,10 @@ def test_pretrain_gpt_and_initialize_share_the_reader_of_the_table_keys():
     ds = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.3, "steps_per_print": 7,
           "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e7},
           "fp16": {"enabled": True, "initial_scale_power": 12, "hysteresis": 3}}
-    run, cfg = from_deepspeed_config(ds, world_size=2), engine_config(ds, 2)
+    run, cfg = pretrain_run(ds, 2), engine_config(ds, 2)
     for field in ("zero_stage", "reduce_bucket_size", "clip_grad", "initial_scale_power",
                   "hysteresis"):
         assert getattr(run.zero, field) == getattr(cfg.zero, field), field
     assert run.logging.log_interval == cfg.steps_per_print == 7
     with pytest.raises(ConfigError):
-        from_deepspeed_config({"scheduler": {"type": "WarmupLR"}})  # pretrain_gpt.py: a flag
+        pretrain_run({"scheduler": {"type": "WarmupLR"}})  # pretrain_gpt.py: a flag

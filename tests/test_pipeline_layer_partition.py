@@ -170,5 +170,6 @@ def test_errors_on_two_stages_are_one_clear_line():
         assert all(m is not None and "\n" not in m for m in messages), messages
         stages, zero3, accumulation = messages
         assert stages.startswith("1 layer cannot fill 2 pipeline stages")
-        assert zero3.startswith("ZeRO stage 3 with a PipelineModule of 2 stages")
+        assert zero3.startswith("zero_optimization.stage 3 needs a PipelineModule's num_stages 1, "
+                                 "got 2")
         assert "needs gradient_accumulation_steps (3) to be a multiple of num_stages" in accumulation

@@ -17,7 +17,7 @@ from gigatron.parallel import comm
 from gigatron.parallel.zero import (ZeroConfig, ZeroGroups, build_zero, measure_memory,
                                     zero_comm_bytes_formula, zero_memory_formula)
 from gigatron.parallel.zero.layout import plan_buckets, shard_overlaps
-from gigatron.training.config.deepspeed.pretrain import from_deepspeed_config
+from gigatron.training.config.deepspeed.engine import engine_config
 
 STEPS, BATCH, LR, WD, RTOL = 5, 12, 1e-2, 0.1, 1e-5
 BUCKET = 300  # elements: several buckets per group
@@ -221,18 +221,19 @@ def test_config_accepts_megatron_and_deepspeed_names():
     assert ZeroConfig(use_distributed_optimizer=True).zero_stage == 1
     assert ZeroConfig(grad_reduce_in_bf16=True).reduce_dtype == torch.bfloat16
     ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-          "fp16": {"enabled": True, "hysteresis": 3}, "gradient_clipping": 1.0}
-    cfg = from_deepspeed_config(ds).zero  # the DeepSpeed keys live in the training config table
+          "fp16": {"enabled": True, "hysteresis": 3}, "gradient_clipping": 1.0,
+          "train_micro_batch_size_per_gpu": 1}
+    cfg = engine_config(ds, 1).zero  # the DeepSpeed keys live in the training config table
     assert (cfg.zero_stage, cfg.offload_optimizer, cfg.hysteresis, cfg.clip_grad) == \
         (2, "cpu", 3, 1.0)
     with pytest.raises(ValueError, match="zero_optimization.bogus"):
-        from_deepspeed_config({"zero_optimization": {"bogus": 1}})
+        engine_config({"zero_optimization": {"bogus": 1}}, 1)
     with pytest.raises(ValueError, match="offload_optimizer"):
         ZeroConfig(offload_optimizer="cpu", zero_stage=0)
 
 
 def test_stage3_with_pipeline_parallelism_raises_why():
-    with pytest.raises(ValueError, match="zero_stage 3 with pipeline parallelism"):
+    with pytest.raises(ValueError, match="zero_stage 3 needs pp_size x model chunks 1"):
         build_zero(TinyLM(), ZeroConfig(zero_stage=3), ZeroGroups(pp_size=2))
 
 

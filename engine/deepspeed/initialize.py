@@ -61,7 +61,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[nn.Mod
                config_params: ConfigSource = None
                ) -> Tuple[Engine, torch.optim.Optimizer, Any, Any]:
     """(engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed returns them."""
-    from gigatron.training.config.deepspeed.pretrain import engine_config
+    from gigatron.training.config.deepspeed.engine import engine_config
 
     from gigatron.engine.pipe.module import PipelineModule
 
@@ -125,6 +125,7 @@ def _config_source(args: Optional[argparse.Namespace], config: ConfigSource,
 def _build_zero(module: nn.Module, cfg: EngineConfig, optimizer: Any,
                 model_parameters: Optional[Iterable], pipe: Any = None) -> Any:
     from gigatron.parallel.zero import build_zero
+    from gigatron.parallel.zero.config import zero3_pipeline_problem
 
     if optimizer is None and cfg.optimizer is None:
         raise ValueError('no optimizer: give an "optimizer" section in the config (e.g. '
@@ -140,11 +141,11 @@ def _build_zero(module: nn.Module, cfg: EngineConfig, optimizer: Any,
             f"each parameter over the ranks, which is exact only for optimizers whose update "
             f"is elementwise (Adam, AdamW, SGD, Adagrad; Lamb from the config); set "
             f"\"zero_allow_untested_optimizer\": true to use it anyway, as DeepSpeed requires")
-    if pipe is not None and pipe.num_stages > 1 and cfg.zero.zero_stage == 3:
-        raise ValueError(f"ZeRO stage 3 with a PipelineModule of {pipe.num_stages} stages is not "
-                         f"supported (DeepSpeed refuses it too): a stage runs many "
-                         f"micro-batches' forwards before their backwards, so every layer "
-                         f"would be gathered again per micro-batch; use stage 0, 1 or 2")
+    pipelined = pipe is not None and zero3_pipeline_problem(
+        cfg.zero.zero_stage, pipe.num_stages, "zero_optimization.stage",
+        "a PipelineModule's num_stages")
+    if pipelined:
+        raise ValueError(pipelined)
     params = list(model_parameters) if model_parameters is not None else None
     # a pipeline: one flat-buffer set per virtual stage, reduced over its own groups
     chunks = pipe.chunks if pipe is not None else module

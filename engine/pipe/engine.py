@@ -31,7 +31,8 @@ from gigatron.engine.pipe.micro_batch_step import PipeModuleStep
 from gigatron.engine.pipe.specs import preserved_rng
 from gigatron.parallel import comm, timeline
 from gigatron.parallel.pipeline.executor import Payload, PipelineExecutor
-from gigatron.parallel.pipeline.schedules import Instruction, build_schedule
+from gigatron.parallel.pipeline.schedules import (Instruction, ScheduleNames, build_schedule,
+                                                  check_num_microbatches)
 from gigatron.parallel.pipeline.shaped_p2p import ShapedP2P, discover_shapes
 from gigatron.parallel.zero import ZeroOptimizer
 
@@ -230,12 +231,11 @@ class PipelineEngine(Engine):
 
 
 def _check_microbatches(n: int, module: "PipelineModule", what: str) -> None:
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"{what} must be a positive integer, got {n!r}")
-    if module.virtual_stages > 1 and n % module.num_stages:
-        raise ValueError(f"the interleaved schedule (virtual_stages={module.virtual_stages}) "
-                         f"needs {what} ({n}) to be a multiple of num_stages "
-                         f"({module.num_stages}), as Megatron's does")
+    """The schedules' rule on a step's micro-batches, in DeepSpeed's words."""
+    names = ScheduleNames(microbatches=what, pp="num_stages",
+                          virtual=f"virtual_stages={module.virtual_stages}",
+                          fix=f"change {what} or build the PipelineModule with virtual_stages=1")
+    check_num_microbatches(n, module.num_stages, module.virtual_stages, names)
 
 
 def _to_device(value: Any, device: torch.device, float_dtype: Optional[torch.dtype]) -> Any:

@@ -27,6 +27,19 @@ BATCH_FLAGS = "--global-batch-size / (--micro-batch-size x data-parallel size)"
 
 
 @dataclass(frozen=True)
+class ScheduleNames:
+    """How the caller's users name what `check_num_microbatches` checks: pretrain_gpt.py's
+    flags by default; gigatron.pipe's engine passes DeepSpeed's words."""
+    microbatches: str = BATCH_FLAGS
+    pp: str = PP_FLAG
+    virtual: str = VIRTUAL_FLAG
+    fix: str = f"change --global-batch-size or drop {VIRTUAL_FLAG}"
+
+
+FLAG_NAMES = ScheduleNames()
+
+
+@dataclass(frozen=True)
 class Forward:
     """Run model chunk `chunk` forward on micro-batch `microbatch`."""
     microbatch: int
@@ -99,21 +112,24 @@ def message_boundary(op: Communication, pp_rank: int, pp_size: int) -> int:
     return stage if isinstance(op, (SendActivation, RecvGrad)) else stage - 1
 
 
-def check_num_microbatches(num_microbatches: int, pp_size: int, virtual_chunks: int) -> None:
-    """Raise a flag-naming ValueError when the batch gives a schedule too few micro-batches."""
+def check_num_microbatches(num_microbatches: int, pp_size: int, virtual_chunks: int,
+                           names: ScheduleNames = FLAG_NAMES) -> None:
+    """Raise a ValueError naming the settings (`names`) when a step's micro-batches cannot
+    feed the schedule: the one home of the interleaved schedule's rule, for pretrain_gpt.py
+    and gigatron.pipe's engine."""
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"the step has {num_microbatches!r} micro-batches ({BATCH_FLAGS}); "
-                         f"it needs at least 1: raise --global-batch-size")
+        raise ValueError(f"the step has {num_microbatches!r} micro-batches "
+                         f"({names.microbatches}); it needs at least 1")
     if not isinstance(pp_size, int) or pp_size < 1:
-        raise ValueError(f"{PP_FLAG} must be a positive integer, got {pp_size!r}")
+        raise ValueError(f"{names.pp} must be a positive integer, got {pp_size!r}")
     if not isinstance(virtual_chunks, int) or virtual_chunks < 1:
-        raise ValueError(f"virtual chunks per stage ({VIRTUAL_FLAG}) must be a positive "
+        raise ValueError(f"virtual chunks per stage ({names.virtual}) must be a positive "
                          f"integer, got {virtual_chunks!r}")
     if virtual_chunks > 1 and num_microbatches % pp_size:
         raise ValueError(
-            f"the interleaved schedule ({VIRTUAL_FLAG}) needs the number of micro-batches "
-            f"({BATCH_FLAGS} = {num_microbatches}) to be a multiple of {PP_FLAG}={pp_size} "
-            f"(as Megatron requires): change --global-batch-size or drop {VIRTUAL_FLAG}")
+            f"the interleaved schedule ({names.virtual}) needs {names.microbatches} "
+            f"({num_microbatches}) to be a multiple of {names.pp}={pp_size}, as Megatron "
+            f"requires: {names.fix}")
 
 
 def _with_communication(pp_rank: int, pp_size: int, virtual_chunks: int,

@@ -120,3 +120,17 @@ def zero_problems(values: Mapping[str, Any],
 
 
 _DEFAULTS = {f.name: f.default for f in fields(ZeroConfig)}
+
+
+def zero3_pipeline_problem(zero_stage: int, pipeline_stages: int, stage_name: str,
+                           stages_name: str) -> Optional[str]:
+    """The line refusing ZeRO stage 3 over more than one pipeline stage (or model chunk),
+    naming the two settings as the caller's users know them; None when they can run together.
+    The one home of this rule: pretrain_gpt.py's validation, `gigatron.initialize` and
+    ZeroOptimizer call it."""
+    if zero_stage != 3 or pipeline_stages <= 1:
+        return None
+    return (f"{stage_name} 3 needs {stages_name} 1, got {pipeline_stages}: a pipeline stage "
+            f"runs many micro-batches' forwards before their backwards, so ZeRO-3 would "
+            f"re-gather every layer per micro-batch in both directions to save memory the "
+            f"pipeline already divides (DeepSpeed refuses it too): use {stage_name} 0, 1 or 2")

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from gigatron.parallel import comm
-from gigatron.parallel.zero.config import ZeroConfig
+from gigatron.parallel.zero.config import ZeroConfig, zero3_pipeline_problem
 from gigatron.parallel.zero.flat_group import FlatGroup
 from gigatron.parallel.zero.grad_norm import (clip_coefficient, counts_in_norm,
                                              global_norm_and_nonfinite)
@@ -136,13 +136,11 @@ class ZeroOptimizer:
         self.user_groups = user_groups  # None: Megatron's groups (param_groups.py)
         check_in_model(model_chunks, user_groups)
         self.stage = config.zero_stage
-        if self.stage == 3 and (process_groups.pp_size > 1 or len(model_chunks) > 1):
-            raise ValueError(
-                "zero_stage 3 with pipeline parallelism is not supported: a pipeline stage "
-                "runs many micro-batches' forwards before their backwards, so every layer "
-                "would be re-gathered per micro-batch in both directions (num_microbatches x "
-                "the communication) to save memory that pp already divides; use zero_stage "
-                "<= 2 with --pipeline-model-parallel-size > 1")
+        stages = process_groups.pp_size * len(model_chunks)
+        pipelined = zero3_pipeline_problem(self.stage, stages, "zero_stage",
+                                           "pp_size x model chunks")
+        if pipelined:
+            raise ValueError(pipelined)
         self.param_dtype = self._check_dtypes(model_chunks)
         self.scaler = self._make_scaler()
         units = self._units(model_chunks[0]) if self.stage == 3 else None

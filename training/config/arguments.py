@@ -172,32 +172,6 @@ def build_run_config(flags: argparse.Namespace, world_size: int,
                      flags=dict(vars(flags)))
 
 
-def build_engine_config(flags: argparse.Namespace, world_size: int) -> RunConfig:
-    """The parts of a RunConfig that need no model or data (a DeepSpeed JSON's parts):
-    parallel, zero, train batches, checkpoint, logging; model, data, lr_schedule are None."""
-    p = Problems()
-    tp, pp = flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size
-    dp = p.run(data_parallel_size, world_size, tp, pp)
-    check_parallel(flags, p)
-    if flags.micro_batch_size is None and flags.global_batch_size is None and \
-            flags.gradient_accumulation_steps is None:
-        flags.micro_batch_size = 1  # DeepSpeed's default micro batch
-    if flags.lr is None:  # no optimizer.params.lr: torch's (and ZeroConfig's) Adam default
-        flags.lr = ZeroConfig.lr
-    batches = microbatches(flags, dp, p) if dp else None
-    check_optimizer(flags, p)
-    zero = zero_config(flags, p)
-    check_checkpointing(flags, p)
-    check_logging(flags, p)
-    p.raise_if_any()
-    assert zero is not None  # raise_if_any: it was built
-    return RunConfig(model=None, model_name=None, parallel=_parallel(flags, dp), zero=zero,
-                     lr_schedule=None, data=None, train=_train(flags, batches),
-                     checkpoint=CheckpointConfig(**values(CheckpointConfig, flags)),
-                     logging=LoggingConfig(**values(LoggingConfig, flags)),
-                     flags=dict(vars(flags)))
-
-
 def parse_args(argv: Optional[Sequence[str]], world_size: int,
                vocab_size: Optional[int] = None) -> RunConfig:
     """parse_flags + build_run_config: argv to a validated RunConfig (unknown flags, bad

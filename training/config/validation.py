@@ -90,9 +90,12 @@ def check_parallel(flags: argparse.Namespace, p: Problems) -> None:
         p.add("--use-distributed-optimizer (ZeRO stage 1) contradicts --zero-stage 0: drop one "
               "of them")
     p.positive(flags, "distributed_timeout_minutes")
-    if flags.zero_stage == 3 and flags.pipeline_model_parallel_size > 1:
-        p.add("--zero-stage 3 needs --pipeline-model-parallel-size 1 (a pipeline stage would "
-              "re-gather every layer per micro-batch): use --zero-stage 2")
+    from gigatron.parallel.zero.config import zero3_pipeline_problem
+
+    pipelined = zero3_pipeline_problem(flags.zero_stage, flags.pipeline_model_parallel_size,
+                                       "--zero-stage", "--pipeline-model-parallel-size")
+    if pipelined:
+        p.add(pipelined)
 
 
 def microbatches(flags: argparse.Namespace, dp: int,
@@ -101,13 +104,13 @@ def microbatches(flags: argparse.Namespace, dp: int,
     n = len(p.lines)
     p.positive(flags, "micro_batch_size", "global_batch_size")
     grad_acc = flags.gradient_accumulation_steps  # --deepspeed-config only
-    if grad_acc is not None:
-        from gigatron.training.config.deepspeed.pretrain import deepspeed_batch_sizes
+    if grad_acc is not None:  # DeepSpeed's rule completes and checks the three
+        from gigatron.training.config.deepspeed.batch import deepspeed_batch_triple
 
-        sizes = None if len(p.lines) > n else p.run(
-            deepspeed_batch_sizes, flags.global_batch_size, flags.micro_batch_size, grad_acc,
+        triple = None if len(p.lines) > n else p.run(
+            deepspeed_batch_triple, flags.global_batch_size, flags.micro_batch_size, grad_acc,
             dp)
-        return None if sizes is None else (*sizes, grad_acc)
+        return None if triple is None else (triple[1], triple[0], triple[2])
     if flags.micro_batch_size is None:
         p.add("--micro-batch-size is required")
     if len(p.lines) > n:

@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from gigatron.training.config.deepspeed.batch import BATCH_KEYS
+
 # TrainingArguments attribute and its default, for keys filled from one argument
 _FROM_ARGS: Dict[str, Tuple[str, Any]] = {
     "gradient_clipping": ("max_grad_norm", 1.0),
@@ -30,8 +32,6 @@ _FROM_ARGS: Dict[str, Tuple[str, Any]] = {
     "optimizer.params.weight_decay": ("weight_decay", 0.0),
     "amp.opt_level": ("fp16_opt_level", "O1"),
 }
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
-              "gradient_accumulation_steps")
 _MICRO_DEFAULT = 8  # TrainingArguments.per_device_train_batch_size
 # key -> (its value from the hidden size h, DeepSpeed's default)
 _FROM_HIDDEN = {

@@ -22,15 +22,12 @@ ignores unknown top-level keys); offload_optimizer "nvme" offloads to host memor
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
 import copy
 import importlib
 import json
 import math
 import os
-import re
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -38,13 +35,14 @@ from gigatron.training.config.deepspeed.engine_config import EngineConfig
 from gigatron.parallel.zero.config import ZeroConfig, zero_problems
 from gigatron.parallel.zero.optimizers import OptimizerSpec
 from gigatron.training.config.table import row_of
-from gigatron.training.config.deepspeed.auto import BATCH_KEYS, fill_auto
+from gigatron.training.config.deepspeed.auto import fill_auto
+from gigatron.training.config.deepspeed.batch import BATCH_KEYS, deepspeed_batch_triple
 from gigatron.training.config.deepspeed.pretrain import read_rows
 from gigatron.training.config.deepspeed.keys import ENGINE_KEYS, check_keys, normalize_legacy
 from gigatron.training.config.deepspeed.optimizer import read_optimizer, read_scheduler
+from gigatron.training.config.deepspeed.source import ConfigSource, load_config
 from gigatron.training.config.validation import ConfigError, Problems
 
-ConfigSource = Union[str, "os.PathLike[str]", Mapping]
 # the config table rows the engine reads (argparse dests), batch sizes first
 _BATCH_ROWS = ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps")
 _ROWS = ("fp16", "bf16", "loss_scale", "initial_loss_scale", "min_loss_scale",
@@ -59,95 +57,6 @@ _ZERO_KEYS = {**{f: str(row_of(d).spec.ds) for f, d in (
     "offload_optimizer": "zero_optimization.offload_optimizer.device",
     "grad_reduce_dtype": "communication_data_type"}
 _TAG_VALIDATION = ("Ignore", "Warn", "Fail")
-
-
-def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:  # DeepSpeed refuses these too
-        raise ValueError(f"key {twice[0]!r} appears twice in one object: keep one")
-    return dict(pairs)
-
-
-def _base64_json(text: str) -> Optional[Dict[str, Any]]:
-    """DeepSpeed also takes the config as url-safe base64 of the JSON text."""
-    if not re.fullmatch(r"[A-Za-z0-9_-]{8,}={0,2}", text):
-        return None
-    try:
-        ds = json.loads(base64.urlsafe_b64decode(text).decode("utf-8"))
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        return None
-    return ds if isinstance(ds, dict) else None
-
-
-def load_config(config: ConfigSource) -> Dict[str, Any]:
-    """The config as a fresh dict: a Mapping (copied), a JSON file or DeepSpeed's base64 text;
-    a ValueError of one line naming the file and, for bad JSON, the position."""
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    if not isinstance(config, (str, os.PathLike)):
-        raise ValueError(f"config must be a path to a DeepSpeed JSON file or a dict, got "
-                         f"{type(config).__name__}")
-    path = os.fspath(config)
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as err:
-        decoded = _base64_json(str(path))
-        if decoded is not None:
-            return decoded
-        raise ValueError(f"DeepSpeed config {path}: cannot read it ({err.strerror})") from None
-    try:
-        ds = json.loads(text, object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {err.msg} at line "
-                         f"{err.lineno} column {err.colno}") from None
-    except ValueError as err:
-        raise ValueError(f"DeepSpeed config {path}: {err}") from None
-    if not isinstance(ds, dict):
-        raise ValueError(f"DeepSpeed config {path} must hold a JSON object {{...}}, got a "
-                         f"{type(ds).__name__}")
-    return ds
-
-
-def deepspeed_batch_triple(train: Optional[int], micro: Optional[int],
-                           grad_acc: Optional[int], dp: int) -> Tuple[int, int, int]:
-    """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps) completed
-    by DeepSpeed's rule (`_set_batch_related_parameters`, then `_batch_assertion`): two given
-    imply the third by floor division; train alone: accumulation 1, micro = train // dp; micro
-    alone: accumulation 1, train = micro x dp. Then train = micro x accumulation x dp must hold;
-    a ValueError of one line with the arithmetic otherwise."""
-    for name, value in zip(BATCH_KEYS, (train, micro, grad_acc)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if train is None and micro is None:
-        raise ValueError("give train_batch_size or train_micro_batch_size_per_gpu (DeepSpeed "
-                         "infers the rest; gradient_accumulation_steps alone is not enough)")
-    how, divisor = "", ""
-    if train is not None and micro is not None and grad_acc is None:
-        grad_acc = train // micro // dp
-        how = f"gradient_accumulation_steps inferred as {train} // {micro} // {dp} = {grad_acc}"
-        divisor = f"train_micro_batch_size_per_gpu {micro} x data-parallel size {dp}"
-    elif train is not None and micro is None:
-        grad_acc = 1 if grad_acc is None else grad_acc
-        micro = train // dp // grad_acc
-        how = f"train_micro_batch_size_per_gpu inferred as {train} // {dp} // {grad_acc} = {micro}"
-        divisor = f"data-parallel size {dp} x gradient_accumulation_steps {grad_acc}"
-    elif train is None:
-        assert micro is not None  # one of the two is given (checked above)
-        grad_acc = 1 if grad_acc is None else grad_acc
-        train = micro * grad_acc * dp
-    assert train is not None and micro is not None and grad_acc is not None
-    if micro < 1 or grad_acc < 1:
-        raise ValueError(f"{how}, which must be >= 1: make train_batch_size {train} a multiple "
-                         f"of {divisor}")
-    product = micro * grad_acc * dp
-    if train != product:
-        note = f" ({how})" if how else ""
-        raise ValueError(f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} x "
-                         f"gradient_accumulation_steps {grad_acc} x data-parallel size {dp} = "
-                         f"{product}{note}: make them agree, or leave one out to be inferred")
-    return train, micro, grad_acc
 
 
 def _value(ds: Mapping, key: str, p: Problems) -> Any:

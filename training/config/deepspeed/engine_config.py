@@ -1,6 +1,6 @@
 """EngineConfig: what a DeepSpeed JSON config tells `gigatron.initialize`, resolved.
 
-The reader (`gigatron.training.config.deepspeed.pretrain.engine_config`) fills it with DeepSpeed's
+The reader (`gigatron.training.config.deepspeed.engine.engine_config`) fills it with DeepSpeed's
 meanings and defaults; the engine only reads it.
 """
 from __future__ import annotations

@@ -6,30 +6,22 @@ is pure: the JSON's values fill the flags not given on the command line; a flag 
 different value is an error naming both (as DeepSpeed refuses conflicting settings). Unknown
 keys are errors naming the key and what to use instead. Keys the JSON leaves out keep
 pretrain_gpt.py's (Megatron's) defaults, e.g. --weight-decay 0.01. Loss-scaling keys apply
-only with fp16.enabled true (DeepSpeed ignores them otherwise). `from_deepspeed_config`
-builds the config objects from a JSON alone (for engines that get no command line).
+only with fp16.enabled true (DeepSpeed ignores them otherwise).
 
-`engine_config` is `gigatron.initialize`'s reader (training/config/deepspeed/engine.py): it reads the
-same table rows with `read_rows`, but a key the JSON leaves out gets DeepSpeed's default.
+`gigatron.initialize`'s reader (`engine.py`'s `engine_config`) reads the same table rows with
+`read_rows`, but a key the JSON leaves out gets DeepSpeed's default.
 """
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import re
-import os
-from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Set,
-                    Tuple, Union)
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from gigatron.training.config.table import Row, deepspeed_default, defaults, flag_name, table
+from gigatron.training.config.deepspeed.source import load_config
+from gigatron.training.config.spelling import did_you_mean
+from gigatron.training.config.table import Row, deepspeed_default, flag_name, table
 from gigatron.training.config.validation import ConfigError, dedupe
-
-if TYPE_CHECKING:
-    import torch
-
-    from gigatron.training.config.deepspeed.engine_config import EngineConfig
-    from gigatron.training.config.run_config import RunConfig
 
 _INSTEAD = {
     "scheduler": "use --lr-decay-style/--lr-warmup-iters/--lr-decay-iters/--min-lr",
@@ -90,11 +82,6 @@ def _tree() -> Dict[str, Any]:
     return tree
 
 
-def _close(key: str, known) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1)
-    return f"; did you mean {close[0]}?" if close else ""
-
-
 def _known(node: Dict[str, Any], prefix: str, ds_type: Any) -> set:
     """The keys of a section; optimizer.params depends on the optimizer type."""
     if prefix != "optimizer.params.":
@@ -107,12 +94,12 @@ def _known(node: Dict[str, Any], prefix: str, ds_type: Any) -> set:
 def _unknown(key: str, prefix: str, known: set, ds_type: Any) -> str:
     if not prefix:
         hint = _INSTEAD.get(key, f"supported keys: {', '.join(sorted(known))}")
-        return f"{key} is not supported: {hint}{_close(key, known)}"
+        return f"{key} is not supported: {hint}{did_you_mean(key, known)}"
     if prefix == "optimizer.params.":
         hint = "; use gradient_clipping" if key == "max_grad_norm" else ""
         return (f"optimizer.params.{key} is not supported for {ds_type}; known: "
                 f"{', '.join(sorted(known))}{hint}")
-    return f"{prefix}{key} is not supported; known keys: {sorted(known)}{_close(key, known)}"
+    return f"{prefix}{key} is not supported; known keys: {sorted(known)}{did_you_mean(key, known)}"
 
 
 def _check_keys(section: Mapping, node: Dict[str, Any], prefix: str, out: List[str],
@@ -338,59 +325,6 @@ def megatron_deepspeed_notes(flags: Mapping[str, Any]) -> List[str]:
     return notes
 
 
-def deepspeed_batch_sizes(train: Optional[int], micro: Optional[int], grad_acc: int,
-                          dp: int) -> Tuple[int, int]:
-    """(micro batch, global batch) by DeepSpeed's rule train = micro x grad_acc x dp."""
-    if grad_acc < 1:
-        raise ValueError(f"gradient_accumulation_steps must be >= 1, got {grad_acc}")
-    if train is None and micro is None:
-        raise ValueError("give train_batch_size or train_micro_batch_size_per_gpu in the "
-                         "DeepSpeed config (or --micro-batch-size)")
-    if micro is None:
-        assert train is not None  # one of the two is given (checked above)
-        micro = max(train // (grad_acc * dp), 1)
-    if train is None:
-        train = micro * grad_acc * dp
-    if train != micro * grad_acc * dp:
-        raise ValueError(
-            f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} x "
-            f"gradient_accumulation_steps {grad_acc} x data-parallel size {dp} = "
-            f"{micro * grad_acc * dp} (--global-batch-size = --micro-batch-size x "
-            f"accumulation x dp): fix one of them")
-    return micro, train
-
-
 def load_deepspeed_config(path: str) -> Dict[str, Any]:
-    """The JSON object in `path`, or a ValueError naming the flag and the problem."""
-    try:
-        with open(path) as f:
-            ds = json.load(f)
-    except OSError as err:
-        raise ValueError(f"--deepspeed-config {path}: cannot read it ({err.strerror})") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--deepspeed-config {path} is not valid JSON: {err}") from None
-    if not isinstance(ds, dict):
-        raise ValueError(f"--deepspeed-config {path} must hold a JSON object")
-    return ds
-
-
-def from_deepspeed_config(ds: Mapping, world_size: int = 1, tp: int = 1,
-                          pp: int = 1) -> "RunConfig":
-    """The config objects a DeepSpeed JSON alone defines (for `gigatron.initialize`): a
-    RunConfig with zero, parallel, train, checkpoint and logging set; model, data and
-    lr_schedule are None (the JSON does not describe them). Unset keys keep the defaults."""
-    from gigatron.training.config.arguments import build_engine_config
-
-    flags = argparse.Namespace(**defaults())
-    flags.tensor_model_parallel_size, flags.pipeline_model_parallel_size = tp, pp
-    return build_engine_config(apply_deepspeed_config(ds, flags, set()), world_size)
-
-
-def engine_config(config: Union[str, "os.PathLike[str]", Mapping], world_size: int, *,
-                  dp_world_size: Optional[int] = None, model: Optional["torch.nn.Module"] = None,
-                  args: Optional[argparse.Namespace] = None) -> "EngineConfig":
-    """`gigatron.initialize`'s config: a DeepSpeed JSON (path or dict) with DeepSpeed's meanings
-    and defaults; see `gigatron.training.config.deepspeed.engine.engine_config`."""
-    from gigatron.training.config.deepspeed.engine import engine_config as read
-
-    return read(config, world_size, dp_world_size=dp_world_size, model=model, args=args)
+    """The JSON object of --deepspeed-config (the one loader, errors naming the flag)."""
+    return load_config(path, "--deepspeed-config")
