@@ -148,11 +148,12 @@ class Engine(nn.Module):
         live in flat buffers, so `set_to_none` is accepted and has no effect."""
         self.zero.zero_grad()
 
-    # -- checkpoints (engine/deepspeed/checkpoint.py) -----------------------------------------------
+    # -- checkpoints (engine/deepspeed/checkpoint.py) --------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[Dict[str, Any]] = None,
                         save_latest: bool = True, **_unused: Any) -> bool:
-        """Collective: module, optimizer shard, scheduler, loss scaler, counters, RNG."""
+        """Collective: a layout-free checkpoint (module, optimizer, scheduler, loss scaler,
+        counters, RNG, client_state) that any world size and ZeRO stage loads."""
         from gigatron.engine.deepspeed.checkpoint import save
 
         with timeline.span("checkpoint save"):
@@ -165,9 +166,21 @@ class Engine(nn.Module):
         """Collective: (checkpoint path, client_state), or (None, None) with no checkpoint."""
         from gigatron.engine.deepspeed.checkpoint import load
 
-        return load(self, load_dir, tag, load_module_strict,
-                    load_optimizer_states and not load_module_only,
-                    load_lr_scheduler_states and not load_module_only)
+        return load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                    load_lr_scheduler_states, load_module_only)
+
+    def checkpoint_layout(self) -> Tuple[Dict[str, int], Dict[str, int]]:
+        """This rank's (tp, pp, dp) coordinates and the layout's sizes, for checkpoints."""
+        return ({"tp": 0, "pp": 0, "dp": self.global_rank},
+                {"tp": 1, "pp": 1, "dp": self.world_size})
+
+    def checkpoint_extra_state(self) -> Dict[str, Any]:
+        """What else an engine of this kind needs to resume (a pipeline's: its stages'
+        forward count), the same on every rank."""
+        return {}
+
+    def load_checkpoint_extra_state(self, state: Dict[str, Any]) -> None:
+        """Restore what `checkpoint_extra_state` returned."""
 
     def next_checkpoint_call(self, what: str) -> int:
         """How many times `what` was called before (ranks agree per call)."""

@@ -218,6 +218,21 @@ class PipelineEngine(Engine):
             mean /= groups.size("dp")
         return mean
 
+    # -- checkpoints (engine/deepspeed/checkpoint.py) ------------------------------------------
+    def checkpoint_layout(self) -> Tuple[Dict[str, int], Dict[str, int]]:
+        topology = self.pipe.topology()
+        return (topology.coords(self.global_rank),
+                {"tp": topology.tp, "pp": topology.pp, "dp": topology.dp})
+
+    def checkpoint_extra_state(self) -> Dict[str, Any]:
+        """Every stage has run each micro-batch forward once, whatever the layout: with
+        seed_layers the dropout seeds follow that count, so a resumed run draws on."""
+        return {"micro_offset": self.pipe.chunks[0].micro_offset}
+
+    def load_checkpoint_extra_state(self, state: Dict[str, Any]) -> None:
+        for stage in self.pipe.chunks:
+            stage.micro_offset = int(state.get("micro_offset", stage.micro_offset))
+
     # -- DeepSpeed's engine calls that a pipeline does not take --------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         raise RuntimeError(_ONLY_BATCHES.format("engine(inputs) / forward()"))

@@ -41,6 +41,7 @@ from gigatron.engine.pipe.partition_method import (describe_partition, partition
                                                         stage_of_layer, tied_stages)
 from gigatron.parallel.tensor.init import mark_shared_embedding
 from gigatron.parallel.topology import ProcessGroups, Topology
+from gigatron.training.checkpoint.torch_dist.state import mark_saved_elsewhere
 
 _non_reentrant_checkpoint = functools.partial(checkpoint, use_reentrant=False)
 
@@ -230,10 +231,14 @@ class PipelineModule(nn.Module):
         self._mark_tied()
 
     def _mark_tied(self) -> None:
-        """Mark them for ZeRO, which sums their gradients over the embedding group."""
+        """Mark them for ZeRO, which sums their gradients over the embedding group; the
+        last stage's copy for checkpoints, which save the first stage's only."""
         for key in self._tied_across_stages():
             for attr in self.tied_weight_attrs[key]:
-                mark_shared_embedding(_attribute(self.tied_modules[key], attr, key))
+                param = _attribute(self.tied_modules[key], attr, key)
+                mark_shared_embedding(param)
+                if self.stage_id != 0:
+                    mark_saved_elsewhere(param)
 
     def _print_partition(self, specs: List[Any], counts: List[int], method: str) -> None:
         loss = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)

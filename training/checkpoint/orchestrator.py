@@ -11,12 +11,10 @@ loss scaler, RNG states and the loop's progress.
 """
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from gigatron.training.checkpoint import folders as files
@@ -24,6 +22,7 @@ from gigatron.training.checkpoint.torch_dist import save_load
 from gigatron.training.checkpoint.torch_dist import resume as dist_resume
 from gigatron.training.checkpoint.torch_dist import state as dist_state
 from gigatron.training.checkpoint.integrity import job_gather, raise_if_any_failed
+from gigatron.training.checkpoint.rng import generator_states, restore_generators
 from gigatron.training.checkpoint.shapes import check_model_shapes
 from gigatron.training.config.run_config import RunConfig
 from gigatron.training.checkpoint.torch_dist.async_save import AsyncSaver, SavedCheckpoint
@@ -47,27 +46,15 @@ class TrainProgress:
 
 def rng_state(chunks: List[torch.nn.Module], device: torch.device) -> Dict[str, Any]:
     """Every generator a step draws from: python, numpy, torch (+ accelerator), TP tracker."""
-    from gigatron.parallel.tensor.random import get_rng_state
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(),
-             "tracker": [[[name, dev, s] for (name, dev), s in _tracker(c).get_states().items()]
-                         for c in chunks]}
-    if device.type != "cpu":
-        state["accelerator"] = get_rng_state(device)
-    return state
+    return {**generator_states(device),
+            "tracker": [[[name, dev, s] for (name, dev), s in _tracker(c).get_states().items()]
+                        for c in chunks]}
 
 
 def restore_rng(state: Dict[str, Any], chunks: List[torch.nn.Module],
                 device: torch.device) -> None:
-    from gigatron.parallel.tensor.random import set_rng_state
-
-    python = state["python"]
-    random.setstate((python[0], tuple(python[1]), python[2]))
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if device.type != "cpu" and "accelerator" in state:
-        set_rng_state(state["accelerator"], device)
+    """Put back what `rng_state` saved."""
+    restore_generators(state, device)
     for chunk, saved in zip(chunks, state["tracker"]):
         _tracker(chunk).set_states({(name, _this_device(dev, device)): s
                                       for name, dev, s in saved})
@@ -179,12 +166,7 @@ def _dist_save_state(run: RunConfig, groups: "ProcessGroups", progress: TrainPro
         if run.lr_schedule is not None:
             common["lr_schedule"] = asdict(run.lr_schedule)
         if with_optimizer:
-            common["optimizer"] = {
-                "per_element": sorted({k for g in zero.flat_groups
-                                       for k in dist_state.optimizer_state(zero, g)[0]}),
-                "scalars": scalars, "scaler": zero.scaler.state_dict(),
-                "scaler_type": type(zero.scaler).__name__,
-                "skipped_steps": zero.skipped_steps}
+            common["optimizer"] = dist_state.optimizer_common(zero, scalars)
         state[dist_state.COMMON] = common
     if not ck.no_save_rng and coords["dp"] == 0:
         state[dist_state.rng_key(coords["tp"], coords["pp"])] = rng_state(chunks, device)

@@ -79,13 +79,24 @@ def read_optimizer(run: RunConfig, shard: Dict[str, Any], chunks: List[torch.nn.
     if saved is None:
         raise ValueError(f"{folder} holds no optimizer state (saved with --no-save-optim, or "
                          f"weights only): add --no-load-optim")
+    return read_zero_state(folder, saved, chunks, zero, run.parallel.tp)
+
+
+def read_zero_state(folder: str, saved: Dict[str, Any], chunks: List[torch.nn.Module],
+                    zero: "ZeroOptimizer", tp_size: int, only_saved: bool = False
+                    ) -> Callable[[], None]:
+    """Read a checkpoint's masters and optimizer states (`saved`: common's "optimizer")
+    into tensors laid out like this rank's ZeRO shards, whatever layout saved them, for any
+    model ZeRO trains; returns the collective step that installs them. `only_saved`: skip
+    tensors the checkpoint lacks (they keep this run's values) instead of failing."""
     entries = save_load.entries(folder)
     has_masters = any(k.startswith(dist_state.MASTER) for k in entries)
     values, resumed = dist_state.zero_state_to_load(
-        zero, chunks, zero.process_groups.tp_rank, run.parallel.tp,
-        list(saved["per_element"]), dist_state.MASTER if has_masters else dist_state.MODEL)
+        zero, chunks, zero.process_groups.tp_rank, tp_size, list(saved["per_element"]),
+        dist_state.MASTER if has_masters else dist_state.MODEL)
     with torch.no_grad():
-        save_load.read(folder, dict(values))
+        save_load.read(folder, {k: v for k, v in values.items()
+                                if not only_saved or k in entries})
     same_scaler = saved.get("scaler_type") == type(zero.scaler).__name__
     return lambda: zero.load_resharded(
         resumed.masters, resumed.per_element, saved["scalars"],

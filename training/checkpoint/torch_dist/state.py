@@ -35,6 +35,13 @@ MASTER = "optimizer.master."
 COMMON = "common"
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 TIED_OUTPUT = "output_layer.weight"
+SAVED_ELSEWHERE = "checkpoint_saved_elsewhere"  # a copy that another rank saves
+
+
+def mark_saved_elsewhere(param: torch.Tensor) -> None:
+    """Tag `param` as a copy of the parameter of the same name that another rank saves (a
+    PipelineModule's tied module on its last stage): it is read at load, never written."""
+    setattr(param, SAVED_ELSEWHERE, True)
 
 
 def optimizer_key(state: str) -> str:
@@ -75,6 +82,8 @@ def global_names(chunks: List[torch.nn.Module]) -> Dict[int, Tuple[str, bool]]:
         for name, param in chunk.named_parameters():
             if name == TIED_OUTPUT and getattr(param, "shared_embedding", False):
                 names[id(param)] = (WORD_EMBEDDING, False)
+            elif getattr(param, SAVED_ELSEWHERE, False):
+                names[id(param)] = (name, False)
             else:
                 names[id(param)] = (name, True)
     return names
@@ -161,6 +170,15 @@ def optimizer_state(zero: "ZeroOptimizer", g: "FlatGroup"
         else:
             scalars[key] = value
     return per_element, scalars
+
+
+def optimizer_common(zero: "ZeroOptimizer", scalars: Dict[str, Any]) -> Dict[str, Any]:
+    """The optimizer's part of `common`: which per-element states exist, the scalar state
+    (`zero_state_to_save`'s), the loss scaler and the skipped steps."""
+    return {"per_element": sorted({k for g in zero.flat_groups
+                                   for k in optimizer_state(zero, g)[0]}),
+            "scalars": scalars, "scaler": zero.scaler.state_dict(),
+            "scaler_type": type(zero.scaler).__name__, "skipped_steps": zero.skipped_steps}
 
 
 def zero_state_to_save(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_rank: int,
