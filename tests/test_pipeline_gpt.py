@@ -15,16 +15,45 @@ from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
 from gigatron.models.losses import masked_mean_loss
 from gigatron.parallel.pipeline.executor import PipelineExecutor
-from gigatron.parallel.pipeline.interfaces import AllReduceGradSync
 from gigatron.models.pipeline_chunks import GPTMicroBatchStep, build_model_chunks
 from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
 from gigatron.parallel.pipeline.partition import partition_layers
 from gigatron.parallel.pipeline.schedules import build_schedule
-from gigatron.parallel.tensor import gather_full_parameter
+from gigatron.parallel import comm
+from gigatron.parallel.tensor import allreduce_sequence_parallel_grads, gather_full_parameter
 
 RTOL, ATOL = 1e-5, 1e-7
 MICRO_BATCH, SEED, LR = 2, 1234, 0.1
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+
+
+class AllReduceGradSync:
+    """The executor's GradSync without overlap, for these tests: records the executor's
+    enable_sync calls; finish_sync reduces, in the same order on every rank, the
+    sequence-parallel grads over tp, the tied embedding's over the embedding group (summed)
+    and every grad over dp (averaged)."""
+
+    def __init__(self, params, dp_group=None, embedding_group=None, tp_group=None):
+        self.params = [p for p in params if p.requires_grad]
+        self.dp_group, self.embedding_group, self.tp_group = dp_group, embedding_group, tp_group
+        self.enabled_calls = []  # (chunk, enabled) per backward
+
+    def enable_sync(self, chunk, enabled):
+        self.enabled_calls.append((chunk, enabled))
+
+    def finish_sync(self):
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        allreduce_sequence_parallel_grads(self.params, self.tp_group)
+        for p in self.params:
+            if getattr(p, "shared_embedding", False) and \
+                    comm.group_size(self.embedding_group) > 1:
+                comm.all_reduce(p.grad, group=self.embedding_group)
+        if comm.group_size(self.dp_group) > 1:
+            for p in self.params:
+                comm.all_reduce(p.grad, group=self.dp_group)
+                p.grad /= comm.group_size(self.dp_group)
 
 
 

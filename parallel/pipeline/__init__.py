@@ -22,8 +22,7 @@ carries stage outputs of any shapes (learnt by a handshake before the first step
 (`simulate.py` checks one across all ranks; both are pure, import them from their modules).
 """
 from gigatron.parallel.pipeline.executor import PipelineExecutor
-from gigatron.parallel.pipeline.interfaces import (AllReduceGradSync, GradSync, MicroBatchStep,
-                                                   StageLoss)
+from gigatron.parallel.pipeline.interfaces import GradSync, MicroBatchStep, StageLoss
 from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
 from gigatron.parallel.pipeline.partition import (PipelinePartition, partition_layers,
                                                   stage_layer_counts)
@@ -32,7 +31,7 @@ from gigatron.parallel.pipeline.schedules import (build_schedule, check_num_micr
                                                   one_f_one_b)
 
 __all__ = [
-    "PipelineExecutor", "AllReduceGradSync", "GradSync", "MicroBatchStep", "StageLoss",
+    "PipelineExecutor", "GradSync", "MicroBatchStep", "StageLoss",
     "PipelineP2P", "p2p_tensor_shape", "PipelinePartition", "partition_layers",
     "stage_layer_counts", "build_schedule", "check_num_microbatches",
     "interleaved_one_f_one_b", "no_pipelining", "one_f_one_b",

@@ -1,5 +1,5 @@
 """The contracts the pipeline executor runs through: the model's `MicroBatchStep` and the
-gradient sync (`GradSync`), with its plain implementation.
+gradient sync (`GradSync`).
 
 `MicroBatchStep` is all the executor knows of a model: it never reads a batch key or
 computes a loss itself. For each micro-batch it asks the model how to call a chunk
@@ -13,25 +13,15 @@ questions and the executor does the scaling and backward of every loss itself.
 
 `GradSync` is what the pipeline executor calls before every backward and what the training
 loop finishes after the schedule; ZeroOptimizer implements it with bucketed, overlapped
-reductions. `AllReduceGradSync` implements it without overlap: at `finish_sync` it all-reduces, in three phases every rank runs in the same order
-(so no two groups wait on each other):
-1. grads of params marked `sequence_parallel` over tp (each tp rank saw only its sequence
-   slice; the model marks them only when sequence parallelism is on);
-2. grads of `shared_embedding` params over the embedding group (the tied word embedding on
-   the first stage and its copy as output weight on the last must take the same step);
-3. every grad over dp, averaged.
+reductions (over dp, the embedding group for the tied word embedding, and tp for the
+sequence-parallel parameters' grads).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import (Any, Dict, Iterable, List, Mapping, Optional, Protocol, Tuple, Union,
-                    runtime_checkable)
+from typing import Any, Dict, Mapping, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import torch
-
-from gigatron.parallel import comm
-from gigatron.parallel.comm import Group
-from gigatron.parallel.tensor.utils import allreduce_sequence_parallel_grads
 
 
 @runtime_checkable
@@ -82,49 +72,3 @@ class MicroBatchStep(Protocol):
         on this stage, scaled as the micro-batch loss, and reports them as `StageLoss`'s
         auxiliary losses."""
         ...
-
-
-def _all_reduce_flat(grads: List[torch.Tensor], group, average: bool) -> None:
-    if not grads or comm.group_size(group) == 1:
-        return
-    dtypes = sorted({g.dtype for g in grads}, key=str)
-    if len(dtypes) > 1:  # one flat buffer per dtype, in the same order on every rank
-        for dtype in dtypes:
-            _all_reduce_flat([g for g in grads if g.dtype == dtype], group, average)
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, group=group)
-    if average:
-        flat /= comm.group_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-class AllReduceGradSync:
-    """Reduce grads of `params` over dp (average), the embedding group and tp (SP params)."""
-
-    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group: Group = None,
-                 embedding_group: Group = None, tp_group: Group = None) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.dp_group = dp_group
-        self.embedding_group = embedding_group
-        self.tp_group = tp_group
-        self.enabled_calls: List[tuple] = []  # (chunk, enabled) per backward: for tests
-
-    def enable_sync(self, chunk: int, enabled: bool) -> None:
-        """Nothing overlaps here; remember the calls so tests can check the executor."""
-        self.enabled_calls.append((chunk, enabled))
-
-    def finish_sync(self) -> None:
-        """Run the three reductions; every param gets a grad (zeros if backward left None)."""
-        grads: List[torch.Tensor] = []
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        allreduce_sequence_parallel_grads(self.params, self.tp_group)
-        shared = [g for p, g in zip(self.params, grads) if getattr(p, "shared_embedding", False)]
-        _all_reduce_flat(shared, self.embedding_group, average=False)
-        _all_reduce_flat(grads, self.dp_group, average=True)
