@@ -15,10 +15,10 @@ from typing import Any, Dict, Mapping, Sequence
 
 import torch
 
-MicroBatch = Mapping[str, Any]  # Megatron's keys: input_ids, labels, loss_mask, position_ids
+GPTMicroBatch = Mapping[str, Any]  # Megatron's keys: input_ids, labels, loss_mask, position_ids
 
 
-def masked_mean_loss(per_token_loss: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+def masked_mean_loss(per_token_loss: torch.Tensor, batch: GPTMicroBatch) -> torch.Tensor:
     """Mean per-token loss over the batch's `loss_mask` (all tokens when it has none)."""
     mask = batch.get("loss_mask")
     if mask is None:
@@ -27,7 +27,7 @@ def masked_mean_loss(per_token_loss: torch.Tensor, batch: MicroBatch) -> torch.T
     return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def masked_sum_loss(per_token_loss: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+def masked_sum_loss(per_token_loss: torch.Tensor, batch: GPTMicroBatch) -> torch.Tensor:
     """Sum of the per-token loss over the batch's `loss_mask` (all tokens when it has none):
     the micro-batch loss of Megatron's --calculate-per-token-loss."""
     mask = batch.get("loss_mask")
@@ -36,7 +36,7 @@ def masked_sum_loss(per_token_loss: torch.Tensor, batch: MicroBatch) -> torch.Te
     return (per_token_loss.float() * mask.to(per_token_loss.dtype)).sum()
 
 
-def loss_tokens(batches: Sequence[MicroBatch]) -> torch.Tensor:
+def loss_tokens(batches: Sequence[GPTMicroBatch]) -> torch.Tensor:
     """The tokens `masked_sum_loss` counts in these micro-batches (their loss_mask sum, or
     every label), as an int64 device tensor: known before the step, so the per-token loss
     can be divided by the global count during backward."""

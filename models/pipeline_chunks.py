@@ -12,7 +12,8 @@ import torch
 
 from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
-from gigatron.models.losses import LayerLosses, MicroBatch, masked_mean_loss, masked_sum_loss
+from gigatron.models.losses import (GPTMicroBatch, LayerLosses, masked_mean_loss,
+                                    masked_sum_loss)
 from gigatron.parallel.pipeline.interfaces import Payload, StageLoss
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.parallel.tensor import TensorParallelRNGTracker, model_parallel_seed, tp_rank
@@ -53,7 +54,7 @@ class GPTMicroBatchStep:
     def __init__(self, per_token_loss: bool = False) -> None:
         self._reduce = masked_sum_loss if per_token_loss else masked_mean_loss
 
-    def chunk_inputs(self, batch: MicroBatch, received: Optional[Payload],
+    def chunk_inputs(self, batch: GPTMicroBatch, received: Optional[Payload],
                      last: bool) -> Dict[str, Any]:
         """GPTModel.forward's arguments: token ids (first stage) or hidden states, labels
         on the last stage (its output is then the per-token loss)."""
@@ -68,7 +69,7 @@ class GPTMicroBatchStep:
             kwargs["labels"] = batch["labels"]
         return kwargs
 
-    def loss(self, output: torch.Tensor, batch: MicroBatch) -> StageLoss:
+    def loss(self, output: torch.Tensor, batch: GPTMicroBatch) -> StageLoss:
         """The per-token loss reduced over the micro-batch's loss mask."""
         return StageLoss(self._reduce(output, batch))
 

@@ -1,9 +1,10 @@
 """How the pipeline executor runs a PipelineModule's stages on DeepSpeed's micro-batches.
 
 The engine turns each (inputs, labels) pair into {"input_ids": inputs, "labels": labels}
-(each end of the pipeline keeps only its part); the first stage's layers get the inputs, the others the previous
-stage's output, and the last stage's output goes with the labels to the module's
-`loss_fn(outputs, labels)` (DeepSpeed's), or is the loss itself when there is none.
+(each end of the pipeline keeps only its part); the first stage's layers get the inputs,
+the others the previous stage's output, and the last stage's output goes with the labels
+to the module's `loss_fn(outputs, labels)` (DeepSpeed's), or is the loss itself when there
+is none.
 DeepSpeed's layers add no losses of their own: an extra loss travels in a layer's outputs.
 """
 from __future__ import annotations

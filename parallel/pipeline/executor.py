@@ -25,7 +25,7 @@ caller waits for them (`grad_sync.finish_sync()`) after `run`, then steps its op
 """
 from __future__ import annotations
 
-from typing import (Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, cast,
+from typing import (Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, cast,
                     runtime_checkable)
 
 import torch
