@@ -8,6 +8,7 @@ Command modules import their heavy code inside `main`, so `gigatron --help` stay
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import sys
 from types import ModuleType
@@ -41,8 +42,21 @@ def usage() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Dispatch `gigatron COMMAND ARGS` to `gigatron.cli.<command>.main(ARGS)`."""
-    args: List[str] = list(sys.argv[1:] if argv is None else argv)
+    """Dispatch `gigatron COMMAND ARGS` to `gigatron.cli.<command>.main(ARGS)`; a reader that
+    stops early (`gigatron --help | head -3`) ends the command quietly."""
+    try:
+        try:
+            return _dispatch(list(sys.argv[1:] if argv is None else argv))
+        finally:  # (argparse's --help exits): a closed pipe shows here, not at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # nothing more can be shown: point stdout at /dev/null so Python's final flush is
+        # silent, and exit as a shell reports a program stopped by SIGPIPE (128 + 13)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _dispatch(args: List[str]) -> int:
     if not args:
         print(usage(), file=sys.stderr)
         return 2

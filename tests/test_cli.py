@@ -63,6 +63,24 @@ def test_topology_and_schedule_print_the_views():
     assert out.startswith("stage 0: |F0 |F1 |") and "bubble 33.3%" in out
 
 
+@pytest.mark.parametrize("args, code", [(["--help"], 141), (["report"], 141),
+                                        (["launch", "--help"], 0)],
+                         ids=["help", "report", "launch-help"])
+def test_output_into_a_closed_pipe_ends_quietly(args, code):
+    """`gigatron --help | head -3`: the reader has gone before the output is written (the
+    pipe's read end is closed first, so the write always fails): no BrokenPipeError
+    traceback; the exit status a shell gives a program stopped by SIGPIPE (argparse's own
+    --help ignores the error and exits 0)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "gigatron", *args], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == "" and proc.returncode == code, proc.stderr
+
+
 def test_bad_layout_is_one_line_not_a_traceback():
     proc = gigatron("topology", "--world-size", "6", "--tp", "4")
     assert proc.returncode == 2 and "not divisible" in proc.stderr
