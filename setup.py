@@ -71,10 +71,11 @@ setup(
     include_package_data=False,
     scripts=SCRIPTS,
     entry_points={"console_scripts": ["gigatron = gigatron.cli:main"]},
-    install_requires=["torch>=2.4", "numpy", "einops", "sentencepiece", "tokenizers"],
+    # safetensors: `gigatron convert` (Hugging Face folders) and --ckpt-format safetensors
+    install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors"],
     extras_require={
         # the tests cover every optional path, so they need the optional packages too
-        "test": ["pytest>=7", "safetensors", "tensorboard", "matplotlib", "transformers",
+        "test": ["pytest>=7", "tensorboard", "matplotlib", "transformers",
                  "tiktoken", "megatron-core==0.16.1",  # megatron-core: the import oracle
                  "import-linter"],  # the import contracts in pyproject.toml
         "monitor": ["tensorboard"],
