@@ -25,15 +25,14 @@ def load(engine: "Engine", folder: str, meta: Dict[str, Any], strict: bool,
          load_optimizer: bool, load_scheduler: bool, module_only: bool) -> Dict[str, Any]:
     """Restore this rank's shard of a per-rank checkpoint; returns its client_state."""
     saved_world = int(meta.get("world_size", 1))
-    if saved_world != engine.world_size and (load_optimizer or
-                                             engine.checkpoint_layout()[1]["pp"] > 1):
-        what = "ZeRO shards" if load_optimizer else "pipeline stages"
+    pipeline = engine.checkpoint_layout()[1]["pp"] > 1
+    if saved_world != engine.world_size and (load_optimizer or pipeline):
+        fix = "" if pipeline else ", or pass load_optimizer_states=False to load the module"
         raise ValueError(f"{folder} is a per-rank checkpoint saved by {saved_world} ranks, "
-                         f"this run has {engine.world_size}: its {what} need the same world "
-                         f"size; load it with {saved_world} ranks and save it again (a "
-                         f"torch_dist checkpoint, which loads anywhere)"
-                         + ("" if what != "ZeRO shards" else ", or pass "
-                            "load_optimizer_states=False to load only the module"))
+                         f"this run has {engine.world_size}: its "
+                         f"{'pipeline stages' if pipeline else 'ZeRO shards'} need the same "
+                         f"world size; load it with {saved_world} ranks and save it again "
+                         f"(the torch_dist format, which loads anywhere){fix}")
     # the module is the same on every rank of a plain engine: any rank's file has it
     rank = engine.global_rank if saved_world == engine.world_size else 0
     coords = {"tp": 0, "pp": 0, "dp": rank}
