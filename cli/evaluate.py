@@ -27,12 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from gigatron.parallel.world import init_distributed, read_launch_env
-    from gigatron.training.run.from_checkpoint import (build_inference_run, inference_flags,
-                                                   load_model)
+    from gigatron.training.config.arguments import build_run
+    from gigatron.training.run.from_checkpoint import inference_settings, load_model
 
     launch = read_launch_env()
-    flags = inference_flags(rest, args.load, PROG, {})
-    run, tokenizer = build_inference_run(flags, launch.world_size)
+    settings = inference_settings(rest, args.load, PROG, {})
+    run, tokenizer = build_run(settings, launch.world_size)
     launch, device = init_distributed(run.parallel.distributed_timeout_minutes)
     groups, chunks = load_model(run, launch.rank, device)
     loss = _evaluate(run, tokenizer, groups, chunks, device, args.eval_split)

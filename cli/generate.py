@@ -100,8 +100,8 @@ def _streamer(tokenizer: "Tokenizer", prompt: List[int],
 def _run(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from gigatron.models.generation import SamplingParams, generate
     from gigatron.parallel.world import init_distributed, read_launch_env
-    from gigatron.training.run.from_checkpoint import (build_inference_run, inference_flags,
-                                                   load_model)
+    from gigatron.training.config.arguments import build_run
+    from gigatron.training.run.from_checkpoint import inference_settings, load_model
 
     problems = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed).problems()
     if args.max_new_tokens < 0:
@@ -110,12 +110,12 @@ def _run(args: argparse.Namespace, rest: Sequence[str]) -> int:
         raise ValueError("\n".join(p.replace("top_k", "--top-k").replace("top_p", "--top-p")
                                    .replace("temperature", "--temperature") for p in problems))
     launch = read_launch_env()
-    flags = inference_flags(rest, args.load, PROG, {
+    settings = inference_settings(rest, args.load, PROG, {
         **OVERRIDES, "tensor_model_parallel_size": launch.world_size})
-    if flags.pipeline_model_parallel_size != 1:
+    if settings.parallel.pp != 1:
         raise ValueError("gigatron generate runs with --pipeline-model-parallel-size 1 "
                          "(pipeline-parallel generation is not supported): launch tp ranks")
-    run, tokenizer = build_inference_run(flags, launch.world_size)
+    run, tokenizer = build_run(settings, launch.world_size)
     assert tokenizer is not None
     if run.parallel.dp != 1:
         raise ValueError(f"gigatron generate runs on tensor-parallel ranks only: launch "

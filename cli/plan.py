@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
+    from gigatron.data.tokenizer import Tokenizer
     from gigatron.training.config.run_config import RunConfig
 
 PROG = "gigatron plan"
@@ -78,24 +79,22 @@ def _check_plan_options(opts: argparse.Namespace) -> None:
 
 
 def configure(argv: Sequence[str]) -> Tuple[argparse.Namespace, argparse.Namespace,
-                                             "RunConfig", int]:
-    """(plan options, pretrain flags, validated RunConfig, world size): pretrain_gpt's own
-    parse and validation, with the world size from --num-gpus."""
-    from gigatron.training.config.arguments import parse_flags, with_other_problems
-    from gigatron.training.config.table import ParseProblems
-    from gigatron.training.run.pretrain import build_run
+                                             "RunConfig", Optional["Tokenizer"], int]:
+    """(plan options, pretrain flags, validated RunConfig, its tokenizer, world size):
+    pretrain_gpt's own parse and validation, with the world size from --num-gpus."""
+    from gigatron.training.config.arguments import build_run, parse_flags, with_other_problems
+    from gigatron.training.config.table import ParseProblems, build_settings
 
     opts, rest = plan_parser().parse_known_args(list(argv))
     _check_plan_options(opts)
     try:
         flags = parse_flags(rest, PROG)
     except ParseProblems as err:
-        world = opts.num_gpus or 1
-        raise with_other_problems(err, world) from None
-    world = opts.num_gpus or flags.tensor_model_parallel_size * \
-        flags.pipeline_model_parallel_size
-    run, _ = build_run(flags, world)
-    return opts, flags, run, world
+        raise with_other_problems(err, opts.num_gpus or 1) from None
+    settings = build_settings(flags)
+    world = opts.num_gpus or settings.parallel.tp * settings.parallel.pp
+    run, tokenizer = build_run(settings, world)
+    return opts, flags, run, tokenizer, world
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -109,12 +108,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan_parser().print_help()
         return 0
     try:
-        opts, flags, run, world = configure(args)
-        hw = _hardware(opts, flags.peak_tflops)
+        opts, flags, run, tokenizer, world = configure(args)
+        hw = _hardware(opts, run.logging.peak_tflops)
         if opts.search:
-            assert run.model is not None and run.train.global_batch_size is not None
-            ranked, refused = search(flags, world, run.train.global_batch_size,
-                                     run.model.vocab_size, hw)
+            assert run.train.global_batch_size is not None
+            ranked, refused = search(flags, world, run.train.global_batch_size, tokenizer, hw)
             text = json.dumps(report.search_dict(ranked, refused), indent=1) if opts.json \
                 else report.describe_search(ranked, refused, opts.top)
         else:

@@ -63,14 +63,24 @@ def _position_type(args: argparse.Namespace) -> str:
     return str(_get(args, "position_embedding_type", default="learned_absolute"))
 
 
+def megatron_activation(swiglu: bool, squared_relu: bool, bias_gelu_fusion: bool,
+                        add_bias_linear: bool) -> str:
+    """The MLP activation Megatron-Core computes for these flags (the one rule for saved args
+    and for pretrain_gpt.py's flags): the bias-GeLU fusion, on only with biases, is the tanh
+    approximation; F.gelu otherwise is exact."""
+    if swiglu:
+        return "swiglu"
+    if squared_relu:
+        return "squared_relu"
+    return "gelu_tanh" if bias_gelu_fusion and add_bias_linear else "gelu"
+
+
 def activation(args: argparse.Namespace) -> str:
     """The activation Megatron-Core's MLP computes for the saved flags."""
-    if _get(args, "swiglu", default=False):
-        return "swiglu"
-    if _get(args, "squared_relu", default=False):
-        return "squared_relu"
-    fused = _get(args, "bias_gelu_fusion", default=False)
-    return "gelu_tanh" if fused and _get(args, "add_bias_linear", default=True) else "gelu"
+    return megatron_activation(bool(_get(args, "swiglu", default=False)),
+                               bool(_get(args, "squared_relu", default=False)),
+                               bool(_get(args, "bias_gelu_fusion", default=False)),
+                               bool(_get(args, "add_bias_linear", default=True)))
 
 
 def query_groups(args: argparse.Namespace) -> int:

@@ -5,15 +5,16 @@ import re
 import pytest
 import torch
 
-from gigatron.training.config.arguments import parse_args, parse_flags
+from gigatron.data.tokenizer import NullTokenizer
+from gigatron.training.config.arguments import build_run_config, parse_args, parse_flags
 
 BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 "
         "--mock-data --vocab-size 100")
 
 
-def run(extra: str = "", world: int = 1, base: str = BASE, vocab=None):
-    return parse_args((base + " " + extra).split(), world, vocab)
+def run(extra: str = "", world: int = 1, base: str = BASE):
+    return parse_args((base + " " + extra).split(), world)
 
 
 def test_flags_map_to_config_objects():
@@ -55,7 +56,9 @@ def test_global_batch_defaults_to_micro_batch_times_dp():
 
 
 def test_tokenizer_vocab_overrides_flag_vocab():
-    assert run(vocab=300).model.vocab_size == 300
+    assert run().model.vocab_size == 100
+    run_config = build_run_config(parse_flags(BASE.split()), 1, NullTokenizer(300))
+    assert run_config.model.vocab_size == 300
 
 
 def test_model_flag_loads_zoo_config_and_flags_override_it():

@@ -233,6 +233,6 @@ def test_async_save_needs_the_torch_dist_format():
             "--mock-data --vocab-size 100 --save ckpt --async-save").split()
     with pytest.raises(ValueError, match=r"--async-save needs --ckpt-format torch_dist "
                                          r"\(got torch\): drop --ckpt-format or --async-save"):
-        parse_args(base + ["--ckpt-format", "torch"], 1, None)
-    run = parse_args(base, 1, None)
+        parse_args(base + ["--ckpt-format", "torch"], 1)
+    run = parse_args(base, 1)
     assert run.checkpoint.async_save and run.checkpoint.ckpt_format == "torch_dist"

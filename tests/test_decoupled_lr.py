@@ -39,7 +39,7 @@ def set_lrs(zero, run, iteration):
     """What the training loop does before iteration `iteration` (1-based)."""
     step = (iteration - 1) * GBS
     zero.set_lr(learning_rate(step, run.lr_schedule))
-    set_decoupled_lr(zero.optimizer, step, run.lr_schedule, run.flags)
+    set_decoupled_lr(zero.optimizer, step, run.lr_schedule, run.settings.decoupled_lr)
 
 
 def _model(run, **kw):

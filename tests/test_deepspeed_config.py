@@ -104,7 +104,8 @@ def test_json_config_gives_the_same_run_config_as_the_equivalent_flags(tmp_path)
                         "--optimizer-cpu-offload".split())
     from_flags = build_run_config(flags, 8)
     assert from_json.train.num_microbatches == 8
-    assert dataclasses.replace(from_json, flags={}) == dataclasses.replace(from_flags, flags={})
+    resolved = [f.name for f in dataclasses.fields(from_json) if f.name != "settings"]
+    assert [getattr(from_json, f) for f in resolved] == [getattr(from_flags, f) for f in resolved]
 
 
 @pytest.mark.parametrize("ds, expect", [  # (micro batch, global batch, accumulation) at dp 4

@@ -221,9 +221,9 @@ def test_flags_map_to_the_recipe_and_refuse_what_is_not_emulated():
 
     run = parse_args(FLAGS + "--fp8-format e4m3 --fp8-margin 1 --fp8-amax-history-len 16 "
                              "--fp8-amax-compute-algo max --disable-fp8-wgrad".split(), 1)
-    assert fp8_recipe(run.flags) == FP8Recipe("e4m3", 1, 16, "max", wgrad=False)
-    assert fp8_recipe(parse_args(FLAGS, 1).flags) is None
-    defaults = fp8_recipe(parse_args(FLAGS + ["--fp8-format", "hybrid"], 1).flags)
+    assert fp8_recipe(run.settings.fp8) == FP8Recipe("e4m3", 1, 16, "max", wgrad=False)
+    assert fp8_recipe(parse_args(FLAGS, 1).settings.fp8) is None
+    defaults = fp8_recipe(parse_args(FLAGS + ["--fp8-format", "hybrid"], 1).settings.fp8)
     assert defaults == FP8Recipe("hybrid", 0, 1, "most_recent", wgrad=True)  # Megatron's
     with pytest.raises(ConfigError) as err:
         parse_args(FLAGS + "--fp8-format hybrid --fp8-recipe mxfp8 --recompute-activations "

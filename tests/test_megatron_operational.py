@@ -77,36 +77,56 @@ def test_overlap_flags_and_backends_that_are_accepted():
 def test_gloo_with_gpus_is_refused():
     from gigatron.training.config.features import check_operational
     from gigatron.training.config.arguments import parse_flags
+    from gigatron.training.config.table import build_settings
     from gigatron.training.config.validation import Problems
 
+    settings = build_settings(parse_flags((BASE + " --distributed-backend gloo").split()))
     p = Problems()
-    check_operational(parse_flags((BASE + " --distributed-backend gloo").split()), p,
-                      has_cuda=True)
+    check_operational(settings, p, has_cuda=True)
     assert p.lines == ["--distributed-backend gloo with GPUs is not supported (gloo has no "
                        "reduce-scatter of GPU tensors, which ZeRO and tensor parallelism "
                        "need): drop it (GPUs use nccl)"]
     p = Problems()
-    check_operational(parse_flags((BASE + " --distributed-backend gloo").split()), p,
-                      has_cuda=False)
+    check_operational(settings, p, has_cuda=False)
     assert not p
 
 
 def test_local_rank_must_agree_with_the_launcher():
-    flags = types.SimpleNamespace(local_rank=1)
-    check_local_rank(flags, 1, "torchrun")
-    check_local_rank(types.SimpleNamespace(local_rank=None), 3, "torchrun")
+    check_local_rank(1, 1, "torchrun")
+    check_local_rank(None, 3, "torchrun")
+    check_local_rank(1, 0, "none")  # no launcher: nothing to agree with
     with pytest.raises(ValueError, match=r"--local-rank 1 disagrees with the launcher's local "
                                          r"rank 0 \(torchrun\): drop --local-rank"):
-        check_local_rank(flags, 0, "torchrun")
+        check_local_rank(1, 0, "torchrun")
     assert run("--local_rank=0").parallel.local_rank == 0  # DeepSpeed's launcher spelling
 
 
+def test_launch_problems_come_with_the_others_and_hide_only_their_consequences():
+    from gigatron.parallel.world import read_launch_env
+    from gigatron.training.config.arguments import build_run, read_settings
+
+    torchrun = read_launch_env({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    argv = (BASE + " --local-rank 1 --fp16 --bf16").split()
+    with pytest.raises(ConfigError) as err:
+        build_run(read_settings(argv, 2), 2, launch=torchrun)
+    assert [line.split(" ")[0] for line in err.value.problems] == ["--local-rank", "--fp16"]
+    # no launcher and a layout of 4 ranks: how to launch, not also "world size 1 is not
+    # divisible by 2 x 2"; the other mistakes still show
+    argv = (BASE + " --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+                   "--eval-iters -1").split()
+    with pytest.raises(ConfigError) as err:
+        build_run(read_settings(argv, 1), 1, launch=read_launch_env({}))
+    assert len(err.value.problems) == 2, err.value.problems
+    assert "torchrun --nproc-per-node 4" in err.value.problems[0]
+    assert err.value.problems[1] == "--eval-iters must be >= 0, got -1"
+
+
 def test_banner_notes_say_what_each_accepted_flag_maps_to():
-    flags = (run("--transformer-impl transformer_engine --use-mcore-models "
+    settings = (run("--transformer-impl transformer_engine --use-mcore-models "
                      "--attention-backend fused --ckpt-format torch_dist --distributed-backend "
                      "nccl --deepspeed --deepspeed-activation-checkpointing --openai-gelu "
-                     "--overlap-grad-reduce --overlap-param-gather --zero-stage 1").flags)
-    notes = flag_notes(flags, "gloo", has_package=lambda name: False)
+                     "--overlap-grad-reduce --overlap-param-gather --zero-stage 1").settings)
+    notes = flag_notes(settings, "gloo", has_package=lambda name: False)
     text = "\n".join(notes)
     for expected in ("--transformer-impl transformer_engine: Transformer Engine is not "
                      "installed; gigatron's own layers run",
@@ -118,11 +138,11 @@ def test_banner_notes_say_what_each_accepted_flag_maps_to():
                      "--deepspeed-activation-checkpointing", "--openai-gelu: no effect",
                      "--overlap-param-gather: ZeRO gathers"):
         assert expected in text, text
-    installed = flag_notes(flags, "nccl", has_package=lambda name: True)
+    installed = flag_notes(settings, "nccl", has_package=lambda name: True)
     assert "Transformer Engine is installed but not used" in "\n".join(installed)
     assert not any("no GPU here" in n for n in installed)
-    assert flag_notes(run("").flags, "gloo") == []
-    bf16 = flag_notes(run("--bf16 --loss-scale 12").flags, "gloo")
+    assert flag_notes(run("").settings, "gloo") == []
+    bf16 = flag_notes(run("--bf16 --loss-scale 12").settings, "gloo")
     assert bf16 == ["--loss-scale without --fp16: no effect (bf16 and fp32 train unscaled, as "
                     "DeepSpeed's bf16 does; Megatron-LM's bf16 would multiply by the constant, "
                     "which changes only rounding)"]

@@ -148,7 +148,7 @@ def test_rampup_with_train_iters_ramps_over_the_consumed_samples():
     ramp = build_rampup(cfg.train.rampup_batch_size, 8, 2)
     assert [ramp.batch_size(c) for c in (0, 6, 7, 14, 21)] == [2, 2, 4, 6, 8]
     assert any("--rampup-batch-size with --train-iters (Megatron-LM refuses the pair)" in note
-               for note in flag_notes(cfg.flags, "gloo"))
+               for note in flag_notes(cfg.settings, "gloo"))
 
 
 def test_mode_mistakes_are_all_reported_at_once():

@@ -105,15 +105,13 @@ def argv_of(name, files, batch=None):
 
 
 def validate(argv, world_size):
-    """What pretrain_gpt.py checks before any rank starts work: every flag and value, the
-    tokenizer and data files, the model and batch arithmetic for this world size."""
-    from gigatron.data.tokenizer import tokenizer_type_to_build
-    from gigatron.training.config.arguments import build_run_config, parse_flags
-    from gigatron.training.run.builders import build_tokenizer
+    """What pretrain_gpt.py checks before any rank starts work (its own entry: every flag and
+    value, the tokenizer and data files, the model and batch arithmetic for this world
+    size)."""
+    from gigatron.training.config.arguments import build_run, read_settings
 
-    flags = parse_flags(argv)
-    tokenizer = build_tokenizer(vars(flags)) if tokenizer_type_to_build(vars(flags)) else None
-    return build_run_config(flags, world_size, tokenizer.vocab_size if tokenizer else None)
+    run, _ = build_run(read_settings(argv, world_size), world_size)
+    return run
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -7,13 +7,14 @@ import io
 import json
 import os
 import re
+from dataclasses import replace
 
 import pytest
 
 from multirank import run_on_ranks
 
 from gigatron.training.config.arguments import parse_args
-from gigatron.training.observe.profiling import profiling_notes, trace_path
+from gigatron.training.observe.profiling import ProfilingSettings, profiling_notes, trace_path
 from gigatron.training.config.validation import ConfigError
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -60,15 +61,16 @@ def test_trace_path_and_step_checks():
         parse_args(BASE + "--train-iters 6 --profile --profile-step-start 3 "
                           "--profile-step-end 3".split(), 1)
     run = parse_args(BASE + ["--train-iters", "6", "--profile"], 1)
-    assert (run.flags["profile_step_start"], run.flags["profile_step_end"],
-            run.flags["profile_ranks"]) == (10, 12, None)  # Megatron's defaults
+    profiling = run.settings.profiling
+    assert (profiling.profile_step_start, profiling.profile_step_end,
+            profiling.profile_ranks) == (10, 12, None)  # Megatron's defaults
 
 
 def test_nsys_range_and_memory_history_say_they_need_cuda():
-    flags = {"profile": True, "record_memory_history": True}
-    notes = profiling_notes(flags, "cpu")
+    settings = ProfilingSettings(profile=True, record_memory_history=True)
+    notes = profiling_notes(settings, "cpu")
     assert len(notes) == 2
     assert "needs CUDA: nothing is profiled on this cpu; add --use-pytorch-profiler" in notes[0]
     assert "nothing is recorded on this cpu" in notes[1]
-    assert profiling_notes(dict(flags, use_pytorch_profiler=True), "cpu") == [notes[1]]
-    assert profiling_notes(flags, "cuda") == []
+    assert profiling_notes(replace(settings, use_pytorch_profiler=True), "cpu") == [notes[1]]
+    assert profiling_notes(settings, "cuda") == []

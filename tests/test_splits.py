@@ -98,7 +98,8 @@ def test_bad_splits_name_the_flag_and_the_form(text):
 
 def test_a_quoted_split_from_a_shell_script_reaches_the_datasets(tmp_path):
     from gigatron.training.config.arguments import parse_flags
-    from gigatron.training.config.validation import check_data
+    from gigatron.training.config.table import build_settings
+    from gigatron.training.config.validation import Problems, check_data
 
     prefix = str(tmp_path / "docs")
     builder = IndexedDatasetBuilder(prefix + ".bin", np.int32)
@@ -107,9 +108,11 @@ def test_a_quoted_split_from_a_shell_script_reaches_the_datasets(tmp_path):
     builder.finalize(prefix + ".idx")
     argv = ["--data-path", prefix, "--split", "'99,1,0'", "--tokenizer-type", "NullTokenizer",
             "--vocab-size", "200"]  # the argv element of "--split '99,1,0'" in a bash array
-    flags = parse_flags(argv)
-    check_data(flags)  # no problem reported
-    config = GPTDataConfig(seq_length=8, data_path=flags.data_path, split=flags.split,
+    data = build_settings(parse_flags(argv)).data
+    p = Problems()
+    check_data(data, p)
+    assert not p, p.lines
+    config = GPTDataConfig(seq_length=8, data_path=data.data_path, split=data.split,
                            eod=199, vocab_size=200)
     train, valid, test = build_train_valid_test_datasets(config, [10, 2, 0])
     assert train.num_documents == 99 and valid.num_documents == 1 and test is None

@@ -6,6 +6,7 @@ algorithm); the SentencePiece names and NullTokenizer against Megatron-Core's de
 import base64
 import json
 import os
+import re
 
 import pytest
 
@@ -14,6 +15,9 @@ from gigatron.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, TOKENIZER_TYPES, Nu
                                      build_tokenizer, tokenizer_type_to_build)
 
 STDLIB = os.path.dirname(os.__file__)
+# the rest of a valid pretrain_gpt.py command line (model and loop)
+MODEL_AND_LOOP = ("--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
+                  "--micro-batch-size 1 --train-iters 1 --lr 1").split()
 CORPUS = list_text_files([os.path.join(STDLIB, d) for d in ("json", "email", "http")], [".py"])
 UNSEEN = "Grüße, 東京! naïve café — ünïcödé 🙂\t  indented\n\n\ttabs  and  spaces\r\n"
 TEXTS = [open(os.path.join(STDLIB, "textwrap.py"), encoding="utf-8").read()[:6000], UNSEEN,
@@ -169,16 +173,18 @@ def test_null_tokenizer_vocab_is_exactly_vocab_size_and_default_type_is_megatron
 
 
 def test_validation_names_the_default_tokenizer_type_and_its_files(tmp_path):
-    from gigatron.training.config.arguments import parse_flags
-    from gigatron.training.config.validation import ConfigError, check_data
+    from gigatron.training.config.arguments import parse_args
+    from gigatron.training.config.validation import ConfigError
 
     (tmp_path / "d.bin").write_bytes(b"")
     (tmp_path / "d.idx").write_bytes(b"")
-    flags = parse_flags(["--data-path", str(tmp_path / "d")])
-    with pytest.raises(ConfigError, match=r"--tokenizer-type GPT2BPETokenizer \(Megatron's "
-                                          r"default when --tokenizer-type is not given\) "
-                                          r"needs --vocab-file, --merge-file"):
-        check_data(flags)
+    argv = ["--data-path", str(tmp_path / "d")] + MODEL_AND_LOOP
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv, 1)
+    # the tokenizer's own line, not also the unknown vocabulary that follows from it
+    assert err.value.problems == ["--tokenizer-type GPT2BPETokenizer (Megatron's default when "
+                                  "--tokenizer-type is not given) needs --vocab-file, "
+                                  "--merge-file"]
 
 
 # ---- TikTokenizer ----------------------------------------------------------------------
@@ -285,9 +291,35 @@ def test_preprocess_writes_bert_wordpiece_documents(bert_vocab, tmp_path):
         tok.tokenize("Hello World") + [tok.eod], tok.tokenize("second one") + [tok.eod]]
 
 
-def test_null_tokenizer_for_mock_data_keeps_the_vocab_size():
-    from gigatron.training.run.builders import build_tokenizer as from_flags
+def test_a_wrong_data_path_or_misspelled_flag_does_not_lose_the_tokenizers_vocabulary(
+        sentencepiece_model, tmp_path):
+    """Issue 26 section 6: with a correct tokenizer, each mistake is reported alone, never
+    with a false "the vocabulary size is unknown" next to it."""
+    from gigatron.training.config.arguments import parse_args
+    from gigatron.training.config.validation import ConfigError
 
-    tok = from_flags({"mock_data": True, "vocab_size": 100})
+    tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                 sentencepiece_model]
+    (tmp_path / "d.bin").write_bytes(b"")
+    (tmp_path / "d.idx").write_bytes(b"")
+    good_data = ["--data-path", str(tmp_path / "d")]
+    assert parse_args(tokenizer + good_data + MODEL_AND_LOOP, 1).model.vocab_size == 400
+    for mistake, line in (
+            (["--data-path", str(tmp_path / "nope")], r"--data-path .*nope\.idx does not exist"),
+            (good_data + ["--global-batch-sise", "8"], r"unknown flag\(s\) --global-batch-sise 8; "
+                                                       r"did you mean --global-batch-size\?")):
+        with pytest.raises(ConfigError) as err:
+            parse_args(tokenizer + mistake + MODEL_AND_LOOP, 1)
+        assert len(err.value.problems) == 1 and re.search(line, err.value.problems[0]), \
+            err.value.problems
+
+
+def test_null_tokenizer_for_mock_data_keeps_the_vocab_size():
+    from gigatron.training.config.arguments import build_run, read_settings
+
+    def tokenizer(argv):
+        return build_run(read_settings(argv + MODEL_AND_LOOP, 1), 1)[1]
+
+    tok = tokenizer(["--mock-data", "--vocab-size", "100"])
     assert isinstance(tok, NullTokenizer) and (tok.vocab_size, tok.eod) == (100, 99)
-    assert from_flags({"mock_data": True}, model_vocab=50304).vocab_size == 50304
+    assert tokenizer(["--mock-data", "--model", "gpt2-124m"]).vocab_size == 50257

@@ -96,13 +96,16 @@ def parse_model_flags(argv: List[str]) -> Dict[str, Any]:
 def config_from_flags(flags: Dict[str, Any], vocab_size: Optional[int] = None
                       ) -> TransformerConfig:
     """The TransformerConfig pretrain_gpt.py builds from a run's recorded flags."""
-    from gigatron.training.config.table import defaults
+    from gigatron.training.config.table import build_settings, defaults
     from gigatron.training.config.megatron.model import build_model_config
     from gigatron.training.config.validation import Problems
 
-    namespace = argparse.Namespace(**{**defaults(), **flags})
+    settings = build_settings(argparse.Namespace(**{**defaults(), **flags}))
+    # the single-device model, whatever layout the flags recorded
+    settings = dataclasses.replace(settings, parallel=dataclasses.replace(settings.parallel,
+                                                                          tp=1))
     problems = Problems()
-    config = build_model_config(namespace, 1, vocab_size, problems)
+    config = build_model_config(settings, vocab_size, problems)
     if config is None:
         raise ConversionError("the checkpoint's flags do not build a model: "
                               + "; ".join(problems.lines))

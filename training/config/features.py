@@ -9,11 +9,11 @@ before a process group exists. Implementation selectors (--transformer-impl,
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
-from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 if TYPE_CHECKING:
+    from gigatron.training.config.table import Settings
     from gigatron.training.config.validation import Problems
 
 INSTALL = {"tensorboard": "pip install tensorboard (or pip install -e '.[monitor]')",
@@ -28,46 +28,48 @@ def installed(package: str) -> bool:
         return False
 
 
-def check_operational(flags: argparse.Namespace, p: "Problems",
+def check_operational(s: "Settings", p: "Problems",
                       has_package: Optional[Callable[[str], bool]] = None,
                       has_cuda: Optional[bool] = None) -> None:
     """Logging sinks whose package is missing, and overlap/backend flags Megatron refuses
     (`has_package`, `has_cuda`: what this machine has; default: look)."""
     from gigatron.training.run.decoupled_lr import check_decoupled_lr
-    from gigatron.training.config.megatron.fp8 import check_fp8
+    from gigatron.training.config.megatron.fp8 import fp8_problems
     from gigatron.training.observe.profiling import check_profiling
 
     has_package = has_package or installed
-    check_fp8(flags, p)
-    check_decoupled_lr(flags, p)
-    check_profiling(flags, p)
-    if flags.tensorboard_dir and not has_package("tensorboard"):
+    p.lines += fp8_problems(s)
+    check_decoupled_lr(s.decoupled_lr, p)
+    check_profiling(s.profiling, p)
+    log, precision, parallel = s.logging, s.precision, s.parallel
+    if log.tensorboard_dir and not has_package("tensorboard"):
         p.add(f"--tensorboard-dir needs the tensorboard package, which is not installed: "
               f"{INSTALL['tensorboard']}, or drop --tensorboard-dir")
-    if flags.wandb_project:
+    if log.wandb_project:
         if not has_package("wandb"):
             p.add(f"--wandb-project needs the wandb package, which is not installed: "
                   f"{INSTALL['wandb']}, or drop --wandb-project")
-        if not flags.wandb_exp_name:
+        if not log.wandb_exp_name:
             p.add("--wandb-project needs --wandb-exp-name NAME (the run's name, as Megatron "
                   "requires)")
-    if flags.overlap_param_gather:
-        if not (flags.use_distributed_optimizer or (flags.zero_stage or 0) >= 1):
+    if precision.overlap_param_gather:
+        if not (precision.use_distributed_optimizer or (precision.zero_stage or 0) >= 1):
             p.add("--overlap-param-gather needs the distributed optimizer: add "
                   "--use-distributed-optimizer (or --zero-stage 1, 2 or 3)")
-        if not flags.overlap_comm:
+        if not precision.overlap_comm:
             p.add("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron): add it")
-    if getattr(flags, "ds_sequence_parallel_size", 1) != 1:
-        p.add(f"--ds-sequence-parallel-size {flags.ds_sequence_parallel_size}: Megatron-"
+    sequence_parallel_size = s.implementation.ds_sequence_parallel_size
+    if sequence_parallel_size != 1:
+        p.add(f"--ds-sequence-parallel-size {sequence_parallel_size}: Megatron-"
               f"DeepSpeed's Ulysses sequence parallelism is not supported: use 1, or "
               f"--sequence-parallel with --tensor-model-parallel-size > 1")
-    if flags.context_parallel_size != 1:
-        p.add(f"--context-parallel-size {flags.context_parallel_size}: context parallelism is "
-              f"not supported; use 1")
-    if flags.no_pipeline_parallel and flags.pipeline_model_parallel_size > 1:
+    if parallel.context_parallel_size != 1:
+        p.add(f"--context-parallel-size {parallel.context_parallel_size}: context parallelism "
+              f"is not supported; use 1")
+    if parallel.no_pipeline_parallel and parallel.pp > 1:
         p.add("--no-pipeline-parallel contradicts --pipeline-model-parallel-size "
-              f"{flags.pipeline_model_parallel_size}: drop one")
-    if flags.distributed_backend == "gloo" and _cuda(has_cuda):
+              f"{parallel.pp}: drop one")
+    if parallel.distributed_backend == "gloo" and _cuda(has_cuda):
         p.add("--distributed-backend gloo with GPUs is not supported (gloo has no "
               "reduce-scatter of GPU tensors, which ZeRO and tensor parallelism need): drop it "
               "(GPUs use nccl)")
@@ -81,80 +83,80 @@ def _cuda(has_cuda: Optional[bool]) -> bool:
     return torch.cuda.is_available()
 
 
-def check_local_rank(flags: argparse.Namespace, launcher_local_rank: int,
+def check_local_rank(local_rank: Optional[int], launcher_local_rank: int,
                      launcher: str) -> None:
     """--local-rank (torch.distributed.launch, DeepSpeed's launcher) must agree with the local
     rank the launcher's environment gives; the environment's is the one used."""
-    given = flags.local_rank
-    if given is not None and launcher != "none" and given != launcher_local_rank:
-        raise ValueError(f"--local-rank {given} disagrees with the launcher's local rank "
+    if local_rank is not None and launcher != "none" and local_rank != launcher_local_rank:
+        raise ValueError(f"--local-rank {local_rank} disagrees with the launcher's local rank "
                          f"{launcher_local_rank} ({launcher}): drop --local-rank")
 
 
-def _impl_notes(flags: Mapping[str, Any], has_package: Callable[[str], bool]) -> List[str]:
+def _impl_notes(s: "Settings", has_package: Callable[[str], bool]) -> List[str]:
     notes = []
-    impl = flags.get("transformer_impl")
-    if impl == "transformer_engine":
+    impl = s.implementation
+    if impl.transformer_impl == "transformer_engine":
         state = "installed but not used" if has_package("transformer_engine") else \
             "not installed"
         notes.append(f"--transformer-impl transformer_engine: Transformer Engine is {state}; "
                      f"gigatron's own layers run (the numbers of Megatron's local layers)")
-    elif impl == "local":
+    elif impl.transformer_impl == "local":
         notes.append("--transformer-impl local: gigatron's own layers")
-    if flags.get("use_mcore_models"):
+    if impl.use_mcore_models:
         notes.append("--use-mcore-models: gigatron's model is laid out as Megatron-Core's")
-    backend = flags.get("attention_backend") or ("flash" if flags.get("use_flash_attn")
-                                                 else None)
+    chosen = s.model.attention_backend
+    backend = chosen or ("flash" if impl.use_flash_attn else None)
     if backend is not None:
         from gigatron.training.config.megatron.model import ATTENTION_BACKENDS
 
         what = "torch scaled_dot_product_attention" if ATTENTION_BACKENDS[backend] == "sdpa" \
             else "the explicit softmax(QK^T)V of gigatron.ops"
-        name = "--use-flash-attn" if flags.get("use_flash_attn") and \
-            not flags.get("attention_backend") else f"--attention-backend {backend}"
+        name = "--use-flash-attn" if impl.use_flash_attn and not chosen \
+            else f"--attention-backend {backend}"
         notes.append(f"{name}: core attention is {what}")
-    if flags.get("openai_gelu"):
+    if s.model.openai_gelu:
         notes.append("--openai-gelu: no effect, as with Megatron-Core models")
     return notes
 
 
-def _run_notes(flags: Mapping[str, Any], backend: str) -> List[str]:
+def _run_notes(s: "Settings", backend: str) -> List[str]:
     notes = []
-    if flags.get("distributed_backend") == "nccl" and backend != "nccl":
+    if s.parallel.distributed_backend == "nccl" and backend != "nccl":
         notes.append(f"--distributed-backend nccl: no GPU here, {backend} is used")
-    if flags.get("deepspeed"):
+    if s.source.deepspeed:
         from gigatron.training.config.deepspeed.pretrain import megatron_deepspeed_notes
+        from gigatron.training.config.table import flag_values
 
         notes.append("--deepspeed: gigatron's own engine runs (ZeRO stage from --zero-stage "
                      "or --deepspeed_config)")
-        notes += megatron_deepspeed_notes(flags)
-    if flags.get("save_interval") and not flags.get("save"):
+        notes += megatron_deepspeed_notes(flag_values(s))
+    if s.checkpoint.save_interval and not s.checkpoint.save:
         notes.append("--save-interval without --save: no checkpoint is written (as in "
                      "Megatron, which saves only with --save)")
-    if flags.get("deepspeed_activation_checkpointing"):
+    if s.implementation.deepspeed_activation_checkpointing:
         notes.append("--deepspeed-activation-checkpointing: gigatron's recomputation runs, "
                      "as --recompute-granularity/--recompute-method say")
-    if flags.get("loss_scale") and not flags.get("fp16"):
+    if s.precision.loss_scale and not s.precision.fp16:
         notes.append("--loss-scale without --fp16: no effect (bf16 and fp32 train unscaled, "
                      "as DeepSpeed's bf16 does; Megatron-LM's bf16 would multiply by the "
                      "constant, which changes only rounding)")
-    if flags.get("rampup_batch_size") and flags.get("train_samples") is None:
+    if s.train.rampup_batch_size and s.train.train_samples is None:
         notes.append("--rampup-batch-size with --train-iters (Megatron-LM refuses the pair): "
                      "the batch ramps over the consumed samples, --train-iters iterations run, "
                      "the lr lengths are iterations x --global-batch-size")
-    if flags.get("overlap_param_gather"):
+    if s.precision.overlap_param_gather:
         notes.append("--overlap-param-gather: ZeRO gathers the updated parameters right after "
                      "the step (stage 3: each layer just in time, prefetched)")
     return notes
 
 
-def flag_notes(flags: Mapping[str, Any], backend: str,
+def flag_notes(s: "Settings", backend: str,
                has_package: Optional[Callable[[str], bool]] = None) -> List[str]:
     """One banner line per accepted flag that maps to something else here."""
     from gigatron.training.run.decoupled_lr import decoupled_lr_notes
     from gigatron.training.config.megatron.fp8 import fp8_notes
     from gigatron.training.observe.profiling import profiling_notes
 
-    return _impl_notes(flags, has_package or installed) + _run_notes(flags, backend) + \
-        fp8_notes(flags) + decoupled_lr_notes(flags) + \
-        profiling_notes(flags, "cuda" if backend == "nccl" else "cpu")
+    return _impl_notes(s, has_package or installed) + _run_notes(s, backend) + \
+        fp8_notes(s.fp8) + decoupled_lr_notes(s.decoupled_lr) + \
+        profiling_notes(s.profiling, "cuda" if backend == "nccl" else "cpu")

@@ -1,16 +1,16 @@
-"""The run's settings, one dataclass per concern; settable fields are declared with `setting`.
+"""The run's config: `RunConfig`, and the concerns whose settings are its configs as they are.
 
 A field declared with `setting(default, doc, flag..., ds=key)` is one row of the config table
-(`training/config/table.py`): its Megatron flag, DeepSpeed key, default and doc live only here. Fields
-without it are derived (dp from the world size, micro-batches from the batch sizes).
-Concerns with an owner elsewhere keep the owner's config, filled by `validation.py`: the
-model's `gigatron.models.config.TransformerConfig`, the ZeRO wrapper's
-`gigatron.parallel.zero.ZeroConfig`, the data's `gigatron.data.GPTDataConfig`; their flags
-are declared in `settings.py`.
+(`training/config/table.py`): its Megatron flag, DeepSpeed key, default and doc live only
+here. Fields without it are derived (dp from the world size, micro-batches from the batch
+sizes). Concerns with an owner elsewhere keep the owner's config, resolved by
+`arguments.build_run`: the model's `gigatron.models.config.TransformerConfig`, the ZeRO
+wrapper's `gigatron.parallel.zero.ZeroConfig`, the data's `gigatron.data.GPTDataConfig`;
+their settings are declared in `settings.py`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from gigatron.training.config.field import setting
@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the run's parts are built by their own packages, imported l
     from gigatron.data import GPTDataConfig
     from gigatron.models.config import TransformerConfig
     from gigatron.parallel.zero import ZeroConfig
+    from gigatron.training.config.table import Settings
 
 
 @dataclass(frozen=True)
@@ -217,15 +218,29 @@ class LoggingConfig:
 
 @dataclass
 class RunConfig:
-    """Everything one run needs, built once from the flags and handed down explicitly."""
+    """Everything one run needs, built once from the settings (`arguments.build_run`) and
+    handed down explicitly: the resolved configs its parts are built from, and `settings`,
+    every setting as given (typed), which the features without a config of their own read."""
 
-    model: Optional["TransformerConfig"]  # None in build_engine_config's (JSON-only) runs
-    model_name: Optional[str]
-    parallel: ParallelConfig
+    model: "TransformerConfig"
+    parallel: ParallelConfig  # dp from the world size; sequence parallelism only at tp > 1
     zero: "ZeroConfig"  # stage, optimizer, loss scaling, clipping
-    lr_schedule: Optional[LRScheduleConfig]  # None in build_engine_config's (JSON-only) runs
-    data: Optional["GPTDataConfig"]  # eod and vocab filled from the tokenizer; None: JSON-only
-    train: TrainConfig
+    lr_schedule: LRScheduleConfig
+    data: "GPTDataConfig"  # eod and vocab filled from the tokenizer when datasets are built
+    train: TrainConfig  # batch sizes and iterations resolved
     checkpoint: CheckpointConfig
     logging: LoggingConfig
-    flags: Dict[str, Any] = field(default_factory=dict)  # the parsed flags, for checkpoints
+    settings: "Settings"
+
+    @property
+    def model_name(self) -> Optional[str]:
+        """The --model zoo name (None: a model described by its flags)."""
+        return self.settings.model.model
+
+    @property
+    def flags(self) -> Dict[str, Any]:
+        """Every setting by its flag's dest: the record checkpoint metadata and the Weights &
+        Biases config keep (Megatron keeps its args)."""
+        from gigatron.training.config.table import flag_values
+
+        return flag_values(self.settings)

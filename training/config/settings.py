@@ -1,10 +1,10 @@
-"""The flags of concerns whose runtime config is owned elsewhere, one dataclass per concern.
+"""The settings of concerns whose runtime config is owned elsewhere, one dataclass per concern.
 
-`validation.py` turns them into the owner's config: ModelSettings -> the model's
+`arguments.build_run` resolves them into the owner's config: ModelSettings -> the model's
 TransformerConfig (a flag left at None lets the --model zoo value show through),
 PrecisionSettings + OptimizerSettings -> the ZeRO wrapper's ZeroConfig and the
 LRScheduleConfig, DataSettings -> GPTDataConfig and the tokenizer. Each field is one row of
-the config table (see `config_field.setting`).
+the config table (see `field.setting`); the run keeps them all in `RunConfig.settings`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gigatron.training.config.field import setting
 from gigatron.training.lr.megatron import DECAY_STYLES, WSD_DECAY_STYLES
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSettings:
     """Model flags; each overrides the --model zoo config (None: the zoo's or the default)."""
 
@@ -139,7 +139,7 @@ class ModelSettings:
                                          "--checkpoint-activations", "--checkpoint-num-layers")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionSettings:
     """Mixed precision, loss scaling and ZeRO flags (-> ZeroConfig and params dtype)."""
 
@@ -193,7 +193,7 @@ class PrecisionSettings:
         ds_as="offload", ds_doc='{"device": "cpu"} = on, "none" = off')
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerSettings:
     """Optimizer, clipping and Megatron's learning-rate schedule (in iterations)."""
 
@@ -247,7 +247,17 @@ class OptimizerSettings:
                                "--clip-grad", ds="gradient_clipping", ds_default=0.0)
 
 
-@dataclass
+@dataclass(frozen=True)
+class LossSettings:
+    """How the loss of a step is normalised (training/run/per_token_loss.py)."""
+
+    calculate_per_token_loss: bool = setting(
+        False, "normalise the loss by the unmasked tokens of the whole global batch (every "
+        "token weighs the same), not per micro-batch (every micro-batch weighs the same); "
+        "the logged loss is that ratio too", "--calculate-per-token-loss")
+
+
+@dataclass(frozen=True)
 class DataSettings:
     """Data sources and the tokenizer (-> GPTDataConfig and the tokenizer)."""
 
@@ -312,7 +322,7 @@ class DataSettings:
         "model's attention is causal by itself)", "--no-create-attention-mask-in-dataloader")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SourceSettings:
     """Where else settings come from."""
 
@@ -325,7 +335,7 @@ class SourceSettings:
         "runs its own engine (ZeRO by --zero-stage or --deepspeed-config)", "--deepspeed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ImplementationSettings:
     """Flags that choose an implementation, not the numbers: accepted, mapped, logged."""
 

@@ -1,9 +1,12 @@
 """The one config table: every settable field of a run, read from the config dataclasses.
 
-Each row is one field declared with `config_field.setting` (its type from the annotation, its
-default, doc, flags and DeepSpeed key). Generated from it: pretrain_gpt.py's argparse
-(`build_parser`), the DeepSpeed-JSON reader (`training/config/deepspeed/pretrain.py`), docs/FLAGS.md
-(`flags_markdown`; regenerate with `python -m gigatron.training.config.table > docs/FLAGS.md`).
+Each row is one field declared with `field.setting` (its type from the annotation, its
+default, doc, flags and DeepSpeed key) on the dataclass of its concern; `Settings` holds one
+dataclass per concern. Generated from it: pretrain_gpt.py's argparse (`build_parser`), the
+typed settings of parsed flags (`build_settings`), the DeepSpeed-JSON reader
+(`training/config/deepspeed/pretrain.py`), docs/FLAGS.md (`flags_markdown`; regenerate with
+`python -m gigatron.training.config.table > docs/FLAGS.md`). Nothing here imports torch:
+`--help` stays instant.
 """
 from __future__ import annotations
 
@@ -14,33 +17,56 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
-from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig, ParallelConfig,
-                                      TrainConfig)
 from gigatron.training.config.field import SAME_DEFAULT, FieldSpec, field_spec
-from gigatron.training.run.decoupled_lr import DecoupledLRSettings
 from gigatron.training.config.megatron.fp8 import FP8Settings
-from gigatron.training.run.per_token_loss import LossSettings
+from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig,
+                                                 ParallelConfig, TrainConfig)
+from gigatron.training.config.settings import (DataSettings, ImplementationSettings,
+                                               LossSettings, ModelSettings, OptimizerSettings,
+                                               PrecisionSettings, SourceSettings)
 from gigatron.training.observe.profiling import ProfilingSettings
-from gigatron.training.config.settings import (DataSettings, ImplementationSettings, ModelSettings,
-                                        OptimizerSettings, PrecisionSettings, SourceSettings)
+from gigatron.training.run.decoupled_lr import DecoupledLRSettings
 
-# (config dataclass, argparse group / FLAGS.md section), in --help order
-CONCERNS = (
-    (ModelSettings, "model (flags override the --model zoo config)"),
-    (ParallelConfig, "parallelism"),
-    (PrecisionSettings, "precision and ZeRO"),
-    (FP8Settings, "FP8 (emulated: docs/FP8.md)"),
-    (OptimizerSettings, "optimizer and learning-rate schedule"),
-    (DecoupledLRSettings, "learning rate of the embedding and output layer"),
-    (DataSettings, "data and tokenizer"),
-    (TrainConfig, "training loop"),
-    (LossSettings, "loss normalisation"),
-    (CheckpointConfig, "checkpointing"),
-    (LoggingConfig, "logging"),
-    (ProfilingSettings, "profiling"),
-    (ImplementationSettings, "implementation selectors (the same numbers whichever is chosen)"),
-    (SourceSettings, "configuration file"),
-)
+
+def _concern(title: str) -> Any:
+    """A Settings field: one concern's dataclass; `title` heads its --help group and
+    FLAGS.md section."""
+    return dataclasses.field(metadata={"title": title})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every row of the table as a typed value, one dataclass per concern, in --help order:
+    what the flags (and the DeepSpeed JSON) say, before anything is derived from it. Built
+    once per run (`build_settings`); validation and every feature read it, never the flags."""
+
+    model: ModelSettings = _concern("model (flags override the --model zoo config)")
+    parallel: ParallelConfig = _concern("parallelism")
+    precision: PrecisionSettings = _concern("precision and ZeRO")
+    fp8: FP8Settings = _concern("FP8 (emulated: docs/FP8.md)")
+    optimizer: OptimizerSettings = _concern("optimizer and learning-rate schedule")
+    decoupled_lr: DecoupledLRSettings = _concern(
+        "learning rate of the embedding and output layer")
+    data: DataSettings = _concern("data and tokenizer")
+    train: TrainConfig = _concern("training loop")
+    loss: LossSettings = _concern("loss normalisation")
+    checkpoint: CheckpointConfig = _concern("checkpointing")
+    logging: LoggingConfig = _concern("logging")
+    profiling: ProfilingSettings = _concern("profiling")
+    implementation: ImplementationSettings = _concern(
+        "implementation selectors (the same numbers whichever is chosen)")
+    source: SourceSettings = _concern("configuration file")
+
+    def value(self, dest: str) -> Any:
+        """The typed value of the row whose argparse dest is `dest`."""
+        row = row_of(dest)
+        return getattr(getattr(self, row.concern), row.field)
+
+
+# (config dataclass, Settings attribute, argparse group / FLAGS.md section), in --help order
+CONCERNS: Tuple[Tuple[type, str, str], ...] = tuple(
+    (typing.get_type_hints(Settings)[f.name], f.name, f.metadata["title"])
+    for f in dataclasses.fields(Settings))
 
 
 @dataclass(frozen=True)
@@ -48,6 +74,7 @@ class Row:
     """One settable field: where it lives, how it is typed, how it is named."""
 
     owner: type
+    concern: str  # the Settings attribute that holds the owner
     field: str
     dest: str  # the argparse dest (the key of RunConfig.flags)
     type: type  # int, float, str or bool (of a list: the element type)
@@ -78,7 +105,7 @@ def _base_type(hint: Any) -> Tuple[type, bool, bool]:
     return hint, False, optional
 
 
-def _rows(cls: type) -> List[Row]:
+def _rows(cls: type, concern: str) -> List[Row]:
     hints = typing.get_type_hints(cls)
     rows = []
     for f in dataclasses.fields(cls):
@@ -86,15 +113,15 @@ def _rows(cls: type) -> List[Row]:
         if spec is None:
             continue
         kind, is_list, optional = _base_type(hints[f.name])
-        rows.append(Row(cls, f.name, spec.dest or f.name, kind, is_list, optional, f.default,
-                        spec))
+        rows.append(Row(cls, concern, f.name, spec.dest or f.name, kind, is_list, optional,
+                        f.default, spec))
     return rows
 
 
 @functools.lru_cache(maxsize=None)
 def table() -> Tuple[Row, ...]:
     """Every row, in CONCERNS order; a dest, flag or JSON key appears once."""
-    rows = tuple(r for cls, _ in CONCERNS for r in _rows(cls))
+    rows = tuple(r for cls, concern, _ in CONCERNS for r in _rows(cls, concern))
     duplicated = []
     for names in ([r.dest for r in rows], [f for r in rows for f in r.spec.flags],
                   [r.spec.ds for r in rows if r.spec.ds]):
@@ -104,9 +131,14 @@ def table() -> Tuple[Row, ...]:
     return rows
 
 
+@functools.lru_cache(maxsize=None)
+def _by_dest() -> Dict[str, Row]:
+    return {r.dest: r for r in table()}
+
+
 def row_of(dest: str) -> Row:
     """The row of an argparse dest."""
-    return {r.dest: r for r in table()}[dest]
+    return _by_dest()[dest]
 
 
 def flag_name(dest: str) -> str:
@@ -114,9 +146,17 @@ def flag_name(dest: str) -> str:
     return row_of(dest).name
 
 
-def values(owner: type, flags: argparse.Namespace) -> Dict[str, Any]:
-    """Field -> value of `owner`'s settable fields, read from the flags."""
-    return {r.field: getattr(flags, r.dest) for r in table() if r.owner is owner}
+def build_settings(flags: argparse.Namespace) -> Settings:
+    """The typed settings of parsed flags: each concern's dataclass from its rows."""
+    return Settings(**{concern: cls(**{r.field: getattr(flags, r.dest) for r in table()
+                                       if r.concern == concern})
+                       for cls, concern, _ in CONCERNS})
+
+
+def flag_values(settings: Settings) -> Dict[str, Any]:
+    """dest -> value of every row: the record of a run's settings that its checkpoints'
+    metadata and the Weights & Biases config keep (the flags' names, as Megatron's args)."""
+    return {r.dest: getattr(getattr(settings, r.concern), r.field) for r in table()}
 
 
 def deepspeed_default(row: Row) -> Any:
@@ -247,7 +287,7 @@ def megatron_notes(unknown: Sequence[str]) -> List[str]:
 def build_parser(prog: str, description: str) -> ConfigParser:
     """The argparse parser of every row with a flag; JSON-only rows become plain defaults."""
     parser = ConfigParser(prog=prog, description=description, allow_abbrev=False)
-    for cls, title in CONCERNS:
+    for cls, _, title in CONCERNS:
         group = parser.add_argument_group(title)
         for row in table():
             if row.owner is cls and row.flag:
@@ -269,7 +309,7 @@ def flags_markdown() -> str:
              "different is an error.",
              "A key the JSON leaves out keeps the flag's default in pretrain_gpt.py; "
              "`gigatron.initialize` gives it DeepSpeed's default, shown where it differs.", ""]
-    for cls, title in CONCERNS:
+    for cls, _, title in CONCERNS:
         lines += [f"## {title}", "", "| flag | DeepSpeed key | default | meaning |",
                   "|---|---|---|---|"]
         for r in table():

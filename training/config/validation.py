@@ -1,14 +1,15 @@
 """Validation of a run's settings, in one place: every problem is found, then all are raised.
 
-Each check adds one line per problem (naming the flag or JSON key and the fix) to a
-`Problems` list instead of stopping at the first; `ConfigError` (a ValueError) carries them
-all. The ZeRO rules come from `gigatron.parallel.zero.config.zero_problems` and the model's
-from `TransformerConfig.problems`, so a rule is written once for flags, JSON and Python users;
-the model flags' mapping is `training/config/megatron/model.py`.
+Each check reads the typed settings (`table.Settings`) and adds one line per problem (naming
+the flag or JSON key and the fix) to a `Problems` list instead of stopping at the first;
+`ConfigError` (a ValueError) carries them all. The ZeRO rules come from
+`gigatron.parallel.zero.config.zero_problems` and the model's from
+`TransformerConfig.problems`, so a rule is written once for flags, JSON and Python users; the
+model flags' mapping is `training/config/megatron/model.py`. `arguments.build_run` runs them
+all, once.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Sequence, Tuple
@@ -18,6 +19,8 @@ from gigatron.training.config.table import flag_name
 
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
+    from gigatron.training.config.settings import DataSettings
+    from gigatron.training.config.table import Settings
 
 
 def dedupe(lines: Iterable[str]) -> List[str]:
@@ -62,9 +65,10 @@ class Problems:
             self.lines += str(err).splitlines()
         return None
 
-    def positive(self, flags: argparse.Namespace, *dests: str) -> None:
+    def positive(self, s: "Settings", *dests: str) -> None:
+        """A line for each of the settings (by argparse dest) given <= 0."""
         for dest in dests:
-            value = getattr(flags, dest)
+            value = s.value(dest)
             if value is not None and value <= 0:
                 self.add(f"{flag_name(dest)} must be > 0, got {value}")
 
@@ -84,39 +88,38 @@ def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
     return Topology.from_world_size(world_size, tp=tp, pp=pp).dp
 
 
-def check_parallel(flags: argparse.Namespace, p: Problems) -> None:
+def check_parallel(s: "Settings", p: Problems) -> None:
     """Parallel flags that contradict each other."""
-    if flags.use_distributed_optimizer and flags.zero_stage == 0:
+    if s.precision.use_distributed_optimizer and s.precision.zero_stage == 0:
         p.add("--use-distributed-optimizer (ZeRO stage 1) contradicts --zero-stage 0: drop one "
               "of them")
-    p.positive(flags, "distributed_timeout_minutes")
+    p.positive(s, "distributed_timeout_minutes")
     from gigatron.parallel.zero.config import zero3_pipeline_problem
 
-    pipelined = zero3_pipeline_problem(flags.zero_stage, flags.pipeline_model_parallel_size,
+    pipelined = zero3_pipeline_problem(s.precision.zero_stage, s.parallel.pp,
                                        "--zero-stage", "--pipeline-model-parallel-size")
     if pipelined:
         p.add(pipelined)
 
 
-def microbatches(flags: argparse.Namespace, dp: int,
-                 p: Problems) -> Optional[Tuple[int, int, int]]:
+def microbatches(s: "Settings", dp: int, p: Problems) -> Optional[Tuple[int, int, int]]:
     """(micro batch, global batch, micro-batches per step); gbs defaults to mbs x dp."""
     n = len(p.lines)
-    p.positive(flags, "micro_batch_size", "global_batch_size")
-    grad_acc = flags.gradient_accumulation_steps  # --deepspeed-config only
+    t = s.train
+    p.positive(s, "micro_batch_size", "global_batch_size")
+    grad_acc: Optional[int] = t.num_microbatches  # --deepspeed-config only (else None)
     if grad_acc is not None:  # DeepSpeed's rule completes and checks the three
         from gigatron.training.config.deepspeed.batch import deepspeed_batch_triple
 
         triple = None if len(p.lines) > n else p.run(
-            deepspeed_batch_triple, flags.global_batch_size, flags.micro_batch_size, grad_acc,
-            dp)
+            deepspeed_batch_triple, t.global_batch_size, t.micro_batch_size, grad_acc, dp)
         return None if triple is None else (triple[1], triple[0], triple[2])
-    if flags.micro_batch_size is None:
+    if t.micro_batch_size is None:
         p.add("--micro-batch-size is required")
     if len(p.lines) > n:
         return None
-    mbs = flags.micro_batch_size
-    gbs = flags.global_batch_size if flags.global_batch_size is not None else mbs * dp
+    mbs = t.micro_batch_size
+    gbs = t.global_batch_size if t.global_batch_size is not None else mbs * dp
     if gbs % (mbs * dp):
         p.add(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x "
               f"data-parallel size {dp} = {mbs * dp}: change one of them")
@@ -124,15 +127,14 @@ def microbatches(flags: argparse.Namespace, dp: int,
     return mbs, gbs, gbs // (mbs * dp)
 
 
-def check_train(flags: argparse.Namespace, parallel: ParallelConfig,
-                model: Optional["TransformerConfig"],
+def check_train(s: "Settings", parallel: ParallelConfig, model: Optional["TransformerConfig"],
                 num_microbatches: Sequence[int], p: Problems) -> None:
-    """Loop flags and the pipeline's needs on layers and on each step's micro-batches (one
-    count, or each of a batch ramp-up's); the training length is `schedule_flags`'."""
-    p.positive(flags, "eval_interval", "log_interval", "exit_interval", "save_interval",
+    """Loop settings and the pipeline's needs on layers and on each step's micro-batches (one
+    count, or each of a batch ramp-up's); the training length is `megatron/schedule.py`'s."""
+    p.positive(s, "eval_interval", "log_interval", "exit_interval", "save_interval",
                "exit_duration_in_mins")
-    if flags.eval_iters < 0:
-        p.add(f"--eval-iters must be >= 0, got {flags.eval_iters}")
+    if s.train.eval_iters < 0:
+        p.add(f"--eval-iters must be >= 0, got {s.train.eval_iters}")
     if model is None:
         return
     from gigatron.parallel.pipeline.partition import partition_layers
@@ -147,60 +149,44 @@ def check_train(flags: argparse.Namespace, parallel: ParallelConfig,
             p.run(check_num_microbatches, count, parallel.pp, partition.virtual_chunks)
 
 
-def check_optimizer(flags: argparse.Namespace, p: Problems) -> None:
-    """Precision and loss-scale flags (the ZeroConfig rules are in zero_problems)."""
-    if flags.lr is None:
+def check_optimizer(s: "Settings", p: Problems) -> None:
+    """Precision and loss-scale settings (the ZeroConfig rules are in zero_problems)."""
+    precision, scale = s.precision, s.precision.initial_loss_scale
+    if s.optimizer.lr is None:
         p.add("--lr is required")
-    if flags.fp16 and flags.bf16:
+    if precision.fp16 and precision.bf16:
         p.add("--fp16 and --bf16 are exclusive: pick one")
-    if flags.initial_loss_scale <= 0:
-        p.add(f"--initial-loss-scale must be > 0, got {flags.initial_loss_scale}")
-    elif not math.log2(flags.initial_loss_scale).is_integer():
-        p.add(f"--initial-loss-scale {flags.initial_loss_scale} must be a power of 2 "
+    if scale <= 0:
+        p.add(f"--initial-loss-scale must be > 0, got {scale}")
+    elif not math.log2(scale).is_integer():
+        p.add(f"--initial-loss-scale {scale} must be a power of 2 "
               f"(dynamic scaling moves in factors of 2 from 2**initial_scale_power)")
 
 
-def check_data(flags: argparse.Namespace, p: Optional[Problems] = None) -> None:
-    """Exactly one data source, and the tokenizer's files for its type (without `p`, the
-    problems raise as one ConfigError)."""
-    own = p is None
-    p = Problems() if p is None else p
+def check_data(data: "DataSettings", p: Problems) -> None:
+    """Exactly one data source, and its files (the tokenizer's: `arguments.build_tokenizer`)."""
     sources = [name for name, given in (
-        ("--data-path", flags.data_path), ("--train-data-path", flags.train_data_path),
-        ("--mock-data", flags.mock_data)) if given]
+        ("--data-path", data.data_path), ("--train-data-path", data.train_data_path),
+        ("--mock-data", data.mock_data)) if given]
     if not sources:
         p.add("no training data: give --data-path PREFIX (or --train-data-path/"
               "--valid-data-path/--test-data-path, or --mock-data)")
     if len(sources) > 1:
         p.add(f"{' and '.join(sources)} are exclusive: give one data source")
-    if flags.data_path and len(flags.data_path) > 1 and len(flags.data_path) % 2:
+    if data.data_path and len(data.data_path) > 1 and len(data.data_path) % 2:
         p.add("--data-path with several datasets takes weight/prefix pairs: "
               "--data-path 0.3 prefixA 0.7 prefixB")
-    if (flags.valid_data_path or flags.test_data_path) and not flags.train_data_path:
+    if (data.valid_data_path or data.test_data_path) and not data.train_data_path:
         p.add("--valid-data-path/--test-data-path need --train-data-path")
     from gigatron.data.splits import parse_split
 
-    p.run(parse_split, flags.split)
-    if not flags.mock_data:
-        _check_tokenizer_and_files(flags, p)
-    if own:
-        p.raise_if_any()
+    p.run(parse_split, data.split)
+    if not data.mock_data:
+        for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            _check_prefixes(flag_name(dest), getattr(data, dest), p)
 
 
-def _check_tokenizer_and_files(flags: argparse.Namespace, p: Problems) -> None:
-    from gigatron.data.tokenizer import missing_tokenizer_flags
-
-    tokenizer_type, missing = missing_tokenizer_flags(vars(flags))
-    if missing:
-        default = "" if flags.tokenizer_type else " (Megatron's default when --tokenizer-type " \
-            "is not given)"
-        p.add(f"--tokenizer-type {tokenizer_type}{default} needs "
-              f"{', '.join(flag_name(d) for d in missing)}")
-    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        _check_prefixes(flag_name(dest), getattr(flags, dest), p)
-
-
-def _check_prefixes(flag: str, values, p: Problems) -> None:
+def _check_prefixes(flag: str, values: Optional[List[str]], p: Problems) -> None:
     """Each dataset prefix names an existing .bin/.idx pair (weights come before prefixes)."""
     if not values:
         return
@@ -215,17 +201,18 @@ def _check_prefixes(flag: str, values, p: Problems) -> None:
                 break
 
 
-def check_checkpointing(flags: argparse.Namespace, p: Problems) -> None:
+def check_checkpointing(s: "Settings", p: Problems) -> None:
     """--save/--load companions."""
-    if flags.finetune and flags.load is None:
+    ck = s.checkpoint
+    if ck.finetune and ck.load is None:
         p.add("--finetune needs --load DIR (the checkpoint to start from)")
-    if flags.async_save and flags.ckpt_format != "torch_dist":
-        p.add(f"--async-save needs --ckpt-format torch_dist (got {flags.ckpt_format}): drop "
+    if ck.async_save and ck.ckpt_format != "torch_dist":
+        p.add(f"--async-save needs --ckpt-format torch_dist (got {ck.ckpt_format}): drop "
               f"--ckpt-format or --async-save")
-    if flags.override_opt_param_scheduler and flags.use_checkpoint_opt_param_scheduler:
+    if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:
         p.add("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
               "contradict each other: give one")
-    for flag, path in (("--save", flags.save), ("--load", flags.load)):
+    for flag, path in (("--save", ck.save), ("--load", ck.load)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             p.add(f"{flag} {path} is a file, not a checkpoint directory: give a directory "
                   f"(it is created if missing)" if flag == "--save" else
@@ -233,6 +220,6 @@ def check_checkpointing(flags: argparse.Namespace, p: Problems) -> None:
                   f"--save wrote")
 
 
-def check_logging(flags: argparse.Namespace, p: Problems) -> None:
-    """Logging flags that need a value in range."""
-    p.positive(flags, "peak_tflops")
+def check_logging(s: "Settings", p: Problems) -> None:
+    """Logging settings that need a value in range."""
+    p.positive(s, "peak_tflops")

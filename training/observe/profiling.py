@@ -22,16 +22,15 @@ As in Megatron-LM's `train` (at the Llama-3 8B FP8 script's commit):
 """
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Mapping, Optional
-
-import torch
+from typing import TYPE_CHECKING, List, Optional
 
 from gigatron.training.config.field import setting
 
 if TYPE_CHECKING:
+    import torch
+
     from gigatron.training.config.validation import Problems
 
 
@@ -67,23 +66,23 @@ class ProfilingSettings:
                                         "--memory-snapshot-path")
 
 
-def check_profiling(flags: argparse.Namespace, p: "Problems") -> None:
+def check_profiling(s: ProfilingSettings, p: "Problems") -> None:
     """Step bounds Megatron's schedule cannot run."""
-    if flags.profile and flags.profile_step_start < 0:
-        p.add(f"--profile-step-start must be >= 0, got {flags.profile_step_start}")
-    if flags.profile and flags.profile_step_end <= flags.profile_step_start:
-        p.add(f"--profile-step-end {flags.profile_step_end} must be after --profile-step-start "
-              f"{flags.profile_step_start}: nothing would be profiled")
+    if s.profile and s.profile_step_start < 0:
+        p.add(f"--profile-step-start must be >= 0, got {s.profile_step_start}")
+    if s.profile and s.profile_step_end <= s.profile_step_start:
+        p.add(f"--profile-step-end {s.profile_step_end} must be after --profile-step-start "
+              f"{s.profile_step_start}: nothing would be profiled")
 
 
-def profiling_notes(flags: Mapping[str, Any], device_type: str) -> List[str]:
+def profiling_notes(s: ProfilingSettings, device_type: str) -> List[str]:
     """The banner's lines for what cannot happen on this device."""
     notes = []
-    if flags.get("profile") and not flags.get("use_pytorch_profiler") and device_type != "cuda":
+    if s.profile and not s.use_pytorch_profiler and device_type != "cuda":
         notes.append("--profile without --use-pytorch-profiler opens an nsys (cudaProfilerApi) "
                      "range, which needs CUDA: nothing is profiled on this "
                      f"{device_type}; add --use-pytorch-profiler for a torch.profiler trace")
-    if flags.get("record_memory_history") and device_type != "cuda":
+    if s.record_memory_history and device_type != "cuda":
         notes.append(f"--record-memory-history records the CUDA allocator: nothing is recorded "
                      f"on this {device_type}")
     return notes
@@ -99,32 +98,34 @@ class Profiler:
     """One rank's profiling over the training loop: `before_step(iteration)` at the top of
     each iteration, `after_step(iteration)` once it is done (iteration: completed steps)."""
 
-    def __init__(self, flags: Mapping[str, Any], rank: int, world_size: int,
-                 device_type: str, log_interval: int) -> None:
-        self.flags, self.rank, self.last_rank = flags, rank, rank == world_size - 1
+    def __init__(self, settings: ProfilingSettings, tensorboard_dir: Optional[str], rank: int,
+                 world_size: int, device_type: str, log_interval: int) -> None:
+        import torch
+
+        s = settings
+        self.snapshot_path, self.rank, self.last_rank = s.memory_snapshot_path, rank, \
+            rank == world_size - 1
         self.cuda, self.log_interval = device_type == "cuda", log_interval
-        ranks = flags.get("profile_ranks") or []
-        self.on = bool(flags.get("profile")) and (not ranks or rank in ranks)
-        self.start, self.end = flags.get("profile_step_start", 10), flags.get(
-            "profile_step_end", 12)
+        ranks = s.profile_ranks or []
+        self.on = s.profile and (not ranks or rank in ranks)
+        self.start, self.end = s.profile_step_start, s.profile_step_end
         self.torch_profiler: Optional[torch.profiler.profile] = None
-        self.path = trace_path(flags.get("tensorboard_dir"), rank)
-        if self.on and flags.get("use_pytorch_profiler"):
+        self.path = trace_path(tensorboard_dir, rank)
+        if self.on and s.use_pytorch_profiler:
             self.torch_profiler = torch.profiler.profile(
                 schedule=torch.profiler.schedule(wait=max(self.start - 1, 0),
                                                  warmup=1 if self.start > 0 else 0,
                                                  active=self.end - self.start, repeat=1),
                 on_trace_ready=self._write_trace,
-                record_shapes=bool(flags.get("pytorch_profiler_collect_shapes")),
-                with_stack=bool(flags.get("pytorch_profiler_collect_callstack")))
+                record_shapes=s.pytorch_profiler_collect_shapes,
+                with_stack=s.pytorch_profiler_collect_callstack)
             self.torch_profiler.start()
-        self.memory = self.cuda and bool(flags.get("record_memory_history")) and \
-            (not ranks or rank in ranks)
+        self.memory = self.cuda and s.record_memory_history and (not ranks or rank in ranks)
         if self.memory:
             from gigatron.training.observe.cuda_profiler import record_memory_history
             record_memory_history()
 
-    def _write_trace(self, prof: torch.profiler.profile) -> None:
+    def _write_trace(self, prof: "torch.profiler.profile") -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         prof.export_chrome_trace(self.path)
 
@@ -141,7 +142,7 @@ class Profiler:
         if self.memory and self.last_rank and (iteration % self.log_interval == 0 or
                                                iteration == 1):
             from gigatron.training.observe.cuda_profiler import dump_memory_snapshot
-            dump_memory_snapshot(self.flags.get("memory_snapshot_path") or "snapshot.pickle")
+            dump_memory_snapshot(self.snapshot_path or "snapshot.pickle")
         if not self.on or iteration != self.end:
             return
         if self.torch_profiler is not None:

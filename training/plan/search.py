@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import copy
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
 
 from gigatron.training.observe.devices import Hardware
 from gigatron.training.plan.memory import GIB
 from gigatron.training.plan.planner import Plan, plan_run
+
+if TYPE_CHECKING:
+    from gigatron.data.tokenizer import Tokenizer
 
 RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None),
              "full": ("full", "uniform", 1)}
@@ -83,13 +86,15 @@ def _flags_for(flags: argparse.Namespace, layout: Layout,
 
 
 def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
-             global_batch_size: int, vocab_size: Optional[int], hw: Hardware) -> Candidate:
-    """Validate `layout` as the run would, plan it and say whether it fits."""
+             global_batch_size: int, tokenizer: Optional["Tokenizer"],
+             hw: Hardware) -> Candidate:
+    """Validate `layout` as the run would (`tokenizer`: the flags' own, built once for every
+    layout), plan it and say whether it fits."""
     from gigatron.training.config.arguments import build_run_config
 
     try:
         run = build_run_config(_flags_for(flags, layout, global_batch_size), world_size,
-                               vocab_size)
+                               tokenizer)
     except ValueError as err:
         lines = getattr(err, "problems", str(err).splitlines())
         return Candidate(layout, reason="; ".join(lines))
@@ -103,13 +108,14 @@ def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
 
 
 def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
-           vocab_size: Optional[int], hw: Hardware) -> Tuple[List[Candidate], List[Candidate]]:
+           tokenizer: Optional["Tokenizer"],
+           hw: Hardware) -> Tuple[List[Candidate], List[Candidate]]:
     """(layouts that fit, fastest first; layouts refused, each with its reason)."""
     ranked: List[Candidate] = []
     refused: List[Candidate] = []
     num_layers = flags.num_layers or 1
     for layout in layouts(world_size, num_layers, hw.gpus_per_node):
-        candidate = evaluate(flags, layout, world_size, global_batch_size, vocab_size, hw)
+        candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw)
         (refused if candidate.reason else ranked).append(candidate)
     ranked.sort(key=lambda c: c.plan.cost.step if c.plan else 0.0)
     return ranked, refused

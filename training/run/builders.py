@@ -1,8 +1,9 @@
-"""Build a run's pieces from its RunConfig: tokenizer, model chunks, ZeRO, pipeline, data.
+"""Build a run's pieces from its RunConfig: model chunks, ZeRO, pipeline, data.
 
 Nothing here reimplements a piece: the model is `gigatron.models.gpt.GPTModel` built per
-pipeline chunk (`gigatron.models.pipeline_chunks`), the optimizer is `gigatron.parallel.zero` (every stage, also stage 0), the
-schedule and executor are `gigatron.parallel.pipeline`'s, the data is `gigatron.data`'.
+pipeline chunk (`gigatron.models.pipeline_chunks`), the optimizer is `gigatron.parallel.zero`
+(every stage, also stage 0), the schedule and executor are `gigatron.parallel.pipeline`'s,
+the data is `gigatron.data`'. The tokenizer comes with the RunConfig (`arguments.build_run`).
 """
 from __future__ import annotations
 
@@ -26,34 +27,11 @@ if TYPE_CHECKING:
     from gigatron.parallel.topology import ProcessGroups
 
 
-# What the builders assert of their RunConfig: build_run_config fills model, data and batch
-# sizes; build_engine_config's (a DeepSpeed JSON's parts) leaves them None.
-_NEEDS_RUN_CONFIG = "a RunConfig from build_run_config (model, data and batch sizes set)"
-
-
-def build_tokenizer(flags: Dict[str, Any],
-                    model_vocab: Optional[int] = None) -> Optional["Tokenizer"]:
-    """The tokenizer the data flags name (Megatron's default type when none is named); for
-    --mock-data without one, a null tokenizer whose vocabulary is --vocab-size (or the zoo
-    model's) with eod as its last id."""
-    from gigatron.data.tokenizer import (NullTokenizer, tokenizer_from_flags,
-                                         tokenizer_type_to_build)
-
-    tokenizer_type = tokenizer_type_to_build(flags)
-    if tokenizer_type is not None:
-        return tokenizer_from_flags(flags, tokenizer_type)
-    vocab = flags.get("vocab_size") or model_vocab
-    if vocab is None or vocab < 2:
-        return None
-    return NullTokenizer(vocab, flags.get("null_tokenizer_eod_id"))
-
-
 def partition(run: RunConfig) -> "PipelinePartition":
     """Which layers each (pipeline rank, virtual chunk) builds."""
     from gigatron.parallel.pipeline.partition import partition_layers
 
     p = run.parallel
-    assert run.model is not None, _NEEDS_RUN_CONFIG
     return partition_layers(run.model.num_layers, p.pp,
                             first_stage_layers=p.decoder_first_pipeline_num_layers,
                             last_stage_layers=p.decoder_last_pipeline_num_layers,
@@ -67,10 +45,9 @@ def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
     from gigatron.models.pipeline_chunks import build_model_chunks as build
     from gigatron.training.config.megatron.fp8 import fp8_recipe
 
-    assert run.model is not None, _NEEDS_RUN_CONFIG
     chunks = build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
                    seed=run.train.seed, device=device)
-    recipe = fp8_recipe(run.flags)
+    recipe = fp8_recipe(run.settings.fp8)
     if recipe is not None:
         apply_fp8(chunks, recipe, fp8_amax_group(groups))
     mark_embedding_and_output(chunks)
@@ -98,7 +75,7 @@ def build_optimizer(run: RunConfig, chunks: List[torch.nn.Module],
     from gigatron.parallel.zero import build_zero
     from gigatron.parallel.zero.param_groups import megatron_param_groups
 
-    if run.flags.get("decoupled_lr") is None:
+    if run.settings.decoupled_lr.decoupled_lr is None:
         return build_zero(chunks, run.zero, groups)
     return build_zero(chunks, run.zero, groups, param_groups=megatron_param_groups(
         chunks, run.zero.weight_decay, decoupled=True))
@@ -173,14 +150,14 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
     from gigatron.training.run.per_token_loss import per_token_loss
 
     m, p, mbs = run.model, run.parallel, run.train.micro_batch_size
-    assert m is not None and mbs is not None, _NEEDS_RUN_CONFIG
+    assert mbs is not None  # resolved by arguments.build_run
     shape = p2p_tensor_shape(m.seq_length, mbs, m.hidden_size, p.tp,
                              p.sequence_parallel)
     p2p = PipelineP2P(shape, m.params_dtype, device, groups.pp, rank=groups.rank)
     pp_rank, v = groups.index("pp"), len(chunks)
     executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
                                 pp_rank, groups.ranks("pp"), grad_sync=grad_sync,
-                                micro_batch_step=GPTMicroBatchStep(per_token_loss(run.flags)))
+                                micro_batch_step=GPTMicroBatchStep(per_token_loss(run)))
     n = run.train.num_microbatches
     train_schedule = build_schedule(pp_rank, p.pp, n, v)
     return Pipeline(executor, train_schedule,
@@ -196,7 +173,7 @@ def sample_counts(run: RunConfig) -> List[int]:
     from gigatron.training.run.batch_rampup import run_rampup
 
     t = run.train
-    assert t.train_iters is not None and t.global_batch_size is not None, _NEEDS_RUN_CONFIG
+    assert t.train_iters is not None and t.global_batch_size is not None  # resolved
     train = t.train_iters * t.global_batch_size
     if t.train_samples is not None:
         train = max(t.train_samples, run_rampup(t, run.parallel.dp).consumed_after(
@@ -211,7 +188,6 @@ def build_datasets(run: RunConfig,
     from gigatron.data.builder import build_train_valid_test_datasets
 
     config = run.data
-    assert config is not None, _NEEDS_RUN_CONFIG
     if tokenizer is not None:
         config = replace(config, eod=tokenizer.eod, vocab_size=tokenizer.vocab_size)
     return build_train_valid_test_datasets(config, sample_counts(run))
@@ -229,7 +205,7 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
     if not (pipeline.needs_inputs or pipeline.needs_labels):
         return _empty_batches()
     mbs = run.train.micro_batch_size
-    assert mbs is not None, _NEEDS_RUN_CONFIG
+    assert mbs is not None  # resolved by arguments.build_run
     loader = build_pretraining_data_loader(dataset, consumed_samples, mbs, dp_rank,
                                            run.parallel.dp,
                                            num_workers=run.train.num_workers,

@@ -13,15 +13,14 @@ banner says so).
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, List, Mapping, Optional
-
-import torch
+from typing import TYPE_CHECKING, List, Optional
 
 from gigatron.training.config.field import setting
 
 if TYPE_CHECKING:
+    import torch
+
     from gigatron.training.config.run_config import LRScheduleConfig
     from gigatron.training.config.validation import Problems
 
@@ -39,24 +38,24 @@ class DecoupledLRSettings:
 
 
 def decoupled_schedule(schedule: "LRScheduleConfig",
-                       flags: Mapping[str, Any]) -> Optional["LRScheduleConfig"]:
+                       settings: DecoupledLRSettings) -> Optional["LRScheduleConfig"]:
     """The decoupled groups' schedule: `schedule` with --decoupled-lr as its max_lr and
     --decoupled-min-lr (else --min-lr) as its min_lr; None without --decoupled-lr."""
-    if flags.get("decoupled_lr") is None:
+    if settings.decoupled_lr is None:
         return None
-    min_lr = flags.get("decoupled_min_lr")
-    return replace(schedule, max_lr=flags["decoupled_lr"],
+    min_lr = settings.decoupled_min_lr
+    return replace(schedule, max_lr=settings.decoupled_lr,
                    min_lr=schedule.min_lr if min_lr is None else min_lr)
 
 
-def set_decoupled_lr(optimizer: torch.optim.Optimizer, step: int,
-                     schedule: Optional["LRScheduleConfig"],
-                     flags: Mapping[str, Any]) -> Optional[float]:
+def set_decoupled_lr(optimizer: "torch.optim.Optimizer", step: int,
+                     schedule: "LRScheduleConfig",
+                     settings: DecoupledLRSettings) -> Optional[float]:
     """After the loop set every group's lr from `schedule`: the decoupled groups' lr at
     `step` (x their lr_mult, as Megatron); returns it (None without --decoupled-lr)."""
     from gigatron.training.lr.megatron import learning_rate
 
-    cfg = None if schedule is None else decoupled_schedule(schedule, flags)
+    cfg = decoupled_schedule(schedule, settings)
     if cfg is None:
         return None
     lr = learning_rate(step, cfg)
@@ -66,17 +65,17 @@ def set_decoupled_lr(optimizer: torch.optim.Optimizer, step: int,
     return lr
 
 
-def check_decoupled_lr(flags: argparse.Namespace, p: "Problems") -> None:
+def check_decoupled_lr(settings: DecoupledLRSettings, p: "Problems") -> None:
     """Negative learning rates (a decoupled min above the decoupled max is allowed: Megatron
     asserts min <= max for --lr/--min-lr only)."""
-    for name, value in (("--decoupled-lr", flags.decoupled_lr),
-                        ("--decoupled-min-lr", flags.decoupled_min_lr)):
+    for name, value in (("--decoupled-lr", settings.decoupled_lr),
+                        ("--decoupled-min-lr", settings.decoupled_min_lr)):
         if value is not None and value < 0:
             p.add(f"{name} must be >= 0, got {value}")
 
 
-def decoupled_lr_notes(flags: Mapping[str, Any]) -> List[str]:
+def decoupled_lr_notes(settings: DecoupledLRSettings) -> List[str]:
     """The banner's line for --decoupled-min-lr without --decoupled-lr."""
-    if flags.get("decoupled_min_lr") is not None and flags.get("decoupled_lr") is None:
+    if settings.decoupled_min_lr is not None and settings.decoupled_lr is None:
         return ["--decoupled-min-lr without --decoupled-lr: no effect (as in Megatron)"]
     return []

@@ -3,22 +3,22 @@
 The checkpoint's metadata.json records the training run's flags. They rebuild the model,
 tokenizer and data, so `--load DIR` needs no model flags; the command's own settings come
 next (say, no metrics file of the training run is appended to), and the Megatron flags given
-on the command line last (a moved tokenizer file, another data split, another layout). The
-model is then built per rank as pretraining builds it and the weights loaded through
-`orchestrator.load_model_weights`.
+on the command line last (a moved tokenizer file, another data split, another layout): the
+settings `arguments.build_run` validates as pretraining's. The model is then built per rank
+as pretraining builds it and the weights loaded through `orchestrator.load_model_weights`.
 """
 from __future__ import annotations
 
 import argparse
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 import torch
 
 if TYPE_CHECKING:
-    from gigatron.data.tokenizer import Tokenizer
     from gigatron.parallel.topology import ProcessGroups
     from gigatron.training.config.run_config import RunConfig
+    from gigatron.training.config.table import Settings
 
 # flags of the training run that an inference command must not reuse: its outputs
 NOT_INHERITED: Dict[str, Any] = {
@@ -60,49 +60,23 @@ def saved_flags(load: str) -> Dict[str, Any]:
     return flags
 
 
-def explicit_dests(argv: Sequence[str], prog: str) -> Set[str]:
-    """The dests of the Megatron flags given in `argv`."""
-    from gigatron.training.config.arguments import make_parser
-
-    parser = make_parser(prog)
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    given, _ = parser.parse_known_args(list(argv))
-    return set(vars(given))
-
-
-def inference_flags(argv: Sequence[str], load: str, prog: str,
-                    overrides: Dict[str, Any]) -> argparse.Namespace:
-    """The checkpoint's flags, then `overrides`, then the Megatron flags of `argv`; a data
-    source given in argv replaces the saved ones (they are exclusive)."""
-    from gigatron.training.config.arguments import make_parser
+def inference_settings(argv: Sequence[str], load: str, prog: str,
+                       overrides: Dict[str, Any]) -> "Settings":
+    """The checkpoint's flags, then `overrides`, then the Megatron flags of `argv`, as typed
+    settings for `arguments.build_run`; a data source given in argv replaces the saved ones
+    (they are exclusive)."""
+    from gigatron.training.config.arguments import given_dests, make_parser
+    from gigatron.training.config.table import build_settings
 
     base = {**saved_flags(load), **NOT_INHERITED, **overrides, "load": load}
     for name, value in TRAINING_ONLY.items():
         if base.get(name) is None and not (name == "train_iters" and base.get("train_samples")):
             base[name] = value
-    given = explicit_dests(argv, prog)
-    if given & set(DATA_SOURCES):
+    if given_dests(argv, prog) & set(DATA_SOURCES):
         base.update({name: None for name in DATA_SOURCES}, mock_data=False)
     # argparse fills only the attributes the namespace lacks: flags newer than the checkpoint
-    return make_parser(prog).parse_args(list(argv), namespace=argparse.Namespace(**base))
-
-
-def build_inference_run(flags: argparse.Namespace,
-                        world_size: int) -> Tuple["RunConfig", Optional["Tokenizer"]]:
-    """Validated RunConfig and tokenizer of inference flags (one ValueError listing every
-    problem)."""
-    from gigatron.data.tokenizer import tokenizer_type_to_build
-    from gigatron.training.config.arguments import build_run_config
-    from gigatron.training.run.builders import build_tokenizer
-
-    tokenizer = build_tokenizer(vars(flags)) \
-        if tokenizer_type_to_build(vars(flags)) is not None else None
-    run = build_run_config(flags, world_size, tokenizer.vocab_size if tokenizer else None)
-    if tokenizer is None:
-        assert run.model is not None  # build_run_config built it
-        tokenizer = build_tokenizer(vars(flags), run.model.vocab_size)
-    return run, tokenizer
+    return build_settings(make_parser(prog).parse_args(list(argv),
+                                                       namespace=argparse.Namespace(**base)))
 
 
 def load_model(run: "RunConfig", rank: int,

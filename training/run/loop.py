@@ -140,9 +140,10 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     the step's, which a batch ramp-up grows)."""
     lr = learning_rate(progress.lr_steps, s.run.lr_schedule)
     s.zero.set_lr(lr)
-    set_decoupled_lr(s.zero.optimizer, progress.lr_steps, s.run.lr_schedule, s.run.flags)
+    set_decoupled_lr(s.zero.optimizer, progress.lr_steps, s.run.lr_schedule,
+                     s.run.settings.decoupled_lr)
     s.zero.zero_grad()
-    divisor = loss_divisor(s.pipeline.needs_labels and per_token_loss(s.run.flags), batches,
+    divisor = loss_divisor(s.pipeline.needs_labels and per_token_loss(s.run), batches,
                            s.groups.dp)  # --calculate-per-token-loss: global token count
     losses = s.pipeline.executor.run(s.pipeline.train_schedule_for(len(batches)), batches,
                                      loss_scale=s.zero.loss_scale, loss_divisor=divisor)
@@ -176,7 +177,7 @@ def evaluate(s: Session, split: int, consumed: int, iterations: int,
     it = micro_batches(s.run, dataset, consumed, s.groups.index("dp"), s.device, s.pipeline)
     for chunk in s.chunks:
         chunk.eval()
-    terms = EvalLoss(s.pipeline.needs_labels and per_token_loss(s.run.flags), s.groups.dp)
+    terms = EvalLoss(s.pipeline.needs_labels and per_token_loss(s.run), s.groups.dp)
     timed = dict(s.timers.elapsed)  # eval forwards are not the step's
     shown = s.logger.loop_progress(label, iterations)
     try:
@@ -343,7 +344,8 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
     _start_nonfinite_watch(s, progress)
     ramp = run_rampup(t, s.run.parallel.dp)
     interval, last_count = _Interval(), None
-    profiler = Profiler(s.run.flags, s.groups.rank, s.run.parallel.world_size, s.device.type,
+    profiler = Profiler(s.run.settings.profiling, s.run.logging.tensorboard_dir, s.groups.rank,
+                        s.run.parallel.world_size, s.device.type,
                         s.run.logging.log_interval)  # --profile, --record-memory-history
     while progress.iteration < t.train_iters:
         batch_size = ramp.batch_size(progress.consumed_train_samples)

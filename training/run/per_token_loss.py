@@ -20,30 +20,21 @@ its ranks count (they share a data-parallel group: no other stage takes part).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Sequence
 
 import torch
 
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.models.losses import loss_tokens
-from gigatron.training.config.field import setting
+
+if TYPE_CHECKING:
+    from gigatron.training.config.run_config import RunConfig
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """How the loss of a step is normalised."""
-
-    calculate_per_token_loss: bool = setting(
-        False, "normalise the loss by the unmasked tokens of the whole global batch (every "
-        "token weighs the same), not per micro-batch (every micro-batch weighs the same); "
-        "the logged loss is that ratio too", "--calculate-per-token-loss")
-
-
-def per_token_loss(flags: Mapping[str, Any]) -> bool:
+def per_token_loss(run: "RunConfig") -> bool:
     """Whether the run normalises its loss per token (--calculate-per-token-loss)."""
-    return bool(flags.get("calculate_per_token_loss"))
+    return run.settings.loss.calculate_per_token_loss
 
 
 def divisor_from_tokens(local_tokens: torch.Tensor, dp_group: Group) -> torch.Tensor:

@@ -13,17 +13,12 @@ with one line naming the flags. `--model NAME` starts from a zoo config;
 """
 from __future__ import annotations
 
-import argparse
 import os
-import random
 import sys
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:
     from gigatron.data.tokenizer import Tokenizer
@@ -33,22 +28,12 @@ if TYPE_CHECKING:
 
 
 def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pretrain_gpt.py"
-               ) -> Tuple[RunConfig, Optional[Tokenizer]]:
-    """Flags -> (RunConfig, tokenizer); raises ValueError with one clear line."""
-    from gigatron.parallel.world import require_world_size
-    from gigatron.training.config.arguments import parse_flags, with_other_problems
-    from gigatron.training.config.table import ParseProblems
-    from gigatron.training.config.features import check_local_rank
+               ) -> Tuple["RunConfig", Optional["Tokenizer"]]:
+    """Flags -> (RunConfig, tokenizer); raises ValueError with one clear line per problem."""
+    from gigatron.training.config.arguments import build_run, read_settings
 
-    try:
-        flags = parse_flags(argv, prog)
-    except ParseProblems as err:  # with the problems of the values that did parse
-        raise with_other_problems(err, launch.world_size) from None
-    check_local_rank(flags, launch.local_rank, launch.launcher)
-    if launch.launcher == "none":  # a plain `python pretrain_gpt.py`: say how to launch
-        require_world_size(launch, flags.tensor_model_parallel_size *
-                           flags.pipeline_model_parallel_size)
-    run, tokenizer = build_run(flags, launch.world_size)
+    settings = read_settings(argv, launch.world_size, prog)  # --help ends here, torch unread
+    run, tokenizer = build_run(settings, launch.world_size, launch=launch)
     from gigatron.parallel.world import device_and_backend
     from gigatron.training.run.preflight import check_run_fits
 
@@ -56,29 +41,13 @@ def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pret
     return run, tokenizer
 
 
-def build_run(flags: "argparse.Namespace", world_size: int
-              ) -> Tuple["RunConfig", Optional["Tokenizer"]]:
-    """Parsed flags -> (RunConfig, tokenizer) for `world_size` ranks: the data check, the
-    tokenizer's vocabulary, build_run_config (also `gigatron plan`'s path)."""
-    from gigatron.data.tokenizer import tokenizer_type_to_build
-    from gigatron.training.config.arguments import build_run_config
-    from gigatron.training.run.builders import build_tokenizer
-    from gigatron.training.config.validation import Problems, check_data
-
-    data_problems = Problems()  # reported with all others by build_run_config
-    check_data(flags, data_problems)
-    tokenizer = build_tokenizer(vars(flags)) if not data_problems and \
-        tokenizer_type_to_build(vars(flags)) is not None \
-        else None
-    run = build_run_config(flags, world_size, tokenizer.vocab_size if tokenizer else None)
-    if tokenizer is None:
-        assert run.model is not None  # build_run_config built it
-        tokenizer = build_tokenizer(vars(flags), run.model.vocab_size)
-    return run, tokenizer
-
-
 def _seed(seed: int, pp_rank: int) -> None:
     """Megatron's seeding: one seed per pipeline stage, the same across tp and dp."""
+    import random
+
+    import numpy as np
+    import torch
+
     seed = seed + 100 * pp_rank
     random.seed(seed)
     np.random.seed(seed)
@@ -127,9 +96,9 @@ def _build_session(run, tokenizer, launch, device, started: Optional[float] = No
     return session, progress, shard
 
 
-def _wandb_options(run) -> Optional[dict]:
+def _wandb_options(run: "RunConfig") -> Optional[Dict[str, Any]]:
     """wandb.init's arguments for --wandb-project (Megatron's: the folder defaults to
-    --save/wandb, the config is the flags); None without it."""
+    --save/wandb, the config is every setting by its flag's dest); None without it."""
     log = run.logging
     if not log.wandb_project:
         return None
@@ -169,7 +138,7 @@ def _banner(s, progress, shard, launch, device) -> None:
         f"{partition(run).describe()}")
     plan_lines, s.memory_plan = _memory_plan(run, device)
     for line in device_notes(device, dist.get_backend(), run, os.environ) + \
-            flag_notes(run.flags, dist.get_backend()) + plan_lines + \
+            flag_notes(run.settings, dist.get_backend()) + plan_lines + \
             describe_datasets(s.datasets):
         s.logger.print(line)
     if shard is not None:

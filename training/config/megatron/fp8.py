@@ -10,15 +10,14 @@ accepted, under Megatron's own conditions, without effect.
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Mapping, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from gigatron.training.config.field import setting
 
 if TYPE_CHECKING:
     from gigatron.parallel.tensor.fp8 import FP8Recipe
-    from gigatron.training.config.validation import Problems
+    from gigatron.training.config.table import Settings
 
 RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")  # Megatron's choices
 
@@ -55,60 +54,55 @@ class FP8Settings:
         "dtype and quantises them in each forward", "--fp8-param-gather")
 
 
-def fp8_recipe(flags: Mapping[str, Any]) -> Optional["FP8Recipe"]:
-    """The emulated DelayedScaling recipe of these (validated) flags; None without
+def fp8_recipe(fp8: FP8Settings) -> Optional["FP8Recipe"]:
+    """The emulated DelayedScaling recipe of these (validated) settings; None without
     --fp8-format."""
     from gigatron.parallel.tensor.fp8 import FP8Recipe
 
-    if not flags.get("fp8_format"):
+    if not fp8.fp8_format:
         return None
-    return FP8Recipe(format=flags["fp8_format"], margin=flags["fp8_margin"],
-                     amax_history_len=flags["fp8_amax_history_len"],
-                     amax_compute_algo=flags["fp8_amax_compute_algo"],
-                     wgrad=not flags["no_fp8_wgrad"])
+    return FP8Recipe(format=fp8.fp8_format, margin=fp8.fp8_margin,
+                     amax_history_len=fp8.fp8_amax_history_len,
+                     amax_compute_algo=fp8.fp8_amax_compute_algo, wgrad=not fp8.no_fp8_wgrad)
 
 
-def fp8_problems(flags: argparse.Namespace) -> List[str]:
+def fp8_problems(s: "Settings") -> List[str]:
     """What Megatron (or this emulation) refuses in the FP8 flags, one line each."""
     out: List[str] = []
-    if flags.fp8_param_gather:
-        if not flags.fp8_format:
+    fp8, precision, model = s.fp8, s.precision, s.model
+    if fp8.fp8_param_gather:
+        if not fp8.fp8_format:
             out.append("--fp8-param-gather needs --fp8-format (Megatron: fp8_param must be "
                        "used together with fp8 mode)")
-        if not (flags.use_distributed_optimizer or (flags.zero_stage or 0) >= 1):
+        if not (precision.use_distributed_optimizer or (precision.zero_stage or 0) >= 1):
             out.append("--fp8-param-gather needs the distributed optimizer: add "
                        "--use-distributed-optimizer (or --zero-stage 1, 2 or 3)")
-    if not flags.fp8_format:
+    if not fp8.fp8_format:
         return out
-    if flags.fp8_recipe != "delayed":
-        out.append(f"--fp8-recipe {flags.fp8_recipe} is not emulated: gigatron emulates "
+    if fp8.fp8_recipe != "delayed":
+        out.append(f"--fp8-recipe {fp8.fp8_recipe} is not emulated: gigatron emulates "
                    f"delayed scaling only (--fp8-recipe delayed, Megatron's default)")
-    if flags.fp8_amax_history_len < 1:
-        out.append(f"--fp8-amax-history-len must be >= 1, got {flags.fp8_amax_history_len}")
-    if flags.recompute_granularity or flags.recompute_activations or \
-            flags.checkpoint_activations:
+    if fp8.fp8_amax_history_len < 1:
+        out.append(f"--fp8-amax-history-len must be >= 1, got {fp8.fp8_amax_history_len}")
+    if model.recompute_granularity or model.recompute_activations or \
+            model.checkpoint_activations:
         out.append("--fp8-format with activation recomputation is not supported by the FP8 "
                    "emulation (the recomputed forward would quantise with updated scales): "
                    "drop the recomputation flags or --fp8-format")
     return out
 
 
-def check_fp8(flags: argparse.Namespace, p: "Problems") -> None:
-    """Record the FP8 flags' problems in `p`."""
-    p.lines += fp8_problems(flags)
-
-
-def fp8_notes(flags: Mapping[str, Any]) -> List[str]:
+def fp8_notes(fp8: FP8Settings) -> List[str]:
     """The banner's lines for the FP8 flags."""
     notes = []
-    if flags.get("fp8_format"):
-        wgrad = "" if not flags.get("no_fp8_wgrad") else ", weight gradients in full precision"
-        notes.append(f"--fp8-format {flags['fp8_format']}: FP8 is emulated (docs/FP8.md): the "
+    if fp8.fp8_format:
+        wgrad = "" if not fp8.no_fp8_wgrad else ", weight gradients in full precision"
+        notes.append(f"--fp8-format {fp8.fp8_format}: FP8 is emulated (docs/FP8.md): the "
                      f"transformer layers' GEMM operands are rounded through FP8 with delayed "
-                     f"scaling (amax history {flags.get('fp8_amax_history_len')}, "
-                     f"{flags.get('fp8_amax_compute_algo')}){wgrad}; the GEMMs run in the "
+                     f"scaling (amax history {fp8.fp8_amax_history_len}, "
+                     f"{fp8.fp8_amax_compute_algo}){wgrad}; the GEMMs run in the "
                      f"run's dtype, so it is slower than without FP8 and saves no memory")
-    if flags.get("fp8_param_gather"):
+    if fp8.fp8_param_gather:
         notes.append("--fp8-param-gather: no effect here (memory and communication only): "
                      "parameters are gathered in the run's dtype")
     return notes

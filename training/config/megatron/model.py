@@ -8,7 +8,6 @@ every flag left out. Problems are recorded (one line each), never raised one at 
 """
 from __future__ import annotations
 
-import argparse
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from gigatron.training.config.table import flag_name
@@ -16,6 +15,8 @@ from gigatron.training.config.table import flag_name
 if TYPE_CHECKING:
     import torch
     from gigatron.models.config import TransformerConfig
+    from gigatron.training.config.settings import ModelSettings, PrecisionSettings
+    from gigatron.training.config.table import Settings
     from gigatron.training.config.validation import Problems
 
 # flag dest -> TransformerConfig field, for flags that map one to one
@@ -53,125 +54,115 @@ ATTENTION_BACKENDS = {"auto": "sdpa", "flash": "sdpa", "fused": "sdpa", "sdpa": 
 _NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}  # Megatron-DeepSpeed's
 
 
-def megatron_activation(swiglu: bool, squared_relu: bool, bias_gelu_fusion: bool,
-                        add_bias_linear: bool) -> str:
-    """The MLP activation Megatron-Core computes for these flags: the bias-GeLU fusion (on
-    by default, off without biases) is the tanh approximation; F.gelu otherwise is exact."""
-    if swiglu:
-        return "swiglu"
-    if squared_relu:
-        return "squared_relu"
-    return "gelu_tanh" if bias_gelu_fusion and add_bias_linear else "gelu"
-
-
-def _activation(flags: argparse.Namespace, zoo: Optional[Dict[str, Any]],
+def _activation(m: "ModelSettings", zoo: Optional[Dict[str, Any]],
                 p: "Problems") -> Optional[str]:
     """The activation field the flags set; None: the zoo's stays."""
-    if flags.swiglu and flags.squared_relu:
+    from gigatron.models.megatron_import_args import megatron_activation
+
+    if m.swiglu and m.squared_relu:
         p.add("--swiglu and --squared-relu are exclusive: pick one")
-    fusion_off = flags.no_bias_gelu_fusion or bool(flags.disable_bias_linear)
+    fusion_off = m.no_bias_gelu_fusion or bool(m.disable_bias_linear)
     if zoo is None:
-        return megatron_activation(bool(flags.swiglu), bool(flags.squared_relu),
-                                   not flags.no_bias_gelu_fusion, not flags.disable_bias_linear)
-    if flags.swiglu or flags.squared_relu:
-        return "swiglu" if flags.swiglu else "squared_relu"
+        return megatron_activation(bool(m.swiglu), bool(m.squared_relu),
+                                   not m.no_bias_gelu_fusion, not m.disable_bias_linear)
+    if m.swiglu or m.squared_relu:
+        return "swiglu" if m.swiglu else "squared_relu"
     if fusion_off and zoo.get("activation", "gelu") in ("gelu", "gelu_tanh"):
         return "gelu"
     return None
 
 
-def _query_groups(flags: argparse.Namespace, p: "Problems") -> Optional[int]:
+def _query_groups(m: "ModelSettings", p: "Problems") -> Optional[int]:
     """Key/value heads: --group-query-attention [--num-query-groups N] (Megatron's default
     N = 1) or Megatron-DeepSpeed's --num-key-value-heads N; None: not set by the flags."""
-    groups, kv_heads = flags.num_query_groups, flags.num_key_value_heads
+    groups, kv_heads = m.num_query_groups, m.num_key_value_heads
     if kv_heads is not None:
         if groups is not None and groups != kv_heads:
             p.add(f"--num-key-value-heads {kv_heads} and --num-query-groups {groups} "
                   f"disagree: give one of them")
         return kv_heads
-    if flags.group_query_attention:
+    if m.group_query_attention:
         return 1 if groups is None else groups
-    if groups is not None and flags.model is None:
+    if groups is not None and m.model is None:
         p.add("--num-query-groups is used only with --group-query-attention (Megatron "
               "ignores it without): add --group-query-attention")
     return groups
 
 
-def _position_embedding(flags: argparse.Namespace, fields: Dict[str, Any],
-                        p: "Problems") -> None:
+def _position_embedding(m: "ModelSettings", fields: Dict[str, Any], p: "Problems") -> None:
     kind = fields.get("position_embedding_type")
     if kind in ("mrope", "relative"):
         p.add(f"--position-embedding-type {kind} is not supported by gigatron: use rope, "
               f"learned_absolute or none")
-    if flags.use_rotary_position_embeddings:
+    if m.use_rotary_position_embeddings:
         if kind not in (None, "rope"):
             p.add(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
                   f"{kind}: drop one")
         fields["position_embedding_type"] = "rope"
 
 
-def _attention_backend(flags: argparse.Namespace, p: "Problems") -> Optional[str]:
-    backend = flags.attention_backend
-    if flags.use_flash_attn:
+def _attention_backend(s: "Settings", p: "Problems") -> Optional[str]:
+    backend = s.model.attention_backend
+    if s.implementation.use_flash_attn:
         if backend is not None and ATTENTION_BACKENDS[backend] != "sdpa":
             p.add(f"--use-flash-attn contradicts --attention-backend {backend}: drop one")
         backend = backend or "flash"
     return None if backend is None else ATTENTION_BACKENDS[backend]
 
 
-def _recompute(flags: argparse.Namespace, fields: Dict[str, Any], p: "Problems") -> None:
+def _recompute(s: "Settings", fields: Dict[str, Any], p: "Problems") -> None:
     """Megatron's --recompute-activations (selective) and Megatron-DeepSpeed's
     --checkpoint-activations (full, uniform chunks of --checkpoint-num-layers)."""
-    if flags.use_legacy_models:
+    m = s.model
+    if s.implementation.use_legacy_models:
         p.add("--use-legacy-models is not supported: gigatron builds Megatron-Core's model "
               "only; drop it")
-    if flags.recompute_activations:  # Megatron sets it over --recompute-granularity
+    if m.recompute_activations:  # Megatron sets it over --recompute-granularity
         fields["recompute_granularity"] = "selective"
         fields.pop("recompute_method", None)
-    elif flags.checkpoint_activations and flags.recompute_granularity is None:
+    elif m.checkpoint_activations and m.recompute_granularity is None:
         fields.update(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=flags.checkpoint_num_layers)
+                      recompute_num_layers=m.checkpoint_num_layers)
     if fields.get("recompute_granularity") == "full":  # Megatron-DeepSpeed's default
         fields.setdefault("recompute_num_layers", 1)
 
 
-def model_overrides(flags: argparse.Namespace, vocab_size: Optional[int],
+def model_overrides(s: "Settings", vocab_size: Optional[int],
                     zoo: Optional[Dict[str, Any]], p: "Problems") -> Dict[str, Any]:
-    """TransformerConfig fields set by flags (only those given, so zoo values show through);
-    `zoo`: the --model config's fields (None without --model)."""
-    fields = {f: getattr(flags, d) for d, f in MODEL_FIELDS.items()
-              if getattr(flags, d) is not None}
+    """TransformerConfig fields set by the settings (only those given, so zoo values show
+    through); `zoo`: the --model config's fields (None without --model)."""
+    m = s.model
+    fields = {f: getattr(m, d) for d, f in MODEL_FIELDS.items() if getattr(m, d) is not None}
     fields["normalization"] = _NORMALIZATION.get(fields.get("normalization", ""),
                                                  fields.get("normalization"))
     if fields["normalization"] is None:
         del fields["normalization"]
-    _position_embedding(flags, fields, p)
-    _recompute(flags, fields, p)
-    activation = _activation(flags, zoo, p)
+    _position_embedding(m, fields, p)
+    _recompute(s, fields, p)
+    activation = _activation(m, zoo, p)
     if activation is not None:
         fields["activation"] = activation
-    if flags.disable_bias_linear:
+    if m.disable_bias_linear:
         fields["add_bias_linear"] = False
-    groups = _query_groups(flags, p)
+    groups = _query_groups(m, p)
     if groups is not None:
         fields["num_query_groups"] = groups
-    backend = _attention_backend(flags, p)
+    backend = _attention_backend(s, p)
     if backend is not None:
         fields["attention_backend"] = backend
-    vocab = vocab_size if vocab_size is not None else flags.vocab_size
-    if vocab is not None:
-        fields["vocab_size"] = vocab
-    fields["sequence_parallel"] = bool(flags.sequence_parallel and
-                                       flags.tensor_model_parallel_size > 1)
-    fields["params_dtype"] = params_dtype(flags)
+    if vocab_size is not None:
+        fields["vocab_size"] = vocab_size
+    fields["sequence_parallel"] = bool(s.parallel.sequence_parallel and s.parallel.tp > 1)
+    fields["params_dtype"] = params_dtype(s.precision)
     return fields
 
 
-def params_dtype(flags: argparse.Namespace) -> "torch.dtype":
+def params_dtype(precision: "PrecisionSettings") -> "torch.dtype":
     """The parameters' dtype of --fp16 / --bf16 (fp32 without either)."""
     import torch
 
-    return torch.bfloat16 if flags.bf16 else torch.float16 if flags.fp16 else torch.float32
+    return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 \
+        else torch.float32
 
 
 def _megatron_defaults(fields: Dict[str, Any]) -> None:
@@ -181,30 +172,35 @@ def _megatron_defaults(fields: Dict[str, Any]) -> None:
     fields.setdefault("max_position_embeddings", fields["seq_length"])
 
 
-def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[int],
-                       p: "Problems") -> Optional["TransformerConfig"]:
+def build_model_config(s: "Settings", vocab_size: Optional[int], p: "Problems",
+                       tokenizer_named: bool = False) -> Optional["TransformerConfig"]:
     """The TransformerConfig: --model's zoo config (if given) overridden by model flags;
-    None (with the problems recorded) when it cannot be built."""
-    n = len(p.lines)
-    p.positive(flags, *_POSITIVE_MODEL)
-    if flags.model is not None:
+    None (with the problems recorded) when it cannot be built. `vocab_size`: the tokenizer's
+    (else --vocab-size's); `tokenizer_named`: the data settings name a tokenizer, whose own
+    problem line says why it gave no vocabulary (none is added here)."""
+    n, m, stand_in = len(p.lines), s.model, False
+    p.positive(s, *_POSITIVE_MODEL)
+    vocab = vocab_size if vocab_size is not None else s.data.vocab_size
+    if m.model is not None:
         from gigatron.models.zoo import list_models, load_config, model_fields
 
-        if flags.model not in list_models():
-            p.add(f"--model {flags.model} is not in the zoo: choose one of "
+        if m.model not in list_models():
+            p.add(f"--model {m.model} is not in the zoo: choose one of "
                   f"{', '.join(list_models())}")
             return None
-        fields = model_overrides(flags, vocab_size, model_fields(flags.model), p)
+        fields = model_overrides(s, vocab, model_fields(m.model), p)
         build: Callable[..., "TransformerConfig"] = load_config
-        args: Tuple = (flags.model,)
+        args: Tuple = (m.model,)
     else:
-        fields = model_overrides(flags, vocab_size, None, p)
-        missing = [flag_name(d) for d in REQUIRED_WITHOUT_MODEL if getattr(flags, d) is None]
+        fields = model_overrides(s, vocab, None, p)
+        missing = [flag_name(d) for d in REQUIRED_WITHOUT_MODEL if getattr(m, d) is None]
         if missing:
             p.add(f"{', '.join(missing)} required (or name a zoo model with --model)")
         if "vocab_size" not in fields:
-            p.add("the vocabulary size is unknown: give --tokenizer-type and its files, or "
-                  "--vocab-size with --mock-data")
+            if not tokenizer_named:
+                p.add("the vocabulary size is unknown: give --tokenizer-type and its files, "
+                      "or --vocab-size with --mock-data")
+            fields["vocab_size"], stand_in = 1, True  # the model's other rules still run
         if len(p.lines) == n:
             _megatron_defaults(fields)
         from gigatron.models.config import TransformerConfig
@@ -214,5 +210,5 @@ def build_model_config(flags: argparse.Namespace, tp: int, vocab_size: Optional[
         return None
     config = p.run(build, *args, **fields)
     if config is not None:
-        p.lines += config.problems(tp)
-    return config if len(p.lines) == n else None
+        p.lines += config.problems(s.parallel.tp)
+    return config if len(p.lines) == n and not stand_in else None
