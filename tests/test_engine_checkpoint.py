@@ -15,6 +15,8 @@ for bit (the same layout).
 Three forked jobs serve every case: 2 ranks train the reference and save; 1 rank loads and
 continues, and saves its own; 2 ranks load that and continue.
 """
+import contextlib
+import io
 import os
 
 import pytest
@@ -96,7 +98,10 @@ def _load_on_one(rank, world, folder):
         continued = {}
         for load_stage in sorted({stage, 3 - stage}):
             engine = engine_for(load_stage, precision, world)
-            engine.load_checkpoint(os.path.join(folder, "two", name))
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                engine.load_checkpoint(os.path.join(folder, "two", name))
+            out["rng note"] = printed.getvalue()
             state = (engine.global_steps, engine.micro_steps, engine.loss_scale,
                      engine.get_lr())
             continued[load_stage] = (state, train(engine, rank, world, STEPS))
@@ -133,6 +138,10 @@ def test_saved_on_two_ranks_continues_on_one_with_the_same_losses(runs, name, st
     reference, first, saved_scale, saved_lr = two[0][name]
     assert two[1][name] == two[0][name]  # every rank reports the same mean losses
     assert first == reference[:SAVED_AT]  # bit for bit before the save
+    # each rank's generators are its own: not restored into another world size
+    assert "RNG states not restored: " in one["rng note"]
+    assert "was saved by 2 ranks (tp 1, pp 1, dp 2), this run has 1 rank (tp 1, pp 1, dp 1)" \
+        in one["rng note"]
     for load_stage, (state, continued) in one[name].items():
         steps, micro_steps, scale, lr = state
         assert (steps, micro_steps) == (SAVED_AT, SAVED_AT * GLOBAL_MICRO), load_stage

@@ -143,6 +143,29 @@ def test_tags_and_the_latest_file(tmp_path):
         engine.load_checkpoint(str(tmp_path), tag="nope")
 
 
+# -- RNG states ---------------------------------------------------------------------------
+def test_rng_states_continue_in_the_layout_that_saved_them(tmp_path, capsys):
+    import random
+
+    import numpy as np
+
+    import gigatron
+
+    engine = gigatron.initialize(model=model(), config=config())[0]
+    train(engine, 1)
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    engine.save_checkpoint(str(tmp_path))
+    expected = (random.random(), np.random.rand(), torch.rand(()).item())
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    engine = gigatron.initialize(model=model(), config=config())[0]
+    engine.load_checkpoint(str(tmp_path))
+    assert (random.random(), np.random.rand(), torch.rand(()).item()) == expected
+    assert "RNG states not restored" not in capsys.readouterr().out
+    random.seed(2), np.random.seed(2), torch.manual_seed(2)
+    engine.load_checkpoint(str(tmp_path), load_module_only=True)  # weights only
+    assert random.random() != expected[0]
+
+
 # -- load_module_strict --------------------------------------------------------------------
 def test_other_layer_names_are_one_error_unless_not_strict(tmp_path):
     import gigatron

@@ -241,8 +241,9 @@ def _same_layout(engine: "Engine", meta: Dict[str, Any]) -> bool:
 
 
 def _layout_text(layout: Dict[str, Any]) -> str:
-    return (f"{layout.get('world_size')} ranks (tp {layout.get('tp')}, pp {layout.get('pp')}, "
-            f"dp {layout.get('dp')})")
+    ranks = layout.get("world_size")
+    return (f"{ranks} rank{'' if ranks == 1 else 's'} (tp {layout.get('tp')}, pp "
+            f"{layout.get('pp')}, dp {layout.get('dp')})")
 
 
 def _restore_progress(engine: "Engine", common: Dict[str, Any], load_scheduler: bool) -> None:
