@@ -390,11 +390,11 @@ def test_auto_without_args_takes_the_documented_fallbacks_with_an_info_line():
 
 
 def test_auto_that_nothing_can_fill_is_an_error_naming_the_key():
-    lines = problems({**MICRO, "zero_optimization": {"stage": "auto"}, "scheduler": {
+    lines = problems({**MICRO, "zero_optimization": {"sub_group_size": "auto"}, "scheduler": {
         "type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}})
     assert lines == [
-        'zero_optimization.stage is "auto", which only Hugging Face\'s Trainer fills for its '
-        "own keys: give a value",
+        'zero_optimization.sub_group_size is "auto", which neither Hugging Face\'s Trainer nor '
+        "accelerate fills: give a value",
         'scheduler.params.total_num_steps is "auto" (Hugging Face fills it with the number of '
         "training steps): give the number, or pass args with max_steps"]
     ok = engine_config({**MICRO, "scheduler": {"type": "WarmupDecayLR", "params": {
@@ -462,7 +462,10 @@ def test_the_real_configs_are_present_and_listed_in_the_readme():
 @pytest.mark.parametrize("path", REAL, ids=[os.path.basename(p) for p in REAL])
 def test_real_deepspeed_and_hugging_face_configs_are_accepted(path):
     cfg = engine_config(path, 4)
-    hf = engine_config(path, 4, model=HFStyleModel(), args=hf_args())
+    with open(path) as f:
+        accumulation = json.load(f).get("gradient_accumulation_steps")
+    agree = {"gradient_accumulation_steps": accumulation} if isinstance(accumulation, int) else {}
+    hf = engine_config(path, 4, model=HFStyleModel(), args=hf_args(**agree))
     assert cfg.train_batch_size == cfg.train_micro_batch_size_per_gpu * \
         cfg.gradient_accumulation_steps * 4
     assert "auto" not in json.dumps(hf.resolved)
