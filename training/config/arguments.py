@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from typing import TYPE_CHECKING, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from gigatron.training.config.run_config import LRScheduleConfig, ParallelConfig, RunConfig
 from gigatron.training.config.table import (ParseProblems, Settings, build_parser,
@@ -95,17 +95,17 @@ def zero_config(s: Settings, p: Problems) -> Optional["ZeroConfig"]:
     stage = precision.zero_stage if precision.zero_stage is not None else \
         (1 if precision.use_distributed_optimizer else 0)
     scale = precision.initial_loss_scale
-    kw = dict(zero_stage=stage,
-              # Megatron's --optimizer adam is AdamW (decoupled weight decay)
-              optimizer="adamw" if o.optimizer == "adam" else "sgd",
-              lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-              adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
-              clip_grad=o.clip_grad, loss_scale=precision.loss_scale or 0.0,
-              initial_scale_power=int(round(math.log2(scale))) if scale > 0 else 16,
-              loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
-              min_loss_scale=precision.min_loss_scale,
-              grad_reduce_in_bf16=precision.grad_reduce_in_bf16,
-              offload_optimizer="cpu" if precision.optimizer_cpu_offload else "none")
+    kw: Dict[str, Any] = dict(
+        zero_stage=stage,
+        optimizer="adamw" if o.optimizer == "adam" else "sgd",  # Megatron's adam is AdamW
+        lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
+        clip_grad=o.clip_grad, loss_scale=precision.loss_scale or 0.0,
+        initial_scale_power=int(round(math.log2(scale))) if scale > 0 else 16,
+        loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
+        min_loss_scale=precision.min_loss_scale,
+        grad_reduce_in_bf16=precision.grad_reduce_in_bf16,
+        offload_optimizer="cpu" if precision.optimizer_cpu_offload else "none")
     for field in ("reduce_bucket_size", "overlap_comm", "consecutive_hysteresis"):
         if s.value(ZERO_FLAGS[field]) is not None:  # else ZeroConfig's default
             kw[field] = s.value(ZERO_FLAGS[field])
@@ -191,7 +191,8 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
     model = build_model_config(s, tokenizer.vocab_size if tokenizer else None, p, named)
     batches = microbatches(s, dp, p) if dp else None
     seq = model.seq_length if model is not None else None
-    length = training_length(s, batches[0] * dp, batches[1], p, seq) if batches else None
+    length = training_length(s, batches[0] * dp, batches[1], p, seq) if batches and dp \
+        else None
     parallel = ParallelConfig(**{**dataclasses.asdict(s.parallel), "dp": dp or 1,
                                  "sequence_parallel": s.parallel.sequence_parallel and
                                  s.parallel.tp > 1})

@@ -96,7 +96,7 @@ def check_parallel(s: "Settings", p: Problems) -> None:
     p.positive(s, "distributed_timeout_minutes")
     from gigatron.parallel.zero.config import zero3_pipeline_problem
 
-    pipelined = zero3_pipeline_problem(s.precision.zero_stage, s.parallel.pp,
+    pipelined = zero3_pipeline_problem(s.precision.zero_stage or 0, s.parallel.pp,
                                        "--zero-stage", "--pipeline-model-parallel-size")
     if pipelined:
         p.add(pipelined)
@@ -114,11 +114,11 @@ def microbatches(s: "Settings", dp: int, p: Problems) -> Optional[Tuple[int, int
         triple = None if len(p.lines) > n else p.run(
             deepspeed_batch_triple, t.global_batch_size, t.micro_batch_size, grad_acc, dp)
         return None if triple is None else (triple[1], triple[0], triple[2])
-    if t.micro_batch_size is None:
-        p.add("--micro-batch-size is required")
-    if len(p.lines) > n:
-        return None
     mbs = t.micro_batch_size
+    if mbs is None:
+        p.add("--micro-batch-size is required")
+    if len(p.lines) > n or mbs is None:
+        return None
     gbs = t.global_batch_size if t.global_batch_size is not None else mbs * dp
     if gbs % (mbs * dp):
         p.add(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x "
