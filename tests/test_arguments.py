@@ -170,6 +170,16 @@ def test_missing_required_flag_is_named(argv, message):
         parse_args(argv.split(), 1)
 
 
+def test_a_wrong_batch_size_hides_only_what_depends_on_it():
+    argv = ("--lr 1 --mock-data --vocab-size 10 --num-layers 1 --hidden-size 8 "
+            "--num-attention-heads 2 --seq-length 8 --lr-warmup-iters -1").split()
+    with pytest.raises(ValueError) as err:
+        parse_args(argv, 1)
+    assert err.value.problems == ["--micro-batch-size is required",
+                                  "--train-iters or --train-samples is required",
+                                  "--lr-warmup-iters must be >= 0, got -1"]
+
+
 def test_missing_data_files_are_named_before_launch(tmp_path):
     base = ("--micro-batch-size 2 --train-iters 1 --lr 1 --num-layers 1 --hidden-size 8 "
             "--num-attention-heads 2 --seq-length 8 --tokenizer-type NullTokenizer "

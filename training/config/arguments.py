@@ -191,15 +191,16 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
     model = build_model_config(s, tokenizer.vocab_size if tokenizer else None, p, named)
     batches = microbatches(s, dp, p) if dp else None
     seq = model.seq_length if model is not None else None
-    length = training_length(s, batches[0] * dp, batches[1], p, seq) if batches and dp \
-        else None
+    micro_times_dp, global_batch = (batches[0] * dp, batches[1]) if batches and dp \
+        else (None, None)
+    length = training_length(s, micro_times_dp, global_batch, p, seq)
     parallel = ParallelConfig(**{**dataclasses.asdict(s.parallel), "dp": dp or 1,
                                  "sequence_parallel": s.parallel.sequence_parallel and
                                  s.parallel.tp > 1})
     check_train(s, parallel, model, _microbatch_counts(batches, length, dp or 1), p)
     check_optimizer(s, p)
     zero = zero_config(s, p)
-    lr_schedule = build_lr_schedule(s, batches[1], p, seq) if batches else None
+    lr_schedule = build_lr_schedule(s, global_batch, p, seq)
     check_checkpointing(s, p)
     check_logging(s, p)
     check_operational(s, p)

@@ -70,15 +70,18 @@ def _mode_problems(s: "Settings") -> List[str]:
     return out
 
 
-def training_length(s: "Settings", micro_batch_times_dp: int, global_batch_size: int,
-                    p: "Problems", seq_length: Optional[int] = None
-                    ) -> Optional[Tuple[int, BatchRampup]]:
-    """(iterations to train, the batch ramp); None with the problems recorded.
+def training_length(s: "Settings", micro_batch_times_dp: Optional[int],
+                    global_batch_size: Optional[int], p: "Problems",
+                    seq_length: Optional[int] = None) -> Optional[Tuple[int, BatchRampup]]:
+    """(iterations to train, the batch ramp); None with the problems recorded (the batch
+    sizes None: they are wrong, only the problems that do not depend on them are).
     `seq_length`: tokens per sample, for --train-tokens (default --seq-length)."""
     n, t = len(p.lines), s.train
     p.positive(s, "train_iters", "train_samples", "train_tokens")
     p.lines += _mode_problems(s)
     values = t.rampup_batch_size
+    if micro_batch_times_dp is None or global_batch_size is None:
+        return None
     if values:
         p.lines += rampup_problems(values, global_batch_size, micro_batch_times_dp)
     if len(p.lines) > n:
@@ -154,13 +157,15 @@ def _lr_flag_problems(s: "Settings", p: "Problems") -> None:
             p.add(f"{flag} must be >= 0, got {value}")
 
 
-def build_lr_schedule(s: "Settings", global_batch_size: int, p: "Problems",
+def build_lr_schedule(s: "Settings", global_batch_size: Optional[int], p: "Problems",
                       seq_length: Optional[int] = None) -> Optional[LRScheduleConfig]:
     """Megatron's schedule, its steps counting samples (None, with the problems recorded, if
-    it cannot be built). `seq_length`: tokens per sample, for the token lengths (default
-    --seq-length)."""
+    it cannot be built; `global_batch_size` None: only the problems that do not depend on
+    it). `seq_length`: tokens per sample, for the token lengths (default --seq-length)."""
     n, o = len(p.lines), s.optimizer
     _lr_flag_problems(s, p)
+    if global_batch_size is None:
+        return None
     seq = None
     for dest in ("lr_decay_tokens", "lr_warmup_tokens"):
         if s.value(dest) is not None:
