@@ -177,10 +177,10 @@ UNSUPPORTED = [
     ({"zero_optimization": {"contiguous_gradients": True}},
      r"zero_optimization.contiguous_gradients is not supported; known keys"),
     ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage must be 0, 1, 2 or 3"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
-     r"offload_optimizer.device 'nvme' is not supported"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}},
-     r"pin_memory false is not supported"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "disk"}}},
+     r'offload_optimizer.device must be "cpu", "nvme" or "none", got \'disk\''),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memroy": True}}},
+     r"offload_optimizer.pin_memroy is not a key of .* did you mean pin_memory\?"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, r"fp16.auto_cast is not supported"),
     ({"bf16": {"enabled": True, "immediate_grad_update": True}},
      r"bf16.immediate_grad_update is not supported"),
@@ -264,6 +264,25 @@ def test_megatron_deepspeed_command_line_batch_and_log_interval_win_with_a_note(
     with pytest.raises(ValueError, match=r"--clip-grad 2.0 on the command line conflicts"):
         with_config(tmp_path, {**ds, "gradient_clipping": 1.0},
                     extra=argv + " --deepspeed --clip-grad 2.0", world=2)
+
+
+def test_offload_optimizer_is_read_as_gigatron_initialize_reads_it(tmp_path):
+    """One reader of the section: nvme offloads to host memory and its tuning keys are
+    accepted, each with a banner note; the engine gets the same device."""
+    from gigatron.training.config.deepspeed.engine import engine_config
+    from gigatron.training.config.features import flag_notes
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2,
+          "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme",
+                                "pin_memory": False}}}
+    run = with_config(tmp_path, ds, world=2)
+    assert run.zero.offload_optimizer == "cpu" == engine_config(ds, 2).zero.offload_optimizer
+    notes = [n for n in flag_notes(run.settings, "gloo") if n.startswith("--deepspeed-config")]
+    assert [n.split(":")[1].strip().split(" ")[0] for n in notes] == [
+        "zero_optimization.offload_optimizer.nvme_path",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_optimizer.device"]
+    assert "offloaded to host memory instead (NVMe offload is not implemented)" in notes[2]
 
 
 def test_save_interval_without_save_is_megatrons_no_save_with_a_note():

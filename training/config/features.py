@@ -124,12 +124,13 @@ def _run_notes(s: "Settings", backend: str) -> List[str]:
     if s.parallel.distributed_backend == "nccl" and backend != "nccl":
         notes.append(f"--distributed-backend nccl: no GPU here, {backend} is used")
     if s.source.deepspeed:
-        from gigatron.training.config.deepspeed.pretrain import megatron_deepspeed_notes
-        from gigatron.training.config.table import flag_values
-
         notes.append("--deepspeed: gigatron's own engine runs (ZeRO stage from --zero-stage "
                      "or --deepspeed_config)")
-        notes += megatron_deepspeed_notes(flag_values(s))
+    if s.source.deepspeed_config:
+        from gigatron.training.config.deepspeed.pretrain import deepspeed_config_notes
+        from gigatron.training.config.table import flag_values
+
+        notes += deepspeed_config_notes(flag_values(s))
     if s.checkpoint.save_interval and not s.checkpoint.save:
         notes.append("--save-interval without --save: no checkpoint is written (as in "
                      "Megatron, which saves only with --save)")

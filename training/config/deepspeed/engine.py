@@ -3,12 +3,13 @@ and DeepSpeed's defaults.
 
 One pass, every problem collected and raised at once (a ConfigError, one line each): the
 source (a dict, a JSON file, or DeepSpeed's base64 string; a bad file or bad JSON is one line
-naming the file and the position), "auto" values (`training/config/deepspeed/auto.py`), DeepSpeed's legacy
-spellings and every key (`training/config/deepspeed/keys.py`: unknown keys with the nearest spelling,
-info lines for speed-only keys), the config table's rows through `read_rows` (batch sizes,
-fp16/bf16 and loss scaling, ZeRO stage/bucket/overlap, gradient_clipping, steps_per_print,
-wall_clock_breakdown), the batch triple (`deepspeed_batch_triple`), the optimizer and scheduler
-(`training/config/deepspeed/optimizer.py`) and the keys only the engine reads.
+naming the file and the position: `source.py`), "auto" values (`auto.py`), DeepSpeed's legacy
+spellings and every key (`keys.py`: unknown keys with the nearest spelling, info lines for
+speed-only keys), the config table's rows through `read_rows` (batch sizes, fp16/bf16 and loss
+scaling, ZeRO stage/bucket/overlap, gradient_clipping, steps_per_print,
+wall_clock_breakdown), the batch triple (`batch.py`), offload_optimizer (`offload.py`), the
+optimizer and scheduler (`optimizer.py`) and the keys only the engine reads. pretrain_gpt.py's
+--deepspeed-config (`pretrain.py`) shares all of these but "auto" and the engine-only keys.
 
 Keys the JSON leaves out get DeepSpeed's defaults, not pretrain_gpt.py's (Megatron's); where
 they differ docs/FLAGS.md shows both: no gradient clipping (0), no weight decay (0), SGD
@@ -39,6 +40,7 @@ from gigatron.training.config.deepspeed.auto import fill_auto
 from gigatron.training.config.deepspeed.batch import BATCH_KEYS, deepspeed_batch_triple
 from gigatron.training.config.deepspeed.pretrain import read_rows
 from gigatron.training.config.deepspeed.keys import ENGINE_KEYS, check_keys, normalize_legacy
+from gigatron.training.config.deepspeed.offload import offload_optimizer_device
 from gigatron.training.config.deepspeed.optimizer import read_optimizer, read_scheduler
 from gigatron.training.config.deepspeed.source import ConfigSource, load_config
 from gigatron.training.config.validation import ConfigError, Problems
@@ -93,7 +95,8 @@ def _precision(ds: Mapping, values: Dict[str, Any], p: Problems) -> Tuple[str, b
 
 
 def _offload(ds: Mapping, info: List[str], p: Problems) -> str:
-    """offload_optimizer.device as ZeroConfig.offload_optimizer; offload_param: an info line."""
+    """offload_optimizer (`offload.py`) as ZeroConfig.offload_optimizer; offload_param: an
+    info line."""
     param = _value(ds, "zero_optimization.offload_param.device", p)
     if param in ("cpu", "nvme"):
         info.append(f"zero_optimization.offload_param.device {param}: accepted, parameters "
@@ -102,16 +105,9 @@ def _offload(ds: Mapping, info: List[str], p: Problems) -> str:
     elif param != "none":
         p.add(f'zero_optimization.offload_param.device must be "cpu", "nvme" or "none", got '
               f"{param!r}")
-    device = _value(ds, "zero_optimization.offload_optimizer.device", p)
-    if device == "nvme":
-        info.append("zero_optimization.offload_optimizer.device nvme: the optimizer state is "
-                    "offloaded to host memory instead (NVMe offload is not implemented)")
-        return "cpu"
-    if device not in ("cpu", "none"):
-        p.add(f'zero_optimization.offload_optimizer.device must be "cpu", "nvme" or "none", '
-              f"got {device!r}")
-        return "none"
-    return device
+    zero = ds.get("zero_optimization")
+    section = zero.get("offload_optimizer", {}) if isinstance(zero, dict) else {}
+    return offload_optimizer_device(section, info, p.lines)
 
 
 def _reduce_dtype(ds: Mapping, p: Problems) -> str:
@@ -212,7 +208,7 @@ def _engine_fields(ds: Mapping, info: List[str], p: Problems) -> Dict[str, Any]:
 
 
 def _batch(ds: Mapping, dp: int, p: Problems) -> Optional[Tuple[int, int, int]]:
-    values, problems = read_rows(ds, _BATCH_ROWS)
+    values, problems = read_rows(ds, _BATCH_ROWS, [])  # batch rows give no info lines
     if problems:
         p.lines += problems
         return None
@@ -247,7 +243,7 @@ def _read(raw: Dict[str, Any], dp: int, model: Optional[torch.nn.Module],
     ds, legacy = normalize_legacy(filled)
     p.lines += legacy
     check_keys(ds, info, p.lines)
-    values, problems = read_rows(ds, _ROWS)
+    values, problems = read_rows(ds, _ROWS, info)
     p.lines += problems
     if values["log_interval"] < 1:
         p.add(f"steps_per_print must be >= 1, got {values['log_interval']}")

@@ -13,12 +13,13 @@ with DeepSpeed's defaults as deepspeedai/DeepSpeed reads them (read at edaa7221,
   sections that only mean something with a DeepSpeed feature not implemented here.
 
 `check_keys` walks a config once and reports all of it; an unknown key is an error naming the
-nearest valid spelling (DeepSpeed itself ignores unknown top-level keys).
+nearest valid spelling (DeepSpeed itself ignores unknown top-level keys). Its walk,
+`walk_keys`, is also pretrain_gpt.py's (over the config table's keys, `pretrain.py`).
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Mapping, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Set, Tuple
 
 from gigatron.training.config.spelling import did_you_mean
 from gigatron.training.config.table import table
@@ -30,7 +31,6 @@ ENGINE_KEYS: Dict[str, Any] = {  # key -> DeepSpeed's default
     "dataloader_drop_last": False,
     "auto_cast_inputs": False,  # gigatron's extension: move/cast batches to the engine
     "fp16.auto_cast": False,
-    "zero_optimization.offload_optimizer.device": "none",
     "zero_optimization.offload_param.device": "none",
     "zero_optimization.stage3_prefetch_bucket_size": 50_000_000,
     "optimizer.type": None, "optimizer.params": None,
@@ -132,8 +132,8 @@ REFUSED: Dict[str, str] = {  # section -> why
     "tensor_parallel": "automatic tensor parallelism is not implemented",
     "expert_parallel": "expert parallelism is not implemented",
 }
-# the sections readers check themselves (per optimizer or scheduler type)
-SELF_CHECKED = ("optimizer.params", "scheduler.params")
+# the sections readers check themselves (per optimizer or scheduler type; offload.py)
+SELF_CHECKED = ("optimizer.params", "scheduler.params", "zero_optimization.offload_optimizer")
 
 
 def _table_keys() -> Set[str]:
@@ -219,22 +219,28 @@ def _classify(path: str, value: Any, info: List[str], problems: List[str]) -> bo
 def check_keys(ds: Mapping, info: List[str], problems: List[str]) -> None:
     """Every key of `ds` (legacy spellings already normalized): an info line for a speed-only
     key, a problem for a refused, non-default or unknown key, one line each."""
-    _walk(ds, "", known_keys(), info, problems)
+    walk_keys(ds, known_keys(), lambda path, value: _classify(path, value, info, problems),
+              _unknown, problems)
 
 
-def _walk(section: Mapping, prefix: str, known: Set[str], info: List[str],
-          problems: List[str]) -> None:
+def walk_keys(section: Mapping, known: Set[str], classify: Callable[[str, Any], bool],
+              unknown: Callable[[str, str, Set[str]], str], problems: List[str],
+              prefix: str = "") -> None:
+    """The one walk over a DeepSpeed config's keys, for both readers (this module's and
+    pretrain_gpt.py's): `classify(path, value)` handles a key with a fixed disposition (True:
+    done); a key `known` (dotted keys) lacks is `unknown(path, prefix, its section's keys)`'s
+    problem line; a known section must be a JSON object, and is walked in turn."""
     depth = prefix.count(".")
     siblings = {k.split(".")[depth] for k in known if k.startswith(prefix)}
     for key, value in section.items():
         path = prefix + key
-        if _classify(path, value, info, problems):
+        if classify(path, value):
             continue
         if key not in siblings:
-            problems.append(_unknown(path, prefix, siblings))
+            problems.append(unknown(path, prefix, siblings))
         elif any(k.startswith(path + ".") for k in known):
             if isinstance(value, dict):
-                _walk(value, path + ".", known, info, problems)
+                walk_keys(value, known, classify, unknown, problems, path + ".")
             else:
                 example = '{"enabled": true}' if path + ".enabled" in known else \
                     '{"type": ..., "params": {...}}' if path + ".type" in known else "{...}"

@@ -6,10 +6,13 @@ is pure: the JSON's values fill the flags not given on the command line; a flag 
 different value is an error naming both (as DeepSpeed refuses conflicting settings). Unknown
 keys are errors naming the key and what to use instead. Keys the JSON leaves out keep
 pretrain_gpt.py's (Megatron's) defaults, e.g. --weight-decay 0.01. Loss-scaling keys apply
-only with fp16.enabled true (DeepSpeed ignores them otherwise).
+only with fp16.enabled true (DeepSpeed ignores them otherwise); "auto" is refused (no Trainer
+fills it here: the flags say the values).
 
-`gigatron.initialize`'s reader (`engine.py`'s `engine_config`) reads the same table rows with
-`read_rows`, but a key the JSON leaves out gets DeepSpeed's default.
+One reader with `gigatron.initialize`'s (`engine.py`'s `engine_config`): the same loader
+(`source.py`), key walk (`keys.walk_keys`, over the table's keys here), batch rule
+(`batch.py`), offload_optimizer reader (`offload.py`) and table rows (`read_rows`); only a key
+the JSON leaves out differs: DeepSpeed's default there, the flag's default here.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import json
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from gigatron.training.config.deepspeed.keys import walk_keys
+from gigatron.training.config.deepspeed.offload import offload_optimizer_device
 from gigatron.training.config.deepspeed.source import load_config
 from gigatron.training.config.spelling import did_you_mean
 from gigatron.training.config.table import Row, deepspeed_default, flag_name, table
@@ -70,54 +75,50 @@ def _path(key: str) -> List[str]:
     return [re.sub(r"\[\d+\]$", "", part) for part in key.split(".")]
 
 
-def _tree() -> Dict[str, Any]:
-    """The JSON sections the table knows, as nested dicts (leaves are None)."""
-    tree: Dict[str, Any] = {}
-    for key, _ in _rows():
-        node = tree
-        *sections, leaf = _path(key)
-        for s in sections:
-            node = node.setdefault(s, {})
-        node.setdefault(leaf, None)
-    return tree
+def _known_keys() -> Set[str]:
+    """The dotted keys the table reads (zero_optimization.offload_optimizer whole)."""
+    return {".".join(_path(key)) for key, _ in _rows()}
 
 
-def _known(node: Dict[str, Any], prefix: str, ds_type: Any) -> set:
-    """The keys of a section; optimizer.params depends on the optimizer type."""
-    if prefix != "optimizer.params.":
-        return set(node)
-    kind = _OPTIMIZER_TYPES.get(str(ds_type).lower())
-    known = {k for k in node if _params_kind(k) in (None, kind)}
-    return known | (set(_ADAM_ONLY_KEYS) if kind == "adam" else set())
-
-
-def _unknown(key: str, prefix: str, known: set, ds_type: Any) -> str:
+def _unknown(path: str, prefix: str, known: Set[str]) -> str:
+    """A key pretrain_gpt.py does not read: the flag to use instead, or the known keys."""
+    key = path[len(prefix):]
     if not prefix:
         hint = _INSTEAD.get(key, f"supported keys: {', '.join(sorted(known))}")
         return f"{key} is not supported: {hint}{did_you_mean(key, known)}"
-    if prefix == "optimizer.params.":
-        hint = "; use gradient_clipping" if key == "max_grad_norm" else ""
-        return (f"optimizer.params.{key} is not supported for {ds_type}; known: "
-                f"{', '.join(sorted(known))}{hint}")
-    return f"{prefix}{key} is not supported; known keys: {sorted(known)}{did_you_mean(key, known)}"
+    return f"{path} is not supported; known keys: {sorted(known)}{did_you_mean(key, known)}"
 
 
-def _check_keys(section: Mapping, node: Dict[str, Any], prefix: str, out: List[str],
-                ds_type: Any = None) -> None:
-    """Unknown keys at every level the table knows, each with a hint."""
-    known = _known(node, prefix, ds_type)
-    for key, value in section.items():
-        if not prefix and key in _AS_GIGATRON_DOES and value == _AS_GIGATRON_DOES[key]:
-            continue
+def _check_params(params: Any, ds_type: Any, problems: List[str]) -> None:
+    """optimizer.params: the keys of its optimizer type (Adam's or SGD's rows)."""
+    if not isinstance(params, dict):
+        problems.append(f'optimizer.params must be a JSON object like {{"lr": 0.001}}, got '
+                        f"{params!r}")
+        return
+    kind = _OPTIMIZER_TYPES.get(str(ds_type).lower())
+    known = {_path(key)[-1] for key, _ in _rows() if key.startswith("optimizer.params.")
+             and _params_kind(_path(key)[-1]) in (None, kind)}
+    known |= set(_ADAM_ONLY_KEYS) if kind == "adam" else set()
+    for key in params:
         if key not in known:
-            out.append(_unknown(key, prefix, known, ds_type))
-        elif isinstance(node.get(key), dict):
-            if not isinstance(value, dict):
-                example = ' like {"enabled": true}' if key in ("fp16", "bf16") else ""
-                out.append(f"{prefix}{key} must be a JSON object{example}, got {value!r}")
-                continue
-            _check_keys(value, node[key], f"{prefix}{key}.", out,
-                        section.get("type") if key == "params" else ds_type)
+            hint = "; use gradient_clipping" if key == "max_grad_norm" else ""
+            problems.append(f"optimizer.params.{key} is not supported for {ds_type}; known: "
+                            f"{', '.join(sorted(known))}{hint}")
+
+
+def _check_keys(ds: Mapping, problems: List[str]) -> None:
+    """Every key of `ds` against the table's, by the engine reader's walk (`walk_keys`)."""
+    def classify(path: str, value: Any) -> bool:
+        if path in _AS_GIGATRON_DOES and value == _AS_GIGATRON_DOES[path]:
+            return True
+        if path == "optimizer.params":
+            optimizer = ds.get("optimizer")
+            _check_params(value, optimizer.get("type") if isinstance(optimizer, dict) else None,
+                          problems)
+            return True
+        return False
+
+    walk_keys(ds, _known_keys(), classify, _unknown, problems)
 
 
 def _params_kind(param: str) -> Optional[str]:
@@ -173,20 +174,12 @@ def _count(key: str, value: Any) -> int:
     return _number(key, value, integer=True)
 
 
-def _offload(key: str, value: Any) -> bool:
-    """offload_optimizer {device, pin_memory} -> --optimizer-cpu-offload."""
-    if not isinstance(value, dict):
-        raise ValueError(f'{key} must be a JSON object like {{"device": "cpu"}}, got {value!r}')
-    unknown = sorted(set(value) - {"device", "pin_memory"})
-    if unknown:
-        raise ValueError(f"{key}.{unknown[0]} is not supported; known keys: "
-                         f"['device', 'pin_memory']")
-    if value.get("pin_memory", True) is not True:
-        raise ValueError(f"{key}.pin_memory false is not supported: offloaded state is always "
-                         f"pinned on CUDA (set it to true or drop it)")
-    device = value.get("device", "none")
-    if device not in ("cpu", "none"):
-        raise ValueError(f'{key}.device {device!r} is not supported: use "cpu" or "none"')
+def _offload(value: Any, info: List[str]) -> bool:
+    """offload_optimizer -> --optimizer-cpu-offload, by the engine's reader (`offload.py`)."""
+    problems: List[str] = []
+    device = offload_optimizer_device(value, info, problems)
+    if problems:
+        raise ConfigError(problems)
     return device == "cpu"
 
 
@@ -202,15 +195,18 @@ _CONVERT: Dict[str, Callable[[str, Any], Any]] = {
     "timing": lambda key, on: int(_boolean(key, on)),
     "loss_scale": lambda key, v: float(_number(key, v)) or None,  # 0 = dynamic
     "power_of_2": lambda key, power: 2.0 ** _number(key, power, integer=True),
-    "count": _count, "offload": _offload, "optimizer_type": _optimizer_type,
+    "count": _count, "optimizer_type": _optimizer_type,
 }
 _SAME: Dict[str, Callable[[Any, Any], bool]] = {
     "timing": lambda given, value: (given >= 1) == bool(value)}
 
 
-def _convert(row: Row, key: str, raw: Any) -> Any:
-    """The flag value of a JSON value: by the row's ds_as, else by the row's type."""
-    if row.spec.ds_as:
+def _convert(row: Row, key: str, raw: Any, info: List[str]) -> Any:
+    """The flag value of a JSON value: by the row's ds_as, else by the row's type (info: lines
+    for what is accepted without effect)."""
+    if row.spec.ds_as == "offload":
+        value = _offload(raw, info)
+    elif row.spec.ds_as:
         value = _CONVERT[row.spec.ds_as](key, raw)
     elif row.type is bool:
         value = _boolean(key, raw)
@@ -239,13 +235,15 @@ def _applies(row: Row, ds: Mapping) -> bool:
     return True
 
 
-def read_deepspeed_config(ds: Mapping) -> Tuple[Dict[str, Entry], List[str]]:
-    """(dest -> entry for every table key present in `ds`, every problem found)."""
+def read_deepspeed_config(ds: Mapping) -> Tuple[Dict[str, Entry], List[str], List[str]]:
+    """(dest -> entry for every table key present in `ds`, every problem found, info lines
+    for what is accepted without effect)."""
     if not isinstance(ds, dict):
-        return {}, ["a DeepSpeed config must be a JSON object"]
+        return {}, ["a DeepSpeed config must be a JSON object"], []
     problems: List[str] = []
+    info: List[str] = []
     _reject_placeholders(ds, "", problems)
-    _check_keys(ds, _tree(), "", problems)
+    _check_keys(ds, problems)
     optimizer = ds.get("optimizer")
     if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict) and \
             optimizer["params"].get("adam_w_mode", True) is not True:
@@ -256,17 +254,21 @@ def read_deepspeed_config(ds: Mapping) -> Tuple[Dict[str, Entry], List[str]]:
         try:
             present, raw = _lookup(ds, key)
             if present and raw != "auto" and _applies(row, ds):
-                entries[row.dest] = (key, raw, _convert(row, key, raw),
+                entries[row.dest] = (key, raw, _convert(row, key, raw, info),
                                      _SAME.get(row.spec.ds_as or ""))
+        except ConfigError as err:
+            problems += err.problems
         except ValueError as err:
             problems.append(str(err))
-    return entries, dedupe(problems)
+    return entries, dedupe(problems), info
 
 
-def read_rows(ds: Mapping, dests: Sequence[str]) -> Tuple[Dict[str, Any], List[str]]:
+def read_rows(ds: Mapping, dests: Sequence[str],
+              info: List[str]) -> Tuple[Dict[str, Any], List[str]]:
     """dest -> value of the named table rows as gigatron.initialize reads them: the JSON's value
     converted as for pretrain_gpt.py, or DeepSpeed's default (`deepspeed_default`) when the JSON
-    leaves the key out (or fp16 is off, for loss-scaling keys); and every problem found."""
+    leaves the key out (or fp16 is off, for loss-scaling keys); and every problem found (info
+    lines go to `info`)."""
     rows = {r.dest: r for r in table()}
     values: Dict[str, Any] = {}
     problems: List[str] = []
@@ -276,7 +278,9 @@ def read_rows(ds: Mapping, dests: Sequence[str]) -> Tuple[Dict[str, Any], List[s
         try:
             present, raw = _lookup(ds, str(row.spec.ds))
             if present and _applies(row, ds):
-                values[dest] = _convert(row, str(row.spec.ds), raw)
+                values[dest] = _convert(row, str(row.spec.ds), raw, info)
+        except ConfigError as err:
+            problems += err.problems
         except ValueError as err:
             problems.append(str(err))
     return values, problems
@@ -288,7 +292,7 @@ def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
     on the command line, which must agree with the config (under Megatron-DeepSpeed's
     --deepspeed, the flags of MEGATRON_DEEPSPEED_FLAG_WINS win instead). Raises a ConfigError
     listing every problem (one line each)."""
-    entries, problems = read_deepspeed_config(ds)
+    entries, problems, _ = read_deepspeed_config(ds)
     if ("gradient_accumulation_steps" not in entries and "global_batch_size" in entries
             and "micro_batch_size" not in entries and flags.micro_batch_size is None):
         entries["gradient_accumulation_steps"] = (
@@ -299,7 +303,7 @@ def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
         if dest not in explicit:
             setattr(out, dest, value)
         elif getattr(flags, "deepspeed", False) and dest in MEGATRON_DEEPSPEED_FLAG_WINS:
-            continue  # the command line's value stays (megatron_deepspeed_notes says so)
+            continue  # the command line's value stays (deepspeed_config_notes says so)
         elif not (same(given, value) if same else given == value):
             shown = "" if isinstance(given, bool) else f" {given}"
             problems.append(f"{flag_name(dest)}{shown} on the command line conflicts with "
@@ -310,14 +314,15 @@ def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
     return out
 
 
-def megatron_deepspeed_notes(flags: Mapping[str, Any]) -> List[str]:
-    """Banner lines for the JSON values a Megatron-DeepSpeed command line overrode."""
+def deepspeed_config_notes(flags: Mapping[str, Any]) -> List[str]:
+    """Banner lines of --deepspeed-config: what it holds that is accepted without effect, and
+    under --deepspeed the JSON values a Megatron-DeepSpeed command line overrode."""
     path = flags.get("deepspeed_config")
-    if not flags.get("deepspeed") or not path:
+    if not path:
         return []
-    entries, _ = read_deepspeed_config(load_deepspeed_config(path))
-    notes = []
-    for dest, why in MEGATRON_DEEPSPEED_FLAG_WINS.items():
+    entries, _, notes = read_deepspeed_config(load_deepspeed_config(path))
+    notes = [f"--deepspeed-config: {line}" for line in notes]
+    for dest, why in MEGATRON_DEEPSPEED_FLAG_WINS.items() if flags.get("deepspeed") else ():
         if dest in entries and flags.get(dest) != entries[dest][2]:
             key, raw = entries[dest][0], entries[dest][1]
             notes.append(f"{flag_name(dest)} {flags.get(dest)} is used, not {key}: "
