@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start SCRIPT on every rank: one node through torch's elastic agent "
                     "(torchrun), several over pdsh/ssh (torchrun per node), mpirun or srun. "
                     "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
-                    "and --local_rank=K. See docs/LAUNCH.md.")
+                    "and --local_rank=K (not the gigatron command). See docs/LAUNCH.md.")
     add = parser.add_argument
     add("--num_gpus", "--num_accelerators", type=int, default=-1, metavar="N",
         help="ranks per node (devices 0..N-1); without a GPU, N CPU workers on gloo")
@@ -63,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--timeline", default=None, metavar="F",
         help="merged Chrome-trace timeline: sets GIGATRON_TIMELINE=F for every rank")
     add("--dry_run", action="store_true", help="print the commands per node; start nothing")
-    add("script", help="the training script (run with python -u)")
+    add("script", help="the training script (run with python -u; a bare name not in this "
+                       "folder is looked up among the installed scripts, then on PATH), or "
+                       "`gigatron` for the gigatron command: `gigatron launch --num_gpus 2 "
+                       "gigatron pretrain ...` (no --local_rank: it reads LOCAL_RANK)")
     add("script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
 
@@ -170,13 +173,16 @@ def _start(req: "LaunchRequest", plan: "LaunchPlan", commands: List["Command"]) 
     from gigatron.parallel.launcher.hosts import LaunchError
     from gigatron.parallel.launcher.node import run_node
     from gigatron.parallel.launcher.run import run_commands
+    from gigatron.parallel.launcher.worker import (find_script, is_gigatron_command,
+                                                   script_not_found)
 
     for note in plan.notes:
         print(f"{PROG}: {note}", file=sys.stderr)
     if req.log_dir:
         print(f"{PROG}: one log per rank in {req.log_dir}/rank{{RANK}}.log", file=sys.stderr)
-    if plan.launcher == "torchrun" and not os.path.isfile(req.script):
-        raise LaunchError(f"script {req.script!r} not found in {os.getcwd()}: give its path")
+    if plan.launcher == "torchrun" and not is_gigatron_command(req.script) and \
+            find_script(req.script) is None:
+        raise LaunchError(script_not_found(req.script))
     if plan.launcher == "torchrun":
         if plan.local_node is None:
             raise LaunchError(f"--launcher torchrun starts one node here: run it with "

@@ -535,8 +535,11 @@ def test_mpirun_failure_names_the_rank(tmp_path):
 def test_missing_script_is_one_line_before_any_worker_starts(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert launch_main(["--num_gpus", "1", "nope.py"]) == 2
-    assert capsys.readouterr().err == (f"gigatron launch: error: script 'nope.py' not found in "
-                                       f"{tmp_path}: give its path\n")
+    err = capsys.readouterr().err
+    assert err.startswith(f"gigatron launch: error: script 'nope.py' not found in {tmp_path}, "
+                          f"in ") and err.endswith(" or on PATH: give its path (the gigatron "
+                                                   "command: `gigatron launch ... gigatron "
+                                                   "pretrain ...`)\n"), err
 
 
 def test_ssh_command_lines_run_as_printed(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """One rank of a `gigatron launch` job: the same start-up under torchrun, mpirun and srun.
 
 `python -u -m gigatron.parallel.launcher.worker [--no_local_rank] [--log_dir D] script.py ARGS`
+(or `... worker gigatron COMMAND ARGS`)
 
 - reads this rank's place the way `gigatron.parallel.world` does (torchrun, SLURM or MPI
   variables) and exports RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
@@ -9,7 +10,10 @@
 - with --log_dir, sends this rank's stdout and stderr to D/rank{RANK}.log (DeepSpeed's
   per-rank logs: the console keeps only the launcher's lines);
 - runs the script as `__main__` with `--local_rank=K` before its arguments (DeepSpeed's
-  convention) unless --no_local_rank;
+  convention) unless --no_local_rank; a script name not found in the working directory is
+  looked up where pip installs scripts for this Python, then on PATH (`pretrain_gpt.py` from
+  any folder); `gigatron` (or a path ending in it, `$(which gigatron)`) runs the gigatron
+  command in this Python, without --local_rank (its commands read LOCAL_RANK);
 - an uncaught exception prints its traceback as Python would (without this module's frames)
   and is recorded where the launcher reads it: the error file torch's elastic agent names
   (TORCHELASTIC_ERROR_FILE) and D/rank{RANK}.error.json for D in --log_dir and
@@ -21,6 +25,7 @@ import json
 import os
 import runpy
 import sys
+import sysconfig
 import time
 import traceback
 from types import TracebackType
@@ -82,10 +87,58 @@ def _redirect_output(path: str) -> None:
     os.close(fd)
 
 
-def _user_frames(tb: Optional[TracebackType], script: str) -> Optional[TracebackType]:
+GIGATRON_COMMAND = "gigatron"
+
+
+def is_gigatron_command(script: str) -> bool:
+    """`gigatron`, or a path to it (`$(which gigatron)`, maybe a pyenv shell shim): the
+    command, run in the rank's own Python."""
+    return os.path.basename(script) == GIGATRON_COMMAND
+
+
+def _is_python(path: str) -> bool:
+    """A Python script: a python shebang, or a .py file without another shebang (pyenv's
+    shims are bash scripts named like the script they start)."""
+    with open(path, "rb") as f:
+        first = f.readline(256)
+    return b"python" in first if first.startswith(b"#!") else path.endswith(".py")
+
+
+def find_script(script: str) -> Optional[str]:
+    """The Python file `script` names: the path as given, else (a bare name) the script pip
+    installed next to this Python (`pretrain_gpt.py`), else one on PATH; None if none."""
+    if os.path.isfile(script) or os.sep in script:
+        return script if os.path.isfile(script) and _is_python(script) else None
+    folders = [sysconfig.get_path("scripts")] + os.environ.get("PATH", "").split(os.pathsep)
+    for folder in folders:
+        path = os.path.join(folder, script)
+        if folder and os.path.isfile(path) and _is_python(path):
+            return path
+    return None
+
+
+def script_not_found(script: str) -> str:
+    """The one line for a script `find_script` cannot find."""
+    if os.path.isfile(script):
+        return (f"script {script!r} is not a Python script (a shell wrapper?): give the "
+                f"Python file, or `gigatron COMMAND` for the gigatron command")
+    where = f"in {os.getcwd()}" if os.sep in script else \
+        f"in {os.getcwd()}, in {sysconfig.get_path('scripts')} or on PATH"
+    return (f"script {script!r} not found {where}: give its path (the gigatron command: "
+            f"`gigatron launch ... gigatron pretrain ...`)")
+
+
+def _user_frames(tb: Optional[TracebackType], script: Optional[str]) -> Optional[TracebackType]:
     """The traceback from the script's first frame on: this module and runpy cut off, and
-    nothing when the script never ran (a SyntaxError shows its own line)."""
-    start, target = tb, os.path.realpath(script)
+    nothing when the script never ran (a SyntaxError shows its own line); for the gigatron
+    command (script None), from its first frame outside this module and runpy."""
+    start = tb
+    if script is None:
+        ours = {os.path.realpath(__file__), os.path.realpath(runpy.__file__)}
+        while start is not None and os.path.realpath(start.tb_frame.f_code.co_filename) in ours:
+            start = start.tb_next
+        return start
+    target = os.path.realpath(script)
     while start is not None and os.path.realpath(start.tb_frame.f_code.co_filename) != target:
         start = start.tb_next
     return start
@@ -115,12 +168,17 @@ def _error_paths(rank: str, log_dir: Optional[str]) -> List[str]:
     return paths
 
 
-def run_script(script: str, args: Sequence[str], error_paths: Sequence[str]) -> int:
-    """Run `script` as __main__ the way `python script.py args` would; 1 on an exception."""
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+def run_script(script: Optional[str], args: Sequence[str], error_paths: Sequence[str]) -> int:
+    """Run `script` as __main__ the way `python script.py args` would (None: the gigatron
+    command, as `gigatron args` would); 1 on an exception."""
+    sys.argv = [script or GIGATRON_COMMAND, *args]
+    if script is not None:
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if script is None:
+            runpy.run_module(GIGATRON_COMMAND, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as error:
@@ -142,16 +200,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as error:
         print(f"gigatron launch worker: {error}", file=sys.stderr)
         return 2
-    if not os.path.isfile(script):
-        print(f"gigatron launch worker: script {script!r} not found in {os.getcwd()}",
-              file=sys.stderr)
+    command = is_gigatron_command(script)
+    found = None if command else find_script(script)
+    if not command and found is None:
+        print(f"gigatron launch worker: {script_not_found(script)}", file=sys.stderr)
         return 2
     rank = os.environ["RANK"]
     if log_dir:
         _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
-    if not no_local_rank:
+    if not (no_local_rank or command):
         args = [f"--local_rank={os.environ['LOCAL_RANK']}", *args]
-    return run_script(script, args, _error_paths(rank, log_dir))
+    return run_script(found, args, _error_paths(rank, log_dir))
 
 
 if __name__ == "__main__":
