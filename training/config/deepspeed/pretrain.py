@@ -204,6 +204,7 @@ _SAME: Dict[str, Callable[[Any, Any], bool]] = {
 def _convert(row: Row, key: str, raw: Any, info: List[str]) -> Any:
     """The flag value of a JSON value: by the row's ds_as, else by the row's type (info: lines
     for what is accepted without effect)."""
+    value: Any
     if row.spec.ds_as == "offload":
         value = _offload(raw, info)
     elif row.spec.ds_as:
