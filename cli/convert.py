@@ -34,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--family", choices=("auto", "gpt2", "llama"), default="auto",
                         help="gigatron-to-hf: the architecture to write (auto: llama for RoPE "
                              "models, else gpt2)")
+    for flag, what in (("--tokenizer-type", "the tokenizer type"),
+                       ("--tokenizer-model", "the tokenizer model file"),
+                       ("--vocab-file", "GPT-2's vocab.json"),
+                       ("--merge-file", "GPT-2's merges.txt")):
+        parser.add_argument(flag, default=None,
+                            help=f"gigatron-to-hf: {what} (Megatron's flag), in place of the "
+                                 f"one the checkpoint's flags name (default: theirs)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="megatron-to-gigatron: the tokenizer's vocabulary size, to drop "
                              "Megatron's padding rows beyond it (not given: the saved "
@@ -46,9 +53,12 @@ def _run(args: argparse.Namespace) -> str:
     from gigatron.training.checkpoint import convert
 
     if args.direction == "gigatron-to-hf":
-        hf = convert.gigatron_to_hf(args.load, args.save,
-                                    "" if args.family == "auto" else args.family)
-        return f"wrote {args.save}: {hf['architectures'][0]}"
+        tokenizer = {"tokenizer_type": args.tokenizer_type,
+                     "tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file,
+                     "merge_file": args.merge_file}
+        hf, tokenizer_line = convert.gigatron_to_hf(
+            args.load, args.save, "" if args.family == "auto" else args.family, tokenizer)
+        return f"wrote {args.save}: {hf['architectures'][0]}; {tokenizer_line}"
     if args.direction == "hf-to-gigatron":
         config = convert.hf_to_gigatron(args.load, args.save)
     else:

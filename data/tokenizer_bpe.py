@@ -34,6 +34,11 @@ class _TokenizersLibrary(Tokenizer):
         self._eod = eod
 
     @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` that encodes (a Hugging Face export saves it as is)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

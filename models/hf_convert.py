@@ -1,6 +1,8 @@
 """Hugging Face <-> gigatron weights: GPT-2 (`GPT2LMHeadModel`) and Llama (`LlamaForCausalLM`).
 
-A Hugging Face folder holds config.json and safetensors (one file or an index of shards).
+A Hugging Face folder holds config.json and safetensors (one file or an index of shards); an
+exported one also generation_config.json, and the tokenizer files when the run's tokenizer is
+known (training/checkpoint/convert.py writes them through gigatron.data.tokenizer_export).
 gigatron's side is a single-device GPTModel state dict (vocabulary padded as the config
 says); training/checkpoint/convert.py writes and reads it as a gigatron checkpoint, which
 any tp / pp layout loads.
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from types import ModuleType
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,10 +24,12 @@ from gigatron.models.hf_common import ConversionError, StateDict, require
 FAMILIES: Dict[str, ModuleType] = {"gpt2": hf_gpt2, "llama": hf_llama}
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+GENERATION_CONFIG_FILE = "generation_config.json"
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 __all__ = ["ConversionError", "config_from_hf", "config_to_hf", "state_dict_from_hf",
-           "state_dict_to_hf", "read_hf", "write_hf", "family_of"]
+           "state_dict_to_hf", "read_hf", "write_hf", "family_of", "read_special_token_ids"]
 
 
 def family_of(hf_config: Dict[str, Any]) -> str:
@@ -109,14 +113,35 @@ def read_hf(hf_dir: str) -> Tuple[TransformerConfig, StateDict]:
                               _read_json(os.path.join(hf_dir, CONFIG_FILE)))
 
 
-def write_hf(out_dir: str, config: TransformerConfig, state: StateDict,
-             family: str = "") -> Dict[str, Any]:
-    """Write a single-device state dict as a Hugging Face folder (config.json +
-    model.safetensors) of `family` (default: default_family); returns the config.json."""
+def _readable(path: str) -> None:
+    """Give a written file the mode the umask allows (safetensors writes 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def read_special_token_ids(hf_dir: str) -> Dict[str, Optional[int]]:
+    """bos/eos/pad ids of a Hugging Face folder's config.json (None where it has none)."""
+    hf_config = _read_json(os.path.join(hf_dir, CONFIG_FILE))
+    return {key: hf_config.get(key) for key in SPECIAL_TOKEN_IDS}
+
+
+def write_hf(out_dir: str, config: TransformerConfig, state: StateDict, family: str = "",
+             special_ids: Optional[Dict[str, Optional[int]]] = None) -> Dict[str, Any]:
+    """Write a single-device state dict as a Hugging Face folder (config.json,
+    generation_config.json, model.safetensors) of `family` (default: default_family), with
+    the tokenizer's `special_ids` (bos/eos; None: unknown, written as null so that
+    transformers does not assume GPT-2's or Llama's); returns the config.json."""
     family = family or default_family(config)
     hf_config = config_to_hf(config, family)
+    ids = {key: (special_ids or {}).get(key) for key in SPECIAL_TOKEN_IDS}
+    hf_config.update(ids)
     hf_state = state_dict_to_hf(state, config, family)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(hf_state, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+    weights = os.path.join(out_dir, WEIGHTS_FILE)
+    save_file(hf_state, weights, metadata={"format": "pt"})
+    _readable(weights)
     _write_json(os.path.join(out_dir, CONFIG_FILE), hf_config)
+    _write_json(os.path.join(out_dir, GENERATION_CONFIG_FILE),
+                {key: value for key, value in ids.items() if value is not None})
     return hf_config

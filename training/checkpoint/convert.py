@@ -8,7 +8,9 @@ padding, the converters' state dicts are a single-device GPTModel's (padded rows
 so the rows are cut on the way in and padded on the way out. Its metadata records the model as
 gigatron flags (`flags`, what --load compares a run's model against; `model_flags` shows the
 command line that rebuilds it) and the exact TransformerConfig (`model_config`, for the
-fields no flag sets, such as Llama 3.1's low/high frequency factors).
+fields no flag sets, such as Llama 3.1's low/high frequency factors). An exported Hugging Face
+folder gets the run's tokenizer (named by its saved flags) as tokenizer.json, and its bos/eos
+ids in config.json, so that transformers' `pipeline("text-generation", folder)` runs.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ CONVERTED_ITERATION = 0  # a converted model starts training at iteration 0 (Meg
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # fields that change what the model computes (the rest: memory, speed, initialisation)
 _VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+SPECIAL_IDS_KEY = "special_token_ids"  # metadata: a converted model's bos/eos/pad ids
 _RUNTIME_ONLY = ("attention_backend", "sequence_parallel", "recompute_granularity",
                  "recompute_method", "recompute_num_layers", "apply_scaled_init")
 
@@ -132,14 +135,16 @@ def config_from_json(data: Dict[str, Any], where: str) -> TransformerConfig:
     return TransformerConfig(**data)
 
 
-def save_model(root: str, config: TransformerConfig, state: StateDict, source: str) -> str:
-    """Write a single-device (global-name) state dict as a gigatron checkpoint in `root`;
-    returns the iteration folder."""
+def save_model(root: str, config: TransformerConfig, state: StateDict, source: str,
+               special_ids: Optional[Dict[str, Optional[int]]] = None) -> str:
+    """Write a single-device (global-name) state dict as a gigatron checkpoint in `root`
+    (with the source's bos/eos ids, for an export back); returns the iteration folder."""
     from gigatron.training.checkpoint.torch_dist.save_load import save_global_model
 
     argv = model_flags(config)
     metadata = {"flags": parse_model_flags(argv), "model_flags": argv,
-                "model_config": config_to_json(config), "converted_from": source}
+                "model_config": config_to_json(config), "converted_from": source,
+                SPECIAL_IDS_KEY: special_ids or {}}
     tensors = {k: (v[:config.vocab_size] if k in _VOCAB_NAMES else v).detach().contiguous()
                for k, v in state.items()}
     return save_global_model(tensors, root, CONVERTED_ITERATION, metadata)
@@ -149,6 +154,11 @@ def load_model(root: str) -> Tuple[TransformerConfig, StateDict]:
     """(config, single-device state dict) of any gigatron checkpoint: a converted one (its
     recorded config) or one a run saved at any layout (the config its flags build; the
     vocabulary is as many tokens as the saved table has rows)."""
+    config, state, _ = _load_with_metadata(root)
+    return config, state
+
+
+def _load_with_metadata(root: str) -> Tuple[TransformerConfig, StateDict, Dict[str, Any]]:
     from gigatron.training.checkpoint.torch_dist.save_load import load_global_model
 
     try:
@@ -156,7 +166,7 @@ def load_model(root: str) -> Tuple[TransformerConfig, StateDict]:
     except ValueError as err:  # a missing, damaged or torch-format checkpoint: named
         raise ConversionError(str(err).splitlines()[0]) from None
     if "model_config" in metadata:
-        return _padded(config_from_json(metadata["model_config"], root), state)
+        return (*_padded(config_from_json(metadata["model_config"], root), state), metadata)
     flags = metadata.get("flags")
     require(isinstance(flags, dict), f"checkpoint {root} records no flags: its model's shape "
             f"is unknown")
@@ -164,7 +174,7 @@ def load_model(root: str) -> Tuple[TransformerConfig, StateDict]:
             f"embedding.word_embeddings.weight")
     vocab = state["embedding.word_embeddings.weight"].shape[0]
     assert isinstance(flags, dict)  # (require raised otherwise)
-    return _padded(config_from_flags(flags, vocab), state)
+    return (*_padded(config_from_flags(flags, vocab), state), metadata)
 
 
 def _padded(config: TransformerConfig, state: StateDict) -> Tuple[TransformerConfig, StateDict]:
@@ -176,20 +186,54 @@ def _padded(config: TransformerConfig, state: StateDict) -> Tuple[TransformerCon
 def hf_to_gigatron(hf_dir: str, save: str) -> TransformerConfig:
     """Convert a Hugging Face folder into a gigatron checkpoint in `save`; returns the
     config."""
-    from gigatron.models.hf_convert import read_hf
+    from gigatron.models.hf_convert import read_hf, read_special_token_ids
 
     config, state = read_hf(hf_dir)
-    save_model(save, config, state, f"huggingface:{hf_dir}")
+    save_model(save, config, state, f"huggingface:{hf_dir}", read_special_token_ids(hf_dir))
     return config
 
 
-def gigatron_to_hf(load: str, out_dir: str, family: str = "") -> Dict[str, Any]:
-    """Convert a gigatron checkpoint (any layout) into a Hugging Face folder; returns the
-    written config.json."""
+def gigatron_to_hf(load: str, out_dir: str, family: str = "",
+                   tokenizer_flags: Optional[Dict[str, Any]] = None
+                   ) -> Tuple[Dict[str, Any], str]:
+    """Convert a gigatron checkpoint (any layout) into a Hugging Face folder with the run's
+    tokenizer (its saved flags, `tokenizer_flags` given override them); returns the written
+    config.json and a line saying what tokenizer the folder holds."""
     from gigatron.models.hf_convert import write_hf
 
-    config, state = load_model(load)
-    return write_hf(out_dir, config, state, family)
+    config, state, metadata = _load_with_metadata(load)
+    special_ids, tokenizer_line = export_tokenizer(metadata, tokenizer_flags or {}, out_dir,
+                                                   config.max_position_embeddings)
+    return write_hf(out_dir, config, state, family, special_ids), tokenizer_line
+
+
+def export_tokenizer(metadata: Dict[str, Any], given: Dict[str, Any], out_dir: str,
+                     max_length: int) -> Tuple[Dict[str, Optional[int]], str]:
+    """Write the checkpoint's tokenizer as Hugging Face files in `out_dir`: (bos/eos ids for
+    config.json, what was written). A checkpoint without one (converted, NullTokenizer,
+    --mock-data) keeps the ids it recorded and gets no tokenizer files."""
+    from gigatron.data.tokenizer import build_tokenizer, missing_tokenizer_flags, TOKENIZER_FLAGS
+    from gigatron.data.tokenizer_export import write_hf_tokenizer
+
+    flags = {**(metadata.get("flags") or {}), **{k: v for k, v in given.items() if v is not None}}
+    tokenizer_type, missing = missing_tokenizer_flags(flags)
+    if tokenizer_type is None or missing or tokenizer_type == "NullTokenizer":
+        recorded = metadata.get(SPECIAL_IDS_KEY) or {}
+        return recorded, (f"no tokenizer files: the checkpoint names no tokenizer files "
+                          f"({tokenizer_type or 'mock data'}); give the run's "
+                          f"--tokenizer-type and its files to add them")
+    options = {k: flags[k] for k in TOKENIZER_FLAGS if flags.get(k) is not None}
+    try:
+        tokenizer = build_tokenizer(tokenizer_type, **options)
+        ids = write_hf_tokenizer(tokenizer, tokenizer_type, flags.get("tokenizer_model"),
+                                 out_dir, max_length)
+    except ValueError as err:
+        raise ConversionError(f"{err} (the tokenizer as the checkpoint's flags name it: a "
+                              f"relative path is from the training run's folder; give "
+                              f"--tokenizer-model / --vocab-file / --merge-file to point "
+                              f"elsewhere)") from None
+    return ids, (f"tokenizer: {tokenizer_type} as tokenizer.json, bos "
+                 f"{ids['bos_token_id']}, eos {ids['eos_token_id']}")
 
 
 def megatron_to_gigatron(load: str, save: str, vocab_size: Optional[int] = None
