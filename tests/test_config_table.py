@@ -125,7 +125,8 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
          "recompute_num_layers": "--recompute-granularity full --recompute-method uniform",
          "num_query_groups": "--group-query-attention",
          "group_query_attention": "--num-query-groups 2", "loss_scale": "--fp16",
-         "save_interval": "--save d", "finetune": "--load d", "optimizer_cpu_offload":
+         "save_interval": "--save d", "finetune": "--load d", "ckpt_step": "--load d",
+         "optimizer_cpu_offload":
          "--zero-stage 1", "sequence_parallel": "--tensor-model-parallel-size 2",
          "num_layers_per_virtual_pipeline_stage": "--pipeline-model-parallel-size 2",
          "decoder_first_pipeline_num_layers": "--pipeline-model-parallel-size 2 --num-layers 6",

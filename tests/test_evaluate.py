@@ -1,6 +1,7 @@
 """`gigatron evaluate --load CKPT`: the loss (and perplexity) of the trainer's own validation
-at that checkpoint, with no model or data flag; the same loss at tp=2, pp=2 and dp=2 from a
-checkpoint saved on one rank; other splits and data by Megatron's flags."""
+at that checkpoint, with no model or data flag, also after a resume and at an older
+iteration (--ckpt-step); the same loss at tp=2, pp=2 and dp=2 from a checkpoint saved on one
+rank; other splits and data by Megatron's flags."""
 import json
 import math
 import os
@@ -90,3 +91,50 @@ def test_a_layout_free_checkpoint_evaluates_on_one_rank_without_layout_flags(tmp
     (valid,) = [r for r in _records(metrics) if r["split"] == "valid" and r["iteration"] == 4]
     record, _ = _evaluate(folder, 1, tmp_path)
     assert record["lm loss"] == pytest.approx(valid["lm loss"], rel=1e-6)
+
+
+def test_every_logged_validation_is_reproduced_after_a_resume_and_by_ckpt_step(tmp_path):
+    """A run validates every 2 iterations (each validation takes the next batches of the
+    valid split), saves at 2 and 4, and is resumed to 8 with a longer --train-iters, which
+    builds a larger valid split (one short document: more epochs, another order). Evaluate
+    at each saved iteration (--ckpt-step; the latest without it) gives the loss the run
+    logged there, exactly: the same samples from the split as that run built it."""
+    folder, metrics = str(tmp_path / "ckpt"), str(tmp_path / "train.jsonl")
+    common = TRAIN + ["--eval-interval", "2", "--save-interval", "2", "--lr-decay-iters", "8",
+                      "--split", "4094,1,1", "--save", folder, "--load", folder,
+                      "--metrics-file", metrics]
+    for iterations in ("4", "8"):
+        (code, out, err), = run_on_ranks(_command, 1, "cli.pretrain",
+                                         common + ["--train-iters", iterations])
+        assert code == 0, err
+    logged = {r["iteration"]: r["lm loss"] for r in _records(metrics) if r["split"] == "valid"}
+    assert sorted(logged) == [2, 4, 6, 8] and len(set(logged.values())) == 4
+    for iteration in (2, 4, 6):
+        record, stdout = _evaluate(folder, 1, tmp_path, "--ckpt-step", str(iteration))
+        assert (record["iteration"], record["lm loss"]) == (iteration, logged[iteration])
+        assert f"the run's validation at iteration {iteration}" in stdout
+    record, _ = _evaluate(folder, 1, tmp_path)
+    assert (record["iteration"], record["lm loss"], record["first_sample"]) == (
+        8, logged[8], 3 * 8)  # the fourth validation: after three of 2 batches of 4
+    # pretraining resumes from --ckpt-step's iteration, not the tracked one (Megatron's)
+    (code, out, err), = run_on_ranks(_command, 1, "cli.pretrain", TRAIN + [
+        "--load", folder, "--ckpt-step", "4", "--lr-decay-iters", "8", "--train-iters", "5",
+        "--split", "4094,1,1", "--eval-interval", "2", "--save", str(tmp_path / "again")])
+    assert code == 0, err
+    assert f"loaded checkpoint {folder}/iter_0000004 (iteration 4," in out, out
+
+
+def test_a_ckpt_step_without_its_folder_names_the_iterations_there(trained):
+    folder, _ = trained
+    (code, _, err), = run_on_ranks(_command, 1, "cli.evaluate",
+                                   ["--load", folder, "--ckpt-step", "3"])
+    assert code == 2 and "--ckpt-step 3: " in err and "(iterations in " in err, err
+    assert err.rstrip().endswith("4): give one of them"), err
+
+
+def test_ckpt_step_without_load_is_one_line_naming_both_flags(capsys):
+    from gigatron.cli import main
+
+    assert main(["pretrain", *TRAIN, "--ckpt-step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--ckpt-step 3 needs --load DIR" in err, err

@@ -21,6 +21,19 @@ def test_megatron_md_is_generated_from_the_table():
             "regenerate: python -m gigatron.training.config.megatron.doc > docs/MEGATRON.md"
 
 
+@pytest.mark.parametrize("doc", ["FLAGS.md", "MEGATRON.md"])
+def test_the_generated_docs_name_source_files_that_exist_in_the_checkout(doc):
+    """docs/FLAGS.md once named gigatron/training/config_table.py: a reader of the checkout
+    must find each .py path a generated doc names."""
+    import re
+
+    with open(os.path.join(ROOT, "docs", doc)) as f:
+        paths = re.findall(r"`([\w/]+\.py)`", f.read())
+    assert paths, f"docs/{doc} names its generator's sources"
+    missing = [p for p in paths if not os.path.isfile(os.path.join(ROOT, p))]
+    assert not missing, f"docs/{doc} names {missing}, not files of the checkout"
+
+
 def test_every_megatron_flag_is_listed_once_with_a_status():
     text = megatron_markdown()
     flags = [names for source in (MEGATRON_LM, MEGATRON_DEEPSPEED)

@@ -328,8 +328,17 @@ def check_layout(metadata: Dict[str, Any], layout: Dict[str, int], folder: str) 
             f"write a checkpoint any layout loads at the next save")
 
 
-def find_checkpoint(root: str) -> Tuple[Optional[int], Optional[str]]:
-    """(iteration, folder) of the tracked checkpoint in `root`, or (None, None)."""
+def find_checkpoint(root: str, step: Optional[int] = None
+                    ) -> Tuple[Optional[int], Optional[str]]:
+    """(iteration, folder) of the tracked checkpoint in `root` (of iteration `step` instead,
+    Megatron's --ckpt-step), or (None, None)."""
+    if step is not None:
+        folder = iteration_dir(root, step)
+        if not os.path.isdir(folder):
+            held = ", ".join(map(str, complete_iterations(root))) or "none"
+            raise ValueError(f"--ckpt-step {step}: {folder} does not exist (iterations in "
+                             f"{root}: {held}): give one of them")
+        return step, folder
     iteration = read_tracker(root)
     if iteration is None:
         return None, None

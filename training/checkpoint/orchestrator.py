@@ -181,7 +181,7 @@ def load_model_weights(run: RunConfig, groups: "ProcessGroups",
     root = run.checkpoint.load
     if root is None:
         return None
-    _, folder = files.find_checkpoint(root)
+    _, folder = files.find_checkpoint(root, run.checkpoint.ckpt_step)
     if folder is None:
         if run.checkpoint.finetune:
             raise ValueError(f"--finetune: no checkpoint in --load {root} "

@@ -140,6 +140,9 @@ class CheckpointConfig:
                                   "--load", metavar="DIR")
     save_interval: Optional[int] = setting(None, "iterations between saves (needs --save)",
                                            "--save-interval")
+    ckpt_step: Optional[int] = setting(
+        None, "checkpoint step to load model from: the iteration --load reads instead of the "
+        "one its tracker names (resume, gigatron evaluate and generate)", "--ckpt-step")
     no_load_optim: bool = setting(False, "do not load the optimizer state", "--no-load-optim")
     no_load_rng: bool = setting(False, "do not load the RNG state", "--no-load-rng")
     finetune: bool = setting(False, "load weights only and start at iteration 0",

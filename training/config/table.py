@@ -303,8 +303,9 @@ def _cell(text: Any) -> str:
 def flags_markdown() -> str:
     """docs/FLAGS.md: one table per concern, generated from the config table."""
     lines = ["# pretrain_gpt.py flags and DeepSpeed JSON keys", "",
-             "Generated from the config table (`gigatron/training/config/table.py`); do not "
-             "edit by hand:", "`python -m gigatron.training.config.table > docs/FLAGS.md`.",
+             "Generated from the config table (`training/config/table.py` in the checkout, "
+             "which gathers the `setting(...)` rows of the config classes); do not edit by "
+             "hand:", "`python -m gigatron.training.config.table > docs/FLAGS.md`.",
              "A DeepSpeed key fills the flag when the flag is not given; both given and "
              "different is an error.",
              "A key the JSON leaves out keeps the flag's default in pretrain_gpt.py; "

@@ -206,6 +206,8 @@ def check_checkpointing(s: "Settings", p: Problems) -> None:
     ck = s.checkpoint
     if ck.finetune and ck.load is None:
         p.add("--finetune needs --load DIR (the checkpoint to start from)")
+    if ck.ckpt_step is not None and ck.load is None:
+        p.add(f"--ckpt-step {ck.ckpt_step} needs --load DIR (the checkpoints to pick from)")
     if ck.async_save and ck.ckpt_format != "torch_dist":
         p.add(f"--async-save needs --ckpt-format torch_dist (got {ck.ckpt_format}): drop "
               f"--ckpt-format or --async-save")

@@ -5,18 +5,20 @@ tokenizer and data, so `--load DIR` needs no model flags; the command's own sett
 next (say, no metrics file of the training run is appended to), and the Megatron flags given
 on the command line last (a moved tokenizer file, another data split, another layout): the
 settings `arguments.build_run` validates as pretraining's. The model is then built per rank
-as pretraining builds it and the weights loaded through `orchestrator.load_model_weights`.
+as pretraining builds it and the weights loaded through `orchestrator.load_model_weights`
+(from the tracked iteration, or --ckpt-step's).
 """
 from __future__ import annotations
 
 import argparse
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 if TYPE_CHECKING:
     from gigatron.parallel.topology import ProcessGroups
+    from gigatron.training.checkpoint.orchestrator import TrainProgress
     from gigatron.training.config.run_config import RunConfig
     from gigatron.training.config.table import Settings
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 NOT_INHERITED: Dict[str, Any] = {
     "save": None, "metrics_file": None, "tensorboard_dir": None, "wandb_project": None,
     "timeline": None, "deepspeed_config": None, "exit_signal_handler": False, "finetune": False,
+    "ckpt_step": None,  # the step a resumed run loaded is not the one to load now
 }
 # the layout of the training run: a layout-free (torch_dist) checkpoint loads into any, so
 # an inference command starts from one rank's layout (the flags of its command line choose
@@ -38,14 +41,15 @@ DATA_SOURCES = ("data_path", "train_data_path", "valid_data_path", "test_data_pa
                 "mock_data")
 
 
-def saved_flags(load: str) -> Dict[str, Any]:
-    """The flags recorded in the metadata.json of the checkpoint `load` tracks (with the
-    default layout in place of the saved one when the checkpoint is layout-free)."""
+def saved_flags(load: str, step: Optional[int] = None) -> Dict[str, Any]:
+    """The flags recorded in the metadata.json of the checkpoint `load` tracks (of iteration
+    `step`: --ckpt-step), with the default layout in place of the saved one when the
+    checkpoint is layout-free."""
     from gigatron.training.checkpoint import folders as files
     from gigatron.training.config.arguments import make_parser
     from gigatron.training.checkpoint.torch_dist.save_load import checkpoint_format
 
-    _, folder = files.find_checkpoint(load)
+    _, folder = files.find_checkpoint(load, step)
     if folder is None:
         raise ValueError(f"--load {load}: no checkpoint there ({files.TRACKER} missing): "
                          f"give the --save folder of a training run")
@@ -68,7 +72,8 @@ def inference_settings(argv: Sequence[str], load: str, prog: str,
     from gigatron.training.config.arguments import given_dests, make_parser
     from gigatron.training.config.table import build_settings
 
-    base = {**saved_flags(load), **NOT_INHERITED, **overrides, "load": load}
+    step = make_parser(prog).parse_known_args(list(argv))[0].ckpt_step
+    base = {**saved_flags(load, step), **NOT_INHERITED, **overrides, "load": load}
     for name, value in TRAINING_ONLY.items():
         if base.get(name) is None and not (name == "train_iters" and base.get("train_samples")):
             base[name] = value
@@ -83,6 +88,15 @@ def load_model(run: "RunConfig", rank: int,
                device: torch.device) -> Tuple["ProcessGroups", List[torch.nn.Module]]:
     """This rank's process groups and model chunks (eval mode) holding the checkpoint's
     weights (collective over the job)."""
+    groups, chunks, _ = load_model_and_progress(run, rank, device)
+    return groups, chunks
+
+
+def load_model_and_progress(run: "RunConfig", rank: int, device: torch.device
+                            ) -> Tuple["ProcessGroups", List[torch.nn.Module],
+                                       Optional["TrainProgress"]]:
+    """`load_model`, and the training loop's position saved with the weights (None for a
+    converted checkpoint): where its validation had got to, for `gigatron evaluate`."""
     from gigatron.parallel.topology import ProcessGroups, Topology
     from gigatron.training.run import builders
     from gigatron.training.checkpoint import orchestrator
@@ -91,8 +105,10 @@ def load_model(run: "RunConfig", rank: int,
     groups = ProcessGroups(Topology(tp=p.tp, dp=p.dp, pp=p.pp), rank,
                            timeout=timedelta(minutes=p.distributed_timeout_minutes))
     chunks = builders.build_model_chunks(run, groups, device)
-    if orchestrator.load_model_weights(run, groups, chunks) is None:
+    shard = orchestrator.load_model_weights(run, groups, chunks)
+    if shard is None:
         raise ValueError(f"--load {run.checkpoint.load}: no checkpoint there")
     for chunk in chunks:
         chunk.eval()
-    return groups, chunks
+    saved = shard.get("progress")
+    return groups, chunks, orchestrator.TrainProgress(**saved) if saved else None

@@ -34,7 +34,7 @@ from gigatron.parallel.zero.state_stats import optimizer_state_stats
 from gigatron.training.checkpoint import orchestrator as checkpoint_state
 from gigatron.training.run.batch_rampup import run_rampup
 from gigatron.training.run.builders import Pipeline, micro_batches
-from gigatron.training.config.run_config import RunConfig
+from gigatron.training.config.run_config import RunConfig, TrainConfig
 from gigatron.training.run.decoupled_lr import set_decoupled_lr
 from gigatron.training.checkpoint.torch_dist.async_save import SavedCheckpoint
 from gigatron.training.run.nan_check import NonFiniteWatch
@@ -296,6 +296,17 @@ def _log_saved(s: Session, saved: SavedCheckpoint) -> None:
                    f"({saved.seconds:.1f} s{how})")
     s.logger.event({"type": "checkpoint", "iteration": saved.iteration, "path": saved.folder,
                     "seconds": saved.seconds})
+
+
+def logged_validation_start(progress: TrainProgress, train: TrainConfig) -> int:
+    """First valid sample of the validation logged at `progress.iteration` (a checkpoint's
+    progress: saved after it), or of the next one if none ran there: `gigatron evaluate`'s."""
+    assert train.global_batch_size is not None  # resolved
+    per_validation = train.eval_iters * train.global_batch_size
+    ran_here = train.eval_iters > 0 and progress.iteration % train.eval_interval == 0
+    if ran_here and progress.consumed_valid_samples >= per_validation:
+        return progress.consumed_valid_samples - per_validation
+    return progress.consumed_valid_samples
 
 
 def _evaluate_and_log(s: Session, progress: TrainProgress, split: int, name: str) -> None:

@@ -264,7 +264,8 @@ def megatron_markdown() -> str:
     """docs/MEGATRON.md."""
     mlm, mds = _grouped(MEGATRON_LM), _grouped(MEGATRON_DEEPSPEED)
     lines = ["# Megatron-LM and Megatron-DeepSpeed flags in gigatron", "",
-             "Generated from the config table and `gigatron/training/config/megatron/catalog.py` "
+             "Generated from the config table (`training/config/table.py`) and "
+             "`training/config/megatron/catalog.py` "
              f"({MEGATRON_LM_SOURCE[0]} at {MEGATRON_LM_SOURCE[2][:8]}: every flag of its "
              f"pretrain_gpt.py; {MEGATRON_DEEPSPEED_SOURCE[0]} at "
              f"{MEGATRON_DEEPSPEED_SOURCE[2][:8]}: the flags it adds); do not edit by hand: "
