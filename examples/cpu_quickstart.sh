@@ -2,14 +2,31 @@
 # The README's main job, on any machine with Python and torch (no GPU, no download):
 #   1. train a SentencePiece tokenizer on the Python standard library's source,
 #   2. tokenize that source into Megatron .bin/.idx files,
-#   3. train a small GPT on 8 CPU processes with tp=2, pp=2, dp=2 (torchrun, gloo) until the
-#      validation loss has clearly fallen; metrics and the checkpoint land in $OUT,
+#   3. train a small GPT on NPROC CPU processes (default 8: tp=2, pp=2, dp=2) with torchrun
+#      and gloo until the validation loss has clearly fallen; metrics and the checkpoint land
+#      in $OUT,
 #   4. charts of the run (gigatron plot) when matplotlib is installed, else the command for them.
-# Re-running starts over. OUT (default runs/quickstart) and ITERS (default 120) are settable.
+# Re-running starts over. Settable from the environment:
+#   OUT (default runs/quickstart), ITERS (training iterations, default 120),
+#   NPROC (ranks, default 8), TP and PP (tensor / pipeline sizes; default 2 each while NPROC
+#   allows, the rest is data parallel), GLOBAL_BATCH (default 32, rounded up to a multiple of
+#   4 x the data-parallel size), e.g. NPROC=2 ITERS=40 bash examples/cpu_quickstart.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/quickstart}
 ITERS=${ITERS:-120}
+NPROC=${NPROC:-8}
+TP=${TP:-$(( NPROC % 2 == 0 ? 2 : 1 ))}
+PP=${PP:-$(( NPROC % (TP * 2) == 0 ? 2 : 1 ))}
+if (( NPROC < 1 || TP < 1 || PP < 1 || NPROC % (TP * PP) != 0 )); then
+    echo "NPROC=$NPROC is not a multiple of TP x PP = $TP x $PP: set NPROC, TP and PP so that" \
+        "TP x PP divides NPROC (e.g. NPROC=4 TP=2 PP=2)" >&2
+    exit 2
+fi
+DP=$(( NPROC / (TP * PP) ))
+MICRO=4
+GLOBAL_BATCH=${GLOBAL_BATCH:-32}
+GLOBAL_BATCH=$(( (GLOBAL_BATCH + MICRO * DP - 1) / (MICRO * DP) * MICRO * DP ))
 STDLIB=$(python -c "import os; print(os.path.dirname(os.__file__))")
 rm -rf "$OUT"
 mkdir -p "$OUT"
@@ -24,12 +41,12 @@ python tools/preprocess_data.py --input "$STDLIB"/*.py --output-prefix "$OUT/std
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/spm.model" \
     --append-eod --workers 2 --log-interval 100
 
-echo "== [3/3] training a 4-layer GPT on 8 CPU ranks: tp=2 x pp=2 x dp=2"
-torchrun --nproc-per-node 8 pretrain_gpt.py \
-    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+echo "== [3/3] training a 4-layer GPT on $NPROC CPU rank(s): tp=$TP x pp=$PP x dp=$DP"
+torchrun --nproc-per-node "$NPROC" pretrain_gpt.py \
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
     --hidden-dropout 0 --attention-dropout 0 \
-    --micro-batch-size 4 --global-batch-size 32 --train-iters "$ITERS" \
+    --micro-batch-size "$MICRO" --global-batch-size "$GLOBAL_BATCH" --train-iters "$ITERS" \
     --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 10 \
     --weight-decay 0.01 --clip-grad 1.0 \
     --data-path "$OUT/stdlib_text_document" --split 94,4,2 \
