@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
-from typing import Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 JSON_SUFFIXES = (".json", ".jsonl")  # JSON lines, read as tools/preprocess_data.py reads them
 TEXT_SUFFIXES_SKIPPED = (".bin", ".idx", ".npy", ".model", ".gz", ".zip", ".pyc")
@@ -93,6 +94,23 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
     files = list_text_files(inputs, suffixes)
     folder = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(folder, exist_ok=True)
+    try:
+        _train(sentencepiece, files, model_prefix, vocab_size, model_type, input_sentence_size,
+               max_bytes, character_coverage, num_threads, json_keys)
+    except RuntimeError as err:  # SentencePiece's own words name neither the flag nor the fix
+        most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= "
+                         r"(\d+)", str(err))
+        if most is None:
+            raise
+        raise ValueError(f"--vocab-size {vocab_size} is more than this text gives (at most "
+                         f"{most.group(1)} pieces): give --vocab-size {most.group(1)} or less, "
+                         f"or more text") from None
+    return model_prefix + ".model"
+
+
+def _train(sentencepiece: Any, files: Sequence[str], model_prefix: str, vocab_size: int,
+           model_type: str, input_sentence_size: int, max_bytes: int,
+           character_coverage: float, num_threads: int, json_keys: Sequence[str]) -> None:
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter_lines(files, max_bytes, json_keys), model_prefix=model_prefix,
         vocab_size=vocab_size, model_type=model_type, input_sentence_size=input_sentence_size,
@@ -101,7 +119,6 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
         allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True,
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=num_threads,
         max_sentence_length=16384, minloglevel=2)
-    return model_prefix + ".model"
 
 
 def get_parser() -> argparse.ArgumentParser:

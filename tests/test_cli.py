@@ -139,3 +139,20 @@ def test_schedule_view_explains_its_bubble_and_names_its_own_flags(capsys):
     err = capsys.readouterr().err
     assert "--num-microbatches 3" in err and "--pp=4" in err, err
     assert "--global-batch-size" not in err and "--pipeline-model-parallel-size" not in err
+
+
+def test_train_tokenizer_vocabulary_too_large_for_the_text_names_the_flag_and_limit(tmp_path):
+    """The README's --vocab-size 32000 on a small corpus: SentencePiece's INTERNAL error
+    becomes one line naming --vocab-size and the largest size this text allows."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of a tiny corpus with words" for i in range(200)))
+    proc = gigatron("train-tokenizer", "--input", str(corpus), "--model-prefix",
+                    str(tmp_path / "spm"), "--vocab-size", "32000", cwd=tmp_path)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: --vocab-size 32000 is more than this text gives (at most ")
+    limit = int(line.split("at most ")[1].split()[0])
+    assert f"give --vocab-size {limit} or less, or more text" in line
+    ok = gigatron("train-tokenizer", "--input", str(corpus), "--model-prefix",
+                  str(tmp_path / "spm"), "--vocab-size", str(limit), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr  # the limit it names works
