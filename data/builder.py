@@ -83,12 +83,13 @@ def _empty_split_error(config: GPTDataConfig, name: str, indexed: Sequence[Any],
     use = "evaluation" if name != "train" else "training"
     fewest = min(len(ds) for ds in indexed)
     # a small corpus: one document each for valid and test (Megatron's rounding keeps them)
-    example = f" (e.g. --split {fewest - 2},1,1: one of the {fewest} documents each for " \
-              f"valid and test)" if name != "train" and fewest >= 3 else ""
+    example = f", e.g. --split {fewest - 2},1,1 (one of the {fewest} documents each for " \
+              f"valid and test)" if name != "train" and fewest >= 3 else \
+        " (each non-zero share needs at least one document)"
     return (f"the {name} split is empty: --split {config.split} gives it no documents "
             f"(documents: {sources}), but {use} needs {needed} {name} samples: give it a "
-            f"larger share in --split{example} (each non-zero share needs at least one "
-            f"document), more documents{', or --eval-iters 0' if name != 'train' else ''}")
+            f"larger share in --split{example}, more documents"
+            f"{', or --eval-iters 0' if name != 'train' else ''}")
 
 
 def build_train_valid_test_datasets(config: GPTDataConfig,

@@ -65,7 +65,7 @@ def test_an_empty_split_that_evaluation_needs_names_split(tmp_path):
     msg = str(err.value)
     assert "the valid split is empty: --split 969,30,1 gives it no documents" in msg, msg
     assert "10 in" in msg and "--eval-iters 0" in msg
-    assert "e.g. --split 8,1,1: one of the 10 documents each for valid and test" in msg, msg
+    assert "e.g. --split 8,1,1 (one of the 10 documents each for valid and test)" in msg, msg
     config = GPTDataConfig(seq_length=SEQ, data_path=[prefix], split="8,1,1")  # as suggested
     assert all(d is not None for d in build_train_valid_test_datasets(config, [10, 8, 8]))
     # a share of 0 is the user's choice, not an accident: no evaluation, no error
