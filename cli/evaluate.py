@@ -99,14 +99,15 @@ def _evaluate(run, tokenizer, groups, chunks, device, split_name: str,
     session = Session(run, groups, device, chunks, cast(ZeroOptimizer, None),
                       cast(GradSync, None), pipeline, datasets, logger, Timers(), 0.0, None)
     dataset, samples = datasets[split], iterations * batch
-    first, why = _window(run, split, progress, len(dataset) if dataset is not None else 0)
+    size = len(dataset) if dataset is not None else 0
+    first, why = _window(run, split, progress, size)
     loss = evaluate(session, split, first, iterations, f"{split_name} evaluation")
     if loss is not None:
         iteration = progress.iteration if progress is not None else folders.find_checkpoint(
             run.checkpoint.load or "", run.checkpoint.ckpt_step)[0]
         logger.print(f"{split_name} split: {samples} samples ({iterations} batches of "
                      f"{batch}), {samples * run.model.seq_length} tokens: samples {first} to "
-                     f"{first + samples - 1} of {len(dataset)}, {why}")
+                     f"{first + samples - 1} of {size}, {why}")
         logger.evaluation({"split": split_name, "iteration": iteration, "lm loss": loss,
                            "samples": samples, "first_sample": first})
     logger.close()

@@ -51,6 +51,7 @@ def _fields(data: bytes) -> Iterator[Tuple[int, Any]]:
     while pos < len(data):
         key, pos = _varint(data, pos)
         number, wire = key >> 3, key & 7
+        value: Any
         if wire == 0:
             value, pos = _varint(data, pos)
         elif wire == 2:
@@ -115,6 +116,7 @@ def sentencepiece_to_tokenizers(path: str) -> Tuple[Any, Optional[str]]:
                          f" has no Hugging Face export (bpe, unigram and char models do)")
     unk = next((i for i, (_, _, t) in enumerate(pieces) if t == _UNKNOWN), None)
     byte_fallback = any(t == _BYTE for _, _, t in pieces)
+    model: Any
     if kind == "unigram":  # control pieces never come out of text: no score can win
         model = models.Unigram([(text, score if t not in (_UNKNOWN, _CONTROL) else _NEVER)
                                 for text, score, t in pieces], unk, byte_fallback)
@@ -124,7 +126,7 @@ def sentencepiece_to_tokenizers(path: str) -> Tuple[Any, Optional[str]]:
                            unk_token=None if unk is None else pieces[unk][0],
                            fuse_unk=True, byte_fallback=byte_fallback)
     tok = HFTokenizer(model)
-    steps = [normalizers.Precompiled(spm["charsmap"])] if spm["charsmap"] else []
+    steps: List[Any] = [normalizers.Precompiled(spm["charsmap"])] if spm["charsmap"] else []
     if spm["remove_extra_whitespaces"]:
         steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
     if spm["add_dummy_prefix"]:
