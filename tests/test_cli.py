@@ -137,7 +137,7 @@ def test_schedule_view_explains_its_bubble_and_names_its_own_flags(capsys):
     with pytest.raises(SystemExit):
         main(["--pp", "4", "--num-microbatches", "3", "--virtual-chunks", "2"])
     err = capsys.readouterr().err
-    assert "--num-microbatches 3" in err and "--pp=4" in err, err
+    assert "--num-microbatches (3)" in err and "--pp=4" in err, err
     assert "--global-batch-size" not in err and "--pipeline-model-parallel-size" not in err
 
 
