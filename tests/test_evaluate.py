@@ -122,6 +122,9 @@ def test_every_logged_validation_is_reproduced_after_a_resume_and_by_ckpt_step(t
         "--split", "4094,1,1", "--eval-interval", "2", "--save", str(tmp_path / "again")])
     assert code == 0, err
     assert f"loaded checkpoint {folder}/iter_0000004 (iteration 4," in out, out
+    # that run's checkpoint records --ckpt-step 4 among its flags: evaluate loads its latest
+    record, stdout = _evaluate(str(tmp_path / "again"), 1, tmp_path)
+    assert record["iteration"] == 5 and "the run's next validation after iteration 5" in stdout
 
 
 def test_a_ckpt_step_without_its_folder_names_the_iterations_there(trained):
