@@ -52,7 +52,12 @@ class LanguageModelEmbedding(nn.Module):
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             shape = (config.max_position_embeddings, config.hidden_size)
-            self.position_embeddings = nn.Embedding(*shape, device=device,
+            # nn.Embedding draws an init that _initialize overwrites (kept on real devices:
+            # it advances the RNG dropout draws from); on meta it would draw nothing but
+            # cost an import of torch._dynamo (~1 s), so the planner's meta builds skip it.
+            meta = torch.empty(shape, device=device, dtype=config.params_dtype) \
+                if device is not None and torch.device(device).type == "meta" else None
+            self.position_embeddings = nn.Embedding(*shape, _weight=meta, device=device,
                                                     dtype=config.params_dtype)
             # Under SP each rank adds the positions of its sequence slice only: partial grads.
             set_parallel_attributes(self.position_embeddings.weight,

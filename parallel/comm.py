@@ -12,7 +12,7 @@ import math
 import os
 import sys
 from collections import defaultdict
-from typing import Any, Dict, List, Literal, Optional, Protocol, Sequence, overload
+from typing import Any, Dict, List, Literal, Optional, Protocol, Sequence, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,31 @@ from gigatron.parallel import timeline
 from gigatron.parallel.activity import activity
 
 ReduceOp = dist.ReduceOp
+
+
+class ShapeOnlyGroup:
+    """A group's size and this rank's index in it with no processes behind it: layers read
+    their tensor-parallel shapes from it, so a layout's model can be built on the meta device
+    without torch.distributed (gigatron plan). Every collective over it raises."""
+
+    def __init__(self, size: int, rank: int = 0) -> None:
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"ShapeOnlyGroup(size={size}, rank={rank}): need size >= 1 and "
+                             f"0 <= rank < size")
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __repr__(self) -> str:
+        return f"ShapeOnlyGroup(size={self._size}, rank={self._rank})"
+
+
 # a process group; None means the default (world) group, as in torch.distributed
-Group = Optional[dist.ProcessGroup]
+Group = Optional[Union[dist.ProcessGroup, ShapeOnlyGroup]]
 
 
 class Work(Protocol):
@@ -71,11 +94,26 @@ class _Done:
 
 
 def group_size(group: Group = None) -> int:
+    """Ranks in `group` (1 without torch.distributed)."""
+    if isinstance(group, ShapeOnlyGroup):
+        return group.size()
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def group_rank(group: Group = None) -> int:
+    """This process's index in `group` (0 without torch.distributed)."""
+    if isinstance(group, ShapeOnlyGroup):
+        return group.rank()
     return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _process_group(group: Group, op: str) -> Optional[dist.ProcessGroup]:
+    """`group` as torch.distributed takes it; a shape-only group has no processes to run on."""
+    if isinstance(group, ShapeOnlyGroup):
+        raise RuntimeError(f"{op} over {group!r}: a shape-only group only describes a layout "
+                           f"(for planning); build the model with a real process group to "
+                           f"run it")
+    return group
 
 
 def _record(op: str, nbytes: float, tensor: torch.Tensor, n: int, group: Group
@@ -108,11 +146,12 @@ def all_reduce(tensor: torch.Tensor, group: Group = ..., op: Op = ...,
 def all_reduce(tensor: torch.Tensor, group: Group = None, op: Op = ReduceOp.SUM,
                async_op: bool = False) -> Optional[Work]:
     """In-place all-reduce of `tensor` over `group`."""
-    n = group_size(group)
+    pg = _process_group(group, "all_reduce")
+    n = group_size(pg)
     if n == 1:
         return _Done() if async_op else None
     span = _record("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tensor, n, group)
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    work = dist.all_reduce(tensor, op=op, group=pg, async_op=async_op)
     return work if span is None else timeline.complete(span, work)
 
 
@@ -127,7 +166,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = ...
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = None,
                    op: Op = ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
     """Reduce `input` over `group` and keep this rank's contiguous 1/n slice in `output`."""
-    n = group_size(group)
+    pg = _process_group(group, "reduce_scatter")
+    n = group_size(pg)
     if input.numel() != output.numel() * n:
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                          f"output {output.numel()} x group size {n}")
@@ -135,7 +175,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = Non
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     span = _record("reduce_scatter", (n - 1) / n * _nbytes(input), input, n, group)
-    work = _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    work = _reduce_scatter_tensor(output, input, op=op, group=pg, async_op=async_op)
     return work if span is None else timeline.complete(span, work)
 
 
@@ -150,7 +190,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = ...,
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,
                async_op: bool = False) -> Optional[Work]:
     """Concatenate every rank's `input` (in group-rank order) into `output` along dim 0."""
-    n = group_size(group)
+    pg = _process_group(group, "all_gather")
+    n = group_size(pg)
     if output.numel() != input.numel() * n:
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"input {input.numel()} x group size {n}")
@@ -158,7 +199,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     span = _record("all_gather", (n - 1) / n * _nbytes(output), output, n, group)
-    work = _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
+    work = _all_gather_tensor(output, input.contiguous(), group=pg, async_op=async_op)
     return work if span is None else timeline.complete(span, work)
 
 
@@ -186,7 +227,8 @@ def all_gather_uneven(input: torch.Tensor, group: Group = None,
                       async_op: bool = False) -> Gathered:
     """Concatenate every rank's `input` along dim 0 when first dims differ between ranks
     (other dims must agree): the sizes are exchanged first, then padded rows gathered."""
-    n = group_size(group)
+    pg = _process_group(group, "all_gather_uneven")
+    n = group_size(pg)
     if input.dim() == 0:
         raise ValueError("all_gather_uneven: a 0-d tensor has no first dimension to gather")
     if n == 1:
@@ -194,7 +236,7 @@ def all_gather_uneven(input: torch.Tensor, group: Group = None,
     shape = torch.tensor([input.dim(), input.shape[0], math.prod(input.shape[1:])],
                          device=input.device)
     shapes = torch.empty(3 * n, dtype=shape.dtype, device=input.device)
-    all_gather(shapes, shape, group)
+    all_gather(shapes, shape, pg)
     dims, sizes, rows = shapes.view(n, 3).t().tolist()
     if len(set(dims)) > 1 or len(set(rows)) > 1:
         raise ValueError(f"all_gather_uneven: tensors may differ only in their first dimension; "
@@ -203,13 +245,14 @@ def all_gather_uneven(input: torch.Tensor, group: Group = None,
     padded = input.new_zeros((max(sizes),) + tuple(input.shape[1:]))
     padded[:input.shape[0]].copy_(input)
     output = input.new_empty((n * max(sizes),) + tuple(input.shape[1:]))
-    return Gathered(all_gather(output, padded, group, async_op=async_op), output, sizes)
+    return Gathered(all_gather(output, padded, pg, async_op=async_op), output, sizes)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
               async_op: bool = False) -> Optional[Work]:
     """Broadcast `tensor` from global rank `src` to `group`."""
-    n = group_size(group)
+    pg = _process_group(group, "broadcast")
+    n = group_size(pg)
     if n == 1:
         return _Done() if async_op else None
     if group_rank() == src:
@@ -217,7 +260,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
     else:
         activity.entered("broadcast", group, n)
         span = timeline.issue(activity.collective or "broadcast", 0) if timeline.on else None
-    work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    work = dist.broadcast(tensor, src=src, group=pg, async_op=async_op)
     return work if span is None else timeline.complete(span, work)
 
 
@@ -226,8 +269,9 @@ def send_recv(sends: Sequence = (), recvs: Sequence = (), group: Group = None) -
 
     Returns the request handles; wait on them before reading a received tensor.
     """
-    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    pg = _process_group(group, "send_recv")
+    ops = [dist.P2POp(dist.isend, t, peer, pg) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, pg) for t, peer in recvs]
     for t, _ in sends:
         _record("send", _nbytes(t), t, 2, group)
     if not ops:
@@ -242,9 +286,11 @@ def send_recv(sends: Sequence = (), recvs: Sequence = (), group: Group = None) -
 
 
 def barrier(group: Group = None) -> None:
-    if group_size(group) > 1:
-        activity.entered("barrier", group, group_size(group))
+    """Wait until every rank of `group` reaches this call."""
+    pg = _process_group(group, "barrier")
+    if group_size(pg) > 1:
+        activity.entered("barrier", pg, group_size(pg))
         span = timeline.issue(activity.collective or "barrier", 0) if timeline.on else None
-        dist.barrier(group=group)
+        dist.barrier(group=pg)
         if span is not None:
             timeline.complete(span, None)

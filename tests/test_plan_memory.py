@@ -22,6 +22,7 @@ from multirank import run_on_ranks
 from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
 from gigatron.models.pipeline_chunks import build_model_chunks
+from gigatron.parallel.comm import ShapeOnlyGroup
 from gigatron.parallel.pipeline.partition import partition_layers
 from gigatron.parallel.zero.param_groups import param_kind
 from gigatron.training.plan.memory import activation_terms, chunk_activations, stage_memory
@@ -41,19 +42,25 @@ def _run(argv, world):
 @pytest.mark.parametrize("kw,pp,v", [
     ({}, 1, None), ({}, 2, None), ({}, 2, 1),
     ({"untie_embeddings_and_output_weights": True, "sequence_parallel": True}, 2, None),
+    ({"sequence_parallel": True}, 4, 1),
     ({"activation": "swiglu", "normalization": "RMSNorm", "position_embedding_type": "rope",
       "add_bias_linear": False, "num_query_groups": 2}, 2, 1)])
-def test_parameter_lists_equal_the_built_models(kw, pp, v):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_parameter_lists_equal_the_built_models(kw, pp, v, tp):
+    """The planner's lists (one cached layer per chunk, repeated) equal whole chunks built
+    on meta at that tp size, every tp rank and pipeline rank."""
     c = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100,
                           make_vocab_size_divisible_by=8, seq_length=16, **kw)
     part = partition_layers(4, pp, num_layers_per_virtual_stage=v)
     for rank in range(pp):
-        chunks = build_model_chunks(c, part, rank, device=torch.device("meta"))
-        built = [[(n, tuple(p.shape), param_kind(p)) for n, p in m.named_parameters()]
-                 for m in chunks]
         listed = [[(s.name, s.shape, s.kind) for s in specs]
-                  for specs in stage_parameters(c, 1, part, rank)]
-        assert listed == built
+                  for specs in stage_parameters(c, tp, part, rank)]
+        for tp_rank in range(tp):
+            chunks = build_model_chunks(c, part, rank, ShapeOnlyGroup(tp, tp_rank),
+                                        device=torch.device("meta"))
+            built = [[(n, tuple(p.shape), param_kind(p)) for n, p in m.named_parameters()]
+                     for m in chunks]
+            assert listed == built
 
 
 def _measure_state(rank, world, argv):

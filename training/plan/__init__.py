@@ -1,7 +1,7 @@
 """`gigatron plan`: per-stage memory and step time of a layout, before a GPU is rented.
 
 training/observe/devices.py  the one table of device figures (also the training log's MFU peak)
-parameters.py  each stage's parameters as GPTModel registers them, without building it
+parameters.py  each stage's parameters, read from GPTModel built on meta at the layout's tp
 memory.py    model state as ZeRO lays it out (exact) and activations (Korthikanti et al.)
 cost.py      FLOPs, compute, tp/pp/dp communication, the bubble from the schedule simulator
 planner.py   one layout's plan; search.py: every layout ranked; report.py: text and JSON

@@ -1,19 +1,29 @@
-"""Which parameters each (pipeline rank, virtual chunk) holds, without building the model.
+"""Which parameters each (pipeline rank, virtual chunk) holds, read from the model itself.
 
 The planner needs every tensor-parallel rank's parameters in the order GPTModel registers
 them, with the two tags ZeRO groups by (ndim >= 2 decays; kind = shared embedding /
 sequence-parallel / default), because flat buffers are padded per group and per bucket:
-exact bytes need exact shapes. `stage_parameters` lists them for any size of model in
-microseconds; tests/test_plan_memory.py holds it equal to the built model's
-`named_parameters()` on every layout it tries.
+exact bytes need exact shapes. They are read from GPTModel built on the meta device over a
+`ShapeOnlyGroup` of the layout's tensor-parallel size, so the model is the one description.
+Every decoder layer has the same parameters: one model per (config, tp, pre_process,
+post_process), with a single layer, is built and cached, and a chunk repeats that layer's
+parameters for each of its layers, so a search over many layouts stays fast.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import List, Tuple
 
+import torch
+
 from gigatron.models.config import TransformerConfig
+from gigatron.models.gpt import GPTModel
+from gigatron.parallel.comm import ShapeOnlyGroup
 from gigatron.parallel.pipeline.partition import PipelinePartition
+from gigatron.parallel.zero.param_groups import param_kind
+
+LAYER_PREFIX = "decoder.layers."  # TransformerBlock's layers, by global layer number
 
 
 @dataclass(frozen=True)
@@ -36,61 +46,57 @@ class ParamSpec:
         return len(self.shape)
 
 
-def _norm(prefix: str, c: TransformerConfig, sp: bool) -> List[ParamSpec]:
-    kind = "sequence_parallel" if sp else "default"
-    h = c.hidden_size
-    out = [ParamSpec(f"{prefix}.weight", (h,), kind)]
-    if c.normalization != "RMSNorm":
-        out.append(ParamSpec(f"{prefix}.bias", (h,), kind))
-    return out
+class _ByValue:
+    """A TransformerConfig hashed by its fields' values (it is mutable, so unhashable)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        self.config, self.key = config, repr(config)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByValue) and self.key == other.key
 
 
-def _linear(prefix: str, out_features: int, in_features: int, bias: bool,
-            bias_kind: str = "default") -> List[ParamSpec]:
-    specs = [ParamSpec(f"{prefix}.weight", (out_features, in_features))]
-    return specs + ([ParamSpec(f"{prefix}.bias", (out_features,), bias_kind)] if bias else [])
+@dataclass(frozen=True)
+class _Pieces:
+    """A chunk's parameters around its layers, and one layer's (names after its number)."""
+
+    before: Tuple[ParamSpec, ...]
+    layer: Tuple[ParamSpec, ...]
+    after: Tuple[ParamSpec, ...]
 
 
-def layer_parameters(c: TransformerConfig, tp: int, index: int) -> List[ParamSpec]:
-    """One TransformerLayer's parameters on one tp rank, in registration order."""
-    sp = c.sequence_parallel and tp > 1
-    h, d, bias = c.hidden_size, c.head_dim, c.add_bias_linear
-    qkv = c.num_query_groups * (c.num_attention_heads // c.num_query_groups + 2) * d
-    fc1 = 2 * c.ffn_hidden_size if c.activation == "swiglu" else c.ffn_hidden_size
-    row_bias = "sequence_parallel" if sp else "default"
-    p = f"decoder.layers.{index}"
-    return (_norm(f"{p}.input_layernorm", c, sp)
-            + _linear(f"{p}.self_attention.linear_qkv", qkv // tp, h, bias)
-            + _linear(f"{p}.self_attention.linear_proj", h, c.num_attention_heads * d // tp,
-                      bias, row_bias)
-            + _norm(f"{p}.pre_mlp_layernorm", c, sp)
-            + _linear(f"{p}.mlp.linear_fc1", fc1 // tp, h, bias)
-            + _linear(f"{p}.mlp.linear_fc2", h, c.ffn_hidden_size // tp, bias, row_bias))
+@lru_cache(maxsize=256)
+def _pieces(config: _ByValue, tp: int, pre: bool, post: bool, has_layers: bool) -> _Pieces:
+    """Build the chunk on meta with layer 0 only (if it has layers) and split its list."""
+    model = GPTModel(config.config, tp_group=ShapeOnlyGroup(tp), pre_process=pre,
+                     post_process=post, layer_range=[0] if has_layers else [],
+                     device=torch.device("meta"))
+    specs = [ParamSpec(name, tuple(p.shape), param_kind(p))
+             for name, p in model.named_parameters()]
+    layer = [n for n, s in enumerate(specs) if s.name.startswith(f"{LAYER_PREFIX}0.")]
+    if not layer:
+        return _Pieces(tuple(specs), (), ())
+    start, stop = layer[0], layer[-1] + 1
+    assert layer == list(range(start, stop)), "a layer's parameters are registered together"
+    cut = len(f"{LAYER_PREFIX}0.")
+    relative = tuple(ParamSpec(s.name[cut:], s.shape, s.kind) for s in specs[start:stop])
+    return _Pieces(tuple(specs[:start]), relative, tuple(specs[stop:]))
 
 
 def chunk_parameters(c: TransformerConfig, tp: int, partition: PipelinePartition,
                      pp_rank: int, chunk: int) -> List[ParamSpec]:
     """The parameters of GPTModel chunk `chunk` of pipeline rank `pp_rank` on one tp rank."""
-    pre, post = partition.pre_process(pp_rank, chunk), partition.post_process(pp_rank, chunk)
-    sp = c.sequence_parallel and tp > 1
-    tied = not c.untie_embeddings_and_output_weights
-    shared = "shared_embedding" if tied and not (pre and post) else "default"
-    vocab = c.padded_vocab_size(tp) // tp
-    specs: List[ParamSpec] = []
-    if pre:
-        specs.append(ParamSpec("embedding.word_embeddings.weight", (vocab, c.hidden_size),
-                               shared))
-        if c.position_embedding_type == "learned_absolute":
-            specs.append(ParamSpec("embedding.position_embeddings.weight",
-                                   (c.max_position_embeddings, c.hidden_size),
-                                   "sequence_parallel" if sp else "default"))
-    for index in partition.layer_range(pp_rank, chunk):
-        specs += layer_parameters(c, tp, index)
-    if post:
-        specs += _norm("decoder.final_layernorm", c, sp)
-        if not (pre and tied):
-            specs.append(ParamSpec("output_layer.weight", (vocab, c.hidden_size), shared))
-    return specs
+    layers = partition.layer_range(pp_rank, chunk)
+    pieces = _pieces(_ByValue(c), tp, partition.pre_process(pp_rank, chunk),
+                     partition.post_process(pp_rank, chunk), len(layers) > 0)
+    specs = list(pieces.before)
+    for index in layers:
+        specs += [ParamSpec(f"{LAYER_PREFIX}{index}.{s.name}", s.shape, s.kind)
+                  for s in pieces.layer]
+    return specs + list(pieces.after)
 
 
 def stage_parameters(c: TransformerConfig, tp: int, partition: PipelinePartition,
