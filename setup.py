@@ -77,7 +77,8 @@ setup(
         # the tests cover every optional path, so they need the optional packages too
         "test": ["pytest>=7", "tensorboard", "matplotlib", "transformers",
                  "tiktoken", "megatron-core==0.16.1",  # megatron-core: the import oracle
-                 "import-linter"],  # the import contracts in pyproject.toml
+                 "import-linter",  # the import contracts in pyproject.toml
+                 "accelerate"],  # the "auto" values accelerate fills (test_deepspeed_auto.py)
         "monitor": ["tensorboard"],
         "plot": ["matplotlib"],  # gigatron plot metrics.jsonl
     },
