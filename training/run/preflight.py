@@ -56,7 +56,7 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 def estimate_memory(run: "RunConfig", parameters: int, device: torch.device) -> MemoryEstimate:
     """Lower bound of one rank's memory on `device` for `parameters` model parameters."""
     model, p, zero, t = run.model, run.parallel, run.zero, run.train
-    assert model is not None and t.micro_batch_size is not None
+    assert t.micro_batch_size is not None  # resolved by arguments.build_run
     width = _dtype_bytes(model.params_dtype)
     local = parameters / (p.tp * p.pp)  # this rank's slice of the model
     stage = zero.zero_stage
