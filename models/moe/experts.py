@@ -1,0 +1,140 @@
+"""The routed experts of a mixture-of-experts layer, on one device.
+
+Tokens are permuted so that each expert's rows are contiguous (Megatron-Core's permute:
+gather rows by the routing map, expert-major), every expert MLP runs on its rows, and the
+outputs, weighted by the router probability, are scatter-added back to their tokens
+(unpermute). Expert weights are stacked per kind, `weight1` [E, h, 2f or f] and `weight2`
+[E, f, h] as in Megatron-Core's GroupedMLP, so expert parallelism can later shard dim 0.
+The expert matmuls run as a loop over experts or as one grouped matmul (`torch._grouped_mm`,
+Megatron's --moe-grouped-gemm), with the same numerics; the grouped path falls back to the
+loop where the running torch cannot serve it (see `grouped_mm_supported`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gigatron.models.transformer import ACTIVATIONS
+
+# dtypes torch._grouped_mm accepts, by device type; CUDA's kernel is bf16-only on the
+# versions we know, so other dtypes take the loop there rather than fail at run time
+_GROUPED_MM_DTYPES = {
+    "cpu": (torch.float32, torch.bfloat16, torch.float16),
+    "cuda": (torch.bfloat16,),
+}
+# torch._grouped_mm needs every row stride to be a multiple of 16 bytes
+_GROUPED_MM_ALIGNMENT_BYTES = 16
+
+
+def permute(hidden: torch.Tensor, routing_map: torch.Tensor
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copy each token once per chosen expert, expert-major: (rows, their token ids, counts)."""
+    num_tokens, num_experts = routing_map.shape
+    expert_major = routing_map.t().contiguous()
+    token_indices = torch.arange(num_tokens, device=hidden.device).expand(num_experts, -1)
+    token_indices = token_indices.masked_select(expert_major)
+    tokens_per_expert = expert_major.sum(dim=1)
+    return hidden.index_select(0, token_indices), token_indices, tokens_per_expert
+
+
+def unpermute(expert_output: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+              token_indices: torch.Tensor) -> torch.Tensor:
+    """Weight each expert row by its router probability and sum it back into its token."""
+    row_probs = probs.t().contiguous().masked_select(routing_map.t().contiguous())
+    weighted = (expert_output * row_probs.unsqueeze(-1)).to(expert_output.dtype)
+    output = expert_output.new_zeros(routing_map.shape[0], expert_output.shape[-1])
+    return output.index_add(0, token_indices, weighted)
+
+
+def grouped_mm_supported(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm can multiply these rows by these stacked weights here."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if rows.dtype not in _GROUPED_MM_DTYPES.get(rows.device.type, ()) or weight.dtype != rows.dtype:
+        return False
+    if not (rows.is_contiguous() and weight.is_contiguous()):
+        return False
+    element = rows.element_size()
+    # the row strides of the input, the weights and (for the backward) the output
+    return all(size * element % _GROUPED_MM_ALIGNMENT_BYTES == 0
+               for size in (rows.shape[-1], weight.shape[-1]))
+
+
+def expert_matmul(rows: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                  grouped: bool) -> torch.Tensor:
+    """rows of expert e (expert-major) @ weight[e], grouped in one call or looped per expert."""
+    if grouped and grouped_mm_supported(rows, weight):
+        offsets = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        return torch._grouped_mm(rows, weight, offs=offsets)
+    # the loop needs the counts on the host: one device-to-host copy per call
+    chunks = torch.split(rows, tokens_per_expert.tolist())
+    return torch.cat([chunk @ weight[expert] for expert, chunk in enumerate(chunks)])
+
+
+class RoutedExperts(nn.Module):
+    """E expert MLPs (SwiGLU or a plain activation) applied to the tokens the router sent them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int,
+                 activation: str = "swiglu", grouped_gemm: bool = False,
+                 init_method_std: float = 0.02, output_init_std: Optional[float] = None,
+                 params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        if activation != "swiglu" and activation not in ACTIVATIONS:
+            known = ", ".join(["swiglu", *ACTIVATIONS])
+            raise ValueError(f"RoutedExperts activation={activation!r}: use one of {known}")
+        if num_experts < 1:
+            raise ValueError(f"RoutedExperts num_experts={num_experts}: needs at least 1 expert")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.swiglu = activation == "swiglu"
+        self.activation = None if self.swiglu else ACTIVATIONS[activation]
+        self.grouped_gemm = grouped_gemm
+        fc1_size = 2 * ffn_hidden_size if self.swiglu else ffn_hidden_size
+        # SwiGLU's fc1 output is [gate, up] along the last dim, as Megatron's gated silu
+        self.weight1 = nn.Parameter(torch.empty(num_experts, hidden_size, fc1_size,
+                                                dtype=params_dtype, device=device))
+        self.weight2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size,
+                                                dtype=params_dtype, device=device))
+        nn.init.normal_(self.weight1, std=init_method_std)
+        nn.init.normal_(self.weight2, std=init_method_std if output_init_std is None else output_init_std)
+
+    def uses_grouped_mm(self, hidden: torch.Tensor) -> bool:
+        """Whether forward on hidden like this one runs torch._grouped_mm (else the loop)."""
+        fc1_rows = hidden.new_empty(0, self.hidden_size)
+        fc2_rows = hidden.new_empty(0, self.weight2.shape[1])
+        return (self.grouped_gemm and grouped_mm_supported(fc1_rows, self.weight1)
+                and grouped_mm_supported(fc2_rows, self.weight2))
+
+    def forward(self, hidden: torch.Tensor, probs: torch.Tensor,
+                routing_map: torch.Tensor) -> torch.Tensor:
+        """hidden [tokens, h], probs and bool routing_map [tokens, E] -> weighted sum [tokens, h]."""
+        self._check_inputs(hidden, probs, routing_map)
+        rows, token_indices, tokens_per_expert = permute(hidden, routing_map)
+        h = expert_matmul(rows, self.weight1, tokens_per_expert, self.grouped_gemm)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            assert self.activation is not None
+            h = self.activation(h)
+        out = expert_matmul(h, self.weight2, tokens_per_expert, self.grouped_gemm)
+        return unpermute(out, probs, routing_map, token_indices)
+
+    def _check_inputs(self, hidden: torch.Tensor, probs: torch.Tensor,
+                      routing_map: torch.Tensor) -> None:
+        """One clear line for inputs of the wrong shape or type."""
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"RoutedExperts hidden has shape {tuple(hidden.shape)}: "
+                             f"expected [tokens, {self.hidden_size}]; flatten [s, b, h] first")
+        expected = (hidden.shape[0], self.num_experts)
+        for name, tensor in (("probs", probs), ("routing_map", routing_map)):
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"RoutedExperts {name} has shape {tuple(tensor.shape)}: "
+                                 f"expected [tokens, experts] = {list(expected)}")
+        if routing_map.dtype != torch.bool:
+            raise ValueError(f"RoutedExperts routing_map has dtype {routing_map.dtype}: "
+                             "expected torch.bool (True where a token goes to an expert)")
