@@ -54,8 +54,9 @@ class RouterConfig:
     """--moe-pad-expert-input-to-capacity: fill every expert up to its capacity."""
 
     def __post_init__(self) -> None:
-        for problem in router_config_problems(self):
-            raise ValueError(problem)
+        problems = router_config_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
 
 
 def router_config_problems(config: RouterConfig) -> list[str]:
