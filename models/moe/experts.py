@@ -11,6 +11,7 @@ loop where the running torch cannot serve it (see `grouped_mm_supported`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -49,6 +50,20 @@ def unpermute(expert_output: torch.Tensor, probs: torch.Tensor, routing_map: tor
     return output.index_add(0, token_indices, weighted)
 
 
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """One tiny call, once per (device type, dtype): torch versions differ in which devices
+    and dtypes `torch._grouped_mm` has kernels for (2.13 serves the CPU; older ones may not)."""
+    try:
+        rows = torch.zeros(2, 16, dtype=dtype, device=device_type)
+        weight = torch.zeros(2, 16, 16, dtype=dtype, device=device_type)
+        torch._grouped_mm(rows, weight, offs=torch.tensor([1, 2], dtype=torch.int32,
+                                                           device=device_type))
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 def grouped_mm_supported(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch._grouped_mm can multiply these rows by these stacked weights here."""
     if not hasattr(torch, "_grouped_mm"):
@@ -60,7 +75,8 @@ def grouped_mm_supported(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     element = rows.element_size()
     # the row strides of the input, the weights and (for the backward) the output
     return all(size * element % _GROUPED_MM_ALIGNMENT_BYTES == 0
-               for size in (rows.shape[-1], weight.shape[-1]))
+               for size in (rows.shape[-1], weight.shape[-1])) and \
+        _grouped_mm_runs(rows.device.type, rows.dtype)
 
 
 def expert_matmul(rows: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
