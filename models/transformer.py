@@ -245,6 +245,18 @@ ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's gated silu: fc1's output is [gate, up] along the last dim."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def mlp_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What an MLP applies between fc1 and fc2, by TransformerConfig.activation (SwiGLU
+    included: its fc1 is twice as wide)."""
+    return swiglu if name == "swiglu" else ACTIVATIONS[name]
+
+
 class MLP(nn.Module):
     """fc1 (column-parallel) -> GeLU, SwiGLU or squared ReLU -> fc2 (row-parallel)."""
 
@@ -252,7 +264,7 @@ class MLP(nn.Module):
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.swiglu = config.activation == "swiglu"
-        self.activation = None if self.swiglu else ACTIVATIONS[config.activation]
+        self.activation = mlp_activation(config.activation)
         ffn = config.ffn_hidden_size
         common: Dict[str, Any] = dict(tp_group=tp_group, bias=config.add_bias_linear,
                                       sequence_parallel=config.sequence_parallel,
@@ -265,14 +277,7 @@ class MLP(nn.Module):
                                             init_std=output_init_std(config), **common)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            assert self.activation is not None
-            h = self.activation(h)
-        return self.linear_fc2(h)
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))
 
 
 class TransformerLayer(nn.Module):

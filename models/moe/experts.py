@@ -15,10 +15,9 @@ import functools
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from gigatron.models.transformer import ACTIVATIONS
+from gigatron.models.transformer import ACTIVATIONS, mlp_activation
 
 # dtypes torch._grouped_mm accepts, by device type; CUDA's kernel is bf16-only on the
 # versions we know, so other dtypes take the loop there rather than fail at run time
@@ -107,7 +106,7 @@ class RoutedExperts(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.swiglu = activation == "swiglu"
-        self.activation = None if self.swiglu else ACTIVATIONS[activation]
+        self.activation = mlp_activation(activation)
         self.grouped_gemm = grouped_gemm
         fc1_size = 2 * ffn_hidden_size if self.swiglu else ffn_hidden_size
         # SwiGLU's fc1 output is [gate, up] along the last dim, as Megatron's gated silu
@@ -130,13 +129,8 @@ class RoutedExperts(nn.Module):
         """hidden [tokens, h], probs and bool routing_map [tokens, E] -> weighted sum [tokens, h]."""
         self._check_inputs(hidden, probs, routing_map)
         rows, token_indices, tokens_per_expert = permute(hidden, routing_map)
-        h = expert_matmul(rows, self.weight1, tokens_per_expert, self.grouped_gemm)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            assert self.activation is not None
-            h = self.activation(h)
+        h = self.activation(expert_matmul(rows, self.weight1, tokens_per_expert,
+                                          self.grouped_gemm))
         out = expert_matmul(h, self.weight2, tokens_per_expert, self.grouped_gemm)
         return unpermute(out, probs, routing_map, token_indices)
 
