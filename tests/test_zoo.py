@@ -8,7 +8,7 @@ from gigatron.models.gpt import count_parameters
 from gigatron.models.zoo import ZOO_DIR, list_models, load_config
 
 # Published figures: OpenAI GPT-2 checkpoints (tied, vocab 50257 unpadded, 1024 positions)
-# and Meta's Llama 2 / Llama 3 checkpoints.
+# and Meta's Llama 2 / Llama 3 / Llama 3.2 checkpoints.
 PUBLISHED = {
     "gpt2-124m": 124_439_808,
     "gpt2-355m": 354_823_168,
@@ -19,6 +19,7 @@ PUBLISHED = {
     "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
+    "llama3.2-1b": 1_235_814_400,  # tied embedding
 }
 # GPT-3 (Brown et al. 2020) gives rounded sizes: check within 3 %.
 GPT3_NOMINAL = {"gpt3-1.3b": 1.3e9, "gpt3-2.7b": 2.7e9, "gpt3-6.7b": 6.7e9, "gpt3-13b": 13e9,
