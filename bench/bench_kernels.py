@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from gigatron.ops.build import load_kernels
 
 NORM_SHAPES = [(4096, 1024), (8192, 4096), (16384, 4096), (8192, 8192), (4096, 16384), (1024, 65536)]
+# the last of each list is a 7B model's (32 heads, hidden 4096, seq 4096, micro-batch 1)
 SOFTMAX_SHAPES = [(4, 16, 512, 512), (2, 16, 1024, 1024), (1, 32, 2048, 2048), (1, 8, 1024, 4096),
-                  (1, 4, 512, 16384)]
-CAUSAL_SHAPES = [(32, 1024, 1024), (32, 2048, 2048), (8, 4096, 4096)]
+                  (1, 4, 512, 16384), (1, 32, 4096, 4096)]
+CAUSAL_SHAPES = [(32, 1024, 1024), (32, 2048, 2048), (8, 4096, 4096), (32, 4096, 4096)]
 ROTATE = 3
 
 

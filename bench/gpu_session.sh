@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One device call that builds, checks and times everything issue 33 asks for, most important
+# first, each step under its own time limit inside a total budget (default 560 s), so that a
+# slow step costs only itself. Everything is logged to $OUT/session.log; the benches write
+# their JSON (and gigatron's profiler traces) under $OUT: at most 8 files come back.
+#
+#   bash bench/gpu_session.sh            # on the device machine, from the repository root
+#
+# The megatron-core wheel for the device's Python travels in .whl/ (docs/PERFORMANCE.md).
+set -u
+BUDGET=${BUDGET:-560}
+OUT=${OUT:-bench_out}; mkdir -p "$OUT"; export OUT
+LOG=$OUT/session.log
+START=$SECONDS
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+
+# gigatron importable without an install: the repository root is the package
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/gigatron
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+# step NAME MIN_SECONDS MAX_SECONDS COMMAND...: skipped when under MIN_SECONDS remain
+step() {
+  local name=$1 need=$2 cap=$3; shift 3
+  local remain; remain=$(left)
+  if [ "$remain" -lt "$need" ]; then
+    echo "=== $name: SKIPPED ($remain s left, needs $need)" | tee -a "$LOG"; return
+  fi
+  [ "$cap" -gt "$remain" ] && cap=$remain
+  echo "=== $name (limit ${cap} s, t=$((SECONDS - START)) s)" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$LOG"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+{ python3 -c "import sys,torch;print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  nproc; free -g | head -2; } 2>&1 | tee -a "$LOG"
+
+# the JIT kernel build runs on the CPU while the GPU measures its ceilings
+( python3 -m gigatron.ops --build > /tmp/build.log 2>&1; echo "build exit $?" >> /tmp/build.log ) &
+BUILD=$!
+step ceilings 20 40 python3 bench/ceilings.py
+step moe-cuda-test 30 60 python3 -m pytest -q -p no:cacheprovider tests/test_moe_cuda.py
+wait $BUILD; cat /tmp/build.log | tail -15 | tee -a "$LOG"
+step cuda-tests 60 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py \
+  tests/test_train_cuda.py tests/test_recompute.py tests/test_report.py tests/test_zero.py
+step bench-kernels 40 90 python3 bench/bench_kernels.py --iters 30
+step bench-moe 20 60 python3 bench/bench_moe.py --iters 10
+mkdir -p "$OUT/gpt" "$OUT/llama"
+step train-gpt3-1.3b 100 200 python3 bench/bench_train_gpu.py --sizes gpt3-1.3b \
+  --micro-batches 8 4 --warmup 3 --iters 8 --out "$OUT/gpt"
+step train-llama-1b 100 200 python3 bench/bench_train_gpu.py --sizes llama-1b \
+  --micro-batches 8 4 --warmup 3 --iters 8 --out "$OUT/llama"
+step capacity 60 400 python3 bench/bench_train_gpu.py --capacity --sizes gpt3-6.7b llama-8b \
+  --size-timeout 200
+echo "=== session done at t=$((SECONDS - START)) s" | tee -a "$LOG"
