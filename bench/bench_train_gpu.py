@@ -1,14 +1,16 @@
 """Single-device training speed (issue 21): gigatron's trainer beside a torch.compile plain
-loop and megatron-core's GPTModel, on the same GPT config, sequence length and micro-batch.
+loop and megatron-core's GPTModel, on the same zoo config (GPT or Llama), sequence length and
+micro-batch.
 
 For each size: the largest micro-batch from a descending list that trains a step without
 running out of memory (per path), warm-up steps, then N timed steps (device events; the
 median step is reported) -> tokens/s, model TFLOP/s (6N + 12 L h s per token,
-training/observe/flops.py) and MFU against training/observe/devices.py's peak, and peak memory.
+training/observe/flops.py on the run's own model config) and MFU against training/observe/devices.py's peak, and peak memory.
 gigatron's timed steps run under HostSyncCounter (the count is reported; 0 is the goal) and
 one profiled step writes a torch profiler trace with its top-10 kernels printed.
 
     python bench/bench_train_gpu.py --sizes gpt2-124m              # one size per device call
+    python bench/bench_train_gpu.py --sizes llama-1b --micro-batches 8 4
     python bench/bench_train_gpu.py --capacity --sizes gpt3-2.7b gpt3-6.7b
     python bench/bench_train_gpu.py --device cpu --tiny             # every path, tiny, on CPU
 
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,10 +44,19 @@ from gigatron.training.observe import flops as metrics  # noqa: E402
 from gigatron.training.observe.host_syncs import HostSyncCounter  # noqa: E402
 
 SIZES = {"gpt2-124m": "gpt2-124m", "gpt3-350m": "gpt2-355m", "gpt3-1.3b": "gpt3-1.3b",
-         "gpt3-2.7b": "gpt3-2.7b", "gpt3-6.7b": "gpt3-6.7b", "gpt3-13b": "gpt3-13b"}
-TINY = dict(num_layers=2, num_attention_heads=4, vocab_size=256)  # hidden grows with the size
+         "gpt3-2.7b": "gpt3-2.7b", "gpt3-6.7b": "gpt3-6.7b", "gpt3-13b": "gpt3-13b",
+         "llama-1b": "llama3.2-1b", "llama-8b": "llama3-8b"}
+# --tiny keeps the zoo architecture and shrinks it; hidden grows with the size's order
+TINY = dict(num_layers=2, vocab_size=256)
+# the override flag of each TransformerConfig field --tiny sets
+TINY_FLAGS = {"num_layers": ["--num-layers"], "hidden_size": ["--hidden-size"],
+              "ffn_hidden_size": ["--ffn-hidden-size"],
+              "num_attention_heads": ["--num-attention-heads"],
+              "num_query_groups": ["--group-query-attention", "--num-query-groups"],
+              "vocab_size": ["--vocab-size"]}
 MICRO_BATCHES = (32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
 Step = Callable[[torch.Tensor, torch.Tensor], Any]
+Built = Tuple[int, Step]  # (parameter count, step)
 
 
 # ---- one measured path ---------------------------------------------------------------------
@@ -92,18 +103,19 @@ def _batch(micro: int, seq: int, vocab: int, device: torch.device) -> tuple:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def largest_fitting(build: Callable[[int], Step], micro_batches: List[int], batch_for,
+def largest_fitting(build: Callable[[int], Built], micro_batches: List[int], batch_for,
                     device: torch.device) -> tuple:
-    """(micro, step) for the first micro-batch (descending) whose build and two steps fit."""
+    """(micro, parameters, step, batch) for the first micro-batch (descending) whose build and
+    two steps fit."""
     errors = []
     for micro in micro_batches:
         try:
-            step = build(micro)
+            parameters, step = build(micro)
             batch = batch_for(micro)
             step(*batch)
             step(*batch)
             _sync(device)
-            return micro, step, batch
+            return micro, parameters, step, batch
         except torch.OutOfMemoryError as err:
             errors.append(f"{micro}: {str(err).splitlines()[0]}")
         step = batch = None  # type: ignore[assignment]
@@ -115,10 +127,10 @@ def largest_fitting(build: Callable[[int], Step], micro_batches: List[int], batc
 
 def gigatron_flags(size: Dict[str, Any], micro: int, args: argparse.Namespace,
                    extra: List[str]) -> List[str]:
-    model = [f"--model={size['zoo']}"] if size.get("zoo") else [
-        "--num-layers", str(size["num_layers"]), "--hidden-size", str(size["hidden_size"]),
-        "--num-attention-heads", str(size["num_attention_heads"]),
-        "--vocab-size", str(size["vocab_size"]), "--make-vocab-size-divisible-by", "128"]
+    """pretrain flags of gigatron's path: the zoo model, --tiny's overrides, the bench's run."""
+    model = [f"--model={size['zoo']}"]
+    for field, value in size["overrides"].items():
+        model += TINY_FLAGS[field] + [str(value)]
     precision = ["--bf16"] if args.dtype == "bf16" else []
     return model + precision + [
         "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
@@ -126,6 +138,14 @@ def gigatron_flags(size: Dict[str, Any], micro: int, args: argparse.Namespace,
         "--train-iters", "1000000", "--lr", "1e-4", "--clip-grad", "1.0", "--mock-data",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--attention-backend", "flash",
         "--seed", "1234"] + extra
+
+
+def model_config(flags: List[str]) -> Any:
+    """The TransformerConfig gigatron's path trains with these flags: the one architecture
+    every path builds and the FLOP count reads."""
+    from gigatron.training.config.arguments import parse_args
+
+    return parse_args(flags, 1).model
 
 
 def build_gigatron(flags: List[str], device: torch.device):
@@ -158,13 +178,39 @@ def build_gigatron(flags: List[str], device: torch.device):
     return session, step
 
 
-def build_plain(cfg: plain_gpt.PlainConfig, device: torch.device, dtype: torch.dtype,
-                compile_backend: str) -> Step:
-    model = plain_gpt.PlainGPT(cfg).to(device)
+def plain_config(arch: Any) -> plain_gpt.PlainConfig:
+    """bench/plain_gpt.py's config of gigatron's TransformerConfig `arch`; raises on what
+    the plain models do not build."""
+    llama = arch.position_embedding_type == "rope"
+    expected = ("RMSNorm", "swiglu", False) if llama else ("LayerNorm", "gelu_tanh|gelu", True)
+    got = (arch.normalization, arch.activation, arch.add_bias_linear)
+    if got[0] != expected[0] or got[1] not in expected[1].split("|") or got[2] != expected[2] \
+            or (not llama and arch.untie_embeddings_and_output_weights) \
+            or arch.kv_channels * arch.num_attention_heads != arch.hidden_size:
+        raise ValueError(f"{arch.position_embedding_type} model with {got}: plain_gpt.py "
+                         f"builds GPT (learned, LayerNorm, GeLU, biases, tied) or Llama")
+    vocab = metrics.padded_vocab_size(arch.vocab_size, arch.make_vocab_size_divisible_by, 1)
+    return plain_gpt.PlainConfig(
+        arch.num_layers, arch.hidden_size, arch.num_attention_heads, vocab, arch.seq_length,
+        ffn_hidden_size=arch.ffn_hidden_size, layernorm_epsilon=arch.layernorm_epsilon,
+        gelu_approximate="tanh" if arch.activation == "gelu_tanh" else "none",
+        num_query_groups=arch.num_query_groups, rotary_base=arch.rotary_base,
+        rope_scaling_factor=arch.rope_scaling_factor if arch.rope_scaling else None,
+        rope_scaling_low_freq_factor=arch.rope_scaling_low_freq_factor,
+        rope_scaling_high_freq_factor=arch.rope_scaling_high_freq_factor,
+        rope_scaling_original_max_position_embeddings=(
+            arch.rope_scaling_original_max_position_embeddings),
+        tie_embeddings=not arch.untie_embeddings_and_output_weights)
+
+
+def build_plain(cfg: plain_gpt.PlainConfig, llama: bool, device: torch.device,
+                dtype: torch.dtype, compile_backend: str) -> Tuple[torch.nn.Module, Step]:
+    """(model, step): the plain model under torch.compile with fused AdamW."""
+    model = plain_gpt.plain_model(cfg, llama).to(device)
     fused = device.type in ("cuda", "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     compiled = torch.compile(model, backend=compile_backend)
-    return lambda tokens, labels: plain_gpt.train_step(compiled, optimizer, tokens, labels,
+    return model, lambda tokens, labels: plain_gpt.train_step(compiled, optimizer, tokens, labels,
                                                        dtype)
 
 
@@ -189,18 +235,26 @@ def profile_top_kernels(step: Step, batch: tuple, device: torch.device, trace: s
 # ---- one size --------------------------------------------------------------------------------
 
 def _size(name: str, tiny: bool) -> Dict[str, Any]:
-    if tiny:
-        order = list(SIZES).index(name) if name in SIZES else 0
-        return dict(TINY, hidden_size=32 * (order + 1), name=f"tiny-{name}")
+    """name, zoo model and --tiny's TransformerConfig overrides (the same architecture:
+    norm, activation, positions, biases, tying and the heads/groups and ffn/hidden ratios)."""
     from gigatron.models.zoo import model_fields
 
     if name not in SIZES:
         raise SystemExit(f"--sizes: unknown size {name!r}; use any of {', '.join(SIZES)}")
-    zoo = SIZES[name]
-    cfg = model_fields(zoo)
-    return dict(name=name, zoo=zoo, num_layers=cfg["num_layers"],
-                hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
-                vocab_size=cfg["vocab_size"])
+    if not tiny:
+        return dict(name=name, zoo=SIZES[name], overrides={})
+    zoo = model_fields(SIZES[name])
+    heads = zoo["num_attention_heads"]
+    groups = zoo.get("num_query_groups", heads)
+    tiny_heads = 4 if groups == heads else 8
+    hidden = 32 * (list(SIZES).index(name) + 1)
+    overrides = dict(TINY, hidden_size=hidden, num_attention_heads=tiny_heads)
+    if groups != heads:
+        overrides["num_query_groups"] = max(1, tiny_heads * groups // heads)
+    if "ffn_hidden_size" in zoo:
+        overrides["ffn_hidden_size"] = 8 * round(hidden * zoo["ffn_hidden_size"]
+                                                 / zoo["hidden_size"] / 8)
+    return dict(name=f"tiny-{name}", zoo=SIZES[name], overrides=overrides)
 
 
 def _report(path: str, micro: int, seq: int, times: List[float], flops_token: float,
@@ -212,35 +266,64 @@ def _report(path: str, micro: int, seq: int, times: List[float], flops_token: fl
                 **out, **extra)
 
 
-def _flops_config(size: Dict[str, Any], seq: int) -> Any:
-    """What metrics.flops_per_token reads, for the zoo's GPT shapes (LayerNorm, GeLU, biases)."""
-    from types import SimpleNamespace
+def _parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # a tied weight counts once
 
-    return SimpleNamespace(num_layers=size["num_layers"], hidden_size=size["hidden_size"],
-                           num_attention_heads=size["num_attention_heads"],
-                           vocab_size=size["vocab_size"], seq_length=seq,
-                           make_vocab_size_divisible_by=128)
+
+def path_builders(size: Dict[str, Any], args: argparse.Namespace, device: torch.device,
+                  arch: Any) -> Dict[str, Callable[[int], Built]]:
+    """path -> build(micro) -> (parameters, step) for the paths asked for, all on `arch`
+    (gigatron's model config)."""
+    dtype = DTYPES[args.dtype]
+    recompute = [] if not args.recompute else ["--recompute-granularity", "full",
+                                               "--recompute-method", "uniform",
+                                               "--recompute-num-layers", "1"]
+
+    def gigatron(micro: int) -> Built:
+        session, step = build_gigatron(
+            gigatron_flags(size, micro, args, recompute + args.gigatron_flags), device)
+        return sum(_parameters(c) for c in session.chunks), step
+
+    def plain(micro: int) -> Built:
+        model, step = build_plain(plain_config(arch), arch.position_embedding_type == "rope",
+                                  device, dtype, args.compile_backend)
+        return _parameters(model), step
+
+    def megatron(micro: int) -> Built:
+        vocab = metrics.padded_vocab_size(arch.vocab_size, arch.make_vocab_size_divisible_by, 1)
+        model, step = megatron_gpt.build(arch, vocab, arch.seq_length, device, dtype)
+        return _parameters(model), step
+
+    builders = {"gigatron": gigatron}
+    if "plain" in args.paths:
+        builders["torch.compile"] = plain
+    if "megatron" in args.paths:
+        builders["megatron-core"] = megatron
+    return builders
 
 
 def run_size(name: str, args: argparse.Namespace, device: torch.device) -> List[Dict[str, Any]]:
     """Every path on one size; a path that fails is reported with its error, not raised."""
     size = _size(name, args.tiny)
-    seq, dtype = args.seq_length, DTYPES[args.dtype]
-    flops_token = metrics.flops_per_token(_flops_config(size, seq))
-    vocab = metrics.padded_vocab_size(size["vocab_size"], 128, 1)
-    peak = args.peak_tflops or metrics.device_peak_tflops(device, dtype)
-    micro_batches = [m for m in args.micro_batches]
+    arch = model_config(gigatron_flags(size, 1, args, args.gigatron_flags))
+    seq, flops_token = args.seq_length, metrics.flops_per_token(arch)
+    vocab = metrics.padded_vocab_size(arch.vocab_size, arch.make_vocab_size_divisible_by, 1)
+    peak = args.peak_tflops or metrics.device_peak_tflops(device, DTYPES[args.dtype])
     batch_for = lambda micro: _batch(micro, seq, vocab, device)  # noqa: E731
     common = dict(size=size["name"], seq_length=seq, dtype=args.dtype)
     results = []
-
-    def measure(path: str, build: Callable[[int], Step], counted: bool = False) -> None:
+    for path, build in path_builders(size, args, device, arch).items():
+        if path == "megatron-core" and not megatron_gpt.available():
+            results.append(dict(common, path=path,
+                                error="megatron.core is not importable: carry its wheel"))
+            continue
         _free(device)
         try:
-            micro, step, batch = largest_fitting(build, micro_batches, batch_for, device)
-            counter = HostSyncCounter() if counted else None
+            micro, params, step, batch = largest_fitting(build, args.micro_batches, batch_for,
+                                                         device)
+            counter = HostSyncCounter() if path == "gigatron" else None
             times = time_steps(step, batch, device, args.warmup, args.iters, counter)
-            extra: Dict[str, Any] = dict(common)
+            extra: Dict[str, Any] = dict(common, parameters=params)
             if counter is not None:
                 extra.update(host_syncs=counter.count, host_sync_sites=dict(counter.sites))
             if path == "gigatron" and args.profile:
@@ -253,26 +336,6 @@ def run_size(name: str, args: argparse.Namespace, device: torch.device) -> List[
         finally:
             step = batch = None  # type: ignore[assignment]
             _free(device)
-
-    recompute = [] if not args.recompute else ["--recompute-granularity", "full",
-                                               "--recompute-method", "uniform",
-                                               "--recompute-num-layers", "1"]
-    measure("gigatron", lambda micro: build_gigatron(
-        gigatron_flags(size, micro, args, recompute + args.gigatron_flags), device)[1],
-        counted=True)
-    if "plain" in args.paths:
-        cfg = plain_gpt.PlainConfig(size["num_layers"], size["hidden_size"],
-                                    size["num_attention_heads"], vocab, seq)
-        measure("torch.compile", lambda micro: build_plain(cfg, device, dtype,
-                                                           args.compile_backend))
-    if "megatron" in args.paths:
-        if megatron_gpt.available():
-            measure("megatron-core", lambda micro: megatron_gpt.build(
-                size["num_layers"], size["hidden_size"], size["num_attention_heads"], vocab,
-                seq, device, dtype)[1])
-        else:
-            results.append(dict(common, path="megatron-core",
-                                error="megatron.core is not importable: carry its wheel"))
     return results
 
 
@@ -287,12 +350,13 @@ def capacity_one(name: str, args: argparse.Namespace, device: torch.device) -> D
         "--recompute-num-layers", "1"] + args.gigatron_flags)
     session, step = build_gigatron(flags, device)
     params = sum(p.numel() for c in session.chunks for p in c.parameters())
-    batch = _batch(1, args.seq_length, metrics.padded_vocab_size(size["vocab_size"], 128, 1),
-                   device)
+    model = session.run.model
+    vocab = metrics.padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, 1)
+    batch = _batch(1, args.seq_length, vocab, device)
     times = time_steps(step, batch, device, 1, 1)
     peak = args.peak_tflops or metrics.device_peak_tflops(device, DTYPES[args.dtype])
     return _report("gigatron offload", 1, args.seq_length, times,
-                   metrics.flops_per_token(session.run.model), peak, device, size=size["name"],
+                   metrics.flops_per_token(model), peak, device, size=size["name"],
                    parameters=params, host_peak_rss_gib=_host_peak_gib())
 
 

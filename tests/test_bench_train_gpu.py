@@ -1,6 +1,7 @@
 """bench/bench_train_gpu.py runs end to end on the CPU (--device cpu --tiny) before any GPU
-sees it: every path trains and is timed, gigatron's timed steps make no host read, the
-profiler trace is written, and --capacity reports the largest offloaded size that trains.
+sees it, for the GPT and the Llama architecture: every path trains and is timed on the same
+model (equal parameter counts), gigatron's timed steps make no host read, the profiler trace
+is written, and --capacity reports the largest offloaded size that trains.
 
 Run as a subprocess: the bench joins a one-rank process group and megatron-core's CPU
 shims patch torch.cuda in its own process only.
@@ -24,21 +25,38 @@ def _bench(tmp_path, *argv):
     return proc.stdout
 
 
-def test_tiny_run_times_every_path_without_host_syncs(tmp_path):
+def test_tiny_run_times_every_path_on_the_same_model_without_host_syncs(tmp_path):
     pytest.importorskip("megatron.core")
     # the eager backend keeps the test fast; the torch.compile wrapping is the same
-    stdout = _bench(tmp_path, "--sizes", "gpt2-124m", "--compile-backend", "eager")
+    stdout = _bench(tmp_path, "--sizes", "gpt2-124m", "llama-1b", "--compile-backend", "eager")
     report = json.loads((tmp_path / "results.json").read_text())
-    by_path = {r["path"]: r for r in report["results"]}
-    assert set(by_path) == {"gigatron", "torch.compile", "megatron-core"}
-    for r in by_path.values():
-        assert "error" not in r, r
-        assert r["micro_batch"] == 4 and r["tokens_per_s"] > 0 and r["tflops_per_device"] > 0
-        assert r["mfu"] is None  # no peak for a CPU: MFU is never invented
-    assert by_path["gigatron"]["host_syncs"] == 0, by_path["gigatron"]["host_sync_sites"]
-    assert os.path.getsize(by_path["gigatron"]["trace"]) > 0
-    assert len(by_path["gigatron"]["top_kernels"]) == 10
-    assert "| tiny-gpt2-124m | megatron-core | 4 |" in stdout
+    for size in ("tiny-gpt2-124m", "tiny-llama-1b"):
+        by_path = {r["path"]: r for r in report["results"] if r["size"] == size}
+        assert set(by_path) == {"gigatron", "torch.compile", "megatron-core"}
+        for r in by_path.values():
+            assert "error" not in r, r
+            assert r["micro_batch"] == 4 and r["tokens_per_s"] > 0
+            assert r["tflops_per_device"] > 0
+            assert r["mfu"] is None  # no peak for a CPU: MFU is never invented
+        assert len({r["parameters"] for r in by_path.values()}) == 1, by_path
+        assert by_path["gigatron"]["host_syncs"] == 0, by_path["gigatron"]["host_sync_sites"]
+        assert os.path.getsize(by_path["gigatron"]["trace"]) > 0
+        assert len(by_path["gigatron"]["top_kernels"]) == 10
+        assert f"| {size} | megatron-core | 4 |" in stdout
+
+
+def test_tiny_llama_keeps_the_llama_architecture():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    from bench_train_gpu import _size, gigatron_flags, model_config, parse
+
+    args = parse(["--device", "cpu", "--tiny"])
+    arch = model_config(gigatron_flags(_size("llama-1b", True), 1, args, []))
+    assert (arch.normalization, arch.activation, arch.position_embedding_type) == \
+        ("RMSNorm", "swiglu", "rope")
+    assert not arch.add_bias_linear and not arch.untie_embeddings_and_output_weights
+    assert arch.rope_scaling and arch.rotary_base == 500000.0
+    assert arch.num_attention_heads == 4 * arch.num_query_groups  # 32 heads / 8 groups
+    assert arch.ffn_hidden_size == 4 * arch.hidden_size and arch.num_layers == 2
 
 
 def test_micro_batch_search_takes_the_first_that_fits():
@@ -49,19 +67,19 @@ def test_micro_batch_search_takes_the_first_that_fits():
     def build(micro):
         if micro > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return lambda tokens, labels: None
+        return 7, lambda tokens, labels: None
 
-    micro, _, _ = largest_fitting(build, [8, 4, 2, 1], lambda m: (None, None),
+    micro, parameters, _, _ = largest_fitting(build, [8, 4, 2, 1], lambda m: (None, None),
                                   torch.device("cpu"))
-    assert micro == 2
+    assert (micro, parameters) == (2, 7)
     with pytest.raises(RuntimeError, match="no micro-batch fits: 8: CUDA out of memory"):
         largest_fitting(build, [8, 4], lambda m: (None, None), torch.device("cpu"))
 
 
 def test_capacity_reports_the_largest_offloaded_size_that_trains(tmp_path):
-    stdout = _bench(tmp_path, "--capacity", "--sizes", "gpt3-1.3b", "gpt3-2.7b")
+    stdout = _bench(tmp_path, "--capacity", "--sizes", "gpt3-6.7b", "llama-8b")
     report = json.loads((tmp_path / "capacity.json").read_text())
-    assert report["largest"] == "tiny-gpt3-2.7b"
+    assert report["largest"] == "tiny-llama-8b"
     small, large = report["results"]
     assert large["parameters"] > small["parameters"] and large["tflops_per_device"] > 0
-    assert "largest that trains with --optimizer-cpu-offload: tiny-gpt3-2.7b" in stdout
+    assert "largest that trains with --optimizer-cpu-offload: tiny-llama-8b" in stdout
