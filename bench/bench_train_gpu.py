@@ -48,6 +48,10 @@ SIZES = {"gpt2-124m": "gpt2-124m", "gpt3-350m": "gpt2-355m", "gpt3-1.3b": "gpt3-
          "llama-1b": "llama3.2-1b", "llama-8b": "llama3-8b"}
 # --tiny keeps the zoo architecture and shrinks it; hidden grows with the size's order
 TINY = dict(num_layers=2, vocab_size=256)
+# what plain_gpt.py builds: (positions, norm, activation, biases, untied, heads x kv == h)
+PLAIN_ARCHITECTURES = [("learned_absolute", "LayerNorm", act, True, False, True)
+                       for act in ("gelu", "gelu_tanh")] + \
+    [("rope", "RMSNorm", "swiglu", False, untied, True) for untied in (False, True)]
 # the override flag of each TransformerConfig field --tiny sets
 TINY_FLAGS = {"num_layers": ["--num-layers"], "hidden_size": ["--hidden-size"],
               "ffn_hidden_size": ["--ffn-hidden-size"],
@@ -181,14 +185,12 @@ def build_gigatron(flags: List[str], device: torch.device):
 def plain_config(arch: Any) -> plain_gpt.PlainConfig:
     """bench/plain_gpt.py's config of gigatron's TransformerConfig `arch`; raises on what
     the plain models do not build."""
-    llama = arch.position_embedding_type == "rope"
-    expected = ("RMSNorm", "swiglu", False) if llama else ("LayerNorm", "gelu_tanh|gelu", True)
-    got = (arch.normalization, arch.activation, arch.add_bias_linear)
-    if got[0] != expected[0] or got[1] not in expected[1].split("|") or got[2] != expected[2] \
-            or (not llama and arch.untie_embeddings_and_output_weights) \
-            or arch.kv_channels * arch.num_attention_heads != arch.hidden_size:
-        raise ValueError(f"{arch.position_embedding_type} model with {got}: plain_gpt.py "
-                         f"builds GPT (learned, LayerNorm, GeLU, biases, tied) or Llama")
+    got = (arch.position_embedding_type, arch.normalization, arch.activation,
+           arch.add_bias_linear, arch.untie_embeddings_and_output_weights,
+           arch.kv_channels * arch.num_attention_heads == arch.hidden_size)
+    if got not in PLAIN_ARCHITECTURES:
+        raise ValueError(f"(positions, norm, activation, biases, untied, heads x kv_channels "
+                         f"== hidden) = {got}: plain_gpt.py builds only {PLAIN_ARCHITECTURES}")
     vocab = metrics.padded_vocab_size(arch.vocab_size, arch.make_vocab_size_divisible_by, 1)
     return plain_gpt.PlainConfig(
         arch.num_layers, arch.hidden_size, arch.num_attention_heads, vocab, arch.seq_length,
@@ -398,17 +400,17 @@ def _forwarded(args: argparse.Namespace) -> List[str]:
 
 def markdown(results: List[Dict[str, Any]]) -> str:
     head = ("| size | path | micro-batch | tokens/s | TFLOP/s | MFU | step ms (median) | "
-            "peak GiB | host syncs |\n|---|---|---|---|---|---|---|---|---|")
+            "peak GiB | host syncs | parameters |\n|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['size']} | {r['path']} | failed: {r['error'][:120]} |||||||")
+            rows.append(f"| {r['size']} | {r['path']} | failed: {r['error'][:120]} ||||||||")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         rows.append(f"| {r['size']} | {r['path']} | {r['micro_batch']} | "
                     f"{r['tokens_per_s']:,.0f} | {r['tflops_per_device']:.2f} | {mfu} | "
                     f"{1e3 * r['step_s']:.1f} | {r['peak_memory_gib']:.2f} | "
-                    f"{r.get('host_syncs', '-')} |")
+                    f"{r.get('host_syncs', '-')} | {r.get('parameters', 0):,} |")
     return "\n".join([head] + rows)
 
 

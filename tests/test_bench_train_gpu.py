@@ -83,3 +83,16 @@ def test_capacity_reports_the_largest_offloaded_size_that_trains(tmp_path):
     small, large = report["results"]
     assert large["parameters"] > small["parameters"] and large["tflops_per_device"] > 0
     assert "largest that trains with --optimizer-cpu-offload: tiny-llama-8b" in stdout
+
+
+def test_llama_1b_flops_count_swiglu_gqa_and_the_tied_output_once():
+    sys.path.insert(0, os.path.dirname(BENCH))
+    from bench_train_gpu import _size, gigatron_flags, model_config, parse
+    from gigatron.training.observe.flops import flops_per_token
+
+    arch = model_config(gigatron_flags(_size("llama-1b", False), 1, parse([]), []))
+    h, ffn, kv, layers, vocab, seq = 2048, 8192, 8 * 64, 16, 128256, 2048
+    layer = h * h + 2 * h * kv + h * h + 3 * h * ffn + 2 * h  # q, k+v, o, SwiGLU, 2 RMSNorm
+    matmul = layers * layer + h + vocab * h  # + final norm + output (= the tied embedding)
+    assert matmul == 1_235_814_400  # every parameter: the input lookup is the output matrix
+    assert flops_per_token(arch) == 6 * matmul + 12 * layers * h * seq
