@@ -62,6 +62,29 @@ def _rope_scaling(arch: Any) -> Dict[str, Any]:
     return scaling
 
 
+def _transformer_config(arch: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """megatron-core's TransformerConfig of `arch`, with the fusions the local spec runs
+    without Apex/Transformer Engine."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if arch.activation not in _ACTIVATIONS:
+        raise ValueError(f"activation {arch.activation!r}: the megatron-core path knows "
+                         f"{', '.join(_ACTIVATIONS)}")
+    activation, gated = _ACTIVATIONS[arch.activation]
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels, ffn_hidden_size=arch.ffn_hidden_size,
+        normalization=arch.normalization, layernorm_epsilon=arch.layernorm_epsilon,
+        activation_func=activation, gated_linear_unit=gated, bias_activation_fusion=False,
+        add_bias_linear=arch.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype,
+        use_cpu_initialization=device.type == "cpu", init_method_std=arch.init_method_std,
+        # its fused softmax needs Apex/TE's compiled module (absent): torch's softmax
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=device.type == "cuda")
+
+
 def build(arch: Any, vocab_size: int, seq_length: int, device: torch.device,
           dtype: torch.dtype, lr: float = 1e-4
           ) -> Tuple[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
@@ -73,11 +96,7 @@ def build(arch: Any, vocab_size: int, seq_length: int, device: torch.device,
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if arch.activation not in _ACTIVATIONS:
-        raise ValueError(f"activation {arch.activation!r}: the megatron-core path knows "
-                         f"{', '.join(_ACTIVATIONS)}")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     if device.type == "cpu":
@@ -85,19 +104,7 @@ def build(arch: Any, vocab_size: int, seq_length: int, device: torch.device,
     else:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
     bf16 = dtype == torch.bfloat16
-    activation, gated = _ACTIVATIONS[arch.activation]
-    config = TransformerConfig(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
-        kv_channels=arch.kv_channels, ffn_hidden_size=arch.ffn_hidden_size,
-        normalization=arch.normalization, layernorm_epsilon=arch.layernorm_epsilon,
-        activation_func=activation, gated_linear_unit=gated, bias_activation_fusion=False,
-        add_bias_linear=arch.add_bias_linear, hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
-        use_cpu_initialization=device.type == "cpu", init_method_std=arch.init_method_std,
-        # its fused softmax needs Apex/TE's compiled module (absent): torch's softmax
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        bias_dropout_fusion=device.type == "cuda")
+    config = _transformer_config(arch, device, dtype)
     model = GPTModel(config, get_gpt_layer_local_spec(normalization=arch.normalization),
                      vocab_size=vocab_size, max_sequence_length=seq_length,
                      parallel_output=False,
