@@ -204,6 +204,10 @@ def run_size(name: str, args: argparse.Namespace, device: torch.device) -> List[
         finally:
             step = batch = None  # type: ignore[assignment]
             _free(device)
+        # each path's result as soon as it is known: a bench stopped by a time limit keeps it
+        print("path result: " + json.dumps({k: v for k, v in results[-1].items()
+                                            if k not in ("top_kernels", "host_sync_sites")},
+                                           default=str), flush=True)
     return results
 
 
