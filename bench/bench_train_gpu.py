@@ -248,6 +248,7 @@ def capacity(args: argparse.Namespace) -> List[Dict[str, Any]]:
         lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
         if proc.returncode == 0 and lines:
             results.append(json.loads(lines[-1]))
+            print("size result: " + lines[-1], flush=True)  # kept if a time limit stops us
             continue
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         results.append(dict(size=name, path="gigatron offload",
