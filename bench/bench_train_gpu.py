@@ -333,7 +333,7 @@ def init_single_process(device: torch.device) -> None:
     if dist.is_initialized():
         return
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # torch 2.11 wants an index
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
