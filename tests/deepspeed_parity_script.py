@@ -7,7 +7,9 @@
 the ranks itself)
 Both runs see the same model (fixed seed, fp32), the same per-rank micro-batches and the same
 DeepSpeed JSON config; each rank writes OUT_DIR/rank{r}.json with, per stage, every
-micro-batch's loss, each step's lr and the final (gathered) parameters.
+micro-batch's loss, each step's lr and the final (gathered) parameters, then leaves the
+process group and exits before interpreter finalization (see
+exit_before_interpreter_finalization).
 tests/test_deepspeed_parity.py compares the two. gigatron is reached only through its
 top-level API, so the script keeps working while its modules move.
 Extra config keys (e.g. '{"optimizer": {"params": {"lr": 0.02}}}') may be merged in with
@@ -18,9 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any, Dict, List
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 STAGES = (0, 1, 2, 3)
@@ -108,6 +112,42 @@ def train(framework: str, initialize: Any, stage: int, rank: int,
     return result
 
 
+def write_results(path: str, results: Dict[str, Any]) -> None:
+    """Whole or absent: a rank that dies while writing leaves no JSON to be read as complete."""
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        json.dump(results, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def leave_process_group() -> None:
+    """Every peer is done with its collectives before any rank lets its groups go."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def exit_before_interpreter_finalization() -> None:
+    """Exit 0 without interpreter finalization, which a live gloo worker thread can abort.
+
+    A gloo worker that finishes a collective frees the op's tensors, and a tensor with a
+    Python object takes the GIL to drop it (TensorImpl::decref_pyobject, torch 2.13). Once
+    finalization has begun, Python 3.11 ends such a thread with pthread_exit, whose unwinding
+    through the noexcept work destructor calls std::terminate: "terminate called without an
+    active exception", SIGABRT after complete results (CI: DeepSpeed's rank 0 exited -6).
+    destroy_process_group does not stop those threads: they live until the C++ group is
+    freed, and here groups outlive it (DeepSpeed keeps them in deepspeed.utils.groups.
+    _WORLD_GROUP, its engines and ZeRO-3 parameters' ds_process_group; a gigatron run's
+    workers outlived it too). So with the results on disk, the groups left and the output
+    flushed, the process ends here; atexit handlers are skipped (gigatron's would leave the
+    group again and send its watchdog's last beat).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("framework", choices=["deepspeed", "gigatron"])
@@ -133,8 +173,11 @@ def main() -> None:
     override = json.loads(args.override)
     results = {str(stage): train(args.framework, initialize, stage, rank, override)
                for stage in STAGES}
-    with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    write_results(os.path.join(args.out_dir, f"rank{rank}.json"), results)
+    print(f"rank {rank}: results written", flush=True)
+    leave_process_group()
+    print(f"rank {rank}: process group left", flush=True)
+    exit_before_interpreter_finalization()
 
 
 if __name__ == "__main__":
