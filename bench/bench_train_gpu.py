@@ -334,9 +334,11 @@ def init_single_process(device: torch.device) -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)  # torch 2.11 wants an index
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    # a one-rank group needs no rendezvous: a private TCP store on a free port, so a bench
+    # started from a process that holds a group (pytest, another bench) never collides
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0,
+                            world_size=1)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
