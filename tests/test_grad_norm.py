@@ -17,7 +17,7 @@ from zero_models import batches, reference_adamw, TinyLM, torch_param_groups
 
 from gigatron.models.gpt import GPTModel
 from gigatron.parallel.zero import ZeroConfig, build_zero
-from gigatron.parallel.zero.grad_norm import clip_coefficient
+from gigatron.parallel.zero.grad_norm import clip_coefficient, global_norm_and_nonfinite
 
 CLIP, RTOL = 0.2, 1e-5
 
@@ -107,3 +107,30 @@ def test_tp2_pp2_dp2_global_grad_norm_equals_single_device():
     for rank, norms in enumerate(run_on_ranks(_tp2_pp2_dp2, 8)):
         for stage, got in enumerate(norms):
             assert abs(got - want) <= RTOL * want, f"rank {rank} stage {stage}: {got} vs {want}"
+
+
+def _fp64_norm(views):
+    return sum(v.double().pow(2).sum() for v in views).sqrt().item()
+
+
+def test_bf16_fp16_and_mixed_views_give_the_fp64_norm():
+    """Issue 33: one multi-tensor kernel per dtype; bf16/fp16 grads still accumulate in fp32.
+    200k bf16 values near 1: a norm rounded to bf16 would be ~1e-3 off, not 1e-6."""
+    g = torch.Generator().manual_seed(7)
+    big = (1 + torch.rand(200_000, generator=g)).bfloat16()
+    bf16 = [big, torch.randn(300, 7, generator=g).bfloat16()[:, 2:5], big[:0]]
+    mixed = bf16 + [torch.randn(1000, generator=g).half(), torch.randn(33, generator=g),
+                    torch.randn(5, 5, generator=g, dtype=torch.float64)]
+    for views in (bf16, mixed):
+        norm, nonfinite = global_norm_and_nonfinite(views)
+        assert norm.dtype == torch.float32 and nonfinite.item() == 0
+        want = _fp64_norm(views)
+        assert abs(norm.item() - want) <= 1e-6 * want, (norm.item(), want)
+
+
+def test_nonfinite_count_covers_only_the_checked_views():
+    grads = [torch.tensor([1.0, float("inf"), float("nan")]).half(), torch.ones(4).half()]
+    norm, nonfinite = global_norm_and_nonfinite(grads[1:], check_views=grads)
+    assert nonfinite.item() == 2 and norm.item() == 2.0
+    _, none_checked = global_norm_and_nonfinite(grads)
+    assert none_checked.item() == 0
