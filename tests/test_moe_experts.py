@@ -170,14 +170,15 @@ def test_wrong_unpermute_order_is_caught_by_the_reference(monkeypatch) -> None:
     experts = RoutedExperts(EXPERTS, HIDDEN, FFN, init_method_std=0.2)
     x, probs, routing_map = _random_routing(seed=9)
     reference = _dense_reference(experts, x, probs, routing_map)
-    real_permute = experts_module.permute
+    from gigatron.parallel.expert import dispatch as dispatch_module
+    real_permute = dispatch_module.permute
 
     def swapped_rows(hidden, routing_map):
         """The right rows, but sent back to a neighbouring token's slot."""
         rows, token_indices, counts = real_permute(hidden, routing_map)
         return rows, (token_indices + 1) % hidden.shape[0], counts
 
-    monkeypatch.setattr(experts_module, "permute", swapped_rows)
+    monkeypatch.setattr(dispatch_module, "permute", swapped_rows)
     assert not torch.allclose(experts(x, probs, routing_map), reference, **TOL)
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from gigatron.models.transformer import ACTIVATIONS, mlp_activation
+from gigatron.parallel.expert.dispatch import LocalDispatcher
 
 # dtypes torch._grouped_mm accepts, by device type; CUDA's kernel is bf16-only on the
 # versions we know, so other dtypes take the loop there rather than fail at run time
@@ -27,26 +28,6 @@ _GROUPED_MM_DTYPES = {
 }
 # torch._grouped_mm needs every row stride to be a multiple of 16 bytes
 _GROUPED_MM_ALIGNMENT_BYTES = 16
-
-
-def permute(hidden: torch.Tensor, routing_map: torch.Tensor
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Copy each token once per chosen expert, expert-major: (rows, their token ids, counts)."""
-    num_tokens, num_experts = routing_map.shape
-    expert_major = routing_map.t().contiguous()
-    token_indices = torch.arange(num_tokens, device=hidden.device).expand(num_experts, -1)
-    token_indices = token_indices.masked_select(expert_major)
-    tokens_per_expert = expert_major.sum(dim=1)
-    return hidden.index_select(0, token_indices), token_indices, tokens_per_expert
-
-
-def unpermute(expert_output: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-              token_indices: torch.Tensor) -> torch.Tensor:
-    """Weight each expert row by its router probability and sum it back into its token."""
-    row_probs = probs.t().contiguous().masked_select(routing_map.t().contiguous())
-    weighted = (expert_output * row_probs.unsqueeze(-1)).to(expert_output.dtype)
-    output = expert_output.new_zeros(routing_map.shape[0], expert_output.shape[-1])
-    return output.index_add(0, token_indices, weighted)
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,13 +107,20 @@ class RoutedExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, probs: torch.Tensor,
                 routing_map: torch.Tensor) -> torch.Tensor:
-        """hidden [tokens, h], probs and bool routing_map [tokens, E] -> weighted sum [tokens, h]."""
+        """hidden [tokens, h], probs and bool routing_map [tokens, E] -> weighted sum [tokens, h]
+        (every expert on this rank; an expert-parallel layer dispatches, then `forward_rows`)."""
         self._check_inputs(hidden, probs, routing_map)
-        rows, token_indices, tokens_per_expert = permute(hidden, routing_map)
+        dispatcher = LocalDispatcher(self.num_experts)
+        dispatched = dispatcher.dispatch(hidden, probs, routing_map)
+        out = self.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
+        return dispatcher.combine(out, dispatched)
+
+    def forward_rows(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The expert MLPs on expert-major rows [R, h] (`tokens_per_expert` rows each, in the
+        order of this module's experts) -> [R, h], unweighted."""
         h = self.activation(expert_matmul(rows, self.weight1, tokens_per_expert,
                                           self.grouped_gemm))
-        out = expert_matmul(h, self.weight2, tokens_per_expert, self.grouped_gemm)
-        return unpermute(out, probs, routing_map, token_indices)
+        return expert_matmul(h, self.weight2, tokens_per_expert, self.grouped_gemm)
 
     def _check_inputs(self, hidden: torch.Tensor, probs: torch.Tensor,
                       routing_map: torch.Tensor) -> None:

@@ -1,0 +1,1 @@
+"""Expert parallelism (issue 27): the expert view of the ranks and token dispatch."""
