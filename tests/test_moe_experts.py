@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gigatron.models.moe import experts as experts_module
 from gigatron.models.moe.experts import RoutedExperts
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 32, 64, 8, 2, 40
