@@ -146,14 +146,18 @@ class FlatGroup:
 
     def flat_grad_shard(self) -> torch.Tensor:
         """This rank's fp32 gradient shard as one tensor, laid out like the master shard."""
+        pieces = self.grad_shard_pieces()
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def grad_shard_pieces(self) -> List[torch.Tensor]:
+        """The tensors whose concatenation, in order, is `flat_grad_shard()` (one, except at
+        stage 1 with several buckets: each bucket's shard)."""
         if self.grad_shard is not None:
-            return self.grad_shard
-        if self.stage == 1 and len(self.buckets) == 1:
-            return self.shard_views[0]
+            return [self.grad_shard]
         if self.stage == 0:
             assert self.grad_buffer is not None  # stage 0 keeps the full grad buffer
-            return self.grad_buffer
-        return torch.cat(self.shard_views)
+            return [self.grad_buffer]
+        return list(self.shard_views)
 
     def zero_grad(self) -> None:
         for p in self.params:

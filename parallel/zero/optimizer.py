@@ -156,6 +156,7 @@ class ZeroOptimizer:
             process_groups.tp, process_groups.embedding,
             self.gatherer.on_param_grad if self.gatherer else None)
         self._norm_views = self._counted_views()
+        self._host_grads: Dict[int, torch.Tensor] = {}  # offload: one grad buffer per group
         self.skipped_steps = 0
 
     # ---- construction ---------------------------------------------------------------
@@ -314,14 +315,32 @@ class ZeroOptimizer:
             if not (isinstance(factor, float) and factor == 1.0):
                 for view in g.shard_views:
                     view.mul_(factor)
-            flat = g.flat_grad_shard()
-            g.master.grad = flat.to(g.master.device) if flat.device != g.master.device else flat
+            g.master.grad = self._master_grad(g)
         self.optimizer.step()
         for g in self.flat_groups:
             g.master.grad = None
         self._publish_params()
         self.scaler.update(False)
         return StepResult(True, False, norm, scale)
+
+    def _master_grad(self, g: FlatGroup) -> torch.Tensor:
+        """The gradient the optimizer steps `g.master` with. Offloaded masters get it copied
+        piece by piece into one host buffer kept across steps (pinned where the grads are on
+        a GPU): no device-side concatenation and no fresh 4 bytes per parameter of pageable
+        host memory each step (a GPT 6.7B step on an H200 took 20 s with them)."""
+        pieces = g.grad_shard_pieces()
+        if pieces[0].device == g.master.device:
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        host = self._host_grads.get(id(g))
+        if host is None:
+            host = torch.empty(g.master.numel(), dtype=pieces[0].dtype, device=g.master.device,
+                               pin_memory=g.master.is_pinned())
+            self._host_grads[id(g)] = host
+        offset = 0
+        for piece in pieces:
+            host[offset:offset + piece.numel()].copy_(piece.reshape(-1))
+            offset += piece.numel()
+        return host.view_as(g.master)
 
     def _device(self) -> Optional[torch.device]:
         return self.flat_groups[0].device if self.flat_groups else None
