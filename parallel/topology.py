@@ -4,7 +4,8 @@
 rank lists of any axis or combination of axes. `ProcessGroups` creates the torch groups for
 the current rank once, and modules receive the groups they need explicitly.
 
-Run `gigatron topology --world-size 16 --tp 2 --pp 2` to print a layout.
+Run `gigatron topology --world-size 16 --tp 2 --pp 2` to print a layout (add `--ep 2` for the
+expert layers' view, parallel/expert/topology.py).
 """
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import argparse
 import itertools
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from gigatron.parallel.activity import activity
+
+if TYPE_CHECKING:
+    from gigatron.parallel.expert.topology import ExpertTopology
 
 AXES = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"
@@ -160,11 +164,14 @@ class ProcessGroups:
     each rank keeps the groups it belongs to. Access: `groups.tp`, `groups["tp-pp"]`.
     `timeout` is every group's collective timeout (torch gives subgroups its own default,
     30 min for gloo, not the world group's): pass --distributed-timeout-minutes here.
+    `expert` (an ExpertTopology over `topology`) also creates the expert groups "ep", "etp",
+    "edp" and "etp-ep"; dense jobs leave it out and create none of them.
     """
 
     def __init__(self, topology: Topology, rank: int,
                  extra: Sequence[str] = (), backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = None) -> None:
+                 timeout: Optional[timedelta] = None, expert: Optional["ExpertTopology"] = None
+                 ) -> None:
         import torch.distributed as dist  # the pure part above stays importable without torch
 
         if dist.get_world_size() != topology.world_size:
@@ -183,6 +190,15 @@ class ProcessGroups:
         self._create(dist, "embedding", topology.embedding_groups(), backend)
         self._create(dist, "position_embedding",
                      [[g[0]] for g in topology.groups("pp")], backend)
+        self.expert = expert
+        if expert is not None:
+            from gigatron.parallel.expert.topology import EXPERT_GROUPS
+
+            if expert.dense != topology:
+                raise ValueError(f"the expert topology is over {expert.dense}, the job's is "
+                                 f"{topology}: build ExpertTopology from the same Topology")
+            for name in EXPERT_GROUPS:
+                self._create(dist, name, expert.groups(name), backend)
 
     def _create(self, dist, name: str, groups: List[List[int]], backend: Optional[str]) -> None:
         for ranks in groups:
@@ -228,13 +244,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         dest="pp", help="pipeline-parallel size (default: %(default)s)")
     parser.add_argument("--order", default=DEFAULT_ORDER,
                         help="axes from fastest- to slowest-varying rank index (default: %(default)s)")
+    parser.add_argument("--ep", "--expert-model-parallel-size", type=int, default=1, dest="ep",
+                        help="expert-parallel size; with --ep or --etp the expert layers' view "
+                             "is printed too (default: %(default)s)")
+    parser.add_argument("--etp", "--expert-tensor-parallel-size", type=int, default=None,
+                        dest="etp", help="expert tensor-parallel size (default: --tp)")
     args = parser.parse_args(argv)
+    from gigatron.parallel.expert.topology import ExpertTopology
+
     try:
         topo = Topology.from_world_size(args.world_size, tp=args.tp, pp=args.pp,
                                         order=args.order)
+        expert = ExpertTopology(topo, ep=args.ep, etp=args.etp)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     print(topo.describe())
+    if args.ep != 1 or args.etp is not None:
+        print("\n" + expert.describe())
     return 0
 
 
