@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import torch
+
+from gigatron.models.moe.config_checks import moe_problems
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -107,6 +109,59 @@ class TransformerConfig:
     """For full: 'uniform' (chunks of N layers) or 'block' (first N layers) (--recompute-method)."""
     recompute_num_layers: Optional[int] = None
     """N of the recompute method (--recompute-num-layers)."""
+    # Mixture of experts (issue 27): Megatron-Core's TransformerConfig names and defaults;
+    # the checks are in models/moe/config_checks.py.
+    num_moe_experts: Optional[int] = None
+    """Routed experts per MoE layer (--num-experts); None: a dense model."""
+    moe_ffn_hidden_size: int = _DERIVED
+    """Inner width of each routed expert (--moe-ffn-hidden-size); default ffn_hidden_size."""
+    moe_router_topk: int = 2
+    """Experts each token is sent to (--moe-router-topk)."""
+    moe_router_score_function: str = "softmax"
+    """'softmax' or 'sigmoid' of the router logits (--moe-router-score-function)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k instead of over the top-k
+    (--moe-router-pre-softmax)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiplies the chosen experts' weights (--moe-router-topk-scaling-factor)."""
+    moe_router_num_groups: Optional[int] = None
+    """Expert groups of group-limited routing (--moe-router-num-groups, DeepSeek-V3)."""
+    moe_router_group_topk: Optional[int] = None
+    """Groups a token may pick its experts from (--moe-router-group-topk)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """'aux_loss', 'seq_aux_loss', 'sinkhorn' or 'none' (--moe-router-load-balancing-type)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss in the training loss (--moe-aux-loss-coeff)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Weight of the router z-loss, None: off (--moe-z-loss-coeff)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing by a per-expert routing bias (--moe-router-enable-expert-bias)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update after each optimizer step
+    (--moe-router-bias-update-rate)."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Token slots per expert as a multiple of the even share; None (or negative, as
+    Megatron-Core): dropless (--moe-expert-capacity-factor)."""
+    moe_token_drop_policy: str = "probs"
+    """Over capacity, drop the lowest 'probs' or the latest 'position'
+    (--moe-token-drop-policy)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Fill every expert up to its capacity (--moe-pad-expert-input-to-capacity)."""
+    moe_grouped_gemm: bool = False
+    """The local experts' matmuls as one grouped matmul (--moe-grouped-gemm); same numbers."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Inner width of the shared experts every token goes through
+    (--moe-shared-expert-intermediate-size); None: no shared expert."""
+    moe_shared_expert_gate: bool = False
+    """Megatron-Core's sigmoid gate on the shared experts (--moe-shared-expert-gate): refused."""
+    moe_layer_freq: Union[int, List[int]] = 1
+    """Which layers are MoE (--moe-layer-freq): N = layers 0, N, 2N, ..., or 0/1 per layer."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How tokens reach their experts' ranks: 'allgather' or 'alltoall'
+    (--moe-token-dispatcher-type)."""
+    moe_router_dtype: Optional[str] = None
+    """Dtype of the router logits and routing: None (the input's), 'fp32' or 'fp64'
+    (--moe-router-dtype)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -120,6 +175,11 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and factor < 0:  # Megatron-Core's "dropless"
+            self.moe_expert_capacity_factor = None
         if isinstance(self.params_dtype, str):
             if self.params_dtype not in _DTYPES:
                 raise ValueError(f"params_dtype {self.params_dtype!r} is unknown: use "
@@ -172,7 +232,7 @@ class TransformerConfig:
                 out.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not ints:  # the shape rules divide by these sizes
             out += self._shape_problems(tp_size) + self._rope_problems()
-        return out + self._recompute_problems()
+        return out + self._recompute_problems() + moe_problems(self, tp_size)
 
     def _shape_problems(self, tp: int) -> List[str]:
         rules = [

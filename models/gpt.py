@@ -7,7 +7,7 @@ then sliced for this tp rank, so every layout holds the same full model.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -90,9 +90,12 @@ class GPTModel(nn.Module):
     def __init__(self, config: TransformerConfig, tp_group: Group = None, pre_process: bool = True,
                  post_process: bool = True, layer_range: Optional[Sequence[int]] = None,
                  seed: int = 1234, device: Optional[torch.device] = None,
-                 rng_tracker: Optional[TensorParallelRNGTracker] = None) -> None:
+                 rng_tracker: Optional[TensorParallelRNGTracker] = None,
+                 dispatcher_factory: Optional[Callable] = None) -> None:
         """`rng_tracker`: the rank's tracker, shared by all its pipeline chunks so their
-        dropout masks differ (default: a tracker of this model's own, from `seed`)."""
+        dropout masks differ (default: a tracker of this model's own, from `seed`);
+        `dispatcher_factory`: the MoE layers' token dispatcher by expert count (default:
+        every expert on this rank, models/moe/layer.py)."""
         super().__init__()
         tp = tp_size(tp_group)
         config.validate(tp)
@@ -109,13 +112,14 @@ class GPTModel(nn.Module):
             rng_tracker = TensorParallelRNGTracker()
             rng_tracker.add(MODEL_PARALLEL_RNG, model_parallel_seed(seed, tp_rank(tp_group)))
         self.rng_tracker = rng_tracker
-        # losses the layers add during forward (none yet: a router's load-balancing loss)
+        # losses the layers add during forward (MoE routers' balancing losses)
         self.layer_losses = LayerLosses()
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, tp_group, self.rng_tracker, device)
         self.decoder = TransformerBlock(config, self.layer_range, tp_group, self.rng_tracker,
-                                        post_process, device)
+                                        post_process, device, self.layer_losses,
+                                        dispatcher_factory)
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.padded_vocab_size(tp), tp_group=tp_group,

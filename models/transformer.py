@@ -6,8 +6,9 @@ Built from tensor-parallel layers; hidden states are sequence-first `[s, b, h]` 
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,9 @@ from torch import nn
 
 from gigatron import ops
 from gigatron.models.config import TransformerConfig
+from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.models.kv_cache import CacheStep, LayerCache
+from gigatron.models.losses import LayerLosses
 from gigatron.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -265,11 +268,13 @@ class MLP(nn.Module):
     """fc1 (column-parallel) -> GeLU, SwiGLU or squared ReLU -> fc2 (row-parallel)."""
 
     def __init__(self, config: TransformerConfig, tp_group: Group,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None,
+                 ffn_hidden_size: Optional[int] = None) -> None:
+        """`ffn_hidden_size`: the inner width when not config's (an MoE's shared experts)."""
         super().__init__()
         self.swiglu = config.activation == "swiglu"
         self.activation = mlp_activation(config.activation)
-        ffn = config.ffn_hidden_size
+        ffn = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         common: Dict[str, Any] = dict(tp_group=tp_group, bias=config.add_bias_linear,
                                       sequence_parallel=config.sequence_parallel,
                                       params_dtype=config.params_dtype, device=device)
@@ -285,17 +290,30 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))); the MLP is an
+    MoELayer where moe_layer_freq puts one (`layer_number`: the global layer number)."""
 
     def __init__(self, config: TransformerConfig, tp_group: Group,
                  tracker: Optional[TensorParallelRNGTracker],
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, layer_number: int = 0,
+                 layer_losses: Optional[LayerLosses] = None,
+                 dispatcher_factory: Optional[Callable] = None) -> None:
+        """`layer_losses`: where an MoE layer leaves its balancing losses (the model's);
+        `dispatcher_factory`: its token dispatcher by expert count (default: all local)."""
         super().__init__()
         sp = config.sequence_parallel and tp_size(tp_group) > 1
         self.input_layernorm = Norm(config, sp, device)
         self.self_attention = SelfAttention(config, tp_group, tracker, device)
         self.pre_mlp_layernorm = Norm(config, sp, device)
-        self.mlp = MLP(config, tp_group, device)
+        self.mlp: nn.Module
+        if moe_layer_pattern(config)[layer_number]:
+            from gigatron.models.moe.layer import MoELayer  # moe/ builds on this module
+            extra = {} if dispatcher_factory is None else {"dispatcher_factory":
+                                                           dispatcher_factory}
+            self.mlp = MoELayer(config, tp_group, layer_losses, layer_number, device=device,
+                                **extra)
+        else:
+            self.mlp = MLP(config, tp_group, device)
         self.p = config.hidden_dropout
         # Under SP each rank holds a different slice of the sequence: draw per-rank masks.
         self.dropout_tracker = tracker if sp else None
@@ -313,19 +331,31 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, config: TransformerConfig, layer_range: Sequence[int], tp_group: Group,
                  tracker: Optional[TensorParallelRNGTracker], post_process: bool = True,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None,
+                 layer_losses: Optional[LayerLosses] = None,
+                 dispatcher_factory: Optional[Callable] = None) -> None:
         super().__init__()
         self.config = config
         self.tracker = tracker
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, tp_group, tracker, device)
-                                     for i in layer_range})
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(config, tp_group, tracker, device, i, layer_losses,
+                                     dispatcher_factory)
+            for i in layer_range})
         sp = config.sequence_parallel and tp_size(tp_group) > 1
         self.final_layernorm = Norm(config, sp, device) if post_process else None
 
-    def _run(self, layers: Sequence[nn.Module]) -> Callable:
+    def _run(self, layers: Sequence[nn.Module], checkpointed: bool = False) -> Callable:
+        """The layers as one function; `checkpointed`: calls after the first are the
+        recomputation in backward, where MoE layers add no losses and count no tokens again
+        (a checkpoint's forward and recompute run the same function)."""
+        calls = 0
+
         def run(x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
-            for layer in layers:
-                x = layer(x, rotary or None)
+            nonlocal calls
+            calls += 1
+            with _recomputing(layers, checkpointed and calls > 1):
+                for layer in layers:
+                    x = layer(x, rotary or None)
             return x
         return run
 
@@ -344,11 +374,12 @@ class TransformerBlock(nn.Module):
             assert n is not None, "TransformerConfig.validate requires it with 'full'"
             if cfg.recompute_method == "uniform":
                 for start in range(0, len(layers), n):
-                    x = checkpoint(self._run(layers[start:start + n]), self.tracker, x, *rot)
+                    x = checkpoint(self._run(layers[start:start + n], True), self.tracker, x,
+                                   *rot)
             else:  # block: recompute the first n layers of this stage, keep the rest
                 for i, layer in enumerate(layers):
                     if i < n:
-                        x = checkpoint(self._run([layer]), self.tracker, x, *rot)
+                        x = checkpoint(self._run([layer], True), self.tracker, x, *rot)
                     else:
                         x = layer(x, rotary)
         else:
@@ -356,3 +387,16 @@ class TransformerBlock(nn.Module):
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
+
+
+@contextlib.contextmanager
+def _recomputing(layers: Sequence[nn.Module], recomputing: bool) -> Iterator[None]:
+    """Mark the MoE layers among `layers` as re-running for the duration (no-op when not)."""
+    marked = [layer.mlp for layer in layers if recomputing and hasattr(layer.mlp, "recomputing")]
+    for moe in marked:
+        moe.recomputing = True
+    try:
+        yield
+    finally:
+        for moe in marked:
+            moe.recomputing = False

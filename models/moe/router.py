@@ -1,6 +1,7 @@
 """The MoE router with Megatron-Core's numerics: top-k choice, capacity drops, balancing losses.
 
-Pure functions of tensors on any device; nothing here talks to a process group. Where
+Functions of tensors on any device, and the gating module `Router` that applies them;
+nothing here talks to a process group. Where
 Megatron-Core all-reduces token counts (over tensor x context parallel ranks for the
 losses, over tensor x data x context ranks for the expert bias), the caller does the
 reduction and passes the reduced counts in.
@@ -15,10 +16,12 @@ Tensors are ``[num_tokens, num_experts]``; tokens are ordered sequence-major
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Dict, Literal, Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 DropPolicy = Literal["probs", "position"]
@@ -252,3 +255,127 @@ def updated_expert_bias(tokens_per_expert: torch.Tensor, expert_bias: torch.Tens
     with torch.no_grad():
         mean_load = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
         return expert_bias + torch.sign(mean_load - tokens_per_expert) * bias_update_rate
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-Knopp scaling of exp(cost) [T, E] towards uniform row and column sums (the
+    S-BASE balanced assignment), iterated until the column scale moves less than ``tol``.
+
+    The loop's stopping test reads the error on the host once per iteration."""
+    cost = torch.exp(cost)
+    num_tokens, num_experts = cost.shape
+    eps = 1e-8
+    row_scale = cost.new_ones(num_tokens)
+    col_scale = cost.new_ones(num_experts)
+    previous, error = col_scale, math.inf
+    while error > tol:
+        row_scale = (1.0 / num_tokens) / ((cost * col_scale).sum(dim=1) + eps)
+        col_scale = (1.0 / num_experts) / ((cost * row_scale.unsqueeze(1)).sum(dim=0) + eps)
+        error = float((previous - col_scale).abs().mean())
+        previous = col_scale
+    return col_scale * cost * row_scale.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, topk: int,
+                     training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, routing_map) of Megatron's ``sinkhorn`` balancing: in training the experts are
+    chosen on the Sinkhorn-balanced fp32 logits (no gradient), the weights are sigmoid (top-1)
+    or softmax over all experts of the raw logits; in evaluation both come from the latter."""
+    if topk == 1:
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    with torch.no_grad():
+        choose_by = sinkhorn(logits.float()) if training else scores
+        indices = choose_by.topk(topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    return scores * routing_map, routing_map
+
+
+_ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass
+class RouterOutput:
+    """One routing of a batch of tokens."""
+
+    probs: torch.Tensor
+    """[T, E]: the weights of each token's experts (0 elsewhere), after capacity."""
+    routing_map: torch.Tensor
+    """[T, E] bool: which experts each token is dispatched to, after capacity."""
+    routed_map: torch.Tensor
+    """[T, E] bool: the top-k choice before capacity (its excess over routing_map: drops)."""
+    losses: Dict[str, torch.Tensor] = field(default_factory=dict)
+    """The balancing losses by layer-loss name, already multiplied by their coefficients."""
+
+
+class Router(nn.Module):
+    """The gating linear (weight [E, h], no bias; Megatron-Core's ``router.weight``), the
+    routing, and the balancing losses; the expert bias is a buffer of fp32 ``expert_bias``."""
+
+    def __init__(self, config: RouterConfig, hidden_size: int,
+                 load_balancing_type: str = "aux_loss", aux_loss_coeff: float = 0.0,
+                 z_loss_coeff: Optional[float] = None, router_dtype: Optional[str] = None,
+                 init_method_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        if load_balancing_type not in ("aux_loss", "seq_aux_loss", "sinkhorn", "none"):
+            raise ValueError(f"--moe-router-load-balancing-type {load_balancing_type!r}: use "
+                             "aux_loss, seq_aux_loss, sinkhorn or none")
+        if router_dtype not in _ROUTER_DTYPES:
+            raise ValueError(f"--moe-router-dtype {router_dtype!r}: use fp32 or fp64")
+        self.config = config
+        self.load_balancing_type = load_balancing_type
+        self.aux_loss_coeff = aux_loss_coeff
+        self.z_loss_coeff = z_loss_coeff
+        self.router_dtype = _ROUTER_DTYPES[router_dtype]
+        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size,
+                                               dtype=params_dtype, device=device))
+        nn.init.normal_(self.weight, std=init_method_std)
+        self.expert_bias: Optional[torch.Tensor]
+        if config.enable_expert_bias:
+            # fp32 whatever the model's dtype: the +-rate steps would vanish in bf16
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts,
+                                                            dtype=torch.float32, device=device))
+        else:
+            self.expert_bias = None
+
+    def gating(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [T, E] of hidden [T, h], in --moe-router-dtype (else the input's dtype)."""
+        dtype = self.router_dtype or hidden.dtype
+        return F.linear(hidden.to(dtype), self.weight.to(dtype))
+
+    def forward(self, hidden: torch.Tensor, seq_length: int,
+                with_losses: bool = False) -> RouterOutput:
+        """Route hidden [T, h] (T = seq_length x batch, sequence-major); `with_losses`: also
+        the balancing losses Megatron-Core adds in training."""
+        config = self.config
+        logits = self.gating(hidden)
+        if self.load_balancing_type == "sinkhorn":
+            probs, routed = sinkhorn_routing(logits, config.topk, self.training)
+        else:
+            probs, routed = topk_routing(logits, config, self.expert_bias)
+        probs_kept, routing_map = probs, routed
+        if config.capacity_factor is not None:
+            probs_kept, routing_map = drop_over_capacity(probs, routed, config)
+        out = RouterOutput(probs_kept, routing_map, routed)
+        if with_losses:
+            out.losses = self.balancing_losses(logits, seq_length)
+        return out
+
+    def balancing_losses(self, logits: torch.Tensor, seq_length: int) -> Dict[str, torch.Tensor]:
+        """The layer losses of this routing, by Megatron-Core's names: load_balancing_loss
+        (aux_loss or seq_aux_loss, times --moe-aux-loss-coeff) and z_loss (times
+        --moe-z-loss-coeff). Every token of the sequence is here (no rank holds a part of
+        it), so none of Megatron-Core's token-count reductions is needed."""
+        losses = {}
+        coeff, topk = self.aux_loss_coeff, self.config.topk
+        score_function = self.config.score_function
+        if coeff > 0 and self.load_balancing_type == "aux_loss":
+            losses["load_balancing_loss"] = aux_loss(logits, topk, score_function, coeff)
+        elif coeff > 0 and self.load_balancing_type == "seq_aux_loss":
+            losses["load_balancing_loss"] = seq_aux_loss(logits, seq_length, topk,
+                                                         score_function, coeff)
+        if self.z_loss_coeff is not None:
+            losses["z_loss"] = z_loss(logits, self.z_loss_coeff)
+        return losses

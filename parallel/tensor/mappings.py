@@ -127,6 +127,17 @@ class _GatherFromSP(torch.autograd.Function):
         return _split(grad, 0, ctx.group), None, None
 
 
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -163,6 +174,12 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: Group = None,
                                          ) -> torch.Tensor:
     """All-gather the sequence (dim 0); backward reduce-scatters (or splits) the grad."""
     return _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Keep this rank's 1/tp of the sequence (dim 0) of a replicated tensor; backward
+    all-gathers the grad (a replicated computation's exit into sequence parallelism)."""
+    return _ScatterToSP.apply(x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
