@@ -1,5 +1,6 @@
 """The one config table: argparse, the DeepSpeed reader and docs/FLAGS.md come from it, and a
 command line or JSON with several mistakes gets every one of them reported at once."""
+import dataclasses
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig
                                       TrainConfig)
 from gigatron.training.config.table import flags_markdown, table
 from gigatron.training.config.deepspeed.pretrain import apply_deepspeed_config
+from gigatron.training.config.megatron.moe import MoESettings
 from gigatron.training.config.settings import OptimizerSettings, PrecisionSettings
 from gigatron.training.config.megatron.model import MODEL_FIELDS
 from gigatron.training.config.validation import ConfigError
@@ -119,7 +121,10 @@ SAMPLES = {"model": "gpt2-124m", "position_embedding_type": "rope", "normalizati
            "test_data_path": ["c"], "deepspeed_config": None, "num_key_value_heads": 2,
            "train_samples": 160, "rampup_batch_size": [8, 8, 32], "kv_channels": 16,
            "distributed_backend": "gloo", "profile_ranks": [0, 1],
-           "rope_scaling_high_freq_factor": 16.0}  # above the low factor's default 1
+           "rope_scaling_high_freq_factor": 16.0,  # above the low factor's default 1
+           "moe_layer_freq": "([1]*1+[0]*1)*2", "moe_router_score_function": "sigmoid",
+           "moe_router_load_balancing_type": "seq_aux_loss",
+           "moe_token_dispatcher_type": "alltoall"}
 NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layers 1",
          "recompute_granularity": "--recompute-method uniform --recompute-num-layers 1",
          "recompute_num_layers": "--recompute-granularity full --recompute-method uniform",
@@ -141,13 +146,27 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
          "--overlap-grad-reduce --zero-stage 1", "wandb_project": "--wandb-exp-name x",
          "fp8_param_gather": "--fp8-format e4m3 --zero-stage 1",
          "fp8_recipe": "--fp8-format hybrid"}
+# MoE flags set MoE layers: a model with experts (and without biases, which they lack)
+NEEDS.update({f.name: "--num-experts 6 --disable-bias-linear"
+              for f in dataclasses.fields(MoESettings) if f.name != "num_experts"},
+             expert_model_parallel_size="--num-experts 6 --disable-bias-linear",
+             expert_tensor_parallel_size="--num-experts 6 --disable-bias-linear",
+             num_experts="--disable-bias-linear",
+             moe_router_group_topk="--num-experts 6 --disable-bias-linear "
+                                   "--moe-router-num-groups 3",
+             moe_router_enable_expert_bias="--num-experts 6 --disable-bias-linear "
+                                           "--moe-router-score-function sigmoid",
+             moe_pad_expert_input_to_capacity="--num-experts 6 --disable-bias-linear "
+                                              "--moe-expert-capacity-factor 1.0")
 # flags accepted by the parser whose values other than the default are refused (one line)
 REFUSED = {"use_legacy_models": "--use-legacy-models is not supported",
            "context_parallel_size": "--context-parallel-size 3: context parallelism is not "
                                     "supported",
            "ds_sequence_parallel_size": "--ds-sequence-parallel-size 3: Megatron-DeepSpeed's "
                                         "Ulysses sequence parallelism is not supported",
-           "fp8_recipe": "--fp8-recipe tensorwise is not emulated"}
+           "fp8_recipe": "--fp8-recipe tensorwise is not emulated",
+           "expert_model_parallel_size": "--expert-model-parallel-size 3 x",
+           "expert_tensor_parallel_size": "--expert-tensor-parallel-size 3 differs"}
 # flags of BASE a sample-based row replaces
 SAMPLE_BASED = ("train_samples", "lr_decay_samples", "lr_warmup_samples",
                 "lr_wsd_decay_samples", "rampup_batch_size")

@@ -174,6 +174,7 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
     how this process was started, checked too (pretrain_gpt.py's ranks)."""
     from gigatron.training.config.features import check_operational
     from gigatron.training.config.megatron.model import build_model_config
+    from gigatron.training.config.megatron.moe import expert_parallel_problems
     from gigatron.training.config.megatron.schedule import build_lr_schedule, training_length
     from gigatron.training.config.validation import (check_checkpointing, check_data,
                                                      check_logging, check_optimizer,
@@ -194,9 +195,11 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
     micro_times_dp, global_batch = (batches[0] * dp, batches[1]) if batches and dp \
         else (None, None)
     length = training_length(s, micro_times_dp, global_batch, p, seq)
+    expert_parallel_problems(s, dp, _num_experts(s, model), p)
     parallel = ParallelConfig(**{**dataclasses.asdict(s.parallel), "dp": dp or 1,
                                  "sequence_parallel": s.parallel.sequence_parallel and
-                                 s.parallel.tp > 1})
+                                 s.parallel.tp > 1,
+                                 "etp": s.parallel.etp or s.parallel.tp})
     check_train(s, parallel, model, _microbatch_counts(batches, length, dp or 1), p)
     check_optimizer(s, p)
     zero = zero_config(s, p)
@@ -210,6 +213,12 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
         length is not None and batches is not None
     return _run_config(s, model, parallel, zero, lr_schedule, batches, length[0]), \
         tokenizer or _null_tokenizer(s.data, model.vocab_size)
+
+
+def _num_experts(s: Settings, model: Optional["TransformerConfig"]) -> Optional[int]:
+    """The model's routed experts per MoE layer (the flag's when the model did not build)."""
+    return getattr(model, "num_moe_experts", None) if model is not None \
+        else s.moe.num_experts
 
 
 def _run_config(s: Settings, model: "TransformerConfig", parallel: ParallelConfig,

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from gigatron.training.config.field import SAME_DEFAULT, FieldSpec, field_spec
 from gigatron.training.config.megatron.fp8 import FP8Settings
+from gigatron.training.config.megatron.moe import MoESettings
 from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig,
                                                  ParallelConfig, TrainConfig)
 from gigatron.training.config.settings import (DataSettings, ImplementationSettings,
@@ -41,6 +42,7 @@ class Settings:
     once per run (`build_settings`); validation and every feature read it, never the flags."""
 
     model: ModelSettings = _concern("model (flags override the --model zoo config)")
+    moe: MoESettings = _concern("mixture of experts (flags override the --model zoo config)")
     parallel: ParallelConfig = _concern("parallelism")
     precision: PrecisionSettings = _concern("precision and ZeRO")
     fp8: FP8Settings = _concern("FP8 (emulated: docs/FP8.md)")

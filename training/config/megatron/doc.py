@@ -24,7 +24,45 @@ SUPPORTED, NO_EFFECT, SELECTOR, REFUSED, NOT_SUPPORTED = (
     "supported", "accepted without effect", "implementation selector", "refused",
     "not supported")
 
-_MOE = "mixture of experts is not implemented: gigatron trains dense GPT/Llama models"
+_MOE = ("this mixture-of-experts option is not implemented (docs/FLAGS.md, section "
+        "\"mixture of experts\", lists the MoE flags gigatron has)")
+_MOE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
+    (("--moe-enable-deepep", "--moe-flex-dispatcher", "--moe-deepep-", "--moe-hybridep-",
+      "--moe-permute-fusion-into-hybridep", "--moe-ncclep-", "--moe-dispatch-fwd-dtype",
+      "--moe-combine-bwd-dtype"),
+     "the flex dispatcher's DeepEP/HybridEP/NCCL-EP kernels are not used: "
+     "--moe-token-dispatcher-type alltoall or allgather"),
+    (("--moe-router-padding-for-",),
+     "padding the routing map for Transformer Engine's FP8/FP4 grouped GEMMs is not needed: "
+     "gigatron's grouped matmul takes any token counts"),
+    (("--moe-enable-routing-replay", "--moe-routing-trace"),
+     "routing replay and routing traces are not provided"),
+    (("--moe-per-layer-logging",),
+     "per-layer balancing losses are not logged apart: the log line carries "
+     "load_balancing_loss (the mean over MoE layers, as Megatron) and each MoE layer's "
+     "tokens-per-expert imbalance"),
+    (("--moe-use-upcycling", "--moe-upcycling-"),
+     "upcycling a dense checkpoint into an MoE model is not implemented"),
+    (("--moe-permute-fusion", "--moe-router-fusion", "--moe-use-grouped-tensor",
+      "--moe-single-grouped-", "--use-grouped-gemm-for-"),
+     "a fused kernel or weight layout of Transformer Engine that is not used: gigatron's "
+     "router and experts compute the same numbers (--moe-grouped-gemm picks the grouped "
+     "matmul)"),
+    (("--overlap-moe-expert-parallel-comm", "--overlap-dispatch-backward",
+      "--ep-overlap-early", "--moe-paged-stash", "--moe-pad-experts-for-cuda-graph",
+      "--moe-layer-recompute"),
+     "overlap of the expert-parallel communication, paged stashing, CUDA graphs and MoE-only "
+     "recomputation are not implemented (--recompute-granularity full recomputes MoE layers "
+     "whole)"),
+    (("--moe-expert-parallel-size", "--enable-expert-tensor-parallelism",
+      "--disable-moe-token-dropping", "--create-moe", "--use-tutel", "--topk", "--mlp-type",
+      "--num-experts-switch", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",
+      "--moe-min-capacity", "--moe-loss-coeff", "--disable-moe-top2", "--expert-interval"),
+     "mixture of experts through DeepSpeed's MoE layer (Megatron-DeepSpeed's flags) is not "
+     "provided: use Megatron-Core's flags (--num-experts, --moe-router-topk, "
+     "--moe-expert-capacity-factor, --moe-aux-loss-coeff, --expert-model-parallel-size)"),
+    (("--moe-", "--expert-"), _MOE),
+)
 _FP8 = ("not emulated: gigatron emulates FP8 with delayed scaling in the transformer layers "
         "(--fp8-format, docs/FP8.md); FP4, the other FP8 recipes and their knobs need "
         "Transformer Engine")
@@ -35,10 +73,7 @@ _LOG = ("this series is not logged: the console line and --metrics-file carry lo
         "norm, loss scale, skipped steps, throughput, MFU and memory")
 _FSDP = "Megatron's FSDP is not provided: --zero-stage 3 shards parameters the same way"
 # (flag prefixes, reason), first match wins
-REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
-    (("--moe-", "--num-experts", "--expert-", "--overlap-moe", "--enable-expert-",
-      "--disable-moe", "--create-moe", "--use-tutel", "--topk", "--mlp-type",
-      "--overlap-dispatch"), _MOE),
+REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
     (("--fp8", "--fp4", "--first-last-layers-bf16", "--num-layers-at-", "--keep-fp8",
       "--reuse-grad-buf-for-mxfp8"), _FP8),
     (("--te-", "--use-te-", "--use-transformer-engine", "--tp-comm", "--no-tp-comm",

@@ -1,0 +1,180 @@
+"""Megatron's MoE flags: each lands in its TransformerConfig field with Megatron's meaning,
+left out they give Megatron's defaults, --moe-layer-freq reads Megatron's forms without eval,
+and every bad value or unbuilt option is one line naming the flag."""
+import os
+
+import pytest
+
+from gigatron.training.config.arguments import parse_args, parse_flags
+from gigatron.training.config.megatron.catalog import MEGATRON_LM, entries
+from gigatron.training.config.megatron.doc import megatron_flag_note
+from gigatron.training.config.megatron.moe import MOE_FIELDS, parse_moe_layer_freq
+from gigatron.training.config.validation import ConfigError
+
+BASE = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--micro-batch-size 2 --train-iters 4 --lr 1e-3 --mock-data --vocab-size 128 "
+        "--disable-bias-linear --swiglu").split()
+MOE = BASE + ["--num-experts", "8"]
+
+# flag value(s) -> (TransformerConfig field, value), one case per MoE flag
+CASES = [
+    ("--num-experts 8", "num_moe_experts", 8),
+    ("--moe-ffn-hidden-size 24", "moe_ffn_hidden_size", 24),
+    ("--moe-router-topk 3", "moe_router_topk", 3),
+    ("--moe-router-score-function sigmoid", "moe_router_score_function", "sigmoid"),
+    ("--moe-router-pre-softmax", "moe_router_pre_softmax", True),
+    ("--moe-router-topk-scaling-factor 2.5", "moe_router_topk_scaling_factor", 2.5),
+    ("--moe-router-num-groups 4 --moe-router-group-topk 2", "moe_router_num_groups", 4),
+    ("--moe-router-num-groups 4 --moe-router-group-topk 2", "moe_router_group_topk", 2),
+    ("--moe-router-load-balancing-type seq_aux_loss", "moe_router_load_balancing_type",
+     "seq_aux_loss"),
+    ("--moe-aux-loss-coeff 0.01", "moe_aux_loss_coeff", 0.01),
+    ("--moe-z-loss-coeff 0.001", "moe_z_loss_coeff", 0.001),
+    ("--moe-router-enable-expert-bias --moe-router-score-function sigmoid",
+     "moe_router_enable_expert_bias", True),
+    ("--moe-router-bias-update-rate 0.01", "moe_router_bias_update_rate", 0.01),
+    ("--moe-expert-capacity-factor 1.5", "moe_expert_capacity_factor", 1.5),
+    ("--moe-token-drop-policy position", "moe_token_drop_policy", "position"),
+    ("--moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity",
+     "moe_pad_expert_input_to_capacity", True),
+    ("--moe-grouped-gemm", "moe_grouped_gemm", True),
+    ("--moe-shared-expert-intermediate-size 64", "moe_shared_expert_intermediate_size", 64),
+    ("--moe-layer-freq 2", "moe_layer_freq", 2),
+    ("--moe-layer-freq ([1]*1+[0]*1)*2", "moe_layer_freq", [1, 0, 1, 0]),
+    ("--moe-token-dispatcher-type alltoall", "moe_token_dispatcher_type", "alltoall"),
+    ("--moe-router-dtype fp64", "moe_router_dtype", "fp64"),
+]
+
+
+@pytest.mark.parametrize("flags, field, value", CASES, ids=[c[0] for c in CASES])
+def test_each_moe_flag_sets_its_transformer_config_field(flags, field, value):
+    model = parse_args(MOE + flags.split(), 1).model
+    assert getattr(model, field) == value
+
+
+def test_every_moe_flag_has_a_case():
+    flags = {case[0].split()[i] for case in CASES for i in range(0, len(case[0].split()))}
+    assert {f"--{name.replace('_', '-')}" for name in MOE_FIELDS} <= flags
+
+
+def test_defaults_left_out_are_megatrons():
+    megatron = {names[0]: default for _, names, default in entries(MEGATRON_LM)}
+    model = parse_args(MOE, 1).model
+    for name, field in MOE_FIELDS.items():
+        flag = f"--{name.replace('_', '-')}"
+        assert flag in megatron, flag
+        expected = megatron[flag]
+        if name == "num_experts":
+            continue  # given
+        if name == "moe_ffn_hidden_size":
+            expected = model.ffn_hidden_size  # Megatron-Core: --ffn-hidden-size when None
+        elif expected is None and name in ("moe_router_pre_softmax", "moe_grouped_gemm",
+                                           "moe_router_enable_expert_bias",
+                                           "moe_pad_expert_input_to_capacity"):
+            expected = False  # store_true flags
+        assert getattr(model, field) == expected, (flag, getattr(model, field), expected)
+    assert megatron["--expert-model-parallel-size"] == 1
+    flags = parse_flags(MOE)
+    assert flags.expert_model_parallel_size == 1 and flags.expert_tensor_parallel_size is None
+
+
+def test_expert_tensor_parallel_size_defaults_to_tensor_parallel_size():
+    run = parse_args(MOE + ["--tensor-model-parallel-size", "2"], 2)
+    assert (run.parallel.ep, run.parallel.etp) == (1, 2)
+    run = parse_args(MOE + "--tensor-model-parallel-size 2 --expert-tensor-parallel-size 2"
+                     .split(), 2)
+    assert run.parallel.etp == 2
+
+
+def test_a_dense_model_is_unchanged_by_the_moe_defaults():
+    model = parse_args(BASE, 1).model
+    assert model.num_moe_experts is None and model.moe_router_topk == 2
+
+
+@pytest.mark.parametrize("text, value", [
+    ("1", 1), ("3", 3), ("[1,0,1,0]", [1, 0, 1, 0]), ("([1]*3+[0]*1)*2", [1, 1, 1, 0] * 2),
+    ("[0]+[1]*3", [0, 1, 1, 1]), ("2*[1,0]", [1, 0, 1, 0]), (" [1] * (2 * 2) ", [1] * 4),
+])
+def test_moe_layer_freq_reads_megatrons_forms(text, value):
+    assert parse_moe_layer_freq(text) == value
+
+
+@pytest.mark.parametrize("text", [
+    "__import__('os').getcwd()", "[1]*10**9", "[1]*1000001", "[2,1]", "[[1]]", "(1,0)",
+    "1.5", "", "[1]-[0]", "[1]*[2]", "[1]+1", "x", "[True]",
+])
+def test_moe_layer_freq_refuses_anything_else_in_one_line(text):
+    with pytest.raises(ValueError) as err:
+        parse_moe_layer_freq(text)
+    assert str(err.value).startswith("--moe-layer-freq") and "\n" not in str(err.value)
+
+
+def test_moe_layer_freq_runs_no_code(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(ConfigError, match="--moe-layer-freq"):
+        parse_args(MOE + ["--moe-layer-freq", f"[open({str(marker)!r}, 'w')] and [1]*4"], 1)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("flags, world, line", [
+    ("--moe-router-topk 4 --moe-grouped-gemm", 1,
+     "--moe-router-topk, --moe-grouped-gemm set MoE layers but the model is dense: add "
+     "--num-experts N (or drop them)"),
+    ("--moe-aux-loss-coeff 0.1", 1, "--moe-aux-loss-coeff sets MoE layers but the model is "
+                                    "dense: add --num-experts N (or drop it)"),
+    ("--num-experts 0", 1, "--num-experts must be > 0, got 0"),
+    ("--num-experts 8 --moe-router-topk 0", 1, "--moe-router-topk must be > 0, got 0"),
+    ("--num-experts 8 --moe-layer-freq [1]+", 1, "--moe-layer-freq '[1]+': give an int N"),
+    ("--num-experts 8 --moe-router-load-balancing-type global_aux_loss", 1,
+     "--moe-router-load-balancing-type global_aux_loss is not implemented in gigatron"),
+    ("--num-experts 8 --moe-token-dispatcher-type flex", 1,
+     "--moe-token-dispatcher-type flex is not implemented in gigatron"),
+    ("--num-experts 8 --moe-router-score-function tanh", 1,
+     "argument --moe-router-score-function: invalid choice: 'tanh'"),
+    ("--num-experts 8 --expert-model-parallel-size 2", 4,
+     "--expert-model-parallel-size > 1 is not built yet (issue 27)"),
+    ("--num-experts 8 --expert-tensor-parallel-size 2", 4,
+     "--expert-tensor-parallel-size 2 differs from --tensor-model-parallel-size 1"),
+    ("--expert-model-parallel-size 2", 4, "--expert-model-parallel-size splits the experts "
+                                          "of MoE layers but the model is dense"),
+    ("--num-experts 8 --expert-model-parallel-size 0", 1,
+     "--expert-model-parallel-size must be > 0, got 0"),
+])
+def test_bad_moe_values_are_one_line_each(flags, world, line):
+    with pytest.raises(ConfigError) as err:
+        parse_args(BASE + flags.split(), world)
+    assert len(err.value.problems) == 1, err.value.problems
+    assert err.value.problems[0].startswith(line), err.value.problems
+
+
+def test_expert_parallel_sizes_must_divide_the_ranks_of_a_stage():
+    with pytest.raises(ConfigError) as err:
+        parse_args(MOE + ["--expert-model-parallel-size", "3"], 4)
+    assert err.value.problems[0] == (
+        "--expert-model-parallel-size 3 x --expert-tensor-parallel-size 1 = 3 does not divide "
+        "tensor x data parallel = 1 x 4 = 4 (the ranks of a pipeline stage, which the expert "
+        "layers split again): change those flags or the launch size")
+    assert any("--num-experts 8 is not a multiple of --expert-model-parallel-size 3" in p
+               for p in err.value.problems)
+
+
+@pytest.mark.parametrize("flag, reason", [
+    ("--moe-enable-deepep", "DeepEP"), ("--moe-flex-dispatcher-backend", "DeepEP"),
+    ("--moe-router-padding-for-fp8", "FP8/FP4"), ("--moe-enable-routing-replay", "replay"),
+    ("--moe-use-upcycling", "upcycling"), ("--moe-permute-fusion", "fused kernel"),
+    ("--moe-per-layer-logging", "load_balancing_loss"),
+    ("--moe-shared-expert-gate", "mixture-of-experts option is not implemented"),
+    ("--moe-expert-parallel-size", "DeepSpeed's MoE layer"),
+])
+def test_megatron_moe_flags_gigatron_does_not_build_say_why(flag, reason):
+    note = megatron_flag_note(flag)
+    assert note is not None and reason in note, note
+    with pytest.raises(ValueError, match=reason):
+        parse_flags(MOE + [flag])
+
+
+def test_generated_docs_list_the_moe_flags():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "FLAGS.md")) as f:
+        text = f.read()
+    assert "## mixture of experts" in text and "`--moe-layer-freq`" in text
