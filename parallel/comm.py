@@ -2,7 +2,8 @@
 
 Counting follows the bandwidth-optimal (ring) algorithm, per rank, whatever the backend does
 internally: all-reduce sends 2(n-1)/n of the buffer, reduce-scatter (n-1)/n of its input,
-all-gather (n-1)/n of its output, broadcast the buffer once, point-to-point what it sends.
+all-gather (n-1)/n of its output, broadcast the buffer once, point-to-point and all-to-all
+what they send to other ranks.
 That is the convention of the ZeRO paper's communication-volume analysis.
 Set GIGATRON_TRACE_COMM=1 to print every collective with its shape and group size.
 """
@@ -246,6 +247,27 @@ def all_gather_uneven(input: torch.Tensor, group: Group = None,
     padded[:input.shape[0]].copy_(input)
     output = input.new_empty((n * max(sizes),) + tuple(input.shape[1:]))
     return Gathered(all_gather(output, padded, pg, async_op=async_op), output, sizes)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+               input_splits: Sequence[int], group: Group = None,
+               async_op: bool = False) -> Optional[Work]:
+    """Send input_splits[i] rows (dim 0) of `input` to group rank i and receive
+    output_splits[i] rows from it into `output`, in group-rank order (variable split sizes)."""
+    pg = _process_group(group, "all_to_all")
+    n = group_size(pg)
+    if len(input_splits) != n or len(output_splits) != n:
+        raise ValueError(f"all_to_all: {len(input_splits)} input and {len(output_splits)} "
+                         f"output splits for a group of {n}: give one per rank")
+    if n == 1:
+        output.copy_(input)
+        return _Done() if async_op else None
+    row_bytes = math.prod(input.shape[1:]) * input.element_size()
+    sent = (sum(input_splits) - input_splits[group_rank(pg)]) * row_bytes
+    span = _record("all_to_all", sent, input, n, group)
+    work = dist.all_to_all_single(output, input.contiguous(), list(output_splits),
+                                  list(input_splits), group=pg, async_op=async_op)
+    return work if span is None else timeline.complete(span, work)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group = None,
