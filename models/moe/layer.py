@@ -100,11 +100,13 @@ class MoELayer(nn.Module):
                                                         tensor_parallel_output_grad=False)
         s, b, h = full.shape
         tokens = full.reshape(s * b, h)
-        counting = self.training and torch.is_grad_enabled() and not self.recomputing
-        routing = self.router(tokens, s, with_losses=counting)
-        for name, loss in routing.losses.items():
-            self.layer_losses.add(name, loss)
-        if counting:
+        training = self.training and torch.is_grad_enabled()
+        # a recompute builds the losses' graph again (checkpoint wants the same saved
+        # tensors) but must not add them, or count the tokens, a second time
+        routing = self.router(tokens, s, with_losses=training)
+        if training and not self.recomputing:
+            for name, loss in routing.losses.items():
+                self.layer_losses.add(name, loss)
             self._count(routing.routing_map, routing.routed_map)
         dispatched = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
         rows = self.experts.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
