@@ -230,3 +230,35 @@ def test_expert_bias_update_matches_megatron(monkeypatch: pytest.MonkeyPatch) ->
 def test_bad_settings_name_the_flag(settings: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         RouterConfig(num_experts=EXPERTS, **settings)
+
+
+@pytest.mark.parametrize("seed,tokens", SEEDS)
+def test_sinkhorn_matches_megatron(seed: int, tokens: int) -> None:
+    cost = _logits(seed, tokens).detach()
+    theirs = moe_utils.sinkhorn(cost.clone())
+    _assert_close(moe.sinkhorn(cost), theirs)
+    # balanced: every expert's column sums to 1/E, every token's row to about 1/T
+    torch.testing.assert_close(theirs.sum(0), torch.full((EXPERTS,), 1 / EXPERTS))
+
+
+@pytest.mark.parametrize("topk", [1, TOPK])
+@pytest.mark.parametrize("training", [True, False], ids=["training", "eval"])
+def test_sinkhorn_routing_matches_megatron_probs_map_and_grads(topk: int, training: bool) -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+    fake = types.SimpleNamespace(topk=topk, training=training,
+                                 config=types.SimpleNamespace(moe_aux_loss_coeff=0.0))
+    for seed, tokens in SEEDS:
+        logits = _logits(seed, tokens)
+        ours = moe.sinkhorn_routing(logits, topk, training)
+        theirs = TopKRouter.sinkhorn_load_balancing(fake, logits)
+        assert torch.equal(ours[1], theirs[1])
+        _assert_close(ours[0], theirs[0])
+        _assert_close(_grad(lambda x: (moe.sinkhorn_routing(x, topk, training)[0] ** 2).sum(),
+                            logits),
+                      _grad(lambda x: (TopKRouter.sinkhorn_load_balancing(fake, x)[0] ** 2)
+                            .sum(), logits))
+    if training:  # the balanced choice is not the plain top-k of the scores
+        logits = _logits(0, 32)
+        plain = logits.topk(topk, dim=1).indices
+        chosen = moe.sinkhorn_routing(logits, topk, True)[1]
+        assert not torch.equal(chosen, torch.zeros_like(chosen).scatter(1, plain, True))
