@@ -110,3 +110,28 @@ def test_banner_counts_ranks_in_english():
 
     assert _ranks_phrase(1, "none") == "1 rank (no launcher)"
     assert _ranks_phrase(8, "torchrun") == "8 ranks (torchrun)"
+
+
+def test_moe_flops_count_active_parameters_by_hand():
+    from gigatron.models.config import TransformerConfig
+    cfg = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
+                            num_query_groups=2, vocab_size=64, seq_length=8, ffn_hidden_size=24,
+                            activation="swiglu", normalization="RMSNorm",
+                            position_embedding_type="rope", add_bias_linear=False,
+                            untie_embeddings_and_output_weights=True, num_moe_experts=4,
+                            moe_router_topk=2, moe_ffn_hidden_size=8,
+                            moe_shared_expert_intermediate_size=12, moe_layer_freq=[1, 0])
+    attention = 16 * (16 + 16) + 16 * 16            # q 16, k+v 2 groups x 2 x 4 channels, proj
+    dense_mlp = 16 * 48 + 24 * 16                   # SwiGLU fc1 [gate; up], fc2
+    moe = 4 * 16 + 2 * (16 * 16 + 8 * 16) + (16 * 24 + 12 * 16)  # router, top-2, shared
+    n = 2 * (attention + 2 * 16) + dense_mlp + moe + 16 + 128 * 16  # norms, output (V pad 128)
+    assert n == 6224
+    assert matmul_parameter_count(cfg) == n
+    assert flops_per_token(cfg) == 6 * n + 12 * 2 * 16 * 8
+
+
+def test_mixtral_flops_are_on_its_13b_active_parameters():
+    from gigatron.models.zoo import load_config
+    active = matmul_parameter_count(load_config("mixtral-8x7b"))
+    # Mistral: 12.9B active of 46.7B, with the input embedding (32000 x 4096) N leaves out
+    assert 12.85e9 < active + 32000 * 4096 < 12.95e9

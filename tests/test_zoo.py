@@ -24,6 +24,10 @@ PUBLISHED = {
 # GPT-3 (Brown et al. 2020) gives rounded sizes: check within 3 %.
 GPT3_NOMINAL = {"gpt3-1.3b": 1.3e9, "gpt3-2.7b": 2.7e9, "gpt3-6.7b": 6.7e9, "gpt3-13b": 13e9,
                 "gpt3-175b": 175e9}
+# Mixtures of experts, total parameters as their model cards give them (rounded): check
+# within 3 %. Qwen3's qk-layernorm weights (2 x 128 per layer) are missing here, far below it.
+MOE_NOMINAL = {"mixtral-8x7b": 46.7e9, "mixtral-8x22b": 141e9, "qwen3-30b-a3b": 30.5e9,
+               "qwen3-235b-a22b": 235e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -38,9 +42,32 @@ def test_gpt3_parameter_counts_match_nominal_sizes():
         assert abs(n - nominal) / nominal < 0.03, (name, n)
 
 
+@pytest.mark.parametrize("name", sorted(MOE_NOMINAL))
+def test_moe_parameter_counts_match_published_totals(name):
+    n = count_parameters(load_config(name))
+    assert abs(n - MOE_NOMINAL[name]) / MOE_NOMINAL[name] < 0.03, (name, n)
+
+
+def test_mixtral_8x7b_count_is_the_published_checkpoint_exactly():
+    # the safetensors of mistralai/Mixtral-8x7B-v0.1 hold 46,702,792,704 parameters
+    assert count_parameters(load_config("mixtral-8x7b")) == 46_702_792_704
+
+
+def test_deepseek_v3_style_has_its_moe_block():
+    cfg = load_config("deepseek-v3-style")
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_router_score_function,
+            cfg.moe_router_num_groups, cfg.moe_router_group_topk,
+            cfg.moe_router_topk_scaling_factor) == (256, 8, "sigmoid", 8, 4, 2.5)
+    assert cfg.moe_router_enable_expert_bias and cfg.moe_shared_expert_intermediate_size
+    assert cfg.moe_layer_freq == [0, 0, 0] + [1] * (cfg.num_layers - 3)
+    description = json.loads((ZOO_DIR / "deepseek-v3-style.json").read_text())["description"]
+    assert "multi-head latent attention is not part" in description
+
+
 def test_list_models_has_every_issue_model_and_debug_models():
     names = set(list_models())
-    assert set(PUBLISHED) | set(GPT3_NOMINAL) | {"debug-gpt2", "debug-llama"} <= names
+    assert set(PUBLISHED) | set(GPT3_NOMINAL) | set(MOE_NOMINAL) | \
+        {"debug-gpt2", "debug-llama", "deepseek-v3-style"} <= names
 
 
 def test_zoo_files_are_plain_json_with_a_description():

@@ -6,7 +6,9 @@ FLOPs per token follow the PaLM convention (Chowdhery et al. 2022, appendix B):
 
 N counts the parameters that take part in matrix multiplies: every decoder-layer parameter,
 the final norm and the output layer (padded vocab x hidden; with tied embeddings the shared
-matrix counts once, as the output projection). Input embedding tables (word and learned
+matrix counts once, as the output projection). A mixture-of-experts layer counts its ACTIVE
+parameters, those a token passes through: the router, top-k routed experts and the shared
+experts (so MFU is on active parameters, as for Mixtral's "13B active of 47B"). Input embedding tables (word and learned
 position) are lookups and are not counted. The 12*L*h*s term is attention's QK^T and AV
 matmuls (forward + backward) at sequence length s, without halving for the causal mask.
 These are *model* FLOPs: activation recomputation is not counted, so MFU is comparable
@@ -15,10 +17,11 @@ across recomputation settings.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.training.observe.devices import for_device_name
 
 if TYPE_CHECKING:
@@ -47,11 +50,28 @@ def matmul_parameter_count(config: "TransformerConfig", tp: int = 1) -> int:
     d = _get(config, "kv_channels", h // heads)  # channels per head (--kv-channels)
     q, kv = heads * d, 2 * groups * d
     attention = h * (q + kv) + q * h + ((q + kv) + h if bias else 0)
-    mlp_in = 2 * ffn if swiglu else ffn
-    mlp = h * mlp_in + ffn * h + ((mlp_in + h) if bias else 0)
+
+    def mlp(width: int) -> int:
+        mlp_in = 2 * width if swiglu else width
+        return h * mlp_in + width * h + ((mlp_in + h) if bias else 0)
+
     vocab = padded_vocab_size(config.vocab_size, _get(config, "make_vocab_size_divisible_by",
                                                       128), tp)
-    return layers * (attention + mlp + 2 * norm) + norm + vocab * h
+    per_layer = attention + 2 * norm
+    moe = sum(moe_layer_pattern(config)) if _get(config, "num_moe_experts") else 0
+    dense_mlps = (layers - moe) * mlp(ffn)
+    moe_mlps = moe * _moe_active(config, mlp) if moe else 0
+    return layers * per_layer + dense_mlps + moe_mlps + norm + vocab * h
+
+
+def _moe_active(config: "TransformerConfig", mlp: Callable[[int], int]) -> int:
+    """Parameters one token passes through in an MoE layer: router (bias-free), top-k
+    experts, shared experts."""
+    experts = config.num_moe_experts
+    shared = _get(config, "moe_shared_expert_intermediate_size")
+    routed = config.moe_router_topk * mlp(_get(config, "moe_ffn_hidden_size",
+                                               config.ffn_hidden_size))
+    return experts * config.hidden_size + routed + (mlp(shared) if shared else 0)
 
 
 def flops_per_token(config: "TransformerConfig", tp: int = 1) -> float:
