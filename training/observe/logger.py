@@ -5,6 +5,9 @@ logger with every sink off. Records are plain dicts with the keys of the JSON li
 
     {"type": "train", "iteration": 10, "consumed_samples": 160, "lm loss": 7.1, "lr": 1e-4,
      "grad norm": 1.3, "loss scale": 1.0, "skipped": 0, "tokens_per_s": ..., ...}
+    (an MoE model adds "load_balancing_loss", "z_loss", the worst layer's
+     "tokens_per_expert_max_over_mean", "dropped_token_share" and per layer
+     "moe": {"layer_0/tokens_per_expert_max_over_mean": 1.2, ...}: training/run/moe.py)
     {"type": "eval", "split": "valid", "iteration": 10, "lm loss": 6.9, "lm loss PPL": ...}
     {"type": "checkpoint", ...}, and one {"type": "summary", ...} at the end (training/observe/summary.py)
 
@@ -33,13 +36,20 @@ _CONSOLE_FIELDS = (
     ("learning rate", "lr", "{:.6E}"),
     ("global batch size", "global_batch_size", "{:5d}"),
     ("lm loss", "lm loss", "{:.6E}"),
+    ("load_balancing_loss", "load_balancing_loss", "{:.6E}"),  # MoE, as Megatron logs them
+    ("z_loss", "z_loss", "{:.6E}"),
+    ("tokens per expert max/mean (worst MoE layer)", "tokens_per_expert_max_over_mean",
+     "{:.3f}"),
+    ("dropped tokens", "dropped_token_share", "{:.2%}"),
     ("loss scale", "loss scale", "{:.1f}"),
     ("grad norm", "grad norm", "{:.3f}"),
     ("number of skipped iterations", "skipped", "{:3d}"),
     ("peak memory (MiB)", "peak_memory_mib", "{:.0f}"),
 )
 _TENSORBOARD_KEYS = ("lm loss", "lr", "grad norm", "loss scale", "skipped", "tokens_per_s",
-                     "tflops_per_device", "mfu", "peak_memory_mib", "ms_per_iteration")
+                     "tflops_per_device", "mfu", "peak_memory_mib", "ms_per_iteration",
+                     "load_balancing_loss", "z_loss", "tokens_per_expert_max_over_mean",
+                     "dropped_token_share")
 EVAL_PROGRESS_EVERY_S = 15.0  # seconds between evaluation progress lines in a log
 
 
@@ -199,6 +209,8 @@ class MetricsLogger:
                             for name, ms in (record.get("timers_ms") or {}).items()})
             scalars.update({f"optimizer/{name}": value
                             for name, value in (record.get("optimizer") or {}).items()})
+            scalars.update({f"moe/{name}": value  # per MoE layer
+                            for name, value in (record.get("moe") or {}).items()})
             for key, value in scalars.items():
                 if value is not None:
                     self._tb.add_scalar(key, value, record["iteration"])

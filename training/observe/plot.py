@@ -1,4 +1,6 @@
-"""Charts of a run from its --metrics-file: loss, learning rate, grad norm, throughput.
+"""Charts of a run from its --metrics-file: loss, learning rate, grad norm, throughput, and for
+an MoE model its balancing losses and, per MoE layer, tokens per expert (max/mean) and the
+share of dropped tokens.
 
     gigatron plot runs/quickstart/metrics.jsonl        # -> runs/quickstart/metrics_plots/*.png
 
@@ -13,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 INSTALL_HINT = "pip install 'gigatron[plot]' (or pip install matplotlib)"
 Series = Tuple[List[int], List[float]]
+SAME_AXIS = ("loss.png", "moe_imbalance.png", "moe_dropped.png")  # one axis, a line per panel
 
 
 def read_metrics(path: str) -> List[Dict[str, Any]]:
@@ -78,7 +81,7 @@ def _charts(records: List[Dict[str, Any]]) -> Dict[str, List[Tuple[str, str, Ser
         flops = ("model FLOPs", "GFLOP/s per device", (tflops[0], [1e3 * v for v in tflops[1]]))
     else:
         flops = ("model FLOPs", "TFLOP/s per device", tflops)
-    return {
+    return {**{
         "loss.png": [("lm loss", "train", series(records, "train", "lm loss")),
                      ("lm loss", "validation", series(records, "eval", "lm loss", "valid")),
                      ("lm loss", "test", series(records, "eval", "lm loss", "test"))],
@@ -86,14 +89,34 @@ def _charts(records: List[Dict[str, Any]]) -> Dict[str, List[Tuple[str, str, Ser
         "grad_norm.png": [("grad norm", "grad norm", series(records, "train", "grad norm"))],
         "throughput.png": [("throughput", "tokens/s", series(records, "train", "tokens_per_s")),
                            flops],
-    }
+        "moe_losses.png": [("load-balancing loss", "load_balancing_loss",
+                            series(records, "train", "load_balancing_loss")),
+                           ("z-loss", "z_loss", series(records, "train", "z_loss"))],
+    }, **_moe_layer_charts(records)}
+
+
+def _moe_layer_charts(records: List[Dict[str, Any]]) -> Dict[str, List[Tuple[str, str, Series]]]:
+    """moe_imbalance.png and moe_dropped.png: one line per MoE layer (the "moe" field of the
+    train records, training/run/moe.py)."""
+    names = sorted({name for r in records if r.get("type") == "train"
+                    for name in (r.get("moe") or {})},
+                   key=lambda n: (n.split("/")[1], int(n.split("/")[0].split("_")[1])))
+    flat = [{**r, **{f"moe/{k}": v for k, v in (r.get("moe") or {}).items()}} for r in records]
+    charts: Dict[str, List[Tuple[str, str, Series]]] = {}
+    for kind, file, title in (("tokens_per_expert_max_over_mean", "moe_imbalance.png",
+                               "tokens per expert, max/mean"),
+                              ("dropped_token_share", "moe_dropped.png", "dropped token share")):
+        charts[file] = [(title, name.split("/")[0].replace("_", " "),
+                         series(flat, "train", f"moe/{name}"))
+                        for name in names if name.endswith("/" + kind)]
+    return charts
 
 
 def _draw(plt, name: str, panels: List[Tuple[str, str, Series]], path: str) -> None:
     """loss.png: train/validation/test on one axis; other charts: one axis per panel."""
     from matplotlib.ticker import MaxNLocator
 
-    same_axis = name == "loss.png"
+    same_axis = name in SAME_AXIS
     rows = 1 if same_axis else len(panels)
     fig, axes = plt.subplots(rows, 1, figsize=(8, 3.2 * rows), squeeze=False, sharex=True)
     for index, (title, label, (xs, ys)) in enumerate(panels):

@@ -37,6 +37,7 @@ from gigatron.training.run.builders import Pipeline, micro_batches
 from gigatron.training.config.run_config import RunConfig, TrainConfig
 from gigatron.training.run.decoupled_lr import set_decoupled_lr
 from gigatron.training.checkpoint.torch_dist.async_save import SavedCheckpoint
+from gigatron.training.run.moe import MoETraining, moe_training
 from gigatron.training.run.nan_check import NonFiniteWatch
 from gigatron.training.run.per_token_loss import EvalLoss, loss_divisor, per_token_loss, step_loss
 from gigatron.training.observe.profiling import Profiler
@@ -73,6 +74,7 @@ class Session:
     # gigatron plan's predicted peak bytes per pipeline stage: on CUDA the first log line is
     # followed by the measured peak beside it (then None)
     memory_plan: Optional[Dict[int, float]] = None
+    moe: Optional[MoETraining] = None  # an MoE model's step hook and log fields, set by train
 
 
 @dataclass
@@ -152,6 +154,8 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     with timeline.span("optimizer step"):
         step = s.zero.step()
     s.timers.stop("optimizer")
+    if s.moe is not None:
+        s.moe.after_step(s.pipeline.executor.aux_losses, len(batches))
     return StepOutcome(step_loss(losses, divisor, batches, s.groups.dp), lr, step.grad_norm,
                        step.loss_scale, step.skipped)
 
@@ -239,6 +243,8 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
         **rates, "peak_memory_mib": memory / 2 ** 20,
         "timers_ms": {name: 1000 * sec / n for name, sec in sorted(phases.items())},
     }
+    if s.moe is not None:  # collective: every rank
+        record.update(s.moe.log_fields())
     if s.run.logging.log_optimizer_states_to_tensorboard:  # collective: every rank
         record["optimizer"] = optimizer_state_stats(s.zero)
     if "forward" in phases:  # backward is what the measured phases leave of the step
@@ -353,6 +359,8 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
                        s.groups.index("dp"), s.device, s.pipeline)
     exit_signal = ExitSignal(t.exit_signal_handler)
     _start_nonfinite_watch(s, progress)
+    s.moe = moe_training(s.chunks, s.run.model, s.groups.dp,
+                         s.run.parallel.tp * s.run.parallel.dp, s.device)
     ramp = run_rampup(t, s.run.parallel.dp)
     interval, last_count = _Interval(), None
     profiler = Profiler(s.run.settings.profiling, s.run.logging.tensorboard_dir, s.groups.rank,
