@@ -178,3 +178,11 @@ def test_generated_docs_list_the_moe_flags():
     with open(os.path.join(root, "docs", "FLAGS.md")) as f:
         text = f.read()
     assert "## mixture of experts" in text and "`--moe-layer-freq`" in text
+
+
+def test_a_zoo_moe_model_shows_through_the_flags_left_out():
+    zoo = "--model qwen3-30b-a3b --micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data"
+    model = parse_args(zoo.split() + ["--moe-aux-loss-coeff", "0.01"], 1).model
+    assert (model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size,
+            model.moe_aux_loss_coeff) == (128, 8, 768, 0.01)  # MoE flags need no --num-experts
+    assert parse_args(zoo.split() + ["--moe-router-topk", "2"], 1).model.moe_router_topk == 2
