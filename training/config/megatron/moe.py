@@ -137,24 +137,29 @@ def _pattern_value(node: ast.AST) -> Union[int, List[int]]:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
     if isinstance(node, ast.List):
-        items = [_pattern_value(e) for e in node.elts]
-        if any(isinstance(i, list) for i in items):
+        values = [_pattern_value(e) for e in node.elts]
+        flat = [v for v in values if isinstance(v, int)]
+        if len(flat) < len(values):
             raise ValueError("lists do not nest")
-        return [int(i) for i in items]
+        return flat
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
         left, right = _pattern_value(node.left), _pattern_value(node.right)
+        if isinstance(left, int) and isinstance(right, int):
+            return left + right if isinstance(node.op, ast.Add) else left * right
         if isinstance(node.op, ast.Add):
-            if isinstance(left, list) != isinstance(right, list):
-                raise ValueError("+ joins two lists")
-            return left + right  # type: ignore[operator]
-        if isinstance(left, list) and isinstance(right, list):
+            if isinstance(left, list) and isinstance(right, list):
+                return left + right
+            raise ValueError("+ joins two lists")
+        items: List[int]
+        if isinstance(left, list) and isinstance(right, int):
+            items, times = left, right
+        elif isinstance(left, int) and isinstance(right, list):
+            items, times = right, left
+        else:
             raise ValueError("* repeats a list by an int")
-        length = (len(left) if isinstance(left, list) else len(right)  # type: ignore[arg-type]
-                  if isinstance(right, list) else 1) * \
-            (right if isinstance(left, list) else left)  # type: ignore[operator]
-        if length > MAX_LAYER_PATTERN:
+        if len(items) * times > MAX_LAYER_PATTERN:
             raise ValueError(f"longer than {MAX_LAYER_PATTERN} layers")
-        return left * right  # type: ignore[operator]
+        return items * times
     raise ValueError("only int and list literals, + and * are allowed")
 
 
@@ -178,8 +183,9 @@ def moe_overrides(s: "Settings", zoo: Optional[Dict[str, Any]],
     dense = m.num_experts is None and not (zoo or {}).get("num_moe_experts")
     others = [flag_name(n) for n in given if n != "num_experts"]
     if dense and others:
-        p.add(f"{', '.join(others)} set{'s' if len(others) == 1 else ''} MoE layers but the "
-              f"model is dense: add --num-experts N (or drop {'it' if len(others) == 1 else 'them'})")
+        one = len(others) == 1
+        p.add(f"{', '.join(others)} set{'s' if one else ''} MoE layers but the model is "
+              f"dense: add --num-experts N (or drop {'it' if one else 'them'})")
         return {}
     return {MOE_FIELDS[name]: value for name, value in given.items()}
 
