@@ -54,7 +54,9 @@ def config_from_hf(hf: Dict[str, Any]) -> TransformerConfig:
 
 def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
     """GPT-2 config.json of a TransformerConfig; raises on what GPT-2 cannot express."""
-    checks = [(config.position_embedding_type == "learned_absolute",
+    checks = [(config.num_moe_experts is None, "the model has MoE layers (num_moe_experts): "
+               "export it as mixtral (--family mixtral)"),
+              (config.position_embedding_type == "learned_absolute",
                "position_embedding_type must be 'learned_absolute'"),
               (config.normalization == "LayerNorm", "normalization must be 'LayerNorm'"),
               (config.activation in ("gelu", "gelu_tanh"), "activation must be a GeLU"),

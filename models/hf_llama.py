@@ -6,7 +6,7 @@ query heads then its k and v head, and its SwiGLU fc1 holds [gate; up].
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -23,11 +23,13 @@ _PLAIN = {  # gigatron name in a layer -> HF name in a layer
     "input_layernorm.weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+# a layer's MLP tensors one way: (tensors, layer number, config) -> the other side's tensors
+# (from_hf pops what it maps from the Hugging Face tensors; an MoE family brings its own)
+MLPMap = Callable[[StateDict, int, TransformerConfig], StateDict]
 
 
-def _rope(hf: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
+def _rope(hf: Dict[str, Any], family: str) -> Tuple[float, Optional[Dict[str, Any]]]:
     """(theta, scaling dict or None) from either transformers 4's rope_theta/rope_scaling or
     transformers 5's rope_parameters."""
     params = dict(hf.get("rope_parameters") or {})
@@ -36,7 +38,7 @@ def _rope(hf: Dict[str, Any]) -> Tuple[float, Optional[Dict[str, Any]]]:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return theta, None
-    require(kind == "llama3", f"Llama rope_type {kind!r} is not supported (default, llama3)")
+    require(kind == "llama3", f"{family} rope_type {kind!r} is not supported (default, llama3)")
     return theta, scaling
 
 
@@ -54,15 +56,21 @@ def _scaling_fields(scaling: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def config_from_hf(hf: Dict[str, Any]) -> TransformerConfig:
     """TransformerConfig of a Llama config.json."""
+    return TransformerConfig(**config_fields(hf))
+
+
+def config_fields(hf: Dict[str, Any], family: str = "Llama") -> Dict[str, Any]:
+    """TransformerConfig fields of a Llama-shaped config.json (Mixtral's too: `family` names
+    it in the errors)."""
     act = hf.get("hidden_act", "silu")
-    require(act == "silu", f"Llama hidden_act {act!r} is not supported (silu: SwiGLU)")
+    require(act == "silu", f"{family} hidden_act {act!r} is not supported (silu: SwiGLU)")
     attn_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
-    require(attn_bias == mlp_bias, f"Llama attention_bias={attn_bias} with "
+    require(attn_bias == mlp_bias, f"{family} attention_bias={attn_bias} with "
             f"mlp_bias={mlp_bias} is not supported (gigatron has one add_bias_linear)")
-    require(hf.get("pretraining_tp", 1) == 1, "Llama pretraining_tp != 1 is not supported")
-    theta, scaling = _rope(hf)
+    require(hf.get("pretraining_tp", 1) == 1, f"{family} pretraining_tp != 1 is not supported")
+    theta, scaling = _rope(hf, family)
     heads = hf["num_attention_heads"]
-    return TransformerConfig(
+    return dict(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
@@ -78,30 +86,39 @@ def config_from_hf(hf: Dict[str, Any]) -> TransformerConfig:
 
 def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
     """Llama config.json of a TransformerConfig; raises on what Llama cannot express."""
+    require(config.num_moe_experts is None, "cannot export to Llama: the model has MoE layers "
+            "(num_moe_experts): export it as mixtral (--family mixtral)")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **shared_config_to_hf(config, "Llama"),
+            "intermediate_size": config.ffn_hidden_size,
+            "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear}
+
+
+def shared_config_to_hf(config: TransformerConfig, family: str) -> Dict[str, Any]:
+    """The config.json keys Llama shares with its relatives (Mixtral): all but the MLP's;
+    raises, naming `family`, on what they cannot express."""
     checks = [(config.position_embedding_type == "rope", "position_embedding_type must be rope"),
               (config.normalization == "RMSNorm", "normalization must be RMSNorm"),
               (config.activation == "swiglu", "activation must be swiglu"),
               (config.rotary_percent == 1.0, "rotary_percent must be 1"),
               (config.rotary_seq_len_interpolation_factor is None,
-               "rotary_seq_len_interpolation_factor has no Llama equivalent"),
+               f"rotary_seq_len_interpolation_factor has no {family} equivalent"),
               (not config.layernorm_zero_centered_gamma,
-               "zero-centred norms (--apply-layernorm-1p) have no Llama equivalent")]
+               f"zero-centred norms (--apply-layernorm-1p) have no {family} equivalent")]
     for ok, message in checks:
-        require(ok, f"cannot export to Llama: {message}")
+        require(ok, f"cannot export to {family}: {message}")
     rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": config.rotary_base}
     if config.rope_scaling:
         rope = {"rope_type": "llama3", "rope_theta": config.rotary_base,
                 **{key: getattr(config, name) for key, name in LLAMA3_SCALING.items()}}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.ffn_hidden_size, "num_hidden_layers": config.num_layers,
+        "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_query_groups, "head_dim": config.kv_channels,
         "hidden_act": "silu", "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.layernorm_epsilon, "rope_theta": config.rotary_base,
-        "rope_parameters": rope, "attention_bias": config.add_bias_linear,
-        "mlp_bias": config.add_bias_linear, "attention_dropout": config.attention_dropout,
+        "rope_parameters": rope, "attention_dropout": config.attention_dropout,
         "initializer_range": config.init_method_std,
         "tie_word_embeddings": not config.untie_embeddings_and_output_weights,
     }
@@ -132,8 +149,33 @@ def _suffixes(config: TransformerConfig) -> Tuple[str, ...]:
     return ("weight", "bias") if config.add_bias_linear else ("weight",)
 
 
-def state_dict_from_hf(hf_state: StateDict, config: TransformerConfig) -> StateDict:
-    """gigatron GPTModel state dict (tp=1) from LlamaForCausalLM tensors."""
+def dense_mlp_from_hf(src: StateDict, i: int, config: TransformerConfig) -> StateDict:
+    """Layer i's SwiGLU MLP: gate_proj, up_proj -> fc1 [gate; up], down_proj -> fc2."""
+    ours, theirs = layer_prefix(i) + "mlp.", f"model.layers.{i}.mlp."
+    out = {}
+    for s in _suffixes(config):
+        gate, up = (src.pop(f"{theirs}{p}_proj.{s}") for p in ("gate", "up"))
+        out[f"{ours}linear_fc1.{s}"] = torch.cat([gate, up])
+        out[f"{ours}linear_fc2.{s}"] = src.pop(f"{theirs}down_proj.{s}")
+    return out
+
+
+def dense_mlp_to_hf(state: StateDict, i: int, config: TransformerConfig) -> StateDict:
+    """Layer i's SwiGLU MLP as gate_proj, up_proj, down_proj."""
+    ours, theirs = layer_prefix(i) + "mlp.", f"model.layers.{i}.mlp."
+    out = {}
+    for s in _suffixes(config):
+        gate, up = state[f"{ours}linear_fc1.{s}"].chunk(2)
+        out[f"{theirs}gate_proj.{s}"], out[f"{theirs}up_proj.{s}"] = gate, up
+        out[f"{theirs}down_proj.{s}"] = state[f"{ours}linear_fc2.{s}"]
+    return out
+
+
+def state_dict_from_hf(hf_state: StateDict, config: TransformerConfig,
+                       mlp_from_hf: MLPMap = dense_mlp_from_hf, family: str = "Llama"
+                       ) -> StateDict:
+    """gigatron GPTModel state dict (tp=1) from LlamaForCausalLM tensors (`mlp_from_hf`: a
+    layer's MLP, for families that differ from Llama only there)."""
     src = dict(hf_state)
     out: StateDict = {
         "embedding.word_embeddings.weight": pad_vocab(src.pop("model.embed_tokens.weight"),
@@ -151,19 +193,19 @@ def state_dict_from_hf(hf_state: StateDict, config: TransformerConfig) -> StateD
         for s in _suffixes(config):
             q, k, v = (src.pop(f"{theirs}self_attn.{p}_proj.{s}") for p in "qkv")
             out[f"{ours}self_attention.linear_qkv.{s}"] = _fuse_qkv(q, k, v, config)
-            gate, up = (src.pop(f"{theirs}mlp.{p}_proj.{s}") for p in ("gate", "up"))
-            out[f"{ours}mlp.linear_fc1.{s}"] = torch.cat([gate, up])
         if config.add_bias_linear:
             out[ours + "self_attention.linear_proj.bias"] = src.pop(
                 theirs + "self_attn.o_proj.bias")
-            out[ours + "mlp.linear_fc2.bias"] = src.pop(theirs + "mlp.down_proj.bias")
+        out.update(mlp_from_hf(src, i, config))
     leftover = [k for k in src if not k.endswith("rotary_emb.inv_freq")]
-    require(not leftover, f"Llama tensors not understood: {', '.join(sorted(leftover))}")
+    require(not leftover, f"{family} tensors not understood: {', '.join(sorted(leftover))}")
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def state_dict_to_hf(state: StateDict, config: TransformerConfig) -> StateDict:
-    """LlamaForCausalLM tensors from a gigatron state dict (tp=1)."""
+def state_dict_to_hf(state: StateDict, config: TransformerConfig,
+                     mlp_to_hf: MLPMap = dense_mlp_to_hf) -> StateDict:
+    """LlamaForCausalLM tensors from a gigatron state dict (tp=1) (`mlp_to_hf`: a layer's
+    MLP, for families that differ from Llama only there)."""
     out: StateDict = {
         "model.embed_tokens.weight": unpad_vocab(state["embedding.word_embeddings.weight"],
                                                  config),
@@ -178,9 +220,7 @@ def state_dict_to_hf(state: StateDict, config: TransformerConfig) -> StateDict:
         for s in _suffixes(config):
             q, k, v = _split_qkv(state[f"{ours}self_attention.linear_qkv.{s}"], config)
             out.update({f"{theirs}self_attn.{p}_proj.{s}": t for p, t in zip("qkv", (q, k, v))})
-            gate, up = state[f"{ours}mlp.linear_fc1.{s}"].chunk(2)
-            out[f"{theirs}mlp.gate_proj.{s}"], out[f"{theirs}mlp.up_proj.{s}"] = gate, up
         if config.add_bias_linear:
             out[theirs + "self_attn.o_proj.bias"] = state[ours + "self_attention.linear_proj.bias"]
-            out[theirs + "mlp.down_proj.bias"] = state[ours + "mlp.linear_fc2.bias"]
+        out.update(mlp_to_hf(state, i, config))
     return {k: v.contiguous() for k, v in out.items()}
