@@ -1,4 +1,5 @@
-"""Hugging Face <-> gigatron weights: GPT-2 (`GPT2LMHeadModel`) and Llama (`LlamaForCausalLM`).
+"""Hugging Face <-> gigatron weights: GPT-2 (`GPT2LMHeadModel`), Llama (`LlamaForCausalLM`)
+and Mixtral (`MixtralForCausalLM`); Qwen3-MoE is refused (see REFUSED).
 
 A Hugging Face folder holds config.json and safetensors (one file or an index of shards); an
 exported one also generation_config.json, and the tokenizer files when the run's tokenizer is
@@ -17,12 +18,17 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
-from gigatron.models import hf_gpt2, hf_llama
+from gigatron.models import hf_gpt2, hf_llama, hf_mixtral
 from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError, StateDict, require
 
-FAMILIES: Dict[str, ModuleType] = {"gpt2": hf_gpt2, "llama": hf_llama}
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+FAMILIES: Dict[str, ModuleType] = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
+                 "MixtralForCausalLM": "mixtral"}
+# families gigatron's model cannot run yet: model_type -> (architecture, why, in one line)
+REFUSED = {"qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3-MoE (qwen3_moe) cannot be converted: its "
+                         "attention normalises each head's query and key (q_norm, k_norm: "
+                         "Megatron's --qk-layernorm), which gigatron's model does not have")}
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -33,9 +39,12 @@ __all__ = ["ConversionError", "config_from_hf", "config_to_hf", "state_dict_from
 
 
 def family_of(hf_config: Dict[str, Any]) -> str:
-    """'gpt2' or 'llama' from config.json's model_type (or architectures)."""
+    """'gpt2', 'llama' or 'mixtral' from config.json's model_type (or architectures)."""
     family = hf_config.get("model_type")
-    for arch in hf_config.get("architectures") or []:
+    architectures = hf_config.get("architectures") or []
+    for model_type, (architecture, why) in REFUSED.items():
+        require(family != model_type and architecture not in architectures, why)
+    for arch in architectures:
         require(arch in ARCHITECTURES, f"architecture {arch!r} is not supported "
                 f"(supported: {', '.join(ARCHITECTURES)})")
         family = family or ARCHITECTURES[arch]
@@ -50,7 +59,7 @@ def config_from_hf(hf_config: Dict[str, Any]) -> TransformerConfig:
 
 
 def config_to_hf(config: TransformerConfig, family: str) -> Dict[str, Any]:
-    """Hugging Face config.json dict of `config` as `family` ('gpt2' or 'llama')."""
+    """Hugging Face config.json dict of `config` as `family` ('gpt2', 'llama', 'mixtral')."""
     require(family in FAMILIES, f"family {family!r} is not supported ({', '.join(FAMILIES)})")
     hf = FAMILIES[family].config_to_hf(config)
     hf["torch_dtype"] = str(config.params_dtype).replace("torch.", "")
@@ -78,7 +87,10 @@ def state_dict_to_hf(state: StateDict, config: TransformerConfig, family: str) -
 
 
 def default_family(config: TransformerConfig) -> str:
-    """The Hugging Face family a config exports to: RoPE models as Llama, others as GPT-2."""
+    """The Hugging Face family a config exports to: MoE models as Mixtral, other RoPE models
+    as Llama, the rest as GPT-2."""
+    if config.num_moe_experts is not None:
+        return "mixtral"
     return "llama" if config.position_embedding_type == "rope" else "gpt2"
 
 

@@ -82,7 +82,29 @@ def model_flags(config: TransformerConfig) -> List[str]:
         argv.append("--apply-layernorm-1p")
     if config.params_dtype != torch.float32:
         argv.append("--" + _DTYPE_NAMES[config.params_dtype])
-    return [_num(a) for a in argv]
+    return [_num(a) for a in argv + _moe_flags(config)]
+
+
+def _moe_flags(config: TransformerConfig) -> List[Any]:
+    """--num-experts and the --moe-* flags of the MoE fields off Megatron's defaults."""
+    from gigatron.training.config.megatron.moe import MOE_FIELDS
+    from gigatron.training.config.table import flag_name
+
+    if config.num_moe_experts is None:
+        return []
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    argv: List[Any] = []
+    for setting, name in MOE_FIELDS.items():
+        value = getattr(config, name)
+        if value == defaults[name]:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag_name(setting))  # store_true flags; every default is False
+        elif isinstance(value, list):  # a 0/1 per layer, as --moe-layer-freq parses it
+            argv += [flag_name(setting), "[" + ",".join(map(str, value)) + "]"]
+        else:
+            argv += [flag_name(setting), value]
+    return argv
 
 
 def parse_model_flags(argv: List[str]) -> Dict[str, Any]:
