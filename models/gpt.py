@@ -17,6 +17,7 @@ from gigatron.models.kv_cache import CacheStep, KVCache
 from gigatron.models.losses import LayerLosses
 from gigatron.models.transformer import (TransformerBlock, dropout, rotary_cos_sin,
                                          rotary_cos_sin_at)
+from gigatron.parallel.expert.init import initialize_expert_parameter
 from gigatron.parallel.tensor import (
     ColumnParallelLinear,
     TensorParallelRNGTracker,
@@ -146,7 +147,10 @@ class GPTModel(nn.Module):
             # A tied output weight on a stage without the embedding starts as its copy.
             seed_name = WORD_EMBEDDING_NAME if (name == "output_layer.weight" and self.tied) \
                 else name
-            initialize_parameter(param, seed, seed_name, rank, size)
+            if getattr(param, "expert_parallel", False):
+                initialize_expert_parameter(param, seed, name)
+            else:
+                initialize_parameter(param, seed, seed_name, rank, size)
 
     def output_weight(self) -> torch.Tensor:
         """The weight of the output layer (the word embeddings when tied on one stage)."""

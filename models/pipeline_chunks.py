@@ -6,7 +6,7 @@ partition (parallel/pipeline/partition.py) and the `MicroBatchStep` contract, ne
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
@@ -22,15 +22,16 @@ from gigatron.parallel.comm import Group
 
 
 def build_model_chunks(config: TransformerConfig, partition: PipelinePartition, pp_rank: int,
-                       tp_group: Group = None, seed: int = 1234, device: Optional[torch.device] = None
-                       ) -> List[torch.nn.Module]:
+                       tp_group: Group = None, seed: int = 1234, device: Optional[torch.device] = None,
+                       dispatcher_factory: Optional[Callable] = None) -> List[torch.nn.Module]:
     """`chunks[c]` holds the layers of virtual stage (c, pp_rank); embedding on the first
     virtual stage, final norm + output layer on the last. Name-seeded init makes every
     layout hold the same full model, tied output weight included.
 
     The chunks share one tensor-parallel RNG tracker seeded as Megatron does
     (seed + 100 * pp_rank, then per tp rank), so no two chunks or stages draw the same
-    dropout masks."""
+    dropout masks. `dispatcher_factory`: the MoE layers' token dispatcher (expert
+    parallelism; default every expert on this rank)."""
     if partition.layers and sum(len(r) for rs in partition.layers for r in rs) \
             != config.num_layers:
         raise ValueError(f"the pipeline partition covers "
@@ -41,7 +42,7 @@ def build_model_chunks(config: TransformerConfig, partition: PipelinePartition, 
     return [GPTModel(config, tp_group=tp_group, pre_process=partition.pre_process(pp_rank, c),
                      post_process=partition.post_process(pp_rank, c),
                      layer_range=partition.layer_range(pp_rank, c), seed=seed, device=device,
-                     rng_tracker=tracker)
+                     rng_tracker=tracker, dispatcher_factory=dispatcher_factory)
             for c in range(partition.virtual_chunks)]
 
 

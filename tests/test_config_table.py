@@ -166,7 +166,7 @@ REFUSED = {"use_legacy_models": "--use-legacy-models is not supported",
                                         "Ulysses sequence parallelism is not supported",
            "fp8_recipe": "--fp8-recipe tensorwise is not emulated",
            "expert_model_parallel_size": "--expert-model-parallel-size 3 x",
-           "expert_tensor_parallel_size": "--expert-tensor-parallel-size 3 differs"}
+           "expert_tensor_parallel_size": "--expert-tensor-parallel-size 3 = 3 does not divide"}
 # flags of BASE a sample-based row replaces
 SAMPLE_BASED = ("train_samples", "lr_decay_samples", "lr_warmup_samples",
                 "lr_wsd_decay_samples", "rampup_batch_size")

@@ -131,10 +131,12 @@ def test_moe_layer_freq_runs_no_code(tmp_path):
      "--moe-token-dispatcher-type flex is not implemented in gigatron"),
     ("--num-experts 8 --moe-router-score-function tanh", 1,
      "argument --moe-router-score-function: invalid choice: 'tanh'"),
-    ("--num-experts 8 --expert-model-parallel-size 2", 4,
-     "--expert-model-parallel-size > 1 is not built yet (issue 27)"),
-    ("--num-experts 8 --expert-tensor-parallel-size 2", 4,
-     "--expert-tensor-parallel-size 2 differs from --tensor-model-parallel-size 1"),
+    ("--num-experts 8 --expert-model-parallel-size 2 --tensor-model-parallel-size 2", 4,
+     "--expert-model-parallel-size 2 / --expert-tensor-parallel-size 2 with "
+     "--tensor-model-parallel-size 2 needs --sequence-parallel"),
+    ("--num-experts 8 --expert-tensor-parallel-size 1 --tensor-model-parallel-size 2", 4,
+     "--expert-model-parallel-size 1 / --expert-tensor-parallel-size 1 with "
+     "--tensor-model-parallel-size 2 needs --sequence-parallel"),
     ("--expert-model-parallel-size 2", 4, "--expert-model-parallel-size splits the experts "
                                           "of MoE layers but the model is dense"),
     ("--num-experts 8 --expert-model-parallel-size 0", 1,

@@ -10,10 +10,20 @@ the end keeps its slice again, with backwards (split, all-gather) that leave eve
 complete gradient: router and experts are replicated parameters with equal grads on every tp
 rank, tagged as parallel/tensor tags a replicated norm. The shared experts are the dense
 tensor-parallel MLP on the layer's own input.
+
+Expert parallelism (a dispatcher over ep/etp ranks, e.g. parallel/expert/alltoall.py): the
+layer holds only its num_experts / ep local experts, each expert's ffn sliced over etp (both
+SwiGLU halves sliced, as Megatron-Core's GroupedMLP), initialised as its slice of the full
+[E, h, 2f] / [E, f, h] tensors (parallelism-invariant, like parallel/tensor/init.py). The
+tokens each rank dispatches must be its own: with tp > 1 the sequence-parallel slice, routed
+on that rank (models/moe/sharded_losses.py gives the balancing losses and statistics of the
+whole micro-batch). Expert weights carry `expert_parallel` (their grads are reduced over the
+expert-data-parallel group, parallel/zero) and are not tagged replicated over tp; the router
+weight is tagged sequence-parallel (partial grads, summed over tp).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -23,10 +33,13 @@ from gigatron.models.losses import LayerLosses
 from gigatron.models.moe.config_checks import router_config
 from gigatron.models.moe.experts import RoutedExperts
 from gigatron.models.moe.router import Router
+from gigatron.models.moe.sharded_losses import tp_reduced_losses
 from gigatron.models.transformer import MLP, output_init_std
+from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.expert.dispatch import LocalDispatcher, TokenDispatcher
 from gigatron.parallel.tensor import gather_from_sequence_parallel_region, tp_size
+from gigatron.parallel.expert.init import mark_expert_parallel
 from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
 from gigatron.parallel.tensor.mappings import scatter_to_sequence_parallel_region
 
@@ -55,29 +68,62 @@ class MoELayer(nn.Module):
                              config.moe_router_dtype, config.init_method_std,
                              config.params_dtype, device)
         self.dispatcher = dispatcher_factory(experts)
-        if self.dispatcher.num_local_experts != experts:
-            raise NotImplementedError(
-                f"MoELayer holds all {experts} experts; a dispatcher with "
-                f"{self.dispatcher.num_local_experts} local experts needs expert-parallel "
-                f"initialisation, which is not built yet")
-        self.experts = RoutedExperts(experts, h, config.moe_ffn_hidden_size, config.activation,
+        self.expert_parallel = not isinstance(self.dispatcher, LocalDispatcher)
+        if self.expert_parallel and tp_size(tp_group) > 1 and not self.sequence_parallel:
+            raise ValueError("expert parallelism with --tensor-model-parallel-size > 1 needs "
+                             "--sequence-parallel (as Megatron-Core): add it")
+        local, ffn, etp_rank, etp = self._expert_shape(config)
+        self.experts = RoutedExperts(local, h, ffn, config.activation,
                                      config.moe_grouped_gemm, config.init_method_std,
                                      output_init_std(config), config.params_dtype, device)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = MLP(config, tp_group, device,
                                       ffn_hidden_size=config.moe_shared_expert_intermediate_size)
-        self._tag_replicated(config)
+        self._tag(config, etp_rank, etp)
         # set by the block while a checkpointed region re-runs: no losses, no counts again
         self.recomputing = False
         self._init_stats(experts)
 
-    def _tag_replicated(self, config: TransformerConfig) -> None:
-        """Init specs of the full tensors; not tp-partitioned, complete grads on every rank."""
+    def _expert_shape(self, config: TransformerConfig) -> Tuple[int, int, int, int]:
+        """(local experts, local ffn width, etp rank, etp size) of this rank's dispatcher."""
+        experts, ffn = config.num_moe_experts, config.moe_ffn_hidden_size
+        assert experts is not None and ffn is not None
+        local = self.dispatcher.num_local_experts
+        if not self.expert_parallel:
+            if local != experts:
+                raise ValueError(f"MoELayer: a dispatcher with {local} of {experts} local "
+                                 "experts must say which (an expert-parallel dispatcher)")
+            return experts, ffn, 0, 1
+        etp_group = getattr(self.dispatcher, "etp_group", None)
+        etp = 1 if etp_group is None else comm.group_size(etp_group)
+        if ffn % etp:
+            raise ValueError(f"--moe-ffn-hidden-size {ffn} is not divisible by "
+                             f"--expert-tensor-parallel-size {etp}: each expert-tensor-parallel "
+                             f"rank holds an equal slice of every expert")
+        return local, ffn // etp, 0 if etp_group is None else comm.group_rank(etp_group), etp
+
+    def _tag(self, config: TransformerConfig, etp_rank: int, etp: int) -> None:
+        """Init specs of the full tensors and how this rank holds them (see the module doc)."""
         std, out_std = config.init_method_std, output_init_std(config)
-        for param, scale in ((self.router.weight, std), (self.experts.weight1, std),
-                             (self.experts.weight2, out_std)):
-            set_parallel_attributes(param, InitSpec("normal", tuple(param.shape), scale))
+        experts, h = config.num_moe_experts, config.hidden_size
+        assert experts is not None
+        set_parallel_attributes(self.router.weight, InitSpec(
+            "normal", tuple(self.router.weight.shape), std),
+            sequence_parallel=self.expert_parallel and self.sequence_parallel)
+        full1 = (experts, h, self.experts.weight1.shape[2] * etp)
+        full2 = (experts, self.experts.weight2.shape[1] * etp, h)
+        set_parallel_attributes(self.experts.weight1, InitSpec("normal", full1, std))
+        set_parallel_attributes(self.experts.weight2, InitSpec("normal", full2, out_std))
+        if not self.expert_parallel:
+            return
+        local = self.dispatcher.num_local_experts
+        ep_rank, ep = getattr(self.dispatcher, "first_expert") // local, experts // local
+        stride = 2 if self.experts.swiglu else 1
+        for param, etp_dim, etp_stride in ((self.experts.weight1, 2, stride),
+                                           (self.experts.weight2, 1, 1)):
+            mark_expert_parallel(param, ((0, ep_rank, ep, 1),
+                                         (etp_dim, etp_rank, etp, etp_stride)))
 
     def _init_stats(self, experts: int) -> None:
         """Step accumulators on the router's device (the trainer takes them, see stats.py)."""
@@ -94,6 +140,8 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
+        if self.expert_parallel:
+            return self._forward_expert_parallel(x)
         full = x
         if self.sequence_parallel:
             full = gather_from_sequence_parallel_region(x, self.tp_group,
@@ -107,7 +155,7 @@ class MoELayer(nn.Module):
         if training and not self.recomputing:
             for name, loss in routing.losses.items():
                 self.layer_losses.add(name, loss)
-            self._count(routing.routing_map, routing.routed_map)
+            self._add_counts(self._counts(routing.routing_map, routing.routed_map))
         dispatched = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
         rows = self.experts.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
         out = self.dispatcher.combine(rows, dispatched).view(s, b, h)
@@ -117,11 +165,41 @@ class MoELayer(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
+    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens (its sequence slice under tp) routed here and dispatched to the
+        experts' ranks; losses and counts are the micro-batch's (sharded_losses.py)."""
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        logits = self.router.gating(tokens)
+        routing = self.router.route_logits(logits)
+        if self.training and torch.is_grad_enabled():
+            counts = self._counts(routing.routing_map, routing.routed_map)
+            losses, counts = tp_reduced_losses(self.router, logits, s, counts, self.tp_group,
+                                               with_losses=True)
+            if not self.recomputing:
+                for name, loss in losses.items():
+                    self.layer_losses.add(name, loss)
+                self._add_counts(counts)
+        dispatched = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
+        rows = self.experts.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
+        out = self.dispatcher.combine(rows, dispatched).view(s, b, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    @staticmethod
     @torch.no_grad()
-    def _count(self, routing_map: torch.Tensor, routed_map: torch.Tensor) -> None:
-        """Add this micro-batch's tokens per expert and drops (device ops, no host read)."""
-        counts = routing_map.sum(dim=0, dtype=torch.float32)
-        self.stats_tokens_per_expert += counts
-        self.bias_tokens_per_expert += counts
-        self.stats_routed += routed_map.sum(dtype=torch.float32)
-        self.stats_dropped += (routed_map & ~routing_map).sum(dtype=torch.float32)
+    def _counts(routing_map: torch.Tensor, routed_map: torch.Tensor) -> torch.Tensor:
+        """[tokens per expert..., routed choices, dropped choices] of one routing (fp32)."""
+        return torch.cat([routing_map.sum(dim=0, dtype=torch.float32),
+                          routed_map.sum(dtype=torch.float32).view(1),
+                          (routed_map & ~routing_map).sum(dtype=torch.float32).view(1)])
+
+    @torch.no_grad()
+    def _add_counts(self, counts: torch.Tensor) -> None:
+        """Add one micro-batch's counts (`_counts`) to the step's (device ops, no host read)."""
+        per_expert = counts[:-2].to(self.stats_tokens_per_expert.dtype)
+        self.stats_tokens_per_expert += per_expert
+        self.bias_tokens_per_expert += per_expert
+        self.stats_routed += counts[-2]
+        self.stats_dropped += counts[-1]

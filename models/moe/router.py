@@ -349,8 +349,15 @@ class Router(nn.Module):
                 with_losses: bool = False) -> RouterOutput:
         """Route hidden [T, h] (T = seq_length x batch, sequence-major); `with_losses`: also
         the balancing losses Megatron-Core adds in training."""
-        config = self.config
         logits = self.gating(hidden)
+        out = self.route_logits(logits)
+        if with_losses:
+            out.losses = self.balancing_losses(logits, seq_length)
+        return out
+
+    def route_logits(self, logits: torch.Tensor) -> RouterOutput:
+        """The routing (no losses) of gating logits [T, E]."""
+        config = self.config
         if self.load_balancing_type == "sinkhorn":
             probs, routed = sinkhorn_routing(logits, config.topk, self.training)
         else:
@@ -358,10 +365,7 @@ class Router(nn.Module):
         probs_kept, routing_map = probs, routed
         if config.capacity_factor is not None:
             probs_kept, routing_map = drop_over_capacity(probs, routed, config)
-        out = RouterOutput(probs_kept, routing_map, routed)
-        if with_losses:
-            out.losses = self.balancing_losses(logits, seq_length)
-        return out
+        return RouterOutput(probs_kept, routing_map, routed)
 
     def balancing_losses(self, logits: torch.Tensor, seq_length: int) -> Dict[str, torch.Tensor]:
         """The layer losses of this routing, by Megatron-Core's names: load_balancing_loss

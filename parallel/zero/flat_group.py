@@ -23,11 +23,15 @@ class FlatGroup:
     def __init__(self, params: Sequence[torch.nn.Parameter], *, chunk: int, kind: str,
                  weight_decay: float, stage: int, dp_group: Group, bucket_size: int,
                  unit_ids: Optional[Sequence[int]], master_device: torch.device,
-                 reduce_dtype: torch.dtype) -> None:
+                 reduce_dtype: torch.dtype, average_over: Optional[int] = None) -> None:
+        """`dp_group`: the ranks that reduce (and shard) these grads; `average_over`: the
+        ranks whose losses the grads average (default the group's size; expert weights
+        reduced over the expert-data-parallel group average over the dense dp size)."""
         self.params = list(params)
         self.chunk, self.kind, self.weight_decay, self.stage = chunk, kind, weight_decay, stage
         self.dp_group, self.reduce_dtype = dp_group, reduce_dtype
         self.dp_size, self.dp_rank = comm.group_size(dp_group), comm.group_rank(dp_group)
+        self.average_over = self.dp_size if average_over is None else average_over
         self.numels = [p.numel() for p in self.params]
         self.ways = self.dp_size if stage >= 1 else 1
         self.rank_in_shard = self.dp_rank if stage >= 1 else 0
@@ -131,8 +135,8 @@ class FlatGroup:
             grad = torch.zeros(b.padded_numel, dtype=torch.float32, device=self.device)
         if self.stage >= 2:
             b.grad_full = None  # the transient full bucket lives only until reduced
-        if self.dp_size > 1:
-            grad.div_(self.dp_size)
+        if self.average_over > 1:
+            grad.div_(self.average_over)
         wire = grad if self.reduce_dtype == torch.float32 else grad.to(self.reduce_dtype)
         if self.stage == 0:
             handle = comm.all_reduce(wire, group=self.dp_group, async_op=True)

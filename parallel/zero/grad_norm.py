@@ -3,7 +3,9 @@
 Each rank sums the squares of the gradient elements it is responsible for: parameters
 replicated across tp are counted on tp rank 0 only, the tied embedding on the first pipeline
 stage only, and (stage 0, where every dp rank holds the same reduced grads) dp rank 0 only;
-shards over tp, pp and dp are all counted. One all-reduce over all ranks then gives the
+shards over tp, pp and dp are all counted. Expert weights (expert parallelism) differ across
+tp, ep and etp ranks and are replicated only over the expert-data-parallel group: counted on
+every rank, at stage 0 on its edp rank 0 only. One all-reduce over all ranks then gives the
 norm, together with a count of non-finite values for the fp16 overflow check; both stay
 on the device.
 
@@ -25,6 +27,8 @@ def counts_in_norm(param: torch.nn.Parameter, tp_rank: int, pp_rank: int) -> boo
     """Whether this rank's copy of `param` contributes to the global norm."""
     if getattr(param, "shared_embedding", False) and pp_rank != 0:
         return False  # the last stage's tied copy: the first stage counts it
+    if getattr(param, "expert_parallel", False):
+        return True  # each rank holds other experts (or expert slices) than its tp peers
     if not getattr(param, "tensor_model_parallel", False) and tp_rank != 0:
         return False  # identical on every tp rank: count it once
     return True

@@ -69,6 +69,7 @@ class ZeroGroups:
 
     dp: object = None
     tp: object = None
+    expert_dp: object = None  # the expert-data-parallel group ("edp"); None: no experts
     embedding: object = None
     tp_rank: int = 0
     pp_rank: int = 0
@@ -81,7 +82,9 @@ def zero_groups_from(groups: "ProcessGroups") -> ZeroGroups:
         embedding = groups["embedding"]
     except KeyError:  # middle pipeline stages hold no tied embedding
         embedding = None
-    return ZeroGroups(dp=groups.dp, tp=groups.tp, embedding=embedding, tp_rank=groups.index("tp"),
+    expert_dp = groups["edp"] if groups.expert is not None else None
+    return ZeroGroups(dp=groups.dp, tp=groups.tp, embedding=embedding, expert_dp=expert_dp,
+                      tp_rank=groups.index("tp"),
                       pp_rank=groups.index("pp"), pp_size=groups.size("pp"))
 
 
@@ -203,10 +206,22 @@ class ZeroOptimizer:
         master_device = torch.device("cpu") if c.offload_optimizer == "cpu" else ps[0].device
         # tied embeddings: one bucket per param, so first and last stage shard alike
         bucket_size = 1 if plan.kind == "shared_embedding" else c.reduce_bucket_size
+        dp_group, average_over = self.process_groups.dp, None
+        if plan.kind == "expert":
+            dp_group, average_over = self._expert_dp(), comm.group_size(dp_group)
         return FlatGroup(ps, chunk=plan.chunk, kind=plan.kind, weight_decay=plan.weight_decay,
-                         stage=self.stage, dp_group=self.process_groups.dp,
+                         stage=self.stage, dp_group=dp_group,
                          bucket_size=bucket_size, unit_ids=unit_ids,
-                         master_device=master_device, reduce_dtype=c.reduce_dtype)
+                         master_device=master_device, reduce_dtype=c.reduce_dtype,
+                         average_over=average_over)
+
+    def _expert_dp(self) -> Group:
+        """The expert-data-parallel group expert weights are reduced and sharded over."""
+        if self.process_groups.expert_dp is None:
+            raise ValueError("the model has expert-parallel weights but ZeRO was given no "
+                             "expert-data-parallel group: build ProcessGroups with "
+                             "expert=ExpertTopology(...) (or ZeroGroups(expert_dp=...))")
+        return self.process_groups.expert_dp
 
     def _make_optimizer(self, optimizer: Optional[OptimizerArg]) -> torch.optim.Optimizer:
         """Megatron's path: one torch group per flat group, from config's fields. DeepSpeed's:
@@ -238,15 +253,19 @@ class ZeroOptimizer:
                                     shard_pieces(g.buckets, g.numels, g.rank_in_shard)]
             first += len(g.params)
         sharded = any(g.ways > 1 for g in self.flat_groups)
+        if sharded and any(g.kind == "expert" for g in self.flat_groups):
+            raise ValueError("LAMB with expert parallelism and zero_stage >= 1 is not built "
+                             "(its per-parameter norms would sum expert shards over dp, not "
+                             "the expert-data-parallel group): use zero_stage 0 or Adam")
         return TrustRatioLayout(pieces, first, group=self.process_groups.dp, reduce=sharded,
                                 device=self._device())
 
     def _counted_views(self) -> List[torch.Tensor]:
         pg = self.process_groups
-        if self.stage == 0 and comm.group_rank(pg.dp) != 0:
-            return []  # stage-0 grads are identical on every dp rank: dp rank 0 counts them
         views = []
         for g in self.flat_groups:
+            if self.stage == 0 and comm.group_rank(g.dp_group) != 0:
+                continue  # stage-0 grads are identical over the group: its rank 0 counts them
             counts = [counts_in_norm(p, pg.tp_rank, pg.pp_rank) for p in g.params]
             views += g.counted_views(counts)
         return views

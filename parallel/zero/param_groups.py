@@ -99,6 +99,8 @@ def param_kind(p: nn.Parameter) -> str:
     """Which extra reduction a parameter's gradient needs besides dp (see grad_sync)."""
     if getattr(p, "shared_embedding", False):
         return "shared_embedding"
+    if getattr(p, "expert_parallel", False):
+        return "expert"  # reduced over the expert-data-parallel group instead of dp
     return "sequence_parallel" if getattr(p, "sequence_parallel", False) else "default"
 
 

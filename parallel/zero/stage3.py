@@ -89,7 +89,7 @@ class ParamGatherer:
             b.param_full.untyped_storage().resize_(b.param_full.numel() *
                                                   b.param_full.element_size())
             u.handles.append(comm.all_gather(b.param_full, g.param_shard_piece(b),
-                                             group=self.dp_group, async_op=True))
+                                             group=g.dp_group, async_op=True))
         u.state = "inflight"
 
     def _ensure(self, u: _Unit) -> None:

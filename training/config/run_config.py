@@ -32,12 +32,11 @@ class ParallelConfig:
                       "--pipeline-model-parallel-size", dest="pipeline_model_parallel_size")
     dp: int = 1
     ep: int = setting(
-        1, "expert-parallel size: ranks that split the experts of each MoE layer (> 1 is not "
-        "built yet, issue 27)", "--expert-model-parallel-size",
+        1, "expert-parallel size: ranks that split the experts of each MoE layer", "--expert-model-parallel-size",
         dest="expert_model_parallel_size")
     etp: Optional[int] = setting(
         None, "tensor-parallel size of the expert layers (default --tensor-model-parallel-size, "
-        "as in Megatron; another size is not built yet, issue 27)",
+        "as in Megatron)",
         "--expert-tensor-parallel-size", dest="expert_tensor_parallel_size")
     sequence_parallel: bool = setting(
         False, "split norms and dropout along the sequence over tp (no-op at tp 1)",

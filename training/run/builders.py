@@ -8,7 +8,8 @@ the data is `gigatron.data`'. The tokenizer comes with the RunConfig (`arguments
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -38,6 +39,34 @@ def partition(run: RunConfig) -> "PipelinePartition":
                             num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage)
 
 
+def build_process_groups(run: RunConfig, rank: int, timeout: timedelta) -> "ProcessGroups":
+    """This rank's process groups: tp, dp, pp, and with --num-experts the expert groups
+    (ep, etp, edp: parallel/expert/topology.py) from --expert-model-parallel-size and
+    --expert-tensor-parallel-size."""
+    from gigatron.parallel.expert.topology import ExpertTopology
+    from gigatron.parallel.topology import ProcessGroups, Topology
+
+    p = run.parallel
+    topology = Topology(tp=p.tp, dp=p.dp, pp=p.pp)
+    expert = None
+    if run.model.num_moe_experts is not None:
+        expert = ExpertTopology(topology, ep=p.ep, etp=p.etp)
+    return ProcessGroups(topology, rank, timeout=timeout, expert=expert)
+
+
+def dispatcher_factory(run: RunConfig, groups: "ProcessGroups") -> Optional[Callable]:
+    """The MoE layers' token dispatcher over the expert groups; None (every expert on each
+    rank, the experts replicated over tp) when ep is 1 and the experts' tp is the dense
+    one, as before expert parallelism."""
+    from gigatron.parallel.expert.dispatchers import expert_dispatcher_factory
+
+    expert = groups.expert
+    if expert is None or (expert.ep == 1 and expert.etp == run.parallel.tp):
+        return None
+    return expert_dispatcher_factory(run.model.moe_token_dispatcher_type, groups["ep"],
+                                     groups["etp"])
+
+
 def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
                        device: torch.device) -> List[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`; with
@@ -46,7 +75,8 @@ def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
     from gigatron.training.config.megatron.fp8 import fp8_recipe
 
     chunks = build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
-                   seed=run.train.seed, device=device)
+                   seed=run.train.seed, device=device,
+                   dispatcher_factory=dispatcher_factory(run, groups))
     recipe = fp8_recipe(run.settings.fp8)
     if recipe is not None:
         apply_fp8(chunks, recipe, fp8_amax_group(groups))

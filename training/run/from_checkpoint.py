@@ -97,13 +97,12 @@ def load_model_and_progress(run: "RunConfig", rank: int, device: torch.device
                                        Optional["TrainProgress"]]:
     """`load_model`, and the training loop's position saved with the weights (None for a
     converted checkpoint): where its validation had got to, for `gigatron evaluate`."""
-    from gigatron.parallel.topology import ProcessGroups, Topology
     from gigatron.training.run import builders
     from gigatron.training.checkpoint import orchestrator
 
     p = run.parallel
-    groups = ProcessGroups(Topology(tp=p.tp, dp=p.dp, pp=p.pp), rank,
-                           timeout=timedelta(minutes=p.distributed_timeout_minutes))
+    groups = builders.build_process_groups(run, rank,
+                                           timeout=timedelta(minutes=p.distributed_timeout_minutes))
     chunks = builders.build_model_chunks(run, groups, device)
     shard = orchestrator.load_model_weights(run, groups, chunks)
     if shard is None:

@@ -56,7 +56,6 @@ def _seed(seed: int, pp_rank: int) -> None:
 
 def _build_session(run, tokenizer, launch, device, started: Optional[float] = None):
     """Everything the loop needs; `started`: the program's start (--exit-duration-in-mins)."""
-    from gigatron.parallel.topology import ProcessGroups, Topology
     from gigatron.training.run import builders
     from gigatron.training.observe import flops as metrics
     from gigatron.training.checkpoint import orchestrator
@@ -65,7 +64,7 @@ def _build_session(run, tokenizer, launch, device, started: Optional[float] = No
     from gigatron.training.observe.timers import TimedGradSync, Timers, device_sync, time_module_forward
 
     p = run.parallel
-    groups = ProcessGroups(Topology(tp=p.tp, dp=p.dp, pp=p.pp), launch.rank, timeout=timedelta(
+    groups = builders.build_process_groups(run, launch.rank, timeout=timedelta(
         minutes=p.distributed_timeout_minutes))
     _seed(run.train.seed, groups.index("pp"))
     chunks = builders.build_model_chunks(run, groups, device)

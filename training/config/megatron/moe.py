@@ -194,7 +194,7 @@ def expert_parallel_problems(s: "Settings", dp: Optional[int], num_experts: Opti
                              p: "Problems") -> None:
     """--expert-model-parallel-size and --expert-tensor-parallel-size against the launch and
     the experts (Megatron's rules: etp x ep divides the tp x dp ranks of a pipeline stage,
-    ep divides the experts); sizes gigatron does not build yet are refused."""
+    ep divides the experts, expert parallelism with tp > 1 needs --sequence-parallel)."""
     par = s.parallel
     n = len(p.lines)
     p.positive(s, "expert_model_parallel_size", "expert_tensor_parallel_size")
@@ -213,9 +213,7 @@ def expert_parallel_problems(s: "Settings", dp: Optional[int], num_experts: Opti
     if num_experts is not None and num_experts % ep:
         p.add(f"--num-experts {num_experts} is not a multiple of --expert-model-parallel-size "
               f"{ep}: each expert-parallel rank holds the same number of experts")
-    if ep > 1:
-        p.add("--expert-model-parallel-size > 1 is not built yet (issue 27): leave it at 1")
-    if etp != par.tp:
-        p.add(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size "
-              f"{par.tp}: a tensor-parallel size of the experts' own is not built yet "
-              f"(issue 27): leave it out (it defaults to the tensor-parallel size)")
+    if (ep > 1 or etp != par.tp) and par.tp > 1 and not par.sequence_parallel:
+        p.add(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp} with "
+              f"--tensor-model-parallel-size {par.tp} needs --sequence-parallel (as in "
+              f"Megatron-Core: each tensor-parallel rank dispatches its own tokens): add it")
