@@ -18,7 +18,9 @@ The step is the project's schedule simulator run with the slowest stage's forwar
 backward times (so the bubble is the schedule's own, (p-1)/m for 1F1B), then the
 data-parallel gradient reduction that the last backward did not hide (buckets are reduced
 from backward hooks when overlap_comm is on; ZeRO-1/2's parameter all-gather after the step
-is exposed), then the optimizer step (memory-bound). Three efficiency constants, named
+is exposed), then the optimizer step (memory-bound). An MoE layer (experts.py) adds its
+matmuls, bytes and token exchange in its MLP's place; expert state is reduced over the
+expert-data-parallel group. Three efficiency constants, named
 below, are the model's only free numbers; they are the same for every device, model and
 layout (docs/PLAN.md: their values and why).
 """
@@ -26,16 +28,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.parallel.pipeline.simulate import simulate_step
 from gigatron.parallel.zero.accounting import zero_comm_bytes_formula
 from gigatron.training.observe.flops import flops_per_token
 from gigatron.training.observe.devices import Hardware
 from gigatron.parallel.pipeline.partition import PipelinePartition
-from gigatron.training.plan.memory import attention_kernel
+from gigatron.training.plan.experts import MoELayerCost, moe_layer_cost
+from gigatron.training.plan.memory import attention_kernel, expert_data_parallel_size
 
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
@@ -72,6 +76,8 @@ class StepCost:
     tp_bytes: float  # per rank per step
     dp_bytes: float  # per rank per step
     gemm_flops: float  # executed per rank per step (recomputation included)
+    expert_communication: float = 0.0  # MoE token exchange per step, slowest stage (exposed)
+    expert_bytes: float = 0.0  # its bytes per rank per step
 
 
 @dataclass(frozen=True)
@@ -141,11 +147,30 @@ def _schedule(pp: int, m: int, v: int, forward: float, backward: float):
     return result.makespan, max(0.0, result.makespan / (m * v * (forward + backward)) - 1.0)
 
 
+def _moe(run: "RunConfig", hw: Hardware, tokens: int) -> Optional[MoELayerCost]:
+    """One MoE layer's extra cost at this layout (None: a dense model)."""
+    c, p = run.model, run.parallel
+    assert c is not None
+    if c.num_moe_experts is None:
+        return None
+    return moe_layer_cost(c, tokens, p.tp, p.ep, p.etp or p.tp, lambda extent: _link(
+        extent, hw.gpus_per_node, hw) * 1e9 * NETWORK_EFFICIENCY)
+
+
+def _moe_layers(run: "RunConfig", partition: PipelinePartition, r: int) -> int:
+    """MoE layers on pipeline rank r (all its chunks)."""
+    assert run.model is not None
+    pattern = moe_layer_pattern(run.model)
+    return sum(pattern[i] for k in range(partition.virtual_chunks)
+               for i in partition.layer_range(r, k))
+
+
 def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
-              stage_parameters: Sequence[int], on_gpu: bool) -> StepCost:
+              stage_parameters: Sequence[int], on_gpu: bool,
+              stage_expert_parameters: Sequence[int] = ()) -> StepCost:
     """Predicted step time of `run` on `hw`: every stage's micro-batch times, the slowest
     one run through the schedule simulator (`stage_parameters[r]`: parameters on one rank
-    of stage r)."""
+    of stage r, `stage_expert_parameters[r]` the routed experts' among them)."""
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.micro_batch_size is not None and hw.hbm_gbps is not None
     peak = hw.peak(_dtype_name(c)) or hw.peak("fp32") or 1.0
@@ -170,6 +195,14 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     layer_fwd = dense_fwd + core_fwd + collectives_fwd * one_collective
     layer_bwd = 2 * (dense_fwd + core_fwd) + collectives_bwd * one_collective + \
         {"full": dense_fwd + core_fwd, "selective": core_fwd}.get(recompute, 0.0)
+    moe = _moe(run, hw, tokens)
+    full = recompute == "full"
+    moe_fwd = moe_bwd = 0.0
+    if moe is not None:  # an MoE layer beyond a dense one: compute, tp collectives, exchange
+        extra = moe.flops / flop_rate + moe.element_bytes / byte_rate
+        moe_fwd = extra + moe.tp_collectives * one_collective + moe.exchange_forward_s
+        moe_bwd = (2 + full) * extra + (1 + full) * moe.tp_collectives * one_collective + \
+            moe.exchange_backward_s + (moe.exchange_forward_s if full else 0.0)
     v = partition.virtual_chunks
     forward = backward = 0.0
     slowest = 0
@@ -178,48 +211,71 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
         last = partition.post_process(r, v - 1)
         f = layers * layer_fwd + (logits_fwd if last else 0.0) + v * p2p
         b = layers * layer_bwd + (2 * logits_fwd if last else 0.0) + v * p2p
+        if moe is not None:
+            f, b = f + _moe_layers(run, partition, r) * moe_fwd, \
+                b + _moe_layers(run, partition, r) * moe_bwd
         if f + b > forward + backward:
             forward, backward, slowest = f, b, r
     m = t.num_microbatches
     makespan, bubble = _schedule(p.pp, m, v, forward / v, backward / v)
-    dp_cost = _dp_cost(run, max(stage_parameters), hw, m, backward, byte_rate)
+    heaviest = max(range(len(stage_parameters)), key=stage_parameters.__getitem__)
+    dp_cost = _dp_cost(run, stage_parameters[heaviest], hw, m, backward, byte_rate,
+                       stage_expert_parameters[heaviest] if stage_expert_parameters else 0)
     layers = sum(len(partition.layer_range(slowest, k)) for k in range(v))
     collectives = layers * (collectives_fwd + collectives_bwd)
-    tp_bytes = m * collectives * 2.0 * (p.tp - 1) / p.tp * tokens * c.hidden_size * width
     gemm = layers * (3 * (fl["dense"] + fl["core"]) + {
         "full": fl["dense"] + fl["core"], "selective": fl["core"]}.get(recompute, 0.0)) + \
         (3 * 2.0 * tokens * c.hidden_size * vocab if partition.post_process(slowest, v - 1)
          else 0.0)
+    expert_s = expert_bytes = 0.0
+    if moe is not None:
+        moe_layers = _moe_layers(run, partition, slowest)
+        collectives += moe_layers * moe.tp_collectives * (2 + 2 * full)
+        gemm += moe_layers * (3 + full) * moe.flops
+        expert_s = m * moe_layers * (moe.exchange_forward_s * (1 + full) +
+                                     moe.exchange_backward_s)
+        expert_bytes = m * moe_layers * (moe.exchange_forward_bytes * (1 + full) +
+                                         moe.exchange_backward_bytes)
+    tp_bytes = m * collectives * 2.0 * (p.tp - 1) / p.tp * tokens * c.hidden_size * width
     return StepCost(forward, backward, collectives * one_collective, makespan, bubble,
                     dp_cost["total"], dp_cost["exposed"], dp_cost["optimizer"],
                     makespan + dp_cost["exposed"] + dp_cost["optimizer"], tp_bytes,
-                    dp_cost["bytes"], m * gemm)
+                    dp_cost["bytes"], m * gemm, expert_s, expert_bytes)
 
 
 def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: int,
-             backward: float, byte_rate: float) -> Dict[str, float]:
-    """Data-parallel traffic of one rank, the part left exposed, and the optimizer step."""
+             backward: float, byte_rate: float, expert_parameters: int = 0
+             ) -> Dict[str, float]:
+    """Data-parallel traffic of one rank, the part left exposed, and the optimizer step
+    (routed experts' parameters over the expert-data-parallel group, the rest over dp)."""
     c, p, z = run.model, run.parallel, run.zero
     assert c is not None
     param_bytes, grad_bytes = _width(c), z.reduce_dtype.itemsize
-    link = _link(p.tp * p.dp, hw.gpus_per_node, hw) if p.dp > 1 else 1.0
-    rate = link * 1e9 * NETWORK_EFFICIENCY
-    share = parameters * (p.dp - 1) / p.dp if p.dp > 1 else 0.0
-    grads = (2 if z.zero_stage == 0 else 1) * share * grad_bytes / rate
-    gather = share * param_bytes / rate if z.zero_stage in (1, 2) else 0.0
-    stage3 = 2 * num_microbatches * share * param_bytes / rate if z.zero_stage == 3 else 0.0
+    groups: List[Tuple[int, int]] = [(parameters - expert_parameters, p.dp)]
+    if expert_parameters:
+        groups.append((expert_parameters, expert_data_parallel_size(
+            p.tp, p.dp, p.ep, p.etp or p.tp)))
+    grads = gather = stage3 = shard = total = 0.0
+    for count, size in groups:  # each group's ranks lie within the stage's tp x dp ranks
+        link = _link(p.tp * p.dp, hw.gpus_per_node, hw) if size > 1 else 1.0
+        rate = link * 1e9 * NETWORK_EFFICIENCY
+        share = count * (size - 1) / size if size > 1 else 0.0
+        grads += (2 if z.zero_stage == 0 else 1) * share * grad_bytes / rate
+        gather += share * param_bytes / rate if z.zero_stage in (1, 2) else 0.0
+        stage3 += 2 * num_microbatches * share * param_bytes / rate if z.zero_stage == 3 \
+            else 0.0
+        shard += count / (size if z.zero_stage >= 1 else 1)
+        total += zero_comm_bytes_formula(count, size, z.zero_stage, grad_bytes, param_bytes) \
+            if size > 1 else 0.0
     hidden = backward if z.overlap_comm else 0.0
     exposed = max(0.0, grads - hidden) + gather + max(0.0, stage3 - num_microbatches *
                                                       backward)
-    shard = parameters / (p.dp if z.zero_stage >= 1 else 1)
     per_element = OPTIMIZER_BYTES_PER_ELEMENT.get(z.optimizer, 40)
     optimizer = shard * per_element / byte_rate
     if z.offload_optimizer == "cpu":  # the step runs in host memory; grads and params cross
         host = hw.hbm_gbps if hw.key == "cpu" and hw.hbm_gbps else 50.0
         optimizer = shard * per_element / (host * 1e9 * MEMORY_EFFICIENCY) + \
             shard * (4 + param_bytes) / (25e9 * NETWORK_EFFICIENCY)
-    total = zero_comm_bytes_formula(parameters, p.dp, z.zero_stage, grad_bytes, param_bytes) \
-        if p.dp > 1 else 0.0
     return {"total": grads + gather + stage3, "exposed": exposed, "optimizer": optimizer,
             "bytes": total}
 

@@ -16,19 +16,26 @@ sequence parallelism gathers), so it is the paper's formula where the implementa
 the paper's, and this code's where it differs. The first pipeline stage holds the
 micro-batches its schedule has in flight: read from the schedule itself (1F1B: p; the
 interleaved schedule: Megatron's (p - 1) * 2 + (v - 1) * p + 1 chunk forwards).
+
+Mixture of experts (`moe_mlp_bytes`): an MoE layer keeps, instead of the dense MLP's, its
+router's tensors (tokens x E), the dispatched rows (tokens x topk x h), the experts' fc1
+output and activation (tokens x topk x (2)f / etp), the expert outputs weighted by the
+router, and the shared experts' dense MLP. Expert state is ZeRO-sharded over the
+expert-data-parallel group (edp = tp x dp / (etp x ep)), the rest over dp.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.parallel.pipeline.schedules import build_schedule
 from gigatron.parallel.pipeline.simulate import peak_in_flight
+from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.parallel.zero.layout import group_sizes, plan_buckets
-from gigatron.training.plan.parameters import ParamSpec, stage_parameters
+from gigatron.training.plan.parameters import ParamSpec, is_expert_parallel, stage_parameters
 
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
@@ -66,6 +73,8 @@ class StageMemory:
     activations: float  # held at the schedule's high point (see module docstring)
     in_flight: List[int]  # micro-batches per chunk held at that point
     transient: float  # largest short-lived buffer on top (recompute, logits grad, bucket)
+    expert_parameters: int = 0  # of `parameters`: this rank's share of the routed experts
+    expert_state: Optional[ModelStateBytes] = None  # of `state`: theirs, sharded over edp
 
     @property
     def peak(self) -> float:
@@ -129,6 +138,20 @@ def model_state_bytes(chunks: List[List[ParamSpec]], zero: "ZeroConfig", dp: int
     return ModelStateBytes(params, grads, master, state, offloaded=offload_to_host)
 
 
+def _plus(a: ModelStateBytes, b: ModelStateBytes) -> ModelStateBytes:
+    return ModelStateBytes(a.params + b.params, a.grads + b.grads,
+                           a.master_params + b.master_params,
+                           a.optimizer_state + b.optimizer_state, a.offloaded)
+
+
+def expert_data_parallel_size(tp: int, dp: int, ep: int, etp: int) -> int:
+    """edp: the ranks of a pipeline stage holding the same experts (Megatron-Core's)."""
+    if (tp * dp) % (etp * ep):
+        raise ValueError(f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size "
+                         f"{ep} does not divide tensor x data parallel = {tp} x {dp}")
+    return tp * dp // (etp * ep)
+
+
 # ---- activations ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -142,6 +165,8 @@ class ActivationTerms:
     last_stage: float  # final norm, output-layer input, the loss's fp32 softmax
     per_layer_constant: float = 0.0  # per layer, not per token (a causal mask)
     per_chunk_constant: float = 0.0  # per chunk (RoPE tables shared by its layers)
+    moe_layer: float = 0.0  # an MoE layer (`moe_mlp_bytes` in the MLP's place)
+    moe_layer_selective: float = 0.0
     notes: List[str] = field(default_factory=list)
 
 
@@ -153,7 +178,38 @@ def attention_kernel(c: "TransformerConfig", on_gpu: bool) -> str:
     return "flash" if on_gpu or c.attention_dropout == 0 else "math"
 
 
-def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool) -> ActivationTerms:
+def routed_share(tp: int, ep: int, etp: int) -> Tuple[float, int]:
+    """(tokens one rank routes per token of the micro-batch, the experts' effective etp):
+    expert-parallel, each tp rank routes its sequence slice and its experts hold 1/etp of
+    the ffn (Megatron-Core's layout); otherwise every tp rank routes every token through
+    whole experts (models/moe/layer.py without expert parallelism)."""
+    return (1 / tp, etp) if is_expert_parallel(tp, ep, etp) else (1.0, 1)
+
+
+def moe_mlp_bytes(c: "TransformerConfig", tp: int, ep: int, etp: int) -> float:
+    """What an MoE layer's MLP part keeps per token of the micro-batch on one rank: each
+    rank's experts compute the rows of its etp group's routed tokens (all-gathered), for
+    1/etp of the ffn (`routed_share`); routing is taken as balanced."""
+    w, h, e, k = _width(c.params_dtype), c.hidden_size, c.num_moe_experts, c.moe_router_topk
+    assert e is not None and c.moe_ffn_hidden_size is not None
+    router_width = {"fp32": 4, "fp64": 8}.get(c.moe_router_dtype or "", w)
+    glu = 4 if c.activation == "swiglu" else 2
+    share, etp = routed_share(tp, ep, etp)
+    # router: its input (a cast copy under --moe-router-dtype), logits, scores, the
+    # balancing losses' fp32 scores and the bool routing map
+    router = share * (router_width * h + (2 * router_width + 4 + 1) * e)
+    rows = k * etp * share  # expert rows on this rank
+    experts = rows * (w * h + glu * w * c.moe_ffn_hidden_size / etp)
+    # back on the token's rank: the expert outputs and probabilities weighted together,
+    # the permutation's int64 token indices
+    combine = k * share * (w * h + 4 + 8)
+    shared = c.moe_shared_expert_intermediate_size
+    shared_mlp = w * h + glu * w * shared / tp if shared else 0.0
+    return router + experts + combine + shared_mlp
+
+
+def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
+                     etp: Optional[int] = None) -> ActivationTerms:
     """Korthikanti's per-layer count, tensor by tensor, for this implementation (bytes per
     token; see the module docstring). `on_gpu`: CUDA kernels (bool dropout masks, fused
     norms) rather than the CPU reference paths (fp32 norm copies, float dropout masks)."""
@@ -204,14 +260,21 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool) -> Activatio
     per_layer_constant = float(s * s) if (kernel == "unfused" and not on_gpu) else 0.0
     per_chunk = 2 * s * c.rotary_dim * 4.0 if rope else 0.0
     notes = [f"attention kernel: {kernel}"]
+    moe = selective_moe = 0.0
+    if c.num_moe_experts is not None:  # the MoE MLP in the dense one's place (w h: its input)
+        swap = moe_mlp_bytes(c, t, ep, t if etp is None else etp) - (w * h + mlp_act)
+        moe, selective_moe = layer + swap, selective + swap
     return ActivationTerms(layer, selective, w * h / split, first, last, per_layer_constant,
-                           per_chunk, notes)
+                           per_chunk, moe, selective_moe, notes)
 
 
 def chunk_activations(c: "TransformerConfig", terms: ActivationTerms, layers: int,
-                      pre: bool, post: bool, tokens: int) -> Tuple[float, float]:
+                      pre: bool, post: bool, tokens: int,
+                      moe: Sequence[bool] = ()) -> Tuple[float, float]:
     """(bytes one micro-batch leaves on a chunk of `layers` layers, the extra short-lived
-    bytes when its backward recomputes a block)."""
+    bytes when its backward recomputes a block); `moe`: which of them are MoE layers."""
+    if any(moe):
+        return _moe_chunk_activations(c, terms, list(moe), pre, post, tokens)
     granularity, n = c.recompute_granularity, c.recompute_num_layers or 1
     per_layer = terms.layer * tokens + terms.per_layer_constant
     transient = 0.0
@@ -235,18 +298,69 @@ def chunk_activations(c: "TransformerConfig", terms: ActivationTerms, layers: in
     return held, transient
 
 
+def _moe_chunk_activations(c: "TransformerConfig", terms: ActivationTerms,
+                           moe: List[bool], pre: bool, post: bool,
+                           tokens: int) -> Tuple[float, float]:
+    """`chunk_activations` of a chunk with MoE layers (each layer its own kind's bytes)."""
+    granularity, n, layers = c.recompute_granularity, c.recompute_num_layers or 1, len(moe)
+    whole = [(terms.moe_layer if m else terms.layer) * tokens + terms.per_layer_constant
+             for m in moe]
+    transient = 0.0
+    if granularity == "full":
+        if c.recompute_method == "uniform":
+            blocks = [sum(whole[i:i + n]) for i in range(0, layers, n)]
+            held, transient = len(blocks) * terms.layer_input * tokens, max(blocks)
+        else:
+            recomputed = min(n, layers)
+            held = recomputed * terms.layer_input * tokens + sum(whole[recomputed:])
+            transient = max(whole[:recomputed], default=0.0)
+    elif granularity == "selective":
+        held = sum((terms.moe_layer_selective if m else terms.layer_selective) * tokens +
+                   terms.per_layer_constant for m in moe)
+        transient = (terms.layer - terms.layer_selective) * tokens
+    else:
+        held = sum(whole)
+    held += terms.per_chunk_constant + (terms.first_stage * tokens if pre else 0.0) + \
+        (terms.last_stage * tokens if post else 0.0)
+    return held, transient
+
+
+def _model_state(c: "TransformerConfig", chunks: List[List[ParamSpec]], zero: "ZeroConfig",
+                 dp: int, edp: int, offload: bool) -> Tuple[ModelStateBytes,
+                                                            Optional[ModelStateBytes]]:
+    """(all of one rank's ZeRO state, the routed experts' part of it): expert-parallel
+    weights (kind 'expert') are sharded over edp in flat groups of their own, the rest over
+    dp (replicated experts too, as the trainer reduces them)."""
+    if not any(s.is_expert for specs in chunks for s in specs):
+        return model_state_bytes(chunks, zero, dp, c.params_dtype, offload), None
+    experts = [[s for s in specs if s.kind == "expert"] for specs in chunks]
+    if not any(experts):  # experts replicated over tp: their state as the dense state's
+        part = [[s for s in specs if s.is_expert] for specs in chunks]
+        return model_state_bytes(chunks, zero, dp, c.params_dtype, offload), \
+            model_state_bytes(part, zero, dp, c.params_dtype, offload)
+    dense = [[s for s in specs if s.kind != "expert"] for specs in chunks]
+    expert_state = model_state_bytes(experts, zero, edp, c.params_dtype, offload)
+    return _plus(model_state_bytes(dense, zero, dp, c.params_dtype, offload),
+                 expert_state), expert_state
+
+
 def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: int, tp: int,
                  dp: int, zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
-                 on_gpu: bool) -> StageMemory:
-    """Memory of one rank of pipeline stage `pp_rank` (any tp/dp rank: all hold the same)."""
-    chunks = stage_parameters(c, tp, partition, pp_rank)
-    state = model_state_bytes(chunks, zero, dp, c.params_dtype,
-                              offload_to_host=on_gpu and zero.offload_optimizer == "cpu")
-    terms = activation_terms(c, tp, on_gpu)
+                 on_gpu: bool, ep: int = 1, etp: Optional[int] = None) -> StageMemory:
+    """Memory of one rank of pipeline stage `pp_rank` (any tp/dp rank: all hold the same;
+    ep, etp: the expert layers' sizes, etp None: tp)."""
+    etp = tp if etp is None else etp
+    chunks = stage_parameters(c, tp, partition, pp_rank, ep, etp)
+    state, expert_state = _model_state(c, chunks, zero, dp,
+                                       expert_data_parallel_size(tp, dp, ep, etp),
+                                       on_gpu and zero.offload_optimizer == "cpu")
+    terms = activation_terms(c, tp, on_gpu, ep, etp)
     tokens = c.seq_length * micro_batch_size
+    pattern = moe_layer_pattern(c)
     per_chunk = [chunk_activations(c, terms, len(partition.layer_range(pp_rank, k)),
                                    partition.pre_process(pp_rank, k),
-                                   partition.post_process(pp_rank, k), tokens)
+                                   partition.post_process(pp_rank, k), tokens,
+                                   [pattern[i] for i in partition.layer_range(pp_rank, k)])
                  for k in range(partition.virtual_chunks)]
     schedule = build_schedule(pp_rank, partition.pp_size, num_microbatches,
                               partition.virtual_chunks)
@@ -256,13 +370,15 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
         # the loss's backward: the fp32 gradient of the logits beside the saved softmax
         transient = max(transient, 4.0 * tokens * c.padded_vocab_size(tp) / tp)
     return StageMemory(pp_rank, sum(s.numel for specs in chunks for s in specs), state,
-                       held, in_flight, transient)
+                       held, in_flight, transient,
+                       sum(s.numel for specs in chunks for s in specs if s.is_expert),
+                       expert_state)
 
 
 def plan_memory(c: "TransformerConfig", partition: PipelinePartition, tp: int, dp: int,
                 zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
-                on_gpu: bool) -> List[StageMemory]:
+                on_gpu: bool, ep: int = 1, etp: Optional[int] = None) -> List[StageMemory]:
     """`stage_memory` of every pipeline stage."""
     return [stage_memory(c, partition, r, tp, dp, zero, micro_batch_size, num_microbatches,
-                         on_gpu) for r in range(partition.pp_size)]
+                         on_gpu, ep, etp) for r in range(partition.pp_size)]
 
