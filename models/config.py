@@ -82,6 +82,10 @@ class TransformerConfig:
     (--apply-layernorm-1p); every norm of the model, LayerNorm or RMSNorm."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of the norms (--norm-epsilon)."""
+    qk_layernorm: bool = False
+    """Normalise each attention head's query and key over its kv_channels before RoPE, one
+    weight per channel shared by the heads (--qk-layernorm; Qwen3's q_norm / k_norm): the
+    model's normalization type, layernorm_epsilon, zero-centred with it."""
     activation: str = "gelu"
     """MLP activation: 'gelu' (exact, erf), 'gelu_tanh' (the tanh approximation: Megatron's
     default bias-GeLU fusion, GPT-2's gelu_new), 'swiglu' or 'squared_relu'."""

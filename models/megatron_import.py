@@ -39,6 +39,8 @@ _LAYER_NAMES = {
         "input_layernorm.weight", "input_layernorm.bias",
         "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
         "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+        "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+        "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
         "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
         "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
         "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")},

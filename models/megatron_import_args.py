@@ -20,7 +20,7 @@ from gigatron.models.hf_common import ConversionError
 _UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
     ("use_legacy_models", True, "legacy (pre-Megatron-Core) models"),
     ("multi_latent_attention", True, "multi-latent attention"),
-    ("qk_layernorm", True, "query/key layer norms"),
+    ("qk_l2_norm", True, "L2-normalised queries and keys"),
     ("rotary_interleaved", True, "interleaved RoPE"),
     ("quick_geglu", True, "the quick-GeGLU activation"),
     ("apply_residual_connection_post_layernorm", True, "residuals taken after the norm"),
@@ -136,6 +136,7 @@ def config_from_megatron_args(args: argparse.Namespace, vocab_size: Optional[int
                 or getattr(args, "layernorm_zero_centered_gamma", False)),
             layernorm_epsilon=float(_get(args, "norm_epsilon", "layernorm_epsilon",
                                          default=1e-5)),
+            qk_layernorm=bool(_get(args, "qk_layernorm", default=False)),
             activation=activation(args),
             add_bias_linear=bool(_get(args, "add_bias_linear", default=True)),
             untie_embeddings_and_output_weights=bool(

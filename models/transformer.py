@@ -42,12 +42,15 @@ def dropout(x: torch.Tensor, p: float, training: bool,
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm over the hidden dim; params replicated across tp. Zero-centred
-    (--apply-layernorm-1p): the weight starts at 0 and scales by 1 + weight."""
+    """LayerNorm or RMSNorm over the hidden dim (or `size`: a head's channels); params
+    replicated across tp. Zero-centred (--apply-layernorm-1p): the weight starts at 0 and
+    scales by 1 + weight. `sequence_parallel`: each tp rank sees part of the input, so the
+    grads are summed over tp."""
 
-    def __init__(self, config: TransformerConfig, sequence_parallel: bool, device: Optional[torch.device] = None) -> None:
+    def __init__(self, config: TransformerConfig, sequence_parallel: bool,
+                 device: Optional[torch.device] = None, size: Optional[int] = None) -> None:
         super().__init__()
-        h, dtype = config.hidden_size, config.params_dtype
+        h, dtype = size or config.hidden_size, config.params_dtype
         self.rms = config.normalization == "RMSNorm"
         self.eps = config.layernorm_epsilon
         self.zero_centered = config.layernorm_zero_centered_gamma
@@ -184,7 +187,8 @@ class CoreAttention(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Causal self-attention with fused QKV (grouped per query group) and RoPE option."""
+    """Causal self-attention with fused QKV (grouped per query group), optional per-head
+    query/key norms (--qk-layernorm) and RoPE."""
 
     def __init__(self, config: TransformerConfig, tp_group: Group,
                  tracker: Optional[TensorParallelRNGTracker],
@@ -201,6 +205,10 @@ class SelfAttention(nn.Module):
                                       device=device)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size,
                                                init_std=config.init_method_std, **common)
+        # a head's norm, its weight shared by the heads that tp spreads over the ranks: each
+        # rank's grad covers its heads only, so it is summed over tp (Megatron-Core does too)
+        self.q_layernorm = Norm(config, tp > 1, device, d) if config.qk_layernorm else None
+        self.k_layernorm = Norm(config, tp > 1, device, d) if config.qk_layernorm else None
         self.core_attention = CoreAttention(config, tracker)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
                                              init_std=output_init_std(config), **common)
@@ -220,6 +228,8 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(qkv, [hpg, 1, 1], dim=3)
         q = q.reshape(s, b, self.local_groups * hpg, d)
         k, v = k.squeeze(3), v.squeeze(3)
+        if self.q_layernorm is not None and self.k_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if kv_cache is not None:

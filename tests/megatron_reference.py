@@ -54,7 +54,7 @@ def core_config(args: argparse.Namespace) -> TransformerConfig:
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         kv_channels=args.kv_channels, normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         gated_linear_unit=args.swiglu, activation_func=gelu_or_other,
         bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
@@ -72,7 +72,8 @@ def build_chunk(args: argparse.Namespace, vp_stage: Optional[int]) -> GPTModel:
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
     chunk = vp_stage or 0
     return GPTModel(
-        core_config(args), get_gpt_layer_local_spec(normalization=args.normalization),
+        core_config(args), get_gpt_layer_local_spec(normalization=args.normalization,
+                                              qk_layernorm=args.qk_layernorm),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pp_rank == 0 and chunk == 0,
         post_process=pp_rank == pp - 1 and chunk == vp - 1,

@@ -148,7 +148,10 @@ def _write_layout(root, args, state, config, te=False, corrupt=None):
     (LLAMA_LIKE, 2, 1, None, True),
     (GPT_LIKE, 2, 2, 2, True),
     (dict(GPT_LIKE, swiglu=True, bias_gelu_fusion=False), 4, 1, None, False),
-], ids=["llama_tp2_pp2", "llama_tp2_te", "gpt_tp2_pp2_vp2_te", "swiglu_bias_tp4"])
+    (dict(LLAMA_LIKE, qk_layernorm=True), 2, 1, None, True),
+    (dict(GPT_LIKE, qk_layernorm=True), 2, 1, None, False),
+], ids=["llama_tp2_pp2", "llama_tp2_te", "gpt_tp2_pp2_vp2_te", "swiglu_bias_tp4",
+        "qk_layernorm_tp2_te", "qk_layernorm_layernorm_tp2"])
 def test_hand_built_megatron_layout_imports_to_the_same_model(tmp_path, model, tp, pp, vp, te):
     args = megatron_args(tp=tp, pp=pp, vp=vp, vocab_size=100, **model)
     config, state = _reference(args)
@@ -200,7 +203,7 @@ def test_vocab_size_drops_megatron_padding_and_padded_rows_stay_tokens_without_i
 
 @pytest.mark.parametrize("change, named", [
     (dict(num_experts=8), "num_experts=8 (mixture of experts)"),
-    (dict(qk_layernorm=True), "qk_layernorm"),
+    (dict(qk_l2_norm=True), "qk_l2_norm"),
     (dict(position_embedding_type="mrope"), "position_embedding_type='mrope'"),
     (dict(num_layers=6), "holds 4 layers, its args say num_layers=6"),
     (dict(hidden_size=48, kv_channels=12), "do not fit the model"),
@@ -260,7 +263,10 @@ def test_cli_writes_a_gigatron_checkpoint_and_prints_the_model_flags(tmp_path, c
     (LLAMA_LIKE, 1, 2, None),
     (GPT_LIKE, 2, 2, None),
     (LLAMA_LIKE, 1, 2, 2),
-], ids=["llama_tp1", "llama_tp2", "llama_pp2", "gpt_tp2_pp2", "llama_pp2_vp2"])
+    (dict(LLAMA_LIKE, qk_layernorm=True), 2, 1, None),
+    (dict(GPT_LIKE, qk_layernorm=True), 2, 1, None),
+], ids=["llama_tp1", "llama_tp2", "llama_pp2", "gpt_tp2_pp2", "llama_pp2_vp2",
+        "qk_layernorm_tp2", "qk_layernorm_layernorm_tp2"])
 def test_megatron_core_checkpoint_imports_with_equal_logits(tmp_path, model, tp, pp, vp):
     pytest.importorskip("megatron.core")
     import megatron_reference

@@ -25,7 +25,7 @@ PUBLISHED = {
 GPT3_NOMINAL = {"gpt3-1.3b": 1.3e9, "gpt3-2.7b": 2.7e9, "gpt3-6.7b": 6.7e9, "gpt3-13b": 13e9,
                 "gpt3-175b": 175e9}
 # Mixtures of experts, total parameters as their model cards give them (rounded): check
-# within 3 %. Qwen3's qk-layernorm weights (2 x 128 per layer) are missing here, far below it.
+# within 3 %.
 MOE_NOMINAL = {"mixtral-8x7b": 46.7e9, "mixtral-8x22b": 141e9, "qwen3-30b-a3b": 30.5e9,
                "qwen3-235b-a22b": 235e9}
 
@@ -51,6 +51,17 @@ def test_moe_parameter_counts_match_published_totals(name):
 def test_mixtral_8x7b_count_is_the_published_checkpoint_exactly():
     # the safetensors of mistralai/Mixtral-8x7B-v0.1 hold 46,702,792,704 parameters
     assert count_parameters(load_config("mixtral-8x7b")) == 46_702_792_704
+
+
+@pytest.mark.parametrize("name, total", [("qwen3-30b-a3b", 30_532_122_624),
+                                         ("qwen3-235b-a22b", 235_093_634_560)])
+def test_qwen3_moe_count_is_the_published_checkpoint_exactly(name, total):
+    """transformers' Qwen3MoeForCausalLM of the published config.json (built on the meta
+    device) holds these counts; each layer's q/k norms (2 x 128, --qk-layernorm) included."""
+    assert count_parameters(load_config(name)) == total
+    assert load_config(name).qk_layernorm
+    description = json.loads((ZOO_DIR / f"{name}.json").read_text())["description"]
+    assert "no qk-layernorm" not in description and "NOT the published" not in description
 
 
 def test_deepseek_v3_style_has_its_moe_block():

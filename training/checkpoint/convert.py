@@ -80,6 +80,8 @@ def model_flags(config: TransformerConfig) -> List[str]:
         argv.append("--untie-embeddings-and-output-weights")
     if getattr(config, "layernorm_zero_centered_gamma", False):
         argv.append("--apply-layernorm-1p")
+    if config.qk_layernorm:
+        argv.append("--qk-layernorm")
     if config.params_dtype != torch.float32:
         argv.append("--" + _DTYPE_NAMES[config.params_dtype])
     return [_num(a) for a in argv + _moe_flags(config)]

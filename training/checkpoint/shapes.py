@@ -22,10 +22,12 @@ _SHAPE_FLAGS: Sequence[Tuple[str, Tuple[str, ...]]] = (
     (r"linear_proj\.", ("hidden_size", "num_attention_heads", "kv_channels")),
     (r"linear_fc1\.", ("ffn_hidden_size", "swiglu", "hidden_size")),
     (r"linear_fc2\.", ("hidden_size", "ffn_hidden_size")),
+    (r"[qk]_layernorm\.", ("kv_channels", "num_attention_heads", "hidden_size")),
     (r"(layernorm|norm)\.", ("hidden_size",)),
 )
 # flags that decide whether a parameter exists at all
 _PRESENCE_FLAGS: Sequence[Tuple[str, Tuple[str, ...]]] = (
+    (r"[qk]_layernorm\.weight$", ("qk_layernorm",)),
     (r"^decoder\.layers\.\d+\.", ("num_layers", "decoder_first_pipeline_num_layers",
                                   "decoder_last_pipeline_num_layers",
                                   "num_layers_per_virtual_pipeline_stage")),

@@ -87,6 +87,10 @@ class ModelSettings:
         None, "zero-centred norm weights: stored as w, initialised to 0, applied as 1 + w "
         "(Megatron-Core's layernorm_zero_centered_gamma; every norm of the model, LayerNorm "
         "or RMSNorm, as its Transformer Engine norms)", "--apply-layernorm-1p")
+    qk_layernorm: Optional[bool] = setting(
+        None, "normalise each attention head's query and key (over --kv-channels, before "
+        "RoPE) with the model's --normalization and --norm-epsilon (Megatron-Core's "
+        "qk_layernorm; Qwen3's q_norm / k_norm)", "--qk-layernorm")
     group_query_attention: Optional[bool] = setting(
         None, "use --num-query-groups key/value groups", "--group-query-attention")
     swiglu: Optional[bool] = setting(None, "SwiGLU MLP (Llama style)", "--swiglu")

@@ -37,6 +37,7 @@ MODEL_FIELDS = {
         "rope_scaling_original_max_position_embeddings",
     "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
     "apply_layernorm_1p": "layernorm_zero_centered_gamma",
+    "qk_layernorm": "qk_layernorm",
     "hidden_dropout": "hidden_dropout", "attention_dropout": "attention_dropout",
     "init_method_std": "init_method_std",
     "recompute_granularity": "recompute_granularity", "recompute_method": "recompute_method",
