@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
-from gigatron.training.plan.memory import GIB, StageMemory
+from gigatron.training.plan.memory import GIB, StageMemory, expert_data_parallel_size
 from gigatron.training.plan.planner import Plan
 from gigatron.training.plan.search import Candidate
 
@@ -25,7 +25,18 @@ def layout_dict(plan: Plan) -> Dict[str, Any]:
             "zero_stage": z.zero_stage, "optimizer_offload": z.offload_optimizer == "cpu",
             "sequence_parallel": p.sequence_parallel, "recompute": _recompute(plan),
             "micro_batch_size": t.micro_batch_size, "num_microbatches": t.num_microbatches,
-            "global_batch_size": t.global_batch_size}
+            "global_batch_size": t.global_batch_size, **_expert_layout(plan)}
+
+
+def _expert_layout(plan: Plan) -> Dict[str, Any]:
+    """The expert layers' sizes (MoE models only: a dense plan's JSON is unchanged)."""
+    c, p = plan.run.model, plan.run.parallel
+    if c is None or c.num_moe_experts is None:
+        return {}
+    etp = p.etp or p.tp
+    return {"ep": p.ep, "etp": etp, "edp": expert_data_parallel_size(p.tp, p.dp, p.ep, etp),
+            "num_experts": c.num_moe_experts, "moe_router_topk": c.moe_router_topk,
+            "moe_token_dispatcher_type": c.moe_token_dispatcher_type}
 
 
 def stage_dict(m: StageMemory) -> Dict[str, Any]:
@@ -35,7 +46,18 @@ def stage_dict(m: StageMemory) -> Dict[str, Any]:
                       "optimizer_state": s.optimizer_state, "activations": m.activations,
                       "transient": m.transient, "peak": m.peak},
             "host_bytes": s.host_side if s.offloaded else 0,
-            "microbatches_in_flight": m.in_flight}
+            "microbatches_in_flight": m.in_flight, **_expert_stage(m)}
+
+
+def _expert_stage(m: StageMemory) -> Dict[str, Any]:
+    """The routed experts' share of a stage's parameters and state (MoE models only)."""
+    e = m.expert_state
+    if e is None:
+        return {}
+    return {"expert_parameters": m.expert_parameters,
+            "expert_bytes": {"params": e.params, "grads": e.grads,
+                             "master_params": e.master_params,
+                             "optimizer_state": e.optimizer_state}}
 
 
 def plan_dict(plan: Plan) -> Dict[str, Any]:
@@ -56,20 +78,33 @@ def plan_dict(plan: Plan) -> Dict[str, Any]:
                      "pipeline_s": c.pipeline, "bubble": c.bubble,
                      "dp_communication_s": c.dp_communication, "dp_exposed_s": c.dp_exposed,
                      "dp_bytes": c.dp_bytes, "optimizer_s": c.optimizer, "step_s": c.step,
-                     "executed_flops_per_gpu": c.gemm_flops},
+                     "executed_flops_per_gpu": c.gemm_flops, **_expert_step(plan)},
             "rates": {"tokens_per_s": r.tokens_per_s,
                       "model_tflops_per_gpu": r.model_tflops_per_gpu,
                       "executed_tflops_per_gpu": r.hardware_tflops_per_gpu, "mfu": r.mfu}}
 
 
+def _expert_step(plan: Plan) -> Dict[str, Any]:
+    if not _expert_layout(plan):
+        return {}
+    return {"expert_communication_s": plan.cost.expert_communication,
+            "expert_bytes": plan.cost.expert_bytes}
+
+
 def search_dict(ranked: Sequence[Candidate], refused: Sequence[Candidate]) -> Dict[str, Any]:
     return {"schema": SCHEMA,
             "ranked": [plan_dict(c.plan) for c in ranked if c.plan is not None],
-            "refused": [{"layout": c.layout.__dict__, "reason": c.reason} for c in refused]}
+            "refused": [{"layout": {k: v for k, v in c.layout.__dict__.items() if v is not None},
+                         "reason": c.reason} for c in refused]}
 
 
 def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
+
+
+def _expert_sizes(plan: Plan) -> str:
+    lay = _expert_layout(plan)
+    return f" ep={lay['ep']} etp={lay['etp']} edp={lay['edp']}" if lay else ""
 
 
 def describe(plan: Plan) -> str:
@@ -80,7 +115,8 @@ def describe(plan: Plan) -> str:
     lay = layout_dict(plan)
     lines = [
         f"plan: {p.world_size} x {hw.key} ({hw.name}, {hw.memory_gib} GiB), tp={p.tp} "
-        f"pp={p.pp} dp={p.dp}{' sequence-parallel' if p.sequence_parallel else ''}, "
+        f"pp={p.pp} dp={p.dp}{_expert_sizes(plan)}"
+        f"{' sequence-parallel' if p.sequence_parallel else ''}, "
         f"zero stage {z.zero_stage}{' + optimizer offload' if lay['optimizer_offload'] else ''}"
         f", recompute {lay['recompute']}",
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {p.dp} x "
@@ -97,6 +133,7 @@ def describe(plan: Plan) -> str:
                      f"{_gib(s.optimizer_state):>8} {_gib(m.activations):>8} "
                      f"{'+'.join(map(str, m.in_flight)):>10} {_gib(m.transient):>9} "
                      f"{_gib(m.peak):>8}")
+    lines += _expert_lines(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines.append(f"  peak {_gib(plan.peak_bytes)} GiB of {_gib(plan.capacity_bytes)}: {verdict}"
                  + (" (master weights and optimizer state in host memory)"
@@ -112,8 +149,28 @@ def describe(plan: Plan) -> str:
               f"; optimizer step {cost.optimizer * 1e3:.1f} ms",
               f"  step {cost.step:.3f} s: {rates.tokens_per_s:,.0f} tokens/s, "
               f"{rates.model_tflops_per_gpu:.1f} model TFLOP/s per GPU "
-              f"({rates.hardware_tflops_per_gpu:.1f} executed), MFU {rates.mfu:.1%}"]
+              f"({rates.hardware_tflops_per_gpu:.1f} executed), MFU {rates.mfu:.1%}"
+              f"{' on active parameters' if lay.get('ep') else ''}"]
+    if lay.get("ep"):
+        lines.insert(-1, f"  expert token exchange ({lay['moe_token_dispatcher_type']}) "
+                         f"{cost.expert_bytes / GIB:.2f} GiB per rank, "
+                         f"{cost.expert_communication * 1e3:.1f} ms per step (not overlapped)")
     return "\n".join(lines)
+
+
+def _expert_lines(plan: Plan) -> List[str]:
+    """Per stage: the routed experts' parameters and state on one rank."""
+    lay = _expert_layout(plan)
+    if not lay:
+        return []
+    out = [f"  routed experts ({lay['num_experts']} per MoE layer, top-{lay['moe_router_topk']}"
+           f"; ep={lay['ep']} etp={lay['etp']}, state sharded over edp={lay['edp']}):"]
+    for m in plan.stages:
+        e = m.expert_state
+        state = e.params + e.grads + e.master_params + e.optimizer_state if e else 0
+        out.append(f"  {m.pp_rank:>5} {m.expert_parameters:>14,} parameters, "
+                   f"{_gib(state)} GiB of the model state")
+    return out
 
 
 def describe_search(ranked: Sequence[Candidate], refused: Sequence[Candidate],

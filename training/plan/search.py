@@ -1,6 +1,8 @@
 """`gigatron plan --search`: every layout of the model on the GPU count, ranked or refused.
 
-A layout is (tp, pp, dp, ZeRO stage, recomputation, micro-batch size), with sequence
+A layout is (tp, pp, dp, ZeRO stage, recomputation, micro-batch size, and for a mixture of
+experts the expert-parallel size ep: each divisor of --num-experts whose etp x ep divides
+tp x dp, etp the flag's or tp), with sequence
 parallelism whenever tp > 1 and the user's global batch. Each one is validated by the same
 `build_run_config` the real run uses (its error is the rejection reason), then planned; those
 that fit the device's memory are ranked by predicted step time, the others are refused with
@@ -36,9 +38,11 @@ class Layout:
     zero_stage: int
     recompute: str
     micro_batch_size: int
+    ep: Optional[int] = None  # expert-parallel size; None: a dense model
 
     def describe(self) -> str:
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero_stage} "
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}"
+                f"{'' if self.ep is None else f' ep={self.ep}'} zero={self.zero_stage} "
                 f"recompute={self.recompute} mbs={self.micro_batch_size}")
 
 
@@ -55,8 +59,20 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(world_size: int, num_layers: int, gpus_per_node: int) -> Iterator[Layout]:
-    """The search space: tp within a node, pp up to one layer per stage."""
+def expert_sizes(num_experts: Optional[int], tp: int, dp: int,
+                 etp: Optional[int]) -> List[Optional[int]]:
+    """The ep sizes to try: divisors of the experts with etp x ep dividing tp x dp (etp
+    None: tp); [None] for a dense model."""
+    if num_experts is None:
+        return [None]
+    expert_tp = tp if etp is None else etp
+    return [ep for ep in _divisors(num_experts) if (tp * dp) % (expert_tp * ep) == 0]
+
+
+def layouts(world_size: int, num_layers: int, gpus_per_node: int,
+            num_experts: Optional[int] = None, etp: Optional[int] = None) -> Iterator[Layout]:
+    """The search space: tp within a node, pp up to one layer per stage, ep over the
+    experts (`expert_sizes`)."""
     for tp in _divisors(world_size):
         if tp > gpus_per_node:
             continue
@@ -64,10 +80,11 @@ def layouts(world_size: int, num_layers: int, gpus_per_node: int) -> Iterator[La
             if pp > num_layers:
                 continue
             dp = world_size // (tp * pp)
-            for zero in ZERO_STAGES:
-                for recompute in RECOMPUTE:
-                    for mbs in MICRO_BATCH_SIZES:
-                        yield Layout(tp, pp, dp, zero, recompute, mbs)
+            for ep in expert_sizes(num_experts, tp, dp, etp):
+                for zero in ZERO_STAGES:
+                    for recompute in RECOMPUTE:
+                        for mbs in MICRO_BATCH_SIZES:
+                            yield Layout(tp, pp, dp, zero, recompute, mbs, ep)
 
 
 def _flags_for(flags: argparse.Namespace, layout: Layout,
@@ -82,6 +99,8 @@ def _flags_for(flags: argparse.Namespace, layout: Layout,
     out.sequence_parallel = layout.tp > 1
     out.num_layers_per_virtual_pipeline_stage = None
     out.gradient_accumulation_steps = None
+    if layout.ep is not None:
+        out.expert_model_parallel_size = layout.ep
     return out
 
 
@@ -107,14 +126,28 @@ def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
     return Candidate(layout, plan)
 
 
+def _model_sizes(flags: argparse.Namespace, world_size: int,
+                 tokenizer: Optional["Tokenizer"]) -> Tuple[int, Optional[int]]:
+    """(layers, routed experts) of the model the flags build (a --model zoo entry too)."""
+    from gigatron.training.config.arguments import build_run_config
+
+    try:
+        model = build_run_config(flags, world_size, tokenizer).model
+    except ValueError:  # the user's own layout is refused: the flags' own sizes
+        return flags.num_layers or 1, getattr(flags, "num_experts", None)
+    assert model is not None
+    return model.num_layers, model.num_moe_experts
+
+
 def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
            tokenizer: Optional["Tokenizer"],
            hw: Hardware) -> Tuple[List[Candidate], List[Candidate]]:
     """(layouts that fit, fastest first; layouts refused, each with its reason)."""
     ranked: List[Candidate] = []
     refused: List[Candidate] = []
-    num_layers = flags.num_layers or 1
-    for layout in layouts(world_size, num_layers, hw.gpus_per_node):
+    num_layers, num_experts = _model_sizes(flags, world_size, tokenizer)
+    for layout in layouts(world_size, num_layers, hw.gpus_per_node, num_experts,
+                          flags.expert_tensor_parallel_size):
         candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw)
         (refused if candidate.reason else ranked).append(candidate)
     ranked.sort(key=lambda c: c.plan.cost.step if c.plan else 0.0)
