@@ -4,10 +4,11 @@ what the log line shows of the routing.
 After every optimizer step (`after_step`, device ops only) the aux-loss-free expert biases move
 towards balance from the step's token counts (`models.moe.stats.update_expert_biases`).
 Megatron-Core all-reduces those counts over tensor x data (x context) parallel ranks because
-its tensor-parallel ranks may route different sequence shards; gigatron's MoE layer gathers
-the sequence before routing, so tp ranks count the same tokens (and the update, the sign of
-mean - count, would not change if they were summed too): the data-parallel group is the one
-whose ranks route different tokens. The step's balancing losses (the executor's
+its tensor-parallel ranks may route different sequence shards. In gigatron the counts a layer
+keeps already cover its whole micro-batch: with expert parallelism each tp rank routes its
+sequence-parallel slice and the layer sums the counts over tp in the same all-reduce as its
+balancing losses (models/moe/sharded_losses.py); without it the layer routes the gathered
+sequence. So the data-parallel group is the one left whose ranks routed different tokens. The step's balancing losses (the executor's
 `aux_losses`, summed over micro-batches and this rank's MoE layers) are added up on the
 device. At a log line (`log_fields`, collective) one all-reduce brings every stage's losses
 and per-layer statistics to every rank, and the host reads them once.
