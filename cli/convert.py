@@ -31,10 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder to read: the Hugging Face folder, or the checkpoint "
                              "folder a run saved to (--save; its tracker names the iteration)")
     parser.add_argument("--save", required=True, metavar="DST", help="folder to write")
-    parser.add_argument("--family", choices=("auto", "gpt2", "llama", "mixtral"),
-                        default="auto",
-                        help="gigatron-to-hf: the architecture to write (auto: mixtral for MoE "
-                             "models, llama for other RoPE models, else gpt2)")
+    parser.add_argument("--family", choices=("auto", "gpt2", "llama", "mixtral", "qwen3",
+                                             "qwen3_moe"), default="auto",
+                        help="gigatron-to-hf: the architecture to write (auto: qwen3 / "
+                             "qwen3_moe with --qk-layernorm, mixtral for other MoE models, "
+                             "llama for other RoPE models, else gpt2)")
     for flag, what in (("--tokenizer-type", "the tokenizer type"),
                        ("--tokenizer-model", "the tokenizer model file"),
                        ("--vocab-file", "GPT-2's vocab.json"),

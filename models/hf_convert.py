@@ -1,5 +1,6 @@
-"""Hugging Face <-> gigatron weights: GPT-2 (`GPT2LMHeadModel`), Llama (`LlamaForCausalLM`)
-and Mixtral (`MixtralForCausalLM`); Qwen3-MoE is refused (see REFUSED).
+"""Hugging Face <-> gigatron weights: GPT-2 (`GPT2LMHeadModel`), Llama (`LlamaForCausalLM`),
+Mixtral (`MixtralForCausalLM`), Qwen3 (`Qwen3ForCausalLM`) and Qwen3-MoE
+(`Qwen3MoeForCausalLM`).
 
 A Hugging Face folder holds config.json and safetensors (one file or an index of shards); an
 exported one also generation_config.json, and the tokenizer files when the run's tokenizer is
@@ -18,17 +19,16 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
-from gigatron.models import hf_gpt2, hf_llama, hf_mixtral
+from gigatron.models import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3, hf_qwen3_moe
 from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError, StateDict, require
 
-FAMILIES: Dict[str, ModuleType] = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}
+FAMILIES: Dict[str, ModuleType] = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral,
+                                   "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe}
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
-                 "MixtralForCausalLM": "mixtral"}
-# families gigatron's model cannot run yet: model_type -> (architecture, why, in one line)
-REFUSED = {"qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3-MoE (qwen3_moe) cannot be converted: its "
-                         "attention normalises each head's query and key (q_norm, k_norm: "
-                         "Megatron's --qk-layernorm), which gigatron's model does not have")}
+                 "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+QK_LAYERNORM_FAMILIES = ("qwen3", "qwen3_moe")  # the families with q_norm / k_norm
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -39,11 +39,9 @@ __all__ = ["ConversionError", "config_from_hf", "config_to_hf", "state_dict_from
 
 
 def family_of(hf_config: Dict[str, Any]) -> str:
-    """'gpt2', 'llama' or 'mixtral' from config.json's model_type (or architectures)."""
+    """The family (a key of FAMILIES) from config.json's model_type (or architectures)."""
     family = hf_config.get("model_type")
     architectures = hf_config.get("architectures") or []
-    for model_type, (architecture, why) in REFUSED.items():
-        require(family != model_type and architecture not in architectures, why)
     for arch in architectures:
         require(arch in ARCHITECTURES, f"architecture {arch!r} is not supported "
                 f"(supported: {', '.join(ARCHITECTURES)})")
@@ -59,8 +57,8 @@ def config_from_hf(hf_config: Dict[str, Any]) -> TransformerConfig:
 
 
 def config_to_hf(config: TransformerConfig, family: str) -> Dict[str, Any]:
-    """Hugging Face config.json dict of `config` as `family` ('gpt2', 'llama', 'mixtral')."""
-    require(family in FAMILIES, f"family {family!r} is not supported ({', '.join(FAMILIES)})")
+    """Hugging Face config.json dict of `config` as `family` (a key of FAMILIES)."""
+    _check_family(config, family)
     hf = FAMILIES[family].config_to_hf(config)
     hf["torch_dtype"] = str(config.params_dtype).replace("torch.", "")
     return hf
@@ -82,13 +80,24 @@ def state_dict_from_hf(hf_state: StateDict, hf_config: Dict[str, Any]
 
 def state_dict_to_hf(state: StateDict, config: TransformerConfig, family: str) -> StateDict:
     """Hugging Face tensors (save_pretrained's names) of a tp=1 GPTModel state dict."""
-    require(family in FAMILIES, f"family {family!r} is not supported ({', '.join(FAMILIES)})")
+    _check_family(config, family)
     return FAMILIES[family].state_dict_to_hf(state, config)
 
 
+def _check_family(config: TransformerConfig, family: str) -> None:
+    """Raise unless `family` is known and can hold the model's query/key norms."""
+    require(family in FAMILIES, f"family {family!r} is not supported ({', '.join(FAMILIES)})")
+    require(not config.qk_layernorm or family in QK_LAYERNORM_FAMILIES,
+            f"cannot export to {family}: the model normalises each head's query and key "
+            f"(qk_layernorm), which {family} has no weights for: export it as "
+            f"{'qwen3_moe' if config.num_moe_experts is not None else 'qwen3'}")
+
+
 def default_family(config: TransformerConfig) -> str:
-    """The Hugging Face family a config exports to: MoE models as Mixtral, other RoPE models
-    as Llama, the rest as GPT-2."""
+    """The Hugging Face family a config exports to: models with query/key norms as Qwen3 or
+    Qwen3-MoE, other MoE models as Mixtral, other RoPE models as Llama, the rest as GPT-2."""
+    if config.qk_layernorm:
+        return "qwen3_moe" if config.num_moe_experts is not None else "qwen3"
     if config.num_moe_experts is not None:
         return "mixtral"
     return "llama" if config.position_embedding_type == "rope" else "gpt2"

@@ -21,7 +21,7 @@ GEMM, the token dispatcher) are not written on export; `router_aux_loss_coef` ma
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -67,20 +67,7 @@ def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
         (config.moe_router_score_function == "softmax" and not config.moe_router_pre_softmax,
          "the router must take the softmax after top-k (Mixtral renormalises the top-k): no "
          "--moe-router-pre-softmax, no sigmoid scores"),
-        (config.moe_router_topk_scaling_factor in (None, 1.0),
-         "moe_router_topk_scaling_factor has no Mixtral equivalent"),
-        (config.moe_router_num_groups is None and config.moe_router_group_topk is None,
-         "group-limited routing (moe_router_num_groups) has no Mixtral equivalent"),
-        (not config.moe_router_enable_expert_bias,
-         "the expert bias (moe_router_enable_expert_bias) has no Mixtral equivalent"),
-        (config.moe_router_load_balancing_type != "sinkhorn",
-         "sinkhorn routing has no Mixtral equivalent"),
-        (config.moe_expert_capacity_factor is None,
-         "token dropping (moe_expert_capacity_factor) has no Mixtral equivalent: Mixtral is "
-         "dropless"),
-        (config.moe_shared_expert_intermediate_size is None,
-         "shared experts (moe_shared_expert_intermediate_size) have no Mixtral equivalent"),
-        (not config.add_bias_linear, "Mixtral's linears have no biases (add_bias_linear)")]
+        *moe_block_checks(config, "Mixtral")]
     for ok, message in checks:
         require(ok, f"cannot export to Mixtral: {message}")
     balancing = config.moe_router_load_balancing_type != "none"
@@ -91,6 +78,26 @@ def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
             "num_experts_per_tok": config.moe_router_topk,
             "router_aux_loss_coef": config.moe_aux_loss_coeff if balancing else 0.0,
             "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None}
+
+
+def moe_block_checks(config: TransformerConfig, family: str) -> List[Tuple[bool, str]]:
+    """(holds, what fails) for the MoE settings a softmax top-k family (Mixtral, Qwen3-MoE)
+    has no key for."""
+    return [
+        (config.moe_router_topk_scaling_factor in (None, 1.0),
+         f"moe_router_topk_scaling_factor has no {family} equivalent"),
+        (config.moe_router_num_groups is None and config.moe_router_group_topk is None,
+         f"group-limited routing (moe_router_num_groups) has no {family} equivalent"),
+        (not config.moe_router_enable_expert_bias,
+         f"the expert bias (moe_router_enable_expert_bias) has no {family} equivalent"),
+        (config.moe_router_load_balancing_type != "sinkhorn",
+         f"sinkhorn routing has no {family} equivalent"),
+        (config.moe_expert_capacity_factor is None,
+         f"token dropping (moe_expert_capacity_factor) has no {family} equivalent: {family} "
+         f"is dropless"),
+        (config.moe_shared_expert_intermediate_size is None,
+         f"shared experts (moe_shared_expert_intermediate_size) have no {family} equivalent"),
+        (not config.add_bias_linear, f"{family}'s linears have no biases (add_bias_linear)")]
 
 
 def _take(src: StateDict, name: str) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Hugging Face mixtures of experts: tiny random Mixtral models built locally with transformers
 (nothing downloaded) give transformers' logits and greedy tokens in gigatron, both ways, and
-round-trip exactly; Qwen3-MoE is refused in one line (gigatron has no query/key norms)."""
+round-trip exactly (Qwen3-MoE: tests/test_hf_qwen3.py)."""
 import json
 import os
 import sys
@@ -261,24 +261,6 @@ def test_recorded_model_flags_rebuild_the_converted_mixtral_config(tmp_path):
     assert flags[flags.index("--num-experts") + 1] == "8"
     rebuilt = config_from_flags(parse_model_flags(flags))
     assert unexpressed_fields(config, rebuilt) == []
-
-
-def test_qwen3_moe_is_refused_in_one_line_naming_the_missing_qk_norms(tmp_path):
-    from gigatron.cli import convert
-
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32,
-                                         intermediate_size=48, moe_intermediate_size=16,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, num_experts=4,
-                                         num_experts_per_tok=2, max_position_embeddings=64)
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
-    with pytest.raises(ConversionError) as err:
-        hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))
-    message = str(err.value)
-    assert "q_norm" in message and "--qk-layernorm" in message and "\n" not in message
-    assert convert.main(["hf-to-gigatron", "--load", str(tmp_path / "hf"),
-                         "--save", str(tmp_path / "gig")]) == 1
 
 
 @pytest.mark.parametrize("change, named", [
