@@ -126,6 +126,7 @@ SAMPLES = {"model": "gpt2-124m", "position_embedding_type": "rope", "normalizati
            "moe_router_load_balancing_type": "seq_aux_loss",
            "moe_token_dispatcher_type": "alltoall"}
 NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layers 1",
+         "no_position_embedding": "--position-embedding-type rope",
          "recompute_granularity": "--recompute-method uniform --recompute-num-layers 1",
          "recompute_num_layers": "--recompute-granularity full --recompute-method uniform",
          "num_query_groups": "--group-query-attention",

@@ -216,6 +216,15 @@ def test_position_embedding_none_and_unsupported_types():
         model_of("--use-rotary-position-embeddings --position-embedding-type none")
 
 
+def test_no_position_embedding_is_accepted_only_with_rope_as_in_megatron():
+    with_rope = model_of("--position-embedding-type rope --no-position-embedding")
+    assert with_rope == model_of("--position-embedding-type rope")
+    assert model_of("--use-rotary-position-embeddings --no-position-embedding") == with_rope
+    for other in ("", "--position-embedding-type none"):
+        with pytest.raises(ConfigError, match="--no-position-embedding works only with"):
+            model_of(other + " --no-position-embedding")
+
+
 def test_untied_output_layer_and_normalization_spellings():
     m = model_of("--untie-embeddings-and-output-weights --normalization rmsnorm")
     assert m.untie_embeddings_and_output_weights and m.normalization == "RMSNorm"

@@ -53,6 +53,9 @@ class ModelSettings:
     use_rotary_position_embeddings: bool = setting(
         False, "Megatron-DeepSpeed's (and old Megatron's) name for --position-embedding-type "
         "rope", "--use-rotary-position-embeddings")
+    no_position_embedding: bool = setting(
+        False, "Megatron's deprecated switch: accepted with --position-embedding-type rope (where "
+        "it changes nothing, as in Megatron-Core), refused otherwise", "--no-position-embedding")
     rotary_base: Optional[float] = setting(None, "RoPE base theta (model default 10000)",
                                            "--rotary-base")
     rotary_percent: Optional[float] = setting(

@@ -101,6 +101,10 @@ def _position_embedding(m: "ModelSettings", fields: Dict[str, Any], p: "Problems
             p.add(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
                   f"{kind}: drop one")
         fields["position_embedding_type"] = "rope"
+    if m.no_position_embedding and fields.get("position_embedding_type") != "rope":
+        p.add("--no-position-embedding works only with --position-embedding-type rope (as in "
+              "Megatron, which deprecates it): drop it (--position-embedding-type none: no "
+              "position embedding)")
 
 
 def _attention_backend(s: "Settings", p: "Problems") -> Optional[str]:
