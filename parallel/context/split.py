@@ -1,0 +1,87 @@
+"""The causal load-balanced sequence split of Megatron-Core, as pure functions.
+
+With causal attention the last tokens of a sequence attend to many more keys than the first,
+so a plain split in cp pieces gives the last rank most of the work. The sequence is cut into
+2 x cp chunks instead, and rank i holds chunks i and 2cp-1-i: an early chunk and a late one,
+so every rank does the same attention work. Positions (learned or RoPE) stay the global ones.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def check_context_parallel(seq_length: int, cp: int, num_heads: int, num_query_groups: int,
+                           comm_type: str = "p2p") -> None:
+    """Raise one line naming the flag and the fix when a layout cannot split the attention."""
+    if cp < 1:
+        raise ValueError(f"--context-parallel-size {cp}: must be at least 1")
+    if comm_type == "a2a+p2p":
+        raise ValueError("--cp-comm-type a2a+p2p (with --hierarchical-context-parallel-sizes) "
+                         "is not supported yet: use p2p, all_gather or a2a")
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
+    if seq_length % (2 * cp):
+        raise ValueError(f"--seq-length {seq_length} is not divisible by 2 x "
+                         f"--context-parallel-size = {2 * cp} (the causal load-balanced "
+                         f"split): pick a multiple of {2 * cp}")
+    if num_heads % num_query_groups:
+        raise ValueError(f"--num-attention-heads {num_heads} is not divisible by "
+                         f"--num-query-groups {num_query_groups}")
+    if comm_type == "a2a" and num_query_groups % cp:
+        flag = ("--num-attention-heads" if num_query_groups == num_heads
+                else "--num-query-groups")
+        raise ValueError(f"{flag} {num_query_groups} is not divisible by "
+                         f"--context-parallel-size {cp} (--cp-comm-type a2a splits the "
+                         f"{'heads' if flag == '--num-attention-heads' else 'key/value heads'}"
+                         f" over cp): pick a cp that divides it, or --cp-comm-type p2p")
+
+
+def rank_chunks(cp: int, rank: int) -> Tuple[int, int]:
+    """The two of the 2 x cp sequence chunks that context-parallel rank `rank` holds."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"context-parallel rank {rank} is outside 0..{cp - 1}")
+    return rank, 2 * cp - 1 - rank
+
+
+def gather_order(cp: int) -> List[int]:
+    """The chunk ids of the cp ranks' pieces concatenated in rank order."""
+    return [chunk for rank in range(cp) for chunk in rank_chunks(cp, rank)]
+
+
+def rank_positions(seq_length: int, cp: int, rank: int) -> torch.Tensor:
+    """Global token positions held by `rank`, in its local order (for position ids, masks)."""
+    _check_divisible(seq_length, cp)
+    chunk = seq_length // (2 * cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in rank_chunks(cp, rank)])
+
+
+def split_for_rank(x: torch.Tensor, cp: int, rank: int, seq_dim: int) -> torch.Tensor:
+    """`rank`'s piece of a full-sequence tensor ([b, s, ...] with seq_dim 1, [s, b, ...] with 0)."""
+    _check_divisible(x.shape[seq_dim], cp)
+    chunks = x.chunk(2 * cp, dim=seq_dim)
+    return torch.cat([chunks[c] for c in rank_chunks(cp, rank)], dim=seq_dim)
+
+
+def restore_sequence(pieces: Sequence[torch.Tensor], seq_dim: int) -> torch.Tensor:
+    """The full sequence in global order from every rank's piece (the inverse of
+    split_for_rank over ranks 0..cp-1)."""
+    cp = len(pieces)
+    halves = [half for piece in pieces for half in piece.chunk(2, dim=seq_dim)]
+    by_chunk = dict(zip(gather_order(cp), halves))
+    return torch.cat([by_chunk[c] for c in range(2 * cp)], dim=seq_dim)
+
+
+def global_order_index(seq_length: int, cp: int) -> torch.Tensor:
+    """Index that puts the rank-order concatenation of the pieces into global order."""
+    gathered = torch.cat([rank_positions(seq_length, cp, r) for r in range(cp)])
+    return torch.argsort(gathered)
+
+
+def _check_divisible(seq_length: int, cp: int) -> None:
+    if seq_length % (2 * cp):
+        raise ValueError(f"sequence length {seq_length} is not divisible by 2 x "
+                         f"--context-parallel-size = {2 * cp}: pick a multiple of {2 * cp}")
