@@ -8,8 +8,10 @@ gets the same causal work, and the ring's blocks tile each rank's causal mask ex
 """
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from gigatron.parallel import comm
 from gigatron.parallel.context import kernels
 from gigatron.parallel.context.attention import context_parallel_attention
 from gigatron.parallel.context.ring import block_slices
@@ -30,9 +32,9 @@ def inputs(kv_heads: int, seed: int = 0):
     return q, k, v, grad_out
 
 
-def reference(kv_heads: int, causal: bool = True):
+def reference(kv_heads: int, causal: bool = True, seed: int = 0):
     """Output and grads of q, k, v of one unsplit SDPA call."""
-    q, k, v, grad_out = inputs(kv_heads)
+    q, k, v, grad_out = inputs(kv_heads, seed)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                          enable_gqa=kv_heads != HEADS)
@@ -79,6 +81,53 @@ def test_ring_without_log_sum_exp_merge_is_wrong(monkeypatch):
     got = run_cases(2, [("p2p", HEADS, True)])["p2p", HEADS, True]
     err = (got[0] - reference(HEADS)[0]).abs().max().item()
     assert err > 1e-2, f"naive averaging matched the reference within {err:.2e}"
+
+
+def _ring_traffic(rank, cp):
+    """Bytes this rank sends in the ring's forward and backward."""
+    q, k, v, grad_out = (split_for_rank(t, cp, rank, seq_dim=2) for t in inputs(HEADS // 2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    comm.stats.reset()
+    out = context_parallel_attention(q, k, v, None, "p2p")
+    forward = comm.stats.bytes["send"]
+    out.backward(grad_out)
+    return forward, comm.stats.bytes["send"] - forward, 2 * k.numel() * k.element_size()
+
+
+def test_ring_sends_kv_cp_minus_1_times_forward_and_kv_plus_grads_backward():
+    """Forward: cp-1 hops of k and v; backward: cp-1 hops of k, v and cp of their grads."""
+    cp = 4
+    for forward, backward, kv_bytes in run_on_ranks(_ring_traffic, cp):
+        assert forward == (cp - 1) * kv_bytes
+        assert backward == (2 * cp - 1) * kv_bytes
+
+
+def _in_subgroups(rank, world, cases):
+    """Two cp groups of interleaved ranks ({0, 2} and {1, 3}): ring peers are global ranks."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    cp_group, cp_rank = groups[rank % 2], rank // 2
+    results = {}
+    for comm_type, kv_heads, causal in cases:
+        q, k, v, grad_out = (split_for_rank(t, 2, cp_rank, seq_dim=2)
+                             for t in inputs(kv_heads, seed=rank % 2))
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = context_parallel_attention(q, k, v, cp_group, comm_type, causal=causal)
+        out.backward(grad_out)
+        results[comm_type] = [out.detach(), q.grad, k.grad, v.grad]
+    return results
+
+
+def test_cp_groups_inside_a_larger_world_match_unsplit_sdpa():
+    cases = [(c, HEADS // 2, True) for c in COMM_TYPES]
+    per_rank = run_on_ranks(_in_subgroups, 4, cases)
+    for seed in (0, 1):
+        want = reference(HEADS // 2, seed=seed)
+        for comm_type in COMM_TYPES:
+            pieces = [per_rank[seed][comm_type], per_rank[seed + 2][comm_type]]
+            for i, name in enumerate(("out", "dq", "dk", "dv")):
+                got = restore_sequence([p[i] for p in pieces], seq_dim=2)
+                err = (got - want[i]).abs().max().item()
+                assert err < 1e-5, f"cp group {seed}, {comm_type}: {name} differs by {err:.2e}"
 
 
 def test_single_rank_is_plain_attention():
