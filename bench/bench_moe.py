@@ -10,6 +10,16 @@ Correctness first: the grouped and loop paths must agree on fresh random inputs.
 
     python bench/bench_moe.py                       # GPU shapes (Mixtral-, Qwen3-MoE-like)
     python bench/bench_moe.py --device cpu --tiny   # every path, tiny, on the CPU
+
+--parts exchange: one MoE layer's forward + backward on --ep forked gloo ranks (the alltoall
+dispatcher over all of them), routing forced uniform; the all-to-all bytes each rank sends,
+read from parallel/comm's counters, must equal the formula
+4 x tokens x topk x h x bytes x (ep - 1) / ep (dispatch and combine, forward and backward).
+--parts train: a tiny MoE GPT and the dense GPT of the same active parameters (ffn = topk x
+the expert ffn) trained side by side through the trainer's step (training/run/loop.py's
+train_step on the run's own builders): tokens/s of each, as a table.
+
+    python bench/bench_moe.py --parts exchange train --device cpu
 """
 from __future__ import annotations
 
@@ -24,8 +34,15 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-from gigatron.models.moe.experts import RoutedExperts
-from gigatron.models.moe.router import RouterConfig, route
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(BENCH_DIR, "..", "tests"))
+sys.path.insert(0, BENCH_DIR)
+from multirank import run_on_ranks  # noqa: E402
+from train_paths import build_gigatron  # noqa: E402
+
+from gigatron.models.config import TransformerConfig  # noqa: E402
+from gigatron.models.moe.experts import RoutedExperts  # noqa: E402
+from gigatron.models.moe.router import RouterConfig, route  # noqa: E402
 
 # (name, tokens, hidden, expert ffn, experts, topk)
 SHAPES = [("mixtral-like", 8192, 4096, 14336, 8, 2),
@@ -116,35 +133,184 @@ def bench_shape(name: str, tokens: int, hidden: int, ffn: int, experts: int, top
                 moe_over_dense=times["grouped"] / times["dense"])
 
 
-def main(argv: List[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    results = [bench_shape(*shape, device=device, dtype=dtype, warmup=args.warmup,
-                           iters=args.iters) for shape in (TINY if args.tiny else SHAPES)]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(device) if device.type == "cuda"
-                       else "cpu", torch=torch.__version__, results=results), f, indent=1)
-    print("| shape | tokens | h | f | E | topk | grouped_mm | rel err (grouped vs loop) | "
-          "grouped ms | loop ms | dense (topk x f) ms | MoE / dense | grouped TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
+def exchange_formula(tokens: int, topk: int, hidden: int, nbytes: int, ep: int) -> int:
+    """All-to-all bytes one rank sends per MoE layer and step under uniform routing: dispatch
+    and combine, forward and backward, each (ep - 1) / ep of the tokens' top-k rows."""
+    return 4 * tokens * topk * hidden * nbytes * (ep - 1) // ep
+
+
+def _exchange_rank(rank: int, world: int, tokens: int, hidden: int, experts: int,
+                   topk: int) -> Dict:
+    """One MoE layer's forward + backward over all `world` ranks as ep; bytes counted."""
+    from gigatron.models.moe.layer import MoELayer
+    from gigatron.parallel import comm
+    from gigatron.parallel.expert.dispatchers import expert_dispatcher_factory
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=hidden,
+        vocab_size=64, seq_length=tokens,
+        activation="swiglu", add_bias_linear=False, num_moe_experts=experts,
+        moe_router_topk=topk, moe_ffn_hidden_size=hidden, hidden_dropout=0.0,
+        attention_dropout=0.0)
+    layer = MoELayer(config, dispatcher_factory=expert_dispatcher_factory(
+        "alltoall", torch.distributed.group.WORLD))
+    # token t picks experts t*topk .. t*topk + topk - 1 (mod E): every rank sends each
+    # expert the same number of rows, the uniform routing the formula assumes
+    picks = (torch.arange(tokens)[:, None] * topk + torch.arange(topk)) % experts
+    x = torch.zeros(tokens, hidden)
+    x.scatter_(1, picks, 4.0)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.eye(experts, hidden))
+    x = x.view(tokens, 1, hidden).requires_grad_()
+    comm.stats.reset()
+    layer(x).sum().backward()
+    return dict(sent=comm.stats.bytes.get("all_to_all", 0),
+                tokens_per_expert=layer.stats_tokens_per_expert.tolist())
+
+
+def bench_exchange(eps: List[int], tokens: int, hidden: int, experts: int,
+                   topk: int) -> List[Dict]:
+    """Measured all-to-all bytes per rank (forked gloo ranks, fp32) beside the formula."""
+    rows = []
+    for ep in eps:
+        results = run_on_ranks(_exchange_rank, ep, tokens, hidden, experts, topk, timeout=300)
+        rows.append(dict(ep=ep, tokens=tokens, hidden=hidden, experts=experts, topk=topk,
+                         measured=[r["sent"] for r in results],
+                         formula=exchange_formula(tokens, topk, hidden, 4, ep)))
+    return rows
+
+
+def _train_flags(moe: bool, args: argparse.Namespace) -> List[str]:
+    """A tiny Llama-shaped GPT: MoE (E experts of ffn f, top-k) or dense of ffn k x f."""
+    h, f, k = args.train_hidden, args.train_expert_ffn, args.train_topk
+    mlp = ["--num-experts", str(args.train_experts), "--moe-router-topk", str(k),
+           "--moe-ffn-hidden-size", str(f), "--ffn-hidden-size", str(k * f),
+           "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm"] if moe else \
+        ["--ffn-hidden-size", str(k * f)]
+    return ["--num-layers", str(args.train_layers), "--hidden-size", str(h),
+            "--num-attention-heads", str(max(1, h // 64)), "--seq-length", str(args.seq_length),
+            "--max-position-embeddings", str(args.seq_length), "--micro-batch-size",
+            str(args.train_micro_batch), "--global-batch-size", str(args.train_micro_batch),
+            "--vocab-size", "1024", "--swiglu", "--normalization", "RMSNorm",
+            "--position-embedding-type", "rope", "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights", "--train-iters", "1000000", "--lr", "1e-4",
+            "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234"
+            ] + (["--bf16"] if args.device == "cuda" else []) + mlp
+
+
+def bench_train(args: argparse.Namespace, device: torch.device) -> List[Dict]:
+    """tokens/s of the MoE GPT and its dense twin through the trainer's step, interleaved."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return _train_rows(args, device)
+    # a private one-rank group (see bench_train_gpu.py), left again for the caller
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
+                            rank=0, world_size=1)
+    try:
+        return _train_rows(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_rows(args: argparse.Namespace, device: torch.device) -> List[Dict]:
+    rows, steps = [], {}
+    for name, moe in (("moe", True), ("dense", False)):
+        session, step = build_gigatron(_train_flags(moe, args), device)
+        model = session.chunks[0]
+        total = sum(p.numel() for p in model.parameters())
+        inactive = 0
+        if moe:
+            experts = [m.experts for m in model.modules() if hasattr(m, "experts")
+                       and isinstance(m.experts, RoutedExperts)]
+            per_expert = sum(e.weight1[0].numel() + e.weight2[0].numel() for e in experts)
+            inactive = per_expert * (args.train_experts - args.train_topk)
+        rows.append(dict(model=name, parameters=total, active_parameters=total - inactive))
+        steps[name] = step
+    g = torch.Generator().manual_seed(0)
+    shape = (args.train_micro_batch, args.seq_length + 1)
+    tokens = torch.randint(0, 1024, shape, generator=g).to(device)
+    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    for row in rows:
+        row["seconds"] = _timed(lambda step=steps[row["model"]]: step(*batch), device,
+                                args.warmup, args.iters)
+        row["tokens_per_s"] = batch[0].numel() / row["seconds"]
+    return rows
+
+
+def _print_tables(kernels: List[Dict], exchange: List[Dict], train: List[Dict]) -> None:
+    if kernels:
+        print("| shape | tokens | h | f | E | topk | grouped_mm | rel err (grouped vs loop) | "
+              "grouped ms | loop ms | dense (topk x f) ms | MoE / dense | grouped TFLOP/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in kernels:
         print(f"| {r['shape']} | {r['tokens']} | {r['hidden']} | {r['ffn']} | {r['experts']} | "
               f"{r['topk']} | {r['grouped_mm_runs']} | {r['grouped_vs_loop_rel_err']:.1e} | "
               f"{r['grouped_ms']:.2f} | {r['loop_ms']:.2f} | {r['dense_ms']:.2f} | "
               f"{r['moe_over_dense']:.2f} | {r['grouped_tflops']:.1f} |")
-    bad = [r["shape"] for r in results if not r["grouped_vs_loop_rel_err"] < 2e-2]
+    if exchange:
+        print("\n| ep | tokens/rank | h | E | topk | all-to-all bytes sent per rank (measured) "
+              "| formula 4 T k h B (ep-1)/ep |\n|---|---|---|---|---|---|---|")
+    for r in exchange:
+        print(f"| {r['ep']} | {r['tokens']} | {r['hidden']} | {r['experts']} | {r['topk']} | "
+              f"{', '.join(map(str, r['measured']))} | {r['formula']} |")
+    if train:
+        print("\n| model | parameters | active parameters | step ms | tokens/s |\n"
+              "|---|---|---|---|---|")
+    for r in train:
+        print(f"| {r['model']} | {r['parameters']:,} | {r['active_parameters']:,} | "
+              f"{1e3 * r['seconds']:.1f} | {r['tokens_per_s']:,.0f} |")
+
+
+def parse_args(argv: List[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", nargs="+", default=["kernels"],
+                   choices=("kernels", "exchange", "train"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="kernels: the tiny shape only")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ep", type=int, nargs="+", default=[2, 4], help="exchange: ranks")
+    p.add_argument("--exchange-tokens", type=int, default=64)
+    p.add_argument("--exchange-hidden", type=int, default=32)
+    p.add_argument("--exchange-experts", type=int, default=8)
+    p.add_argument("--exchange-topk", type=int, default=2)
+    p.add_argument("--train-layers", type=int, default=4)
+    p.add_argument("--train-hidden", type=int, default=256)
+    p.add_argument("--train-expert-ffn", type=int, default=256)
+    p.add_argument("--train-experts", type=int, default=8)
+    p.add_argument("--train-topk", type=int, default=2)
+    p.add_argument("--train-micro-batch", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out")
+    return p.parse_args(argv)
+
+
+def main(argv: List[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kernels = [bench_shape(*shape, device=device, dtype=dtype, warmup=args.warmup,
+                           iters=args.iters) for shape in (TINY if args.tiny else SHAPES)
+               ] if "kernels" in args.parts else []
+    exchange = bench_exchange(args.ep, args.exchange_tokens, args.exchange_hidden,
+                              args.exchange_experts, args.exchange_topk) \
+        if "exchange" in args.parts else []
+    train = bench_train(args, device) if "train" in args.parts else []
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_moe.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else "cpu", torch=torch.__version__, results=kernels,
+                       exchange=exchange, train=train), f, indent=1)
+    _print_tables(kernels, exchange, train)
+    bad = [r["shape"] for r in kernels if not r["grouped_vs_loop_rel_err"] < 2e-2]
     if bad:
         print(f"grouped and loop paths disagree on {bad}", file=sys.stderr)
-        return 1
-    return 0
+    wrong = [r["ep"] for r in exchange if any(m != r["formula"] for m in r["measured"])]
+    if wrong:
+        print(f"all-to-all bytes differ from the formula at ep {wrong}", file=sys.stderr)
+    return 1 if bad or wrong else 0
 
 
 if __name__ == "__main__":
