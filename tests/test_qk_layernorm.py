@@ -171,3 +171,36 @@ def test_checkpoint_without_qk_norms_names_the_flag():
                                          r"checkpoint but \(8,\).*--kv-channels"):
         check_global_shapes(shapes(qk_layernorm=True, kv_channels=4),
                             shapes(qk_layernorm=True, kv_channels=8), {}, {}, "ckpt")
+
+
+def _train_losses(rank, world, argv, metrics):
+    from test_generation_cli import _command
+
+    code, out, err = _command(rank, world, "cli.pretrain", argv + ["--metrics-file", metrics])
+    assert code == 0, err[-3000:]
+    return True
+
+
+@pytest.mark.parametrize("extra", [[], ["--sequence-parallel"]], ids=["tp2", "tp2_sp"])
+def test_pretraining_with_qk_layernorm_at_tp2_logs_one_device_losses(tmp_path, extra):
+    """The trainer's grad sync sums the q/k norms' grads over tp (ZeRO's sequence-parallel
+    kind): without it the replicas drift apart and the losses leave one device's."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --mock-data --vocab-size 100 "
+            "--hidden-dropout 0 --attention-dropout 0 --train-iters 6 --eval-iters 0 "
+            "--log-interval 1 --no-progress --position-embedding-type rope --normalization "
+            "RMSNorm --swiglu --disable-bias-linear --group-query-attention "
+            "--num-query-groups 2 --qk-layernorm").split()
+    losses = []
+    for world, flags in ((1, []), (2, ["--tensor-model-parallel-size", "2", *extra])):
+        metrics = str(tmp_path / f"metrics{world}.jsonl")
+        run_on_ranks(_train_losses, world, argv + flags, metrics)
+        with open(metrics) as f:
+            losses.append([r["lm loss"] for r in map(json.loads, f) if r["type"] == "train"])
+    assert len(losses[0]) == 6 and losses[0][-1] < losses[0][0]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
