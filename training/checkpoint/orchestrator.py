@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 
 from gigatron.training.checkpoint import folders as files
-from gigatron.training.checkpoint.torch_dist import save_load
+from gigatron.training.checkpoint.torch_dist import module_state, save_load
 from gigatron.training.checkpoint.torch_dist import resume as dist_resume
 from gigatron.training.checkpoint.torch_dist import state as dist_state
 from gigatron.training.checkpoint.integrity import job_gather, raise_if_any_failed
@@ -74,9 +74,13 @@ def _this_device(saved: str, device: torch.device) -> str:
 
 
 def layout(run: RunConfig, num_chunks: int) -> Dict[str, int]:
-    """The sizes a per-rank (torch format) checkpoint is tied to."""
+    """The sizes a per-rank (torch format) checkpoint is tied to (an MoE model's expert
+    boxes also to ep and etp)."""
     p = run.parallel
-    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_chunks": num_chunks}
+    sizes = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_chunks": num_chunks}
+    if run.model is not None and run.model.num_moe_experts is not None:
+        sizes.update(ep=p.ep, etp=p.tp if p.etp is None else p.etp)
+    return sizes
 
 
 def _metadata(run: RunConfig, progress: TrainProgress, num_chunks: int) -> Dict[str, Any]:
@@ -161,6 +165,8 @@ def _dist_save_state(run: RunConfig, groups: "ProcessGroups", progress: TrainPro
     values, scalars = dist_state.zero_state_to_save(zero, chunks, coords["tp"], run.parallel.tp,
                                                     coords["dp"], with_optimizer)
     state: Dict[str, Any] = dict(values)
+    # persistent buffers (an MoE router's expert bias) are the same on every tp and dp rank
+    state.update(module_state.buffers_to_save(chunks, coords["dp"] == 0 and coords["tp"] == 0))
     if groups.rank == 0:
         common: Dict[str, Any] = {"progress": asdict(progress)}
         if run.lr_schedule is not None:

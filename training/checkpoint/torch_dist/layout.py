@@ -9,11 +9,14 @@ into boxes of the global tensor:
   `flat_range_boxes` cuts such a range into at most 2 x ndim - 1 contiguous boxes.
 - A tensor-parallel slice holds, along its partition dimension, one 1/tp slice of each
   stacked block (one block, or SwiGLU's [gate; up], or unequal q, k, v blocks); the padded
-  vocabulary adds rows that do not exist globally. `TensorPlacement.pieces` maps a box of
-  the local tensor to the boxes of the global tensor it covers (padding dropped).
+  vocabulary adds rows that do not exist globally. An expert-parallel weight is split the
+  same way on two dimensions: its experts over ep (dim 0), each expert's ffn over etp
+  (SwiGLU's gate and up halves each sliced). `TensorPlacement.pieces` maps a box of the
+  local tensor to the boxes of the global tensor it covers (padding dropped).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -83,13 +86,26 @@ def _flat_index(shape: Shape, prefix: Shape) -> int:
 
 
 @dataclass(frozen=True)
+class DimSplit:
+    """One partitioned dimension: each stacked block along `dim` (`blocks`: their full sizes,
+    padding included, in order) is cut into `size` equal slices, and this rank holds slice
+    `rank` of every block, concatenated."""
+
+    dim: int
+    blocks: Shape
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
 class TensorPlacement:
     """How one rank's local tensor sits in the global tensor.
 
-    Without `partition_dim` the local tensor is the global one. With it, the local tensor
-    holds along `partition_dim` this tp rank's 1/tp_size slice of each block in `blocks`
-    (the blocks' full sizes, padding included, stacked in order); global coordinates past
-    `global_shape` along that dimension are padding and are not part of the global tensor.
+    Without splits the local tensor is the global one. `partition_dim` is the tensor-parallel
+    split: along it the local tensor holds this tp rank's 1/tp_size slice of each block in
+    `blocks`. `expert_splits` are expert parallelism's (experts over ep along dim 0, each
+    expert's ffn over etp), each on its own dimension. Global coordinates past `global_shape`
+    along a split dimension are padding and are not part of the global tensor.
     """
 
     global_shape: Shape
@@ -98,42 +114,58 @@ class TensorPlacement:
     blocks: Shape = ()
     tp_rank: int = 0
     tp_size: int = 1
+    expert_splits: Tuple[DimSplit, ...] = ()
+
+    @property
+    def splits(self) -> Tuple[DimSplit, ...]:
+        """Every split dimension, the tensor-parallel one first."""
+        tp = () if self.partition_dim is None else \
+            (DimSplit(self.partition_dim, self.blocks, self.tp_rank, self.tp_size),)
+        return tp + self.expert_splits
 
     def __post_init__(self) -> None:
-        d = self.partition_dim
-        if d is None:
-            if self.global_shape != self.local_shape:
-                raise ValueError(f"an unpartitioned tensor's local shape {self.local_shape} "
-                                 f"differs from its global shape {self.global_shape}")
-            return
-        if any(b % self.tp_size for b in self.blocks) or \
-                sum(self.blocks) // self.tp_size != self.local_shape[d]:
-            raise ValueError(f"blocks {self.blocks} split over {self.tp_size} tensor-parallel "
-                             f"ranks do not make the local size {self.local_shape[d]} of "
-                             f"dimension {d}")
+        split_dims = [s.dim for s in self.splits]
+        if len(set(split_dims)) != len(split_dims):
+            raise ValueError(f"dimensions {split_dims} are each split at most once")
+        for d, (g, n) in enumerate(zip(self.global_shape, self.local_shape)):
+            if d not in split_dims and g != n:
+                raise ValueError(f"an unpartitioned dimension {d}'s local size {n} differs "
+                                 f"from its global size {g}")
+        for s in self.splits:
+            if any(b % s.size for b in s.blocks) or sum(s.blocks) // s.size != \
+                    self.local_shape[s.dim]:
+                raise ValueError(f"blocks {s.blocks} split over {s.size} ranks do not make "
+                                 f"the local size {self.local_shape[s.dim]} of dimension "
+                                 f"{s.dim}")
 
     def pieces(self, box: Box) -> List[Tuple[Box, Shape]]:
         """The parts of a local `box` that exist globally: (sub-box in local coordinates,
         its offsets in the global tensor)."""
-        d = self.partition_dim
-        if d is None:
-            return [(box, box.offsets)]
-        lo, hi = box.offsets[d], box.offsets[d] + box.sizes[d]
+        per_dim = [[(o, n, o)] for o, n in zip(box.offsets, box.sizes)]
+        for s in self.splits:
+            per_dim[s.dim] = _split_intervals(s, box.offsets[s.dim], box.sizes[s.dim],
+                                              self.global_shape[s.dim])
         out = []
-        local_start = global_start = 0
-        for full in self.blocks:
-            size = full // self.tp_size
-            a, b = max(lo, local_start), min(hi, local_start + size)
-            if a < b:
-                g = global_start + self.tp_rank * size + (a - local_start)
-                b = min(b, a + self.global_shape[d] - g)  # padding rows do not exist
-                if b > a:
-                    sub = Box(_with(box.offsets, d, a), _with(box.sizes, d, b - a))
-                    out.append((sub, _with(box.offsets, d, g)))
-            local_start += size
-            global_start += full
+        for parts in itertools.product(*per_dim):
+            sub = Box(tuple(p[0] for p in parts), tuple(p[1] for p in parts))
+            out.append((sub, tuple(p[2] for p in parts)))
         return out
 
 
-def _with(values: Shape, dim: int, value: int) -> Shape:
-    return values[:dim] + (value,) + values[dim + 1:]
+def _split_intervals(split: DimSplit, lo: int, length: int, global_size: int
+                     ) -> List[Tuple[int, int, int]]:
+    """The local interval [lo, lo + length) of a split dimension as (local start, length,
+    global start) runs, each within one block's slice; padding past `global_size` dropped."""
+    hi, out = lo + length, []
+    local_start = global_start = 0
+    for full in split.blocks:
+        size = full // split.size
+        a, b = max(lo, local_start), min(hi, local_start + size)
+        if a < b:
+            g = global_start + split.rank * size + (a - local_start)
+            b = min(b, a + global_size - g)  # padding rows do not exist
+            if b > a:
+                out.append((a, b - a, g))
+        local_start += size
+        global_start += full
+    return out

@@ -17,27 +17,17 @@ as DeepSpeed does; nothing is gathered, at any ZeRO stage.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterator, List, Set, Tuple
+from typing import TYPE_CHECKING, Dict, List, Set
 
 import torch
 
 from gigatron.training.checkpoint.torch_dist.planner import ShardedValue
 from gigatron.training.checkpoint.torch_dist.state import (MODEL, add_flat, add_whole,
-                                                           global_names, placement_of,
-                                                           shard_pieces)
+                                                           global_names, persistent_buffers,
+                                                           placement_of, shard_pieces)
 
 if TYPE_CHECKING:
     from gigatron.parallel.zero.optimizer import ZeroOptimizer
-
-
-def persistent_buffers(chunks: List[torch.nn.Module]) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, tensor) of every buffer the chunks' state dicts hold, each name once."""
-    seen: Set[str] = set()
-    for chunk in chunks:
-        for name, value in chunk.state_dict(keep_vars=True).items():
-            if not isinstance(value, torch.nn.Parameter) and name not in seen:
-                seen.add(name)
-                yield name, value
 
 
 def checkpoint_names(chunks: List[torch.nn.Module]) -> Set[str]:

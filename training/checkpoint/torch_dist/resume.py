@@ -58,15 +58,17 @@ def load_weights(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.nn.
 
 
 def single_device_shapes(run: RunConfig) -> Dict[str, tuple]:
-    """Global name -> global shape of every parameter of this run's single-device model
-    (built on the meta device: nothing is allocated)."""
+    """Global name -> global shape of every parameter and persistent buffer of this run's
+    single-device model (built on the meta device: nothing is allocated)."""
     from gigatron.models.gpt import GPTModel
 
     assert run.model is not None  # a training run's model config
     model = GPTModel(run.model, device=torch.device("meta"))
     names = dist_state.global_names([model])
-    return {names[id(p)][0]: dist_state.placement_of(p, 0, 1).global_shape
-            for p in model.parameters()}
+    shapes = {names[id(p)][0]: dist_state.placement_of(p, 0, 1).global_shape
+              for p in model.parameters()}
+    shapes.update({name: tuple(t.shape) for name, t in dist_state.persistent_buffers([model])})
+    return shapes
 
 
 def read_optimizer(run: RunConfig, shard: Dict[str, Any], chunks: List[torch.nn.Module],

@@ -4,26 +4,30 @@ Names are the single-device model's parameter names (`embedding.word_embeddings.
 `decoder.layers.<global layer>.…`): a chunk built for a pipeline stage already names its
 layers by global number. Keys of the checkpoint:
 
-    model.<name>              the weights, in the model's dtype
+    model.<name>              the weights, in the model's dtype; persistent buffers (an MoE
+                              router's expert bias) whole, written by tp and dp rank 0
     optimizer.master.<name>   fp32 master weights (bf16/fp16 models; fp32 masters equal
                               the weights and are not stored twice)
     optimizer.<state>.<name>  each per-element optimizer state (exp_avg, exp_avg_sq, ...)
 
 Which rank writes what: every element once. ZeRO's shard of a parameter is a range of its
 flattened elements (cut into boxes, training/checkpoint/torch_dist/layout.py) and is written by the dp rank
-that owns it (stage 0 keeps no shards: dp rank 0 writes); a tensor replicated over tp
-(norms, row-parallel biases) is written by tp rank 0; the tied output weight of a last
+that owns it (stage 0 keeps no shards: dp rank 0 writes); an expert weight's box
+(experts over ep, each expert's ffn over etp) is written likewise by the owner in its
+expert-data-parallel group, whatever its tp rank; a tensor replicated over tp (norms,
+row-parallel biases) is written by tp rank 0; the tied output weight of a last
 pipeline stage is the embedding of the first and is written by the first only. No
 parameter is gathered to save it, and every rank writes about 1/world of the checkpoint.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Set, Tuple
 
 import torch
 
-from gigatron.training.checkpoint.torch_dist.layout import Box, TensorPlacement, flat_range_boxes
+from gigatron.training.checkpoint.torch_dist.layout import (Box, DimSplit, TensorPlacement,
+                                                            flat_range_boxes)
 from gigatron.training.checkpoint.torch_dist.planner import ShardedValue
 
 if TYPE_CHECKING:
@@ -57,21 +61,33 @@ def rng_key(tp_rank: int, pp_rank: int) -> str:
 def placement_of(param: torch.Tensor, tp_rank: int, tp_size: int) -> TensorPlacement:
     """Where `param` (this rank's tensor) sits in its global tensor, from the tags the
     tensor-parallel layers put on it (parallel/tensor/init.py): the full shape, the
-    partition dimension and stride, the vocabulary rows that are not padding."""
+    partition dimension and stride, the vocabulary rows that are not padding; an expert
+    weight's box from its expert-parallel splits (parallel/expert/init.py)."""
     local = tuple(param.shape)
     spec = getattr(param, "init_spec", None)
     if spec is None:
         return TensorPlacement(local, local)
     full = tuple(spec.full_shape)
     global_shape = full if spec.valid_rows is None else (spec.valid_rows,) + full[1:]
+    expert_splits = getattr(param, "expert_splits", None)
+    if getattr(param, "expert_parallel", False) and expert_splits:
+        return TensorPlacement(global_shape, local, expert_splits=tuple(
+            DimSplit(dim, _blocks(full[dim], stride), rank, size)
+            for dim, rank, size, stride in expert_splits))
     if getattr(param, "tensor_model_parallel", False):
         dim = getattr(param, "partition_dim")
         stride = getattr(param, "partition_stride", 1)
-        blocks = tuple(stride) if isinstance(stride, tuple) else (full[dim] // stride,) * stride
-        return TensorPlacement(global_shape, local, dim, blocks, tp_rank, tp_size)
+        return TensorPlacement(global_shape, local, dim, _blocks(full[dim], stride), tp_rank,
+                               tp_size)
     if global_shape != local:  # a padded table that is not split: its padding is dropped
         return TensorPlacement(global_shape, local, 0, (local[0],))
     return TensorPlacement(global_shape, local)
+
+
+def _blocks(full_size: int, stride: Any) -> Tuple[int, ...]:
+    """The full sizes of the stacked blocks of a dimension (parallel/tensor/init.py's Stride:
+    k equal blocks, or the sizes of unequal ones)."""
+    return tuple(stride) if isinstance(stride, tuple) else (full_size // stride,) * stride
 
 
 def global_names(chunks: List[torch.nn.Module]) -> Dict[int, Tuple[str, bool]]:
@@ -87,6 +103,16 @@ def global_names(chunks: List[torch.nn.Module]) -> Dict[int, Tuple[str, bool]]:
             else:
                 names[id(param)] = (name, True)
     return names
+
+
+def persistent_buffers(chunks: List[torch.nn.Module]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of every buffer the chunks' state dicts hold, each name once."""
+    seen: Set[str] = set()
+    for chunk in chunks:
+        for name, value in chunk.state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.nn.Parameter) and name not in seen:
+                seen.add(name)
+                yield name, value
 
 
 def add_flat(value: ShardedValue, flat: torch.Tensor, start: int,
@@ -144,12 +170,15 @@ def shard_pieces(zero: "ZeroOptimizer", names: Dict[int, Tuple[str, bool]], tp_r
                 name, owner = names[id(param)]
                 placement = placement_of(param, tp_rank, tp_size)
                 yield ShardPiece(index, name, placement, start, b.index, in_bucket, length,
-                                 owner and dp_owner and (tp_rank == 0 or _split(placement)))
+                                 owner and dp_owner and (tp_rank == 0 or _own_box(placement)))
 
 
-def _split(placement: TensorPlacement) -> bool:
-    """Whether the tensor is split over tp (else every tp rank holds the same copy)."""
-    return placement.partition_dim is not None and placement.tp_size > 1
+def _own_box(placement: TensorPlacement) -> bool:
+    """Whether the tensor is not a copy of its tp peers': split over tp, or an expert box
+    (whose copies are the expert-data-parallel group's; ZeRO's expert groups shard and
+    rank over it)."""
+    return bool(placement.expert_splits) or \
+        (placement.partition_dim is not None and placement.tp_size > 1)
 
 
 def _values(values: Dict[str, ShardedValue], key: str, placement: TensorPlacement
@@ -215,14 +244,20 @@ def zero_state_to_save(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_
 def _add_unmanaged_weights(values: Dict[str, ShardedValue], zero: "ZeroOptimizer",
                            chunks: List[torch.nn.Module], names: Dict[int, Tuple[str, bool]],
                            tp_rank: int, tp_size: int, dp_rank: int) -> None:
-    """Parameters ZeRO does not train (frozen) are saved whole by dp rank 0."""
+    """Parameters ZeRO does not train (frozen) are saved whole by dp rank 0 (an expert box
+    by expert-data-parallel rank 0)."""
+    from gigatron.parallel import comm
+
     managed = {id(p) for g in zero.flat_groups for p in g.params}
+    edp = zero.process_groups.expert_dp
+    edp_rank = dp_rank if edp is None else comm.group_rank(edp)
     for chunk in chunks:
         for param in chunk.parameters():
             name, owner = names[id(param)]
             placement = placement_of(param, tp_rank, tp_size)
-            if id(param) in managed or not owner or dp_rank or \
-                    (tp_rank and not _split(placement)):
+            first = edp_rank if placement.expert_splits else dp_rank
+            if id(param) in managed or not owner or first or \
+                    (tp_rank and not _own_box(placement)):
                 continue
             add_whole(_values(values, MODEL + name, placement), param.detach(), placement)
 
@@ -246,8 +281,8 @@ def _number(value: Any) -> Any:
 
 def model_weights_to_load(chunks: List[torch.nn.Module], tp_rank: int, tp_size: int
                           ) -> Dict[str, ShardedValue]:
-    """Views of every chunk parameter, keyed by checkpoint name (the tied output weight of
-    a last stage reads the embedding)."""
+    """Views of every chunk parameter and persistent buffer (an MoE router's expert bias),
+    keyed by checkpoint name (the tied output weight of a last stage reads the embedding)."""
     names = global_names(chunks)
     values: Dict[str, ShardedValue] = {}
     for chunk in chunks:
@@ -258,6 +293,9 @@ def model_weights_to_load(chunks: List[torch.nn.Module], tp_rank: int, tp_size: 
             if key in values:  # the same global tensor twice on one rank: one read is enough
                 continue
             add_whole(_values(values, key, placement), param.data, placement)
+    for name, tensor in persistent_buffers(chunks):
+        placement = placement_of(tensor, 0, 1)
+        add_whole(_values(values, MODEL + name, placement), tensor.data, placement)
     return values
 
 
