@@ -199,7 +199,8 @@ def _train_flags(moe: bool, args: argparse.Namespace) -> List[str]:
 
 
 def bench_train(args: argparse.Namespace, device: torch.device) -> List[Dict]:
-    """tokens/s of the MoE GPT and its dense twin through the trainer's step, interleaved."""
+    """tokens/s of the MoE GPT and its dense twin through the trainer's step (median of
+    interleaved steps)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -232,9 +233,15 @@ def _train_rows(args: argparse.Namespace, device: torch.device) -> List[Dict]:
     shape = (args.train_micro_batch, args.seq_length + 1)
     tokens = torch.randint(0, 1024, shape, generator=g).to(device)
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    # one step of each in turn, so that a load on the machine falls on both alike
+    times: Dict[str, List[float]] = {row["model"]: [] for row in rows}
+    for i in range(args.warmup + args.iters):
+        for name, step in steps.items():
+            seconds = _timed(lambda: step(*batch), device, 0, 1)
+            if i >= args.warmup:
+                times[name].append(seconds)
     for row in rows:
-        row["seconds"] = _timed(lambda step=steps[row["model"]]: step(*batch), device,
-                                args.warmup, args.iters)
+        row["seconds"] = statistics.median(times[row["model"]])
         row["tokens_per_s"] = batch[0].numel() / row["seconds"]
     return rows
 
