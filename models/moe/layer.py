@@ -51,6 +51,12 @@ class MoELayer(nn.Module):
     """Router, routed experts and optional shared experts; adds its balancing losses to
     `layer_losses` in training and counts tokens per expert for models/moe/stats.py."""
 
+    # step accumulators (buffers, see _init_stats)
+    stats_tokens_per_expert: torch.Tensor
+    stats_dropped: torch.Tensor
+    stats_routed: torch.Tensor
+    bias_tokens_per_expert: torch.Tensor
+
     def __init__(self, config: TransformerConfig, tp_group: Group = None,
                  layer_losses: Optional[LayerLosses] = None, layer_number: int = 0,
                  dispatcher_factory: DispatcherFactory = LocalDispatcher,
@@ -128,15 +134,16 @@ class MoELayer(nn.Module):
     def _init_stats(self, experts: int) -> None:
         """Step accumulators on the router's device (the trainer takes them, see stats.py)."""
         device = self.router.weight.device
-        zeros = dict(dtype=torch.float32, device=device)
+
+        def zeros(*size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.float32, device=device)
+
         # since the last take_moe_stats: for logging
-        self.register_buffer("stats_tokens_per_expert", torch.zeros(experts, **zeros),
-                             persistent=False)
-        self.register_buffer("stats_dropped", torch.zeros((), **zeros), persistent=False)
-        self.register_buffer("stats_routed", torch.zeros((), **zeros), persistent=False)
+        self.register_buffer("stats_tokens_per_expert", zeros(experts), persistent=False)
+        self.register_buffer("stats_dropped", zeros(), persistent=False)
+        self.register_buffer("stats_routed", zeros(), persistent=False)
         # since the last update_expert_biases: the expert-bias update's counts
-        self.register_buffer("bias_tokens_per_expert", torch.zeros(experts, **zeros),
-                             persistent=False)
+        self.register_buffer("bias_tokens_per_expert", zeros(experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""

@@ -2,7 +2,7 @@
 (--moe-token-dispatcher-type alltoall|allgather over this rank's ep and etp groups)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Dict
 
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
@@ -10,7 +10,8 @@ from gigatron.parallel.expert.allgather import AllGatherDispatcher
 from gigatron.parallel.expert.alltoall import AllToAllDispatcher
 from gigatron.parallel.expert.dispatch import TokenDispatcher
 
-DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+DISPATCHERS: Dict[str, Callable[..., TokenDispatcher]] = {
+    "alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
 
 def expert_dispatcher_factory(kind: str, ep_group: Group, etp_group: Group = None

@@ -67,7 +67,7 @@ def matmul_parameter_count(config: "TransformerConfig", tp: int = 1) -> int:
 def _moe_active(config: "TransformerConfig", mlp: Callable[[int], int]) -> int:
     """Parameters one token passes through in an MoE layer: router (bias-free), top-k
     experts, shared experts."""
-    experts = config.num_moe_experts
+    experts = config.num_moe_experts or 0
     shared = _get(config, "moe_shared_expert_intermediate_size")
     routed = config.moe_router_topk * mlp(_get(config, "moe_ffn_hidden_size",
                                                config.ffn_hidden_size))

@@ -222,7 +222,7 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     dp_cost = _dp_cost(run, stage_parameters[heaviest], hw, m, backward, byte_rate,
                        stage_expert_parameters[heaviest] if stage_expert_parameters else 0)
     layers = sum(len(partition.layer_range(slowest, k)) for k in range(v))
-    collectives = layers * (collectives_fwd + collectives_bwd)
+    collectives: float = layers * (collectives_fwd + collectives_bwd)
     gemm = layers * (3 * (fl["dense"] + fl["core"]) + {
         "full": fl["dense"] + fl["core"], "selective": fl["core"]}.get(recompute, 0.0)) + \
         (3 * 2.0 * tokens * c.hidden_size * vocab if partition.post_process(slowest, v - 1)
