@@ -15,8 +15,10 @@ from torch import nn
 from gigatron.models.config import TransformerConfig
 from gigatron.models.kv_cache import CacheStep, KVCache
 from gigatron.models.losses import LayerLosses
-from gigatron.models.transformer import (TransformerBlock, dropout, rotary_cos_sin,
-                                         rotary_cos_sin_at)
+from gigatron.models.transformer import (CoreAttention, TransformerBlock, dropout,
+                                         rotary_cos_sin, rotary_cos_sin_at)
+from gigatron.parallel import comm
+from gigatron.parallel.context.split import rank_positions
 from gigatron.parallel.expert.init import initialize_expert_parameter
 from gigatron.parallel.tensor import (
     ColumnParallelLinear,
@@ -92,11 +94,14 @@ class GPTModel(nn.Module):
                  post_process: bool = True, layer_range: Optional[Sequence[int]] = None,
                  seed: int = 1234, device: Optional[torch.device] = None,
                  rng_tracker: Optional[TensorParallelRNGTracker] = None,
-                 dispatcher_factory: Optional[Callable] = None) -> None:
+                 dispatcher_factory: Optional[Callable] = None, cp_group: Group = None,
+                 cp_comm_type: str = "p2p") -> None:
         """`rng_tracker`: the rank's tracker, shared by all its pipeline chunks so their
         dropout masks differ (default: a tracker of this model's own, from `seed`);
         `dispatcher_factory`: the MoE layers' token dispatcher by expert count (default:
-        every expert on this rank, models/moe/layer.py)."""
+        every expert on this rank, models/moe/layer.py); `cp_group`: the context-parallel
+        ranks splitting each sequence (their inputs are this rank's load-balanced chunks,
+        parallel/context/split.py), attending to each other by `cp_comm_type`."""
         super().__init__()
         tp = tp_size(tp_group)
         config.validate(tp)
@@ -130,6 +135,11 @@ class GPTModel(nn.Module):
                 params_dtype=config.params_dtype, device=device)
         self._mark_shared_embedding()
         self._initialize(seed)
+        self.cp_size, self.cp_rank = ((comm.group_size(cp_group), comm.group_rank(cp_group))
+                                      if cp_group is not None else (1, 0))
+        for module in self.decoder.modules():
+            if isinstance(module, CoreAttention):
+                module.set_context_parallel(cp_group, cp_comm_type)
 
     def _mark_shared_embedding(self) -> None:
         if not self.tied or (self.pre_process and self.post_process):
@@ -206,12 +216,16 @@ class GPTModel(nn.Module):
 
     def _rotary(self, x: torch.Tensor, position_ids: Optional[torch.Tensor]) -> Optional[tuple]:
         """RoPE's cos/sin tables at `position_ids`, or 0 .. s-1 without them (a non-first
-        pipeline stage gets none: the data's positions are 0 .. s-1)."""
+        pipeline stage gets none: the data's positions are 0 .. s-1; under context
+        parallelism those of this rank's chunks)."""
         if self.config.position_embedding_type != "rope":
             return None
         if position_ids is not None:
             return rotary_cos_sin_at(position_ids.to(x.device), self.config)
         seq = x.shape[0] * (tp_size(self.tp_group) if self.config.sequence_parallel else 1)
+        if self.cp_size > 1:
+            positions = rank_positions(seq * self.cp_size, self.cp_size, self.cp_rank)
+            return rotary_cos_sin_at(positions.to(x.device)[None], self.config)
         return rotary_cos_sin(seq, self.config, x.device)
 
     def _begin_inference(self, input_ids: Optional[torch.Tensor],

@@ -5,6 +5,12 @@ A micro-batch's loss is the per-token cross-entropy (the last stage's output) ma
 its mean over the unmasked tokens by default, or its sum with --calculate-per-token-loss,
 whose step divides by the global batch's `loss_tokens` (training/run/per_token_loss.py).
 
+Under context parallelism a rank holds 2 of the 2 x cp chunks of each sequence; its
+micro-batch carries `loss_tokens_share`, the whole sequence's loss-mask count / cp (the
+data split's, known before the split). The masked mean is then this rank's loss sum over
+that share: the gradients ZeRO averages over data x context parallel ranks, and the logged
+loss weighed by the share, equal one device's mean over the whole sequence.
+
 `LayerLosses` is where a layer leaves a loss of its own during forward (a mixture-of-experts
 router's load-balancing loss): the pipeline executor takes it after each chunk's forward
 and back-propagates it with the micro-batch loss, on the stage that holds the layer.
@@ -24,7 +30,9 @@ def masked_mean_loss(per_token_loss: torch.Tensor, batch: GPTMicroBatch) -> torc
     if mask is None:
         return per_token_loss.float().mean()
     mask = mask.to(per_token_loss.dtype)
-    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1)
+    share = batch.get("loss_tokens_share")  # context parallelism: the sequence's count / cp
+    count = mask.sum().clamp(min=1) if share is None else share.float()
+    return (per_token_loss.float() * mask).sum() / count
 
 
 def masked_sum_loss(per_token_loss: torch.Tensor, batch: GPTMicroBatch) -> torch.Tensor:
@@ -39,7 +47,10 @@ def masked_sum_loss(per_token_loss: torch.Tensor, batch: GPTMicroBatch) -> torch
 def loss_tokens(batches: Sequence[GPTMicroBatch]) -> torch.Tensor:
     """The tokens `masked_sum_loss` counts in these micro-batches (their loss_mask sum, or
     every label), as an int64 device tensor: known before the step, so the per-token loss
-    can be divided by the global count during backward."""
+    can be divided by the global count during backward. Context-parallel shards count their
+    `loss_tokens_share` (float64): summed over the cp ranks it is the sequences' count."""
+    if batches and batches[0].get("loss_tokens_share") is not None:
+        return torch.stack([b["loss_tokens_share"] for b in batches]).sum().to(torch.float64)
     counts = [b["loss_mask"].sum() if b.get("loss_mask") is not None
               else torch.tensor(b["labels"].numel(), device=b["labels"].device)
               for b in batches]

@@ -23,7 +23,8 @@ from gigatron.parallel.comm import Group
 
 def build_model_chunks(config: TransformerConfig, partition: PipelinePartition, pp_rank: int,
                        tp_group: Group = None, seed: int = 1234, device: Optional[torch.device] = None,
-                       dispatcher_factory: Optional[Callable] = None) -> List[torch.nn.Module]:
+                       dispatcher_factory: Optional[Callable] = None, cp_group: Group = None,
+                       cp_comm_type: str = "p2p") -> List[torch.nn.Module]:
     """`chunks[c]` holds the layers of virtual stage (c, pp_rank); embedding on the first
     virtual stage, final norm + output layer on the last. Name-seeded init makes every
     layout hold the same full model, tied output weight included.
@@ -31,7 +32,8 @@ def build_model_chunks(config: TransformerConfig, partition: PipelinePartition, 
     The chunks share one tensor-parallel RNG tracker seeded as Megatron does
     (seed + 100 * pp_rank, then per tp rank), so no two chunks or stages draw the same
     dropout masks. `dispatcher_factory`: the MoE layers' token dispatcher (expert
-    parallelism; default every expert on this rank)."""
+    parallelism; default every expert on this rank); `cp_group`, `cp_comm_type`: context
+    parallelism (GPTModel's)."""
     if partition.layers and sum(len(r) for rs in partition.layers for r in rs) \
             != config.num_layers:
         raise ValueError(f"the pipeline partition covers "
@@ -42,7 +44,8 @@ def build_model_chunks(config: TransformerConfig, partition: PipelinePartition, 
     return [GPTModel(config, tp_group=tp_group, pre_process=partition.pre_process(pp_rank, c),
                      post_process=partition.post_process(pp_rank, c),
                      layer_range=partition.layer_range(pp_rank, c), seed=seed, device=device,
-                     rng_tracker=tracker, dispatcher_factory=dispatcher_factory)
+                     rng_tracker=tracker, dispatcher_factory=dispatcher_factory,
+                     cp_group=cp_group, cp_comm_type=cp_comm_type)
             for c in range(partition.virtual_chunks)]
 
 

@@ -27,7 +27,9 @@ from gigatron.parallel.tensor import (
     tp_size,
 )
 from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
+from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
+from gigatron.parallel.context.attention import context_parallel_attention
 
 
 def dropout(x: torch.Tensor, p: float, training: bool,
@@ -140,7 +142,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CoreAttention(nn.Module):
-    """softmax(QK^T / sqrt(d), causal) V with attention dropout; no parameters."""
+    """softmax(QK^T / sqrt(d), causal) V with attention dropout; no parameters.
+
+    Under context parallelism (`set_context_parallel`) the local queries attend to the keys
+    and values of the whole cp group (parallel/context), the sequence being split over it."""
 
     def __init__(self, config: TransformerConfig,
                  tracker: Optional[TensorParallelRNGTracker]) -> None:
@@ -149,6 +154,14 @@ class CoreAttention(nn.Module):
         self.p = config.attention_dropout
         self.tracker = tracker
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.cp_group: Group = None
+        self.cp_comm_type = "p2p"
+
+    def set_context_parallel(self, cp_group: Group, comm_type: str = "p2p") -> None:
+        """Attend over the sequence split across `cp_group` (None or one rank: no split)."""
+        self.cp_group = (cp_group if cp_group is not None and comm.group_size(cp_group) > 1
+                         else None)
+        self.cp_comm_type = comm_type
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [s, b, n, d]; k, v [s, b, g, d] (g query groups) -> [s, b, n*d]."""
@@ -158,7 +171,10 @@ class CoreAttention(nn.Module):
             v = v.repeat_interleave(n // v.shape[2], dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         p = self.p if self.training else 0.0
-        if self.backend == "sdpa":
+        if self.cp_group is not None:
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
+                                             scale=self.scale, dropout_p=p)
+        elif self.backend == "sdpa":
             if p > 0 and self.tracker is not None:
                 with self.tracker.fork(q.device):
                     out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)

@@ -1,11 +1,17 @@
-"""Process-group topology: which rank does what along tp, dp and pp.
+"""Process-group topology: which rank does what along tp, cp, dp and pp.
 
 `Topology` is pure rank math over a grid (no I/O, no torch): rank <-> coordinates and the
 rank lists of any axis or combination of axes. `ProcessGroups` creates the torch groups for
 the current rank once, and modules receive the groups they need explicitly.
 
-Run `gigatron topology --world-size 16 --tp 2 --pp 2` to print a layout (add `--ep 2` for the
-expert layers' view, parallel/expert/topology.py).
+Run `gigatron topology --world-size 16 --tp 2 --pp 2` to print a layout (add `--cp 2` for
+context parallelism, `--ep 2` for the expert layers' view, parallel/expert/topology.py).
+
+The context-parallel axis cp sits between tp and dp as in Megatron-Core's default order
+"tp-cp-ep-dp-pp". An order that does not name cp gets it right before dp when cp > 1; with
+cp == 1 and no cp in the order the grid is exactly the tp x dp x pp one (same coordinates, same
+groups), so dense layouts are unchanged. The cp ranks share the model and split the sequence:
+gradients of shared parameters are reduced over "dp-cp".
 """
 from __future__ import annotations
 
@@ -20,11 +26,15 @@ from gigatron.parallel.activity import activity
 if TYPE_CHECKING:
     from gigatron.parallel.expert.topology import ExpertTopology
 
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "cp", "dp", "pp")
+REQUIRED_AXES = ("tp", "dp", "pp")
 DEFAULT_ORDER = "tp-dp-pp"
 
 # Groups every training job needs; callers may ask for more combinations.
 STANDARD_GROUPS = ("tp", "dp", "pp", "tp-pp")
+# What a context-parallel job adds: the sequence split, the ranks sharing the model's gradients
+# (dp-cp) and the ranks of one pipeline stage's model replica (tp-cp).
+CONTEXT_GROUPS = ("cp", "dp-cp", "tp-cp")
 
 
 def _parse_axes(spec: str, what: str) -> Tuple[str, ...]:
@@ -41,12 +51,13 @@ def _parse_axes(spec: str, what: str) -> Tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Topology:
-    """A grid of ranks over axes tp, dp, pp; the leftmost axis of `order` varies fastest."""
+    """A grid of ranks over axes tp, cp, dp, pp; the leftmost axis of `order` varies fastest."""
 
     tp: int = 1
     dp: int = 1
     pp: int = 1
     order: str = DEFAULT_ORDER
+    cp: int = 1
     _axes: Tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -55,26 +66,35 @@ class Topology:
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{axis} size must be a positive integer, got {size!r}")
         axes = _parse_axes(self.order, "order")
-        if sorted(axes) != sorted(AXES):
+        if sorted(a for a in axes if a != "cp") != sorted(REQUIRED_AXES):
             raise ValueError(
-                f"order {self.order!r} must name each of {', '.join(AXES)} exactly once, "
-                f"e.g. {DEFAULT_ORDER!r}")
+                f"order {self.order!r} must name each of {', '.join(REQUIRED_AXES)} exactly "
+                f"once (cp optional), e.g. 'tp-cp-dp-pp'")
+        if "cp" not in axes and self.cp > 1:
+            at = axes.index("dp")
+            axes = axes[:at] + ("cp",) + axes[at:]
         object.__setattr__(self, "_axes", axes)
 
     @classmethod
     def from_world_size(cls, world_size: int, tp: int = 1, pp: int = 1,
-                        order: str = DEFAULT_ORDER) -> "Topology":
-        """Derive dp = world / (tp*pp), as Megatron does from the launch size."""
-        for name, size in (("world size", world_size), ("tp", tp), ("pp", pp)):
+                        order: str = DEFAULT_ORDER, cp: int = 1) -> "Topology":
+        """Derive dp = world / (tp*cp*pp), as Megatron does from the launch size."""
+        for name, size in (("world size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be a positive integer, got {size!r}")
-        model = tp * pp
+        model = tp * cp * pp
         if world_size % model:
+            if cp == 1:
+                raise ValueError(
+                    f"world size {world_size} is not divisible by tensor x pipeline = "
+                    f"{tp} x {pp} = {model}: launch a multiple of {model} ranks or change "
+                    f"--tensor-model-parallel-size / --pipeline-model-parallel-size")
             raise ValueError(
-                f"world size {world_size} is not divisible by tensor x pipeline = "
-                f"{tp} x {pp} = {model}: launch a multiple of {model} ranks or change "
-                f"--tensor-model-parallel-size / --pipeline-model-parallel-size")
-        return cls(tp=tp, dp=world_size // model, pp=pp, order=order)
+                f"world size {world_size} is not divisible by tensor x context x pipeline = "
+                f"{tp} x {cp} x {pp} = {model}: launch a multiple of {model} ranks or change "
+                f"--tensor-model-parallel-size / --context-parallel-size / "
+                f"--pipeline-model-parallel-size")
+        return cls(tp=tp, dp=world_size // model, pp=pp, order=order, cp=cp)
 
     @property
     def axes(self) -> Tuple[str, ...]:
@@ -83,7 +103,7 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
     def size(self, axes: str) -> int:
         """Number of ranks in one group of `axes` (e.g. 'tp-pp')."""
@@ -107,6 +127,8 @@ class Topology:
         unknown = set(coords) - set(AXES)
         if unknown:
             raise ValueError(f"unknown axis {sorted(unknown)}: use {', '.join(AXES)}")
+        if coords.get("cp", 0) and "cp" not in self._axes:
+            raise ValueError(f"cp index {coords['cp']} is outside 0..0")
         rank, stride = 0, 1
         for axis in self._axes:
             size, index = getattr(self, axis), coords.get(axis, 0)
@@ -119,7 +141,7 @@ class Topology:
     def groups(self, axes: str) -> List[List[int]]:
         """All rank groups along `axes`: ranks that differ only in those coordinates."""
         varying = _parse_axes(axes, "axes")
-        fixed = [a for a in AXES if a not in varying]
+        fixed = [a for a in self._axes if a not in varying]
         by_key: Dict[Tuple[int, ...], List[int]] = {}
         for rank in range(self.world_size):
             c = self.coords(rank)
@@ -131,8 +153,9 @@ class Topology:
         self._check_rank(rank)
         c = self.coords(rank)
         varying = _parse_axes(axes, "axes")
-        ranges = [range(getattr(self, a)) if a in varying else [c[a]] for a in AXES]
-        return sorted(self.rank(**dict(zip(AXES, point))) for point in itertools.product(*ranges))
+        ranges = [range(getattr(self, a)) if a in varying else [c[a]] for a in self._axes]
+        return sorted(self.rank(**dict(zip(self._axes, point)))
+                      for point in itertools.product(*ranges))
 
     def embedding_groups(self) -> List[List[int]]:
         """First and last pipeline stage of each pipeline group (they share tied embeddings)."""
@@ -140,12 +163,14 @@ class Topology:
 
     def describe(self) -> str:
         """The whole layout as text: each rank's coordinates, then each group's ranks."""
-        lines = [f"world size {self.world_size}: tp={self.tp} dp={self.dp} pp={self.pp}, "
-                 f"order {self.order} (leftmost varies fastest)", "", "rank coords"]
+        shown = [a for a in AXES if a in self._axes]
+        sizes = " ".join(f"{a}={getattr(self, a)}" for a in shown)
+        lines = [f"world size {self.world_size}: {sizes}, "
+                 f"order {'-'.join(self._axes)} (leftmost varies fastest)", "", "rank coords"]
         for r in range(self.world_size):
             c = self.coords(r)
-            lines.append(f"{r:4d} " + " ".join(f"{a}={c[a]}" for a in AXES))
-        for axes in STANDARD_GROUPS:
+            lines.append(f"{r:4d} " + " ".join(f"{a}={c[a]}" for a in shown))
+        for axes in STANDARD_GROUPS + (CONTEXT_GROUPS if "cp" in self._axes else ()):
             lines += ["", f"{axes} groups (size {self.size(axes)}):"]
             lines += [f"  {g}" for g in self.groups(axes)]
         lines += ["", "embedding groups (first + last pipeline stage):"]
@@ -177,16 +202,21 @@ class ProcessGroups:
         if dist.get_world_size() != topology.world_size:
             raise ValueError(
                 f"the job has {dist.get_world_size()} ranks but the topology needs "
-                f"tp*dp*pp = {topology.world_size}: fix the parallel sizes or the launch")
+                f"tp*cp*dp*pp = {topology.world_size}: fix the parallel sizes or the launch")
         self.topology = topology
         self.rank = rank
         self.coords = topology.coords(rank)
         self._groups: Dict[str, object] = {}
         self._ranks: Dict[str, List[int]] = {}
         self.timeout = timeout
-        names = list(dict.fromkeys(list(STANDARD_GROUPS) + list(extra)))
+        context = CONTEXT_GROUPS if topology.cp > 1 else ()
+        names = list(dict.fromkeys(list(STANDARD_GROUPS) + list(context) + list(extra)))
         for name in names:
             self._create(dist, name, topology.groups(name), backend)
+        if topology.cp == 1:  # without cp the model is shared by dp alone: no extra groups
+            for name, same in (("dp-cp", "dp"), ("tp-cp", "tp")):
+                self._groups.setdefault(name, self._groups[same])
+                self._ranks.setdefault(name, self._ranks[same])
         self._create(dist, "embedding", topology.embedding_groups(), backend)
         self._create(dist, "position_embedding",
                      [[g[0]] for g in topology.groups("pp")], backend)
@@ -222,6 +252,11 @@ class ProcessGroups:
             return groups[name]
         raise AttributeError(f"no process group {name!r}; created: {sorted(groups)}")
 
+    @property
+    def cp_group(self):
+        """The context-parallel group, or None when the job has no context parallelism."""
+        return self._groups.get("cp") if self.topology.cp > 1 else None
+
     def ranks(self, name: str) -> List[int]:
         """Global ranks of this rank's group `name` (empty if it is in none)."""
         return self._ranks[name]
@@ -242,6 +277,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="tensor-parallel size (default: %(default)s)")
     parser.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1,
                         dest="pp", help="pipeline-parallel size (default: %(default)s)")
+    parser.add_argument("--cp", "--context-parallel-size", type=int, default=1, dest="cp",
+                        help="context-parallel size (default: %(default)s)")
     parser.add_argument("--order", default=DEFAULT_ORDER,
                         help="axes from fastest- to slowest-varying rank index (default: %(default)s)")
     parser.add_argument("--ep", "--expert-model-parallel-size", type=int, default=1, dest="ep",
@@ -254,7 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         topo = Topology.from_world_size(args.world_size, tp=args.tp, pp=args.pp,
-                                        order=args.order)
+                                        order=args.order, cp=args.cp)
         expert = ExpertTopology(topo, ep=args.ep, etp=args.etp)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")

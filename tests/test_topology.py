@@ -97,7 +97,7 @@ def test_dp_is_derived_from_world_size():
     (dict(world_size=8, tp=0), "tp must be a positive integer, got 0"),
     (dict(world_size=8, pp=-2), "pp must be a positive integer, got -2"),
     (dict(world_size=8, order="tp-dp-pp-xx"), "unknown axis ['xx']"),
-    (dict(world_size=8, order="tp-cp-dp-pp"), "unknown axis ['cp']"),
+    (dict(world_size=8, order="tp-ep-dp-pp"), "unknown axis ['ep']"),
     (dict(world_size=8, order="tp-dp"), "must name each of tp, dp, pp exactly once"),
 ])
 def test_bad_sizes_raise_clear_errors(kwargs, message):

@@ -1,11 +1,12 @@
-"""The expert layers' view of the ranks: etp x ep x edp over the ranks that tp x dp cover.
+"""The expert layers' view of the ranks: etp x ep x edp over the ranks that tp x cp x dp cover.
 
 Megatron-Core splits the ranks of one pipeline stage twice: dense layers into tp x dp (x cp),
 expert layers into expert-tensor-parallel (etp, --expert-tensor-parallel-size, default tp) x
-expert-parallel (ep, --expert-model-parallel-size) x expert-data-parallel (edp = tp*dp /
-(etp*ep)); pp is shared. The expert grid keeps the dense order with tp -> etp and dp -> ep-edp
-(ep varies faster than edp), which is Megatron-Core's RankGenerator with "ep" right before "dp"
-in its order ("tp-cp-ep-dp-pp" by default): the same ranks form the same groups.
+expert-parallel (ep, --expert-model-parallel-size) x expert-data-parallel (edp = tp*cp*dp /
+(etp*ep)); pp is shared. The expert grid keeps the dense order with tp -> etp, cp folded away
+and dp -> ep-edp (ep varies faster than edp), which is Megatron-Core's expert RankGenerator
+(cp=1, "ep" right before "dp" in its order, "tp-cp-ep-dp-pp" by default): the same ranks form
+the same groups.
 
 Pure rank math like `Topology`; `ProcessGroups(..., expert=ExpertTopology(...))` creates the
 groups "ep", "etp", "edp" and "etp-ep" (the expert model-parallel group).
@@ -20,7 +21,7 @@ from gigatron.parallel.topology import Topology
 EXPERT_AXES = ("etp", "ep", "edp", "pp")
 # the groups an expert-parallel job creates, in creation order (every rank the same)
 EXPERT_GROUPS = ("ep", "etp", "edp", "etp-ep")
-_FROM_DENSE = {"tp": ("etp",), "dp": ("ep", "edp"), "pp": ("pp",)}
+_FROM_DENSE = {"tp": ("etp",), "cp": (), "dp": ("ep", "edp"), "pp": ("pp",)}
 _FLAGS = "--expert-model-parallel-size / --expert-tensor-parallel-size"
 
 
@@ -49,12 +50,13 @@ class ExpertTopology:
                            ("--expert-tensor-parallel-size", etp)):
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{flag} must be a positive integer, got {size!r}")
-        stage = self.dense.tp * self.dense.dp
+        stage = self.dense.tp * self.dense.cp * self.dense.dp
         if stage % (etp * self.ep):
             raise ValueError(
                 f"expert tensor x expert model parallel = {etp} x {self.ep} = {etp * self.ep} "
-                f"does not divide the {stage} ranks of a pipeline stage (tensor x data parallel "
-                f"= {self.dense.tp} x {self.dense.dp}): change {_FLAGS} or the launch size")
+                f"does not divide the {stage} ranks of a pipeline stage (tensor x context x "
+                f"data parallel = {self.dense.tp} x {self.dense.cp} x {self.dense.dp}): change "
+                f"{_FLAGS} or the launch size")
         object.__setattr__(self, "etp", etp)
         object.__setattr__(self, "edp", stage // (etp * self.ep))
         axes = tuple(a for dense_axis in self.dense.axes for a in _FROM_DENSE[dense_axis])

@@ -83,8 +83,9 @@ def zero_groups_from(groups: "ProcessGroups") -> ZeroGroups:
     except KeyError:  # middle pipeline stages hold no tied embedding
         embedding = None
     expert_dp = groups["edp"] if groups.expert is not None else None
-    return ZeroGroups(dp=groups.dp, tp=groups.tp, embedding=embedding, expert_dp=expert_dp,
-                      tp_rank=groups.index("tp"),
+    # context-parallel ranks share the model too: dense grads are reduced over dp x cp
+    return ZeroGroups(dp=groups["dp-cp"], tp=groups.tp, embedding=embedding,
+                      expert_dp=expert_dp, tp_rank=groups.index("tp"),
                       pp_rank=groups.index("pp"), pp_size=groups.size("pp"))
 
 

@@ -162,7 +162,8 @@ def _launch_fits(s: Settings, launch: Optional["LaunchEnv"], p: Problems) -> boo
     p.run(check_local_rank, s.parallel.local_rank, launch.local_rank, launch.launcher)
     n = len(p.lines)
     if launch.launcher == "none":
-        p.run(require_world_size, launch, s.parallel.tp * s.parallel.pp)
+        p.run(require_world_size, launch,
+              s.parallel.tp * s.parallel.context_parallel_size * s.parallel.pp)
     return len(p.lines) == n
 
 
@@ -174,6 +175,7 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
     how this process was started, checked too (pretrain_gpt.py's ranks)."""
     from gigatron.training.config.features import check_operational
     from gigatron.training.config.megatron.model import build_model_config
+    from gigatron.training.config.megatron.context_parallel import context_parallel_problems
     from gigatron.training.config.megatron.moe import expert_parallel_problems
     from gigatron.training.config.megatron.schedule import build_lr_schedule, training_length
     from gigatron.training.config.validation import (check_checkpointing, check_data,
@@ -182,8 +184,8 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
                                                      data_parallel_size, microbatches)
 
     p = Problems()
-    dp = p.run(data_parallel_size, world_size, s.parallel.tp, s.parallel.pp) \
-        if _launch_fits(s, launch, p) else None
+    dp = p.run(data_parallel_size, world_size, s.parallel.tp, s.parallel.pp,
+               s.parallel.context_parallel_size) if _launch_fits(s, launch, p) else None
     check_parallel(s, p)
     check_data(s.data, p)
     named = tokenizer is not None
@@ -196,6 +198,7 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
         else (None, None)
     length = training_length(s, micro_times_dp, global_batch, p, seq)
     expert_parallel_problems(s, dp, _num_experts(s, model), p)
+    context_parallel_problems(s, model, p)
     parallel = ParallelConfig(**{**dataclasses.asdict(s.parallel), "dp": dp or 1,
                                  "sequence_parallel": s.parallel.sequence_parallel and
                                  s.parallel.tp > 1,

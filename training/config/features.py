@@ -63,9 +63,6 @@ def check_operational(s: "Settings", p: "Problems",
         p.add(f"--ds-sequence-parallel-size {sequence_parallel_size}: Megatron-"
               f"DeepSpeed's Ulysses sequence parallelism is not supported: use 1, or "
               f"--sequence-parallel with --tensor-model-parallel-size > 1")
-    if parallel.context_parallel_size != 1:
-        p.add(f"--context-parallel-size {parallel.context_parallel_size}: context parallelism "
-              f"is not supported; use 1")
     if parallel.no_pipeline_parallel and parallel.pp > 1:
         p.add("--no-pipeline-parallel contradicts --pipeline-model-parallel-size "
               f"{parallel.pp}: drop one")

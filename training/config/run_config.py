@@ -54,8 +54,15 @@ class ParallelConfig:
         10.0, "timeout of collectives before a hung rank is reported",
         "--distributed-timeout-minutes")
     context_parallel_size: int = setting(
-        1, "context-parallel size: only 1 (no context parallelism) is supported",
+        1, "context-parallel size: ranks that split each sequence (Megatron-Core's causal "
+        "load-balanced split, rank i holding chunks i and 2cp-1-i); they share the model, "
+        "whose gradients are reduced over data x context parallel ranks",
         "--context-parallel-size")
+    cp_comm_type: str = setting(
+        "p2p", "attention under context parallelism: p2p (ring of key/value blocks), "
+        "all_gather (gather the keys/values) or a2a (DeepSpeed-Ulysses: all-to-all to a "
+        "split of the heads; heads per tensor-parallel rank divisible by cp); a2a+p2p is "
+        "refused", "--cp-comm-type", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
     no_pipeline_parallel: bool = setting(
         False, "Megatron-DeepSpeed's non-pipeline engine: accepted with "
         "--pipeline-model-parallel-size 1 (gigatron runs pp 1 without pipelining)",
@@ -71,7 +78,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.context_parallel_size * self.pp * self.dp
 
 
 @dataclass(frozen=True)

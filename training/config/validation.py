@@ -77,15 +77,16 @@ class Problems:
             raise ConfigError(self.lines)
 
 
-def data_parallel_size(world_size: int, tp: int, pp: int) -> int:
-    """dp = world / (tp x pp), as Megatron derives it from the launch size (the topology's
-    rule and message)."""
+def data_parallel_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+    """dp = world / (tp x cp x pp), as Megatron derives it from the launch size (the
+    topology's rule and message)."""
     from gigatron.parallel.topology import Topology
 
-    for dest, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+    for dest, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                       ("context_parallel_size", cp)):
         if size < 1:
             raise ValueError(f"{flag_name(dest)} must be >= 1, got {size}")
-    return Topology.from_world_size(world_size, tp=tp, pp=pp).dp
+    return Topology.from_world_size(world_size, tp=tp, pp=pp, cp=cp).dp
 
 
 def check_parallel(s: "Settings", p: Problems) -> None:

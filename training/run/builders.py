@@ -40,14 +40,15 @@ def partition(run: RunConfig) -> "PipelinePartition":
 
 
 def build_process_groups(run: RunConfig, rank: int, timeout: timedelta) -> "ProcessGroups":
-    """This rank's process groups: tp, dp, pp, and with --num-experts the expert groups
-    (ep, etp, edp: parallel/expert/topology.py) from --expert-model-parallel-size and
+    """This rank's process groups: tp, dp, pp (with --context-parallel-size also cp, dp-cp,
+    tp-cp), and with --num-experts the expert groups (ep, etp, edp:
+    parallel/expert/topology.py) from --expert-model-parallel-size and
     --expert-tensor-parallel-size."""
     from gigatron.parallel.expert.topology import ExpertTopology
     from gigatron.parallel.topology import ProcessGroups, Topology
 
     p = run.parallel
-    topology = Topology(tp=p.tp, dp=p.dp, pp=p.pp)
+    topology = Topology(tp=p.tp, dp=p.dp, pp=p.pp, cp=p.context_parallel_size)
     expert = None
     if run.model.num_moe_experts is not None:
         expert = ExpertTopology(topology, ep=p.ep, etp=p.etp)
@@ -76,7 +77,8 @@ def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
 
     chunks = build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
                    seed=run.train.seed, device=device,
-                   dispatcher_factory=dispatcher_factory(run, groups))
+                   dispatcher_factory=dispatcher_factory(run, groups),
+                   cp_group=groups.cp_group, cp_comm_type=run.parallel.cp_comm_type)
     recipe = fp8_recipe(run.settings.fp8)
     if recipe is not None:
         apply_fp8(chunks, recipe, fp8_amax_group(groups))
@@ -181,8 +183,8 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
 
     m, p, mbs = run.model, run.parallel, run.train.micro_batch_size
     assert mbs is not None  # resolved by arguments.build_run
-    shape = p2p_tensor_shape(m.seq_length, mbs, m.hidden_size, p.tp,
-                             p.sequence_parallel)
+    shape = p2p_tensor_shape(m.seq_length // p.context_parallel_size, mbs, m.hidden_size,
+                             p.tp, p.sequence_parallel)
     p2p = PipelineP2P(shape, m.params_dtype, device, groups.pp, rank=groups.rank)
     pp_rank, v = groups.index("pp"), len(chunks)
     executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
@@ -225,9 +227,11 @@ def build_datasets(run: RunConfig,
 
 def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_samples: int,
                   dp_rank: int, device: torch.device,
-                  pipeline: Pipeline) -> Optional[Iterator[dict]]:
+                  pipeline: Pipeline, cp_rank: int = 0) -> Optional[Iterator[dict]]:
     """This rank's micro-batches (executor keys), from `consumed_samples` on; None if the
-    split is empty. Ranks of middle pipeline stages get empty dicts (they read nothing)."""
+    split is empty. Ranks of middle pipeline stages get empty dicts (they read nothing).
+    Under context parallelism the cp ranks of a data-parallel rank read the same samples
+    and keep their context-parallel rank `cp_rank`'s chunks of each."""
     from gigatron.data.samplers import build_pretraining_data_loader
 
     if dataset is None:
@@ -240,7 +244,7 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
                                            run.parallel.dp,
                                            num_workers=run.train.num_workers,
                                            seed=run.train.seed)
-    return _to_executor(loader, device, pipeline)
+    return _to_executor(loader, device, pipeline, run.parallel.context_parallel_size, cp_rank)
 
 
 def _empty_batches() -> Iterator[dict]:
@@ -248,7 +252,8 @@ def _empty_batches() -> Iterator[dict]:
         yield {}
 
 
-def _to_executor(loader, device: torch.device, pipeline: Pipeline) -> Iterator[dict]:
+def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
+                 cp_rank: int = 0) -> Iterator[dict]:
     for batch in loader:
         out = {}
         if pipeline.needs_inputs:
@@ -257,4 +262,17 @@ def _to_executor(loader, device: torch.device, pipeline: Pipeline) -> Iterator[d
         if pipeline.needs_labels:
             out["labels"] = batch["labels"].to(device)
             out["loss_mask"] = batch["loss_mask"].to(device)
-        yield out
+        yield out if cp == 1 else context_parallel_shard(out, cp, cp_rank)
+
+
+def context_parallel_shard(batch: Dict[str, torch.Tensor], cp: int,
+                           cp_rank: int) -> Dict[str, torch.Tensor]:
+    """`cp_rank`'s load-balanced chunks of a micro-batch's [b, s] tensors (position ids stay
+    the global ones), with the whole sequence's loss-token count / cp (models/losses.py)."""
+    from gigatron.parallel.context.split import split_for_rank
+
+    out = {key: split_for_rank(value, cp, cp_rank, seq_dim=1) for key, value in batch.items()}
+    if "loss_mask" in batch:
+        total = batch["loss_mask"].sum().clamp(min=1).to(torch.float32)
+        out["loss_tokens_share"] = total / cp
+    return out

@@ -125,6 +125,11 @@ def max_over_ranks(s: Session, values: Sequence[float]) -> List[float]:
     return terms.tolist()
 
 
+def cp_rank(s: Session) -> int:
+    """This rank's index in its context-parallel group (0 without context parallelism)."""
+    return s.groups.index("cp") if s.groups.cp_group is not None else 0
+
+
 def _next_batches(it: Iterator[dict], n: int, timers: Optional[Timers] = None) -> List[dict]:
     if timers is not None:
         timers.start("data")
@@ -146,7 +151,7 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
                      s.run.settings.decoupled_lr)
     s.zero.zero_grad()
     divisor = loss_divisor(s.pipeline.needs_labels and per_token_loss(s.run), batches,
-                           s.groups.dp)  # --calculate-per-token-loss: global token count
+                           s.groups["dp-cp"])  # --calculate-per-token-loss: global tokens
     losses = s.pipeline.executor.run(s.pipeline.train_schedule_for(len(batches)), batches,
                                      loss_scale=s.zero.loss_scale, loss_divisor=divisor)
     s.grad_sync.finish_sync()
@@ -156,8 +161,8 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     s.timers.stop("optimizer")
     if s.moe is not None:
         s.moe.after_step(s.pipeline.executor.aux_losses, len(batches))
-    return StepOutcome(step_loss(losses, divisor, batches, s.groups.dp), lr, step.grad_norm,
-                       step.loss_scale, step.skipped)
+    return StepOutcome(step_loss(losses, divisor, batches, s.groups["dp-cp"]), lr,
+                       step.grad_norm, step.loss_scale, step.skipped)
 
 
 def advance(progress: TrainProgress, outcome: StepOutcome, global_batch_size: int) -> None:
@@ -178,10 +183,11 @@ def evaluate(s: Session, split: int, consumed: int, iterations: int,
     dataset = s.datasets[split]
     if dataset is None or iterations == 0:
         return None
-    it = micro_batches(s.run, dataset, consumed, s.groups.index("dp"), s.device, s.pipeline)
+    it = micro_batches(s.run, dataset, consumed, s.groups.index("dp"), s.device, s.pipeline,
+                       cp_rank(s))
     for chunk in s.chunks:
         chunk.eval()
-    terms = EvalLoss(s.pipeline.needs_labels and per_token_loss(s.run), s.groups.dp)
+    terms = EvalLoss(s.pipeline.needs_labels and per_token_loss(s.run), s.groups["dp-cp"])
     timed = dict(s.timers.elapsed)  # eval forwards are not the step's
     shown = s.logger.loop_progress(label, iterations)
     try:
@@ -356,7 +362,7 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
     changes the micro-batch count, a checkpoint is saved first (as Megatron does)."""
     t, ck = s.run.train, s.run.checkpoint
     it = micro_batches(s.run, s.datasets[0], progress.consumed_train_samples,
-                       s.groups.index("dp"), s.device, s.pipeline)
+                       s.groups.index("dp"), s.device, s.pipeline, cp_rank(s))
     exit_signal = ExitSignal(t.exit_signal_handler)
     _start_nonfinite_watch(s, progress)
     s.moe = moe_training(s.chunks, s.run.model, s.groups.dp,

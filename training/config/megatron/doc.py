@@ -82,9 +82,12 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
       "--decode-only-cuda-graphs", "--delay-offload-until-cuda-graph"),
      "CUDA graphs are not used"),
     (("--mtp-",), "multi-token prediction is not implemented"),
-    (("--context-parallel", "--cp-comm", "--hierarchical-context", "--hybrid-context",
-      "--max-seqlen-per-dp-cp", "--ds-sequence-parallel", "--force-ds-sequence-parallel"),
-     "context (sequence-dimension) parallelism is not implemented: tp, pp, dp and ZeRO are"),
+    (("--hierarchical-context", "--hybrid-context", "--max-seqlen-per-dp-cp"),
+     "hierarchical (a2a+p2p) and hybrid context parallelism are not implemented: "
+     "--context-parallel-size with --cp-comm-type p2p, all_gather or a2a is"),
+    (("--ds-sequence-parallel", "--force-ds-sequence-parallel"),
+     "DeepSpeed-Ulysses sequence parallelism is --context-parallel-size with "
+     "--cp-comm-type a2a"),
     (("--mamba", "--hybrid-", "--is-hybrid", "--gdp-", "--linear-", "--spec", "--mhc-",
       "--enable-mhc", "--mlp-chunks"), "Mamba, hybrid and custom layer specs are not implemented"),
     (("--mup", "--use-mup"), "muP parametrisation is not implemented"),

@@ -1,0 +1,47 @@
+"""Megatron-Core's context-parallel flags checked against the model: one line per problem.
+
+--context-parallel-size splits each sequence over cp ranks (parallel/context/split.py's
+load-balanced chunks); --cp-comm-type picks how the attention sees the other ranks' keys and
+values (parallel/context/attention.py). What the split cannot do is refused here, before any
+process group exists.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from gigatron.models.config import TransformerConfig
+    from gigatron.training.config.settings import Settings
+    from gigatron.training.config.validation import Problems
+
+_FLAG = "--context-parallel-size"
+
+
+def context_parallel_problems(s: "Settings", model: Optional["TransformerConfig"],
+                              p: "Problems") -> None:
+    """Lines for the context-parallel layouts the model or the other flags cannot run."""
+    from gigatron.parallel.context.split import check_context_parallel
+
+    cp, comm_type, tp = (s.parallel.context_parallel_size, s.parallel.cp_comm_type,
+                         s.parallel.tp)
+    if comm_type == "a2a+p2p":
+        p.add("--cp-comm-type a2a+p2p (hierarchical context parallelism, with "
+              "--hierarchical-context-parallel-sizes) is not supported: use p2p, all_gather "
+              "or a2a")
+        return
+    if cp == 1 or model is None:
+        return
+    heads = model.num_attention_heads
+    p.run(check_context_parallel, model.seq_length, cp, heads, model.num_query_groups,
+          "p2p" if comm_type == "a2a" else comm_type)
+    if comm_type == "a2a" and heads % tp == 0 and (heads // tp) % cp:
+        p.add(f"--cp-comm-type a2a splits each tensor-parallel rank's heads over cp, but "
+              f"--num-attention-heads {heads} / --tensor-model-parallel-size {tp} = "
+              f"{heads // tp} is not divisible by {_FLAG} {cp}: pick a cp that divides it, or "
+              f"--cp-comm-type p2p")
+    if model.attention_dropout:
+        p.add(f"--attention-dropout {model.attention_dropout} with {_FLAG} {cp}: attention "
+              f"dropout under context parallelism is not supported; set --attention-dropout 0")
+    if model.num_moe_experts is not None:
+        p.add(f"--num-experts with {_FLAG} {cp}: mixture-of-experts layers under context "
+              f"parallelism are not supported yet; use {_FLAG} 1")
