@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
-from .schedules import (BATCH_FLAGS, PP_FLAG, VIRTUAL_FLAG, Backward, Forward, Instruction,
+from .schedules import (BATCH_FLAGS, PP_FLAG, VIRTUAL_FLAG, Backward, Forward, Instruction, WeightGrad,
                         build_schedule)
 from .simulate import simulate
 
 
 def _cell(step: Instruction, virtual_chunks: int, width: int) -> str:
-    assert isinstance(step, (Forward, Backward)), step  # simulate() times only compute steps
-    letter = "F" if isinstance(step, Forward) else "B"
+    letter = {Forward: "F", Backward: "B", WeightGrad: "W"}[type(step)]
     chunk = f"{'abcdefghijklmnopqrstuvwxyz'[step.chunk]}" if virtual_chunks > 1 else ""
     return f"{letter}{step.microbatch}{chunk}".ljust(width)[:width]
 

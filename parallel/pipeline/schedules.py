@@ -8,9 +8,18 @@ schedules: compute and point-to-point messages. What every training step does af
 order, so the executor owns no optimizer.
 
 Instructions name a micro-batch and a model chunk (virtual pipeline stage on this rank):
-`Forward`, `Backward`, and the point-to-point messages around them. Virtual stage
-(chunk c, rank r) is stage c * pp + r of the model; activations flow to the next virtual
-stage (rank r+1, or rank 0 of chunk c+1 after the last rank) and grads flow back.
+`Forward`, `Backward`, `WeightGrad` and the point-to-point messages around them. Where chunks
+sit is the schedule's placement: "loop" (1F1B, interleaved) puts virtual stage c * pp + r on
+(chunk c, rank r), activations flowing to rank r+1, or rank 0 of chunk c+1 after the last
+rank; "v" (zbv) puts chunk 0 on ranks 0..pp-1 and chunk 1 back on ranks pp-1..0, so rank r
+holds stages r and 2pp-1-r, the loss is on rank 0, and the activation from chunk 0 to chunk 1
+on the last rank stays local (no message). Grads flow back the same way.
+
+Split backward (the zero-bubble schedules, Qi et al. 2023): a `Backward` followed later in
+the same rank's list by a `WeightGrad` of the same (microbatch, chunk) computes only the
+input gradient (B, what the previous stage waits for); the `WeightGrad` (W) computes the
+weight gradients, and the activations it needs are held until it runs. A `Backward` with no
+`WeightGrad` after it (1F1B, interleaved: they emit none) is the full backward, as before.
 Consecutive communication instructions form ONE batched isend/irecv (`comm_batches`), the
 way Megatron pairs "send forward, receive backward": a rank's sends after a compute step
 and the receives its next compute step needs are posted together, so neighbours never wait
@@ -24,6 +33,8 @@ from typing import List, Sequence, Tuple, Union
 PP_FLAG = "--pipeline-model-parallel-size"
 VIRTUAL_FLAG = "--num-layers-per-virtual-pipeline-stage"
 BATCH_FLAGS = "--global-batch-size / (--micro-batch-size x data-parallel size)"
+SCHEDULE_FLAG = "--pipeline-schedule"
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,7 @@ class ScheduleNames:
     pp: str = PP_FLAG
     virtual: str = VIRTUAL_FLAG
     fix: str = f"change --global-batch-size or drop {VIRTUAL_FLAG}"
+    schedule: str = SCHEDULE_FLAG
 
 
 FLAG_NAMES = ScheduleNames()
@@ -49,6 +61,13 @@ class Forward:
 @dataclass(frozen=True)
 class Backward:
     """Backward of (microbatch, chunk): from the loss or the received output grad."""
+    microbatch: int
+    chunk: int
+
+
+@dataclass(frozen=True)
+class WeightGrad:
+    """Weight gradients of (microbatch, chunk), after its input-gradient `Backward` (split)."""
     microbatch: int
     chunk: int
 
@@ -81,35 +100,65 @@ class SendGrad:
     chunk: int
 
 
-Compute = Union[Forward, Backward]
+Compute = Union[Forward, Backward, WeightGrad]
 Communication = Union[RecvActivation, SendActivation, RecvGrad, SendGrad]
 Instruction = Union[Compute, Communication]
 COMMUNICATION = (RecvActivation, SendActivation, RecvGrad, SendGrad)
 
 
-def is_first_stage(pp_rank: int, chunk: int) -> bool:
+def placement_of(schedule: str) -> str:
+    """Where a schedule puts its chunks: "v" for zbv, "loop" for the others."""
+    return "v" if schedule == "zbv" else "loop"
+
+
+def virtual_stage(pp_rank: int, chunk: int, pp_size: int, placement: str = "loop") -> int:
+    """Which stage of the model (chunk, rank) holds: the V runs odd chunks backwards."""
+    if placement == "v" and chunk % 2:
+        return chunk * pp_size + pp_size - 1 - pp_rank
+    return chunk * pp_size + pp_rank
+
+
+def stage_position(stage: int, pp_size: int, placement: str = "loop") -> Tuple[int, int]:
+    """(pipeline rank, chunk) holding virtual stage `stage`: the inverse of virtual_stage."""
+    chunk, within = divmod(stage, pp_size)
+    if placement == "v" and chunk % 2:
+        return pp_size - 1 - within, chunk
+    return within, chunk
+
+
+def is_first_stage(pp_rank: int, chunk: int, pp_size: int = 1, placement: str = "loop") -> bool:
     """The virtual stage holding the embedding (its forward reads the batch)."""
-    return pp_rank == 0 and chunk == 0
+    return virtual_stage(pp_rank, chunk, pp_size, placement) == 0
 
 
-def is_last_stage(pp_rank: int, chunk: int, pp_size: int, virtual_chunks: int) -> bool:
+def is_last_stage(pp_rank: int, chunk: int, pp_size: int, virtual_chunks: int,
+                  placement: str = "loop") -> bool:
     """The virtual stage holding the output layer and the loss."""
-    return pp_rank == pp_size - 1 and chunk == virtual_chunks - 1
+    return (chunk == virtual_chunks - 1 and
+            virtual_stage(pp_rank, chunk, pp_size, placement) == pp_size * virtual_chunks - 1)
 
 
-def peer(op: Communication, pp_rank: int, pp_size: int) -> Tuple[int, int]:
+def peer(op: Communication, pp_rank: int, pp_size: int,
+         placement: str = "loop") -> Tuple[int, int]:
     """(pipeline rank, chunk) at the other end of a message."""
-    if isinstance(op, (SendActivation, RecvGrad)):  # towards the next virtual stage
-        return (pp_rank + 1) % pp_size, op.chunk + (1 if pp_rank == pp_size - 1 else 0)
-    return (pp_rank - 1) % pp_size, op.chunk - (1 if pp_rank == 0 else 0)
+    step = 1 if isinstance(op, (SendActivation, RecvGrad)) else -1  # towards the next stage
+    return stage_position(virtual_stage(pp_rank, op.chunk, pp_size, placement) + step,
+                          pp_size, placement)
 
 
-def message_boundary(op: Communication, pp_rank: int, pp_size: int) -> int:
+def message_boundary(op: Communication, pp_rank: int, pp_size: int,
+                     placement: str = "loop") -> int:
     """Which stage boundary a message crosses: b for the output of virtual stage b (an
     activation sent to stage b + 1, or the grad received back for it). Both ends of a
     message compute the same number, so messages of variable shape can be told apart."""
-    stage = op.chunk * pp_size + pp_rank
+    stage = virtual_stage(pp_rank, op.chunk, pp_size, placement)
     return stage if isinstance(op, (SendActivation, RecvGrad)) else stage - 1
+
+
+def is_local(op: Communication, pp_rank: int, pp_size: int, placement: str) -> bool:
+    """A message between two chunks of one rank that the V placement keeps local (no p2p);
+    the loop placement (pp = 1 interleaved) keeps its buffered messages to itself."""
+    return placement == "v" and peer(op, pp_rank, pp_size, placement)[0] == pp_rank
 
 
 def check_num_microbatches(num_microbatches: int, pp_size: int, virtual_chunks: int,
@@ -133,22 +182,31 @@ def check_num_microbatches(num_microbatches: int, pp_size: int, virtual_chunks: 
 
 
 def _with_communication(pp_rank: int, pp_size: int, virtual_chunks: int,
-                        groups: Sequence[Sequence[Compute]]) -> List[Instruction]:
+                        groups: Sequence[Sequence[Compute]],
+                        placement: str = "loop") -> List[Instruction]:
     """Between compute groups, one batch: the sends of the group before and the receives
     the group after needs (Megatron's send-forward-recv-backward pairing)."""
     def needs(step: Compute) -> List[Communication]:
         if isinstance(step, Forward):
-            first = is_first_stage(pp_rank, step.chunk)
-            return [] if first else [RecvActivation(step.microbatch, step.chunk)]
-        last = is_last_stage(pp_rank, step.chunk, pp_size, virtual_chunks)
-        return [] if last else [RecvGrad(step.microbatch, step.chunk)]
+            first = is_first_stage(pp_rank, step.chunk, pp_size, placement)
+            ops = [] if first else [RecvActivation(step.microbatch, step.chunk)]
+        elif isinstance(step, Backward):
+            last = is_last_stage(pp_rank, step.chunk, pp_size, virtual_chunks, placement)
+            ops = [] if last else [RecvGrad(step.microbatch, step.chunk)]
+        else:
+            ops = []
+        return [op for op in ops if not is_local(op, pp_rank, pp_size, placement)]
 
     def gives(step: Compute) -> List[Communication]:
         if isinstance(step, Forward):
-            last = is_last_stage(pp_rank, step.chunk, pp_size, virtual_chunks)
-            return [] if last else [SendActivation(step.microbatch, step.chunk)]
-        first = is_first_stage(pp_rank, step.chunk)
-        return [] if first else [SendGrad(step.microbatch, step.chunk)]
+            last = is_last_stage(pp_rank, step.chunk, pp_size, virtual_chunks, placement)
+            ops = [] if last else [SendActivation(step.microbatch, step.chunk)]
+        elif isinstance(step, Backward):
+            first = is_first_stage(pp_rank, step.chunk, pp_size, placement)
+            ops = [] if first else [SendGrad(step.microbatch, step.chunk)]
+        else:
+            ops = []
+        return [op for op in ops if not is_local(op, pp_rank, pp_size, placement)]
 
     out: List[Instruction] = []
     pending: List[Communication] = []
@@ -244,9 +302,34 @@ def interleaved_one_f_one_b(pp_rank: int, pp_size: int, num_microbatches: int,
     return _finish(pp_rank, pp_size, virtual_chunks, groups, forward_only)
 
 
+def check_schedule_choice(schedule: str, pp_size: int, num_microbatches: int,
+                          virtual_chunks: int, names: ScheduleNames = FLAG_NAMES) -> None:
+    """Raise a ValueError naming the flags when `schedule` cannot run this layout."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{names.schedule} {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if schedule == "interleaved" and virtual_chunks < 2:
+        raise ValueError(f"{names.schedule} interleaved needs 2 or more virtual chunks per "
+                         f"stage: give {names.virtual}, or use {names.schedule} 1f1b")
+    if schedule == "zb-h1" and virtual_chunks != 1:
+        raise ValueError(f"{names.schedule} zb-h1 runs one chunk per stage (got "
+                         f"{virtual_chunks} from {names.virtual}): drop {names.virtual} "
+                         f"or use {names.schedule} zbv")
+    if schedule == "zbv" and virtual_chunks != 2:
+        raise ValueError(f"{names.schedule} zbv places exactly 2 chunks per stage in a V "
+                         f"(got {virtual_chunks} from {names.virtual}): set it to give 2")
+
+
 def build_schedule(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int = 1,
-                   forward_only: bool = False) -> List[Instruction]:
-    """The schedule Megatron would pick: no pipelining, 1F1B, or interleaved 1F1B."""
+                   forward_only: bool = False, schedule: str = "1f1b",
+                   names: ScheduleNames = FLAG_NAMES) -> List[Instruction]:
+    """The schedule by name; "1f1b" is the one Megatron would pick: no pipelining, 1F1B, or
+    interleaved 1F1B (with virtual chunks)."""
+    check_schedule_choice(schedule, pp_size, num_microbatches, virtual_chunks, names)
+    if schedule in ("zb-h1", "zbv"):
+        from .zero_bubble import zb_h1, zbv  # it builds on this module's instructions
+
+        build = zb_h1 if schedule == "zb-h1" else zbv
+        return build(pp_rank, pp_size, num_microbatches, virtual_chunks, forward_only, names)
     if pp_size == 1 and virtual_chunks == 1:
         return no_pipelining(pp_rank, pp_size, num_microbatches, 1, forward_only)
     if virtual_chunks == 1:

@@ -8,16 +8,20 @@ sends and receives completes only once the peer has posted every matching operat
 schedule that passes here cannot deadlock on gloo or NCCL. Messages to oneself (pp = 1 with
 several chunks) are buffered, as the executor does. With a forward of `forward_time` and a
 backward of `backward_time` (communication free) it also yields each rank's time line;
-`render.py` prints it as a text grid so the bubble is visible.
+`render.py` prints it as a text grid so the bubble is visible. A split backward (a Backward
+with its WeightGrad later, see schedules.py) takes `backward_time - weight_time` and its W
+`weight_time` (default: half the backward each), so F = B = W with the defaults 1, 2.
+It then checks the order of the passes across ranks (`check_dependencies`).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .schedules import (Backward, Forward, Instruction, RecvActivation,
-                        SendActivation, SendGrad, comm_batches, peer)
+from .schedules import (Backward, Forward, Instruction, RecvActivation, SendActivation,
+                        SendGrad, WeightGrad, comm_batches, peer, placement_of,
+                        virtual_stage)
 
 
 class ScheduleError(ValueError):
@@ -38,10 +42,15 @@ class SimulationResult:
         """Share of the step this rank sits idle."""
         return 1.0 - self.busy(rank) / self.makespan if self.makespan else 0.0
 
+    def mean_bubble_fraction(self) -> float:
+        """Idle share of the step, mean over ranks (the figure `gigatron schedule` prints)."""
+        return sum(map(self.bubble_fraction, range(len(self.timelines)))) / len(self.timelines)
 
-def _message(op, pp_rank: int, pp_size: int) -> Tuple[Tuple[int, int], tuple]:
+
+def _message(op, pp_rank: int, pp_size: int,
+             placement: str) -> Tuple[Tuple[int, int], tuple]:
     """((sender, receiver), identity) of one communication instruction."""
-    other, other_chunk = peer(op, pp_rank, pp_size)
+    other, other_chunk = peer(op, pp_rank, pp_size, placement)
     if isinstance(op, SendActivation):
         return (pp_rank, other), ("activation", op.microbatch, other_chunk)
     if isinstance(op, RecvActivation):
@@ -54,12 +63,13 @@ def _message(op, pp_rank: int, pp_size: int) -> Tuple[Tuple[int, int], tuple]:
 class _Channels:
     """Posted sends and receives per (sender, receiver), matched in posting order."""
 
-    def __init__(self) -> None:
+    def __init__(self, placement: str) -> None:
+        self.placement = placement
         self.sends: Dict[tuple, list] = defaultdict(list)  # [(identity, post time)]
         self.recvs: Dict[tuple, list] = defaultdict(list)
 
     def post(self, op, pp_rank: int, pp_size: int, now: float) -> Tuple[tuple, bool, int]:
-        channel, identity = _message(op, pp_rank, pp_size)
+        channel, identity = _message(op, pp_rank, pp_size, self.placement)
         is_send = isinstance(op, (SendActivation, SendGrad))
         queue = self.sends[channel] if is_send else self.recvs[channel]
         queue.append((identity, now))
@@ -84,23 +94,42 @@ class _Channels:
         return None
 
 
+def _durations(schedule: Sequence[Instruction], forward_time: float, backward_time: float,
+               weight_time: float) -> Dict[Instruction, float]:
+    """Each compute instruction's time: a Backward whose W comes later is only B."""
+    split = {(op.microbatch, op.chunk) for op in schedule if isinstance(op, WeightGrad)}
+    times: Dict[Instruction, float] = {}
+    for op in schedule:
+        if isinstance(op, Forward):
+            times[op] = forward_time
+        elif isinstance(op, Backward):
+            whole = (op.microbatch, op.chunk) not in split
+            times[op] = backward_time if whole else backward_time - weight_time
+        elif isinstance(op, WeightGrad):
+            times[op] = weight_time
+    return times
+
+
 def simulate(schedules: Sequence[Sequence[Instruction]], forward_time: float = 1.0,
-             backward_time: float = 2.0) -> SimulationResult:
-    """Execute all ranks' schedules (`schedules[pp_rank]`) together; raise on deadlock."""
+             backward_time: float = 2.0, weight_time: Optional[float] = None,
+             placement: str = "loop") -> SimulationResult:
+    """Execute all ranks' schedules (`schedules[pp_rank]`) together; raise on deadlock or
+    on passes out of dependency order."""
     pp_size = len(schedules)
+    weight = backward_time / 2 if weight_time is None else weight_time
+    durations = [_durations(s, forward_time, backward_time, weight) for s in schedules]
     steps = [comm_batches(s) for s in schedules]
     pc, clock = [0] * pp_size, [0.0] * pp_size
     posted: List[list] = [[] for _ in range(pp_size)]  # ops of the batch a rank waits on
     timelines: List[list] = [[] for _ in range(pp_size)]
-    channels = _Channels()
+    channels = _Channels(placement)
     while any(pc[r] < len(steps[r]) for r in range(pp_size)):
         progress = False
         for r in range(pp_size):
             while pc[r] < len(steps[r]):
                 step = steps[r][pc[r]]
                 if not isinstance(step, tuple):
-                    duration = (forward_time if isinstance(step, Forward) else
-                                backward_time if isinstance(step, Backward) else 0.0)
+                    duration = durations[r].get(step, 0.0)
                     if duration:
                         timelines[r].append((clock[r], clock[r] + duration, step))
                     clock[r] += duration
@@ -126,18 +155,51 @@ def simulate(schedules: Sequence[Sequence[Instruction]], forward_time: float = 1
             raise ScheduleError(f"pipeline rank {channel[0]} sends "
                                 f"{len(channels.sends[channel])} messages to {channel[1]}, "
                                 f"which receives {len(channels.recvs[channel])}")
-    return SimulationResult(timelines, max(clock) if clock else 0.0)
+    result = SimulationResult(timelines, max(clock) if clock else 0.0)
+    check_dependencies(result, placement)
+    return result
+
+
+def check_dependencies(result: SimulationResult, placement: str = "loop") -> None:
+    """Raise a ScheduleError unless every pass runs once and after what it needs: F after
+    the previous stage's F, B after its F and the next stage's B, W after its B."""
+    pp_size = len(result.timelines)
+    passes: Dict[tuple, Tuple[float, float]] = {}  # (kind, microbatch, stage) -> (start, end)
+    for rank, timeline in enumerate(result.timelines):
+        for start, end, op in timeline:
+            key = (type(op).__name__, op.microbatch,
+                   virtual_stage(rank, op.chunk, pp_size, placement))
+            if key in passes:
+                raise ScheduleError(f"{key[0]} of micro-batch {key[1]} at stage {key[2]} "
+                                    f"runs twice")
+            passes[key] = (start, end)
+    last = max((stage for _, _, stage in passes), default=0)
+    for (kind, mb, stage), (start, _) in passes.items():
+        if kind == "Forward":
+            needs = [("Forward", mb, stage - 1)] if stage else []
+        elif kind == "Backward":
+            needs = [("Forward", mb, stage)] + ([("Backward", mb, stage + 1)]
+                                                 if stage < last else [])
+        else:
+            needs = [("Backward", mb, stage)]
+        for need in needs:
+            if need not in passes or passes[need][1] > start + 1e-9:
+                raise ScheduleError(f"{kind} of micro-batch {mb} at stage {stage} starts "
+                                    f"before {need[0]} of stage {need[2]} has finished")
 
 
 def simulate_step(pp_size: int, num_microbatches: int, virtual_chunks: int = 1,
-                  forward_time: float = 1.0, backward_time: float = 2.0) -> SimulationResult:
+                  forward_time: float = 1.0, backward_time: float = 2.0,
+                  schedule: str = "1f1b") -> SimulationResult:
     """Every rank's training schedule of one step, simulated together: a chunk's forward
-    takes `forward_time`, its backward `backward_time` (per virtual chunk)."""
+    takes `forward_time`, its backward `backward_time` (per virtual chunk; a split one is
+    half B, half W)."""
     from .schedules import build_schedule
 
-    schedules = [build_schedule(r, pp_size, num_microbatches, virtual_chunks)
-                 for r in range(pp_size)]
-    return simulate(schedules, forward_time, backward_time)
+    schedules = [build_schedule(r, pp_size, num_microbatches, virtual_chunks,
+                                schedule=schedule) for r in range(pp_size)]
+    return simulate(schedules, forward_time, backward_time,
+                    placement=placement_of(schedule))
 
 
 def bubble_overhead(pp_size: int, num_microbatches: int, virtual_chunks: int = 1,
@@ -154,8 +216,9 @@ def bubble_overhead(pp_size: int, num_microbatches: int, virtual_chunks: int = 1
 def peak_in_flight(instructions: Sequence[Instruction],
                    chunk_weights: Sequence[float]) -> Tuple[float, List[int]]:
     """The most activation weight one rank holds at once under its schedule: forwards whose
-    backward has not run yet, each weighted by its chunk's `chunk_weights[chunk]`; returns
-    (peak weight, micro-batches in flight per chunk at that moment)."""
+    backward (its W when split) has not run yet, each weighted by its chunk's
+    `chunk_weights[chunk]`; returns (peak weight, micro-batches in flight per chunk then)."""
+    split = {(op.microbatch, op.chunk) for op in instructions if isinstance(op, WeightGrad)}
     held = [0] * len(chunk_weights)
     peak, at_peak = 0.0, list(held)
     for op in instructions:
@@ -164,6 +227,14 @@ def peak_in_flight(instructions: Sequence[Instruction],
             weight = sum(n * w for n, w in zip(held, chunk_weights))
             if weight > peak:
                 peak, at_peak = weight, list(held)
-        elif isinstance(op, Backward):
+        elif isinstance(op, WeightGrad) or (isinstance(op, Backward) and
+                                            (op.microbatch, op.chunk) not in split):
             held[op.chunk] -= 1
     return peak, at_peak
+
+
+def peak_activations(schedules: Sequence[Sequence[Instruction]], virtual_chunks: int) -> float:
+    """The most micro-batches' activations any rank holds at once, in whole-stage units (a
+    chunk's forward holds 1 / virtual_chunks of a stage's)."""
+    return max(peak_in_flight(s, [1.0 / virtual_chunks] * virtual_chunks)[0]
+               for s in schedules)
