@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`gigatron schedule --pp 4 --num-microbatches 8 --virtual-chunks 2`."""
+    """`gigatron schedule [--schedule zbv] --pp 4 --num-microbatches 8 [--json]`."""
     from gigatron.parallel.pipeline.render import main as render_main
 
     return render_main(argv)
