@@ -161,8 +161,8 @@ NEEDS.update({f.name: "--num-experts 6 --disable-bias-linear"
                                               "--moe-expert-capacity-factor 1.0")
 # flags accepted by the parser whose values other than the default are refused (one line)
 REFUSED = {"use_legacy_models": "--use-legacy-models is not supported",
-           "context_parallel_size": "--context-parallel-size 3: context parallelism is not "
-                                    "supported",
+           "context_parallel_size": "world size 4 is not divisible by tensor x context x "
+                                    "pipeline = 1 x 3 x 1 = 3",
            "ds_sequence_parallel_size": "--ds-sequence-parallel-size 3: Megatron-DeepSpeed's "
                                         "Ulysses sequence parallelism is not supported",
            "fp8_recipe": "--fp8-recipe tensorwise is not emulated",

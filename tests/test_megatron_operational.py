@@ -57,7 +57,10 @@ def test_missing_tensorboard_stops_the_program_before_any_process_group(nothing_
      r"--overlap-param-gather needs the distributed optimizer"),
     ("--overlap-param-gather --use-distributed-optimizer",
      r"--overlap-param-gather needs --overlap-grad-reduce"),
-    ("--context-parallel-size 2", r"context parallelism is not supported; use 1"),
+    ("--context-parallel-size 2 --attention-dropout 0.1",
+     r"--attention-dropout 0.1 with --context-parallel-size 2: attention dropout under context "
+     r"parallelism is not supported"),
+    ("--cp-comm-type a2a+p2p", r"--cp-comm-type a2a\+p2p \(hierarchical"),
     ("--no-pipeline-parallel --pipeline-model-parallel-size 2 --num-layers 2",
      r"--no-pipeline-parallel contradicts --pipeline-model-parallel-size 2"),
     ("--use-legacy-models", r"--use-legacy-models is not supported"),

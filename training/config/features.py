@@ -61,8 +61,8 @@ def check_operational(s: "Settings", p: "Problems",
     sequence_parallel_size = s.implementation.ds_sequence_parallel_size
     if sequence_parallel_size != 1:
         p.add(f"--ds-sequence-parallel-size {sequence_parallel_size}: Megatron-"
-              f"DeepSpeed's Ulysses sequence parallelism is not supported: use 1, or "
-              f"--sequence-parallel with --tensor-model-parallel-size > 1")
+              f"DeepSpeed's Ulysses sequence parallelism is not supported: use 1 (Ulysses is "
+              f"--context-parallel-size N --cp-comm-type a2a)")
     if parallel.no_pipeline_parallel and parallel.pp > 1:
         p.add("--no-pipeline-parallel contradicts --pipeline-model-parallel-size "
               f"{parallel.pp}: drop one")

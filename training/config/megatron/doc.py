@@ -155,7 +155,10 @@ FAMILY_REASONS: Dict[str, str] = {
 }
 GENERIC_REASON = "not implemented in gigatron"
 # flags whose default differs from Megatron's on purpose (flag -> why)
-DIFFERENT_DEFAULTS: Dict[str, str] = {}
+DIFFERENT_DEFAULTS: Dict[str, str] = {
+    "--cp-comm-type": "Megatron-Core takes a list (one comm type per layer); gigatron takes "
+                      "one for every layer: the same p2p default",
+}
 
 
 @functools.lru_cache(maxsize=None)
