@@ -187,6 +187,7 @@ def _with_communication(pp_rank: int, pp_size: int, virtual_chunks: int,
     """Between compute groups, one batch: the sends of the group before and the receives
     the group after needs (Megatron's send-forward-recv-backward pairing)."""
     def needs(step: Compute) -> List[Communication]:
+        ops: List[Communication]
         if isinstance(step, Forward):
             first = is_first_stage(pp_rank, step.chunk, pp_size, placement)
             ops = [] if first else [RecvActivation(step.microbatch, step.chunk)]
@@ -198,6 +199,7 @@ def _with_communication(pp_rank: int, pp_size: int, virtual_chunks: int,
         return [op for op in ops if not is_local(op, pp_rank, pp_size, placement)]
 
     def gives(step: Compute) -> List[Communication]:
+        ops: List[Communication]
         if isinstance(step, Forward):
             last = is_last_stage(pp_rank, step.chunk, pp_size, virtual_chunks, placement)
             ops = [] if last else [SendActivation(step.microbatch, step.chunk)]
@@ -302,8 +304,8 @@ def interleaved_one_f_one_b(pp_rank: int, pp_size: int, num_microbatches: int,
     return _finish(pp_rank, pp_size, virtual_chunks, groups, forward_only)
 
 
-def check_schedule_choice(schedule: str, pp_size: int, num_microbatches: int,
-                          virtual_chunks: int, names: ScheduleNames = FLAG_NAMES) -> None:
+def check_schedule_choice(schedule: str, virtual_chunks: int,
+                          names: ScheduleNames = FLAG_NAMES) -> None:
     """Raise a ValueError naming the flags when `schedule` cannot run this layout."""
     if schedule not in SCHEDULES:
         raise ValueError(f"{names.schedule} {schedule!r} is not one of {', '.join(SCHEDULES)}")
@@ -324,7 +326,7 @@ def build_schedule(pp_rank: int, pp_size: int, num_microbatches: int, virtual_ch
                    names: ScheduleNames = FLAG_NAMES) -> List[Instruction]:
     """The schedule by name; "1f1b" is the one Megatron would pick: no pipelining, 1F1B, or
     interleaved 1F1B (with virtual chunks)."""
-    check_schedule_choice(schedule, pp_size, num_microbatches, virtual_chunks, names)
+    check_schedule_choice(schedule, virtual_chunks, names)
     if schedule in ("zb-h1", "zbv"):
         from .zero_bubble import zb_h1, zbv  # it builds on this module's instructions
 

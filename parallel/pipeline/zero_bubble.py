@@ -54,21 +54,14 @@ class _Ranks:
         mb = self.next[(kind, stage)]
         if mb >= self.m:
             return None
-        if kind == "F":
-            before = ("F", mb, stage - 1)
-        elif stage == self.stages - 1:
-            before = ("F", mb, stage)
-        else:
-            before = ("B", mb, stage + 1)
-        if stage == 0 and kind == "F":
-            return mb
-        if kind == "B" and self.done.get(("F", mb, stage), now + 1) > now:
-            return None
-        return mb if self.done.get(before, now + 1) <= now else None
+        op = Forward(mb, 0) if kind == "F" else Backward(mb, 0)
+        needs = _needs(op, stage, self.stages - 1)
+        return mb if all(self.done.get(need, now + 1) <= now for need in needs) else None
 
     def run(self, rank: int, kind: str, mb: int, stage: int, now: int) -> None:
         chunk = stage_position(stage, self.pp, self.placement)[1]
-        op = {"F": Forward, "B": Backward, "W": WeightGrad}[kind](mb, chunk)
+        op: Compute = (Forward(mb, chunk) if kind == "F" else Backward(mb, chunk)
+                       if kind == "B" else WeightGrad(mb, chunk))
         self.timelines[rank].append((now, op))
         self.done[(kind, mb, stage)] = now + 1
         if kind in "FB":
@@ -140,10 +133,10 @@ def timed(orders: List[List[Compute]], chunks: int, placement: str) -> List[List
             while pc[rank] < len(orders[rank]):
                 op = orders[rank][pc[rank]]
                 stage = virtual_stage(rank, op.chunk, pp_size, placement)
-                ends = [done.get(need) for need in _needs(op, stage, last)]
-                if None in ends:
+                needs = _needs(op, stage, last)
+                if any(need not in done for need in needs):
                     break
-                start = max([clock[rank]] + ends)
+                start = max([clock[rank]] + [done[need] for need in needs])
                 timelines[rank].append((start, op))
                 done[(kind[type(op)], op.microbatch, stage)] = clock[rank] = start + 1
                 pc[rank], progress = pc[rank] + 1, True
@@ -161,6 +154,7 @@ def _messages(timelines: List[List[Timed]], pp_size: int, chunks: int,
     for rank, timeline in enumerate(timelines):
         for index, (start, op) in enumerate(timeline):
             stage = virtual_stage(rank, op.chunk, pp_size, placement)
+            kinds: tuple
             if isinstance(op, Forward) and stage < last:
                 to, kinds = stage + 1, (SendActivation, RecvActivation)
             elif isinstance(op, Backward) and stage > 0:
