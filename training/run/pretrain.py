@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from gigatron.data.tokenizer import Tokenizer
     from gigatron.parallel.world import LaunchEnv
     from gigatron.parallel.watchdog import Watchdog
-    from gigatron.training.config.run_config import RunConfig
+    from gigatron.training.config.run_config import ParallelConfig, RunConfig
 
 
 def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pretrain_gpt.py"
@@ -125,7 +125,8 @@ def _banner(s, progress, shard, launch, device) -> None:
     run, p, t = s.run, s.run.parallel, s.run.train
     s.logger.print(
         f"gigatron: {_ranks_phrase(launch.world_size, launch.launcher)} on {device.type}, "
-        f"tp={p.tp} pp={p.pp} dp={p.dp} zero stage {run.zero.zero_stage}"
+        f"tp={p.tp} pp={p.pp} dp={p.dp}{_context_phrase(p)} "
+        f"zero stage {run.zero.zero_stage}"
         f"{' sequence-parallel' if p.sequence_parallel else ''}\n"
         f"model: {run.model_name or 'custom'}, {count_parameters(run.model):,} parameters, "
         f"{run.model.num_layers} layers, hidden {run.model.hidden_size}, seq "
@@ -272,6 +273,12 @@ def _name_timeline_rank(s) -> None:
         g = s.groups
         timeline.name_process(f"rank {g.rank} (tp {g.index('tp')}, pp {g.index('pp')}, "
                               f"dp {g.index('dp')})")
+
+
+def _context_phrase(p: "ParallelConfig") -> str:
+    """' cp=2 (p2p)' under context parallelism, else nothing (dense banners unchanged)."""
+    cp = p.context_parallel_size
+    return f" cp={cp} ({p.cp_comm_type})" if cp > 1 else ""
 
 
 def _finish_timeline(collective: bool) -> None:
