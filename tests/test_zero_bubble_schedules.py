@@ -178,3 +178,13 @@ def test_schedule_command_json_prints_bubble_and_peak(capsys):
         schedule_command(["--schedule", "zb-h1", "--pp", "2", "--num-microbatches", "2",
                           "--virtual-chunks", "2"])
     assert "--schedule zb-h1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,virtual", [("zb-h1", 1), ("zbv", 2)])
+def test_the_executor_refuses_split_backward_schedules_until_it_runs_them(name, virtual):
+    """Running W-bearing schedules in today's executor would drop every weight gradient."""
+    from gigatron.parallel.pipeline.executor import PipelineExecutor
+
+    schedule = build_schedule(0, 2, 4, virtual, schedule=name)
+    with pytest.raises(NotImplementedError, match="split-backward"):
+        PipelineExecutor.run(object(), schedule, [])  # type: ignore[arg-type]

@@ -34,7 +34,7 @@ from gigatron.parallel import timeline
 
 from .interfaces import GradSync, MicroBatch, MicroBatchStep, Payload
 from .schedules import (Backward, Forward, Instruction, RecvActivation, RecvGrad,
-                        SendActivation, SendGrad, comm_batches, is_first_stage, is_last_stage,
+                        SendActivation, SendGrad, WeightGrad, comm_batches, is_first_stage, is_last_stage,
                         last_backward_per_chunk, message_boundary, peer)
 
 MessageKey = Tuple[str, int]  # ("activation" or "grad", stage boundary)
@@ -126,6 +126,11 @@ class PipelineExecutor:
         step; finish the grad sync after it); `batches[mb]` is micro-batch mb as the
         micro-batch step reads it (ranks whose chunks never read it may pass anything).
         """
+        if any(isinstance(step, WeightGrad) for step in schedule):
+            # zb-h1 / zbv split each backward (issue 29); until the split backward exists
+            # here, running them would silently drop every weight gradient
+            raise NotImplementedError("the executor cannot run a split-backward (zero-bubble) "
+                                      "schedule yet: use --pipeline-schedule 1f1b or interleaved")
         self._check_inputs(schedule, batches)
         self._forward_only = not any(isinstance(i, Backward) for i in schedule)
         self._batches = batches
