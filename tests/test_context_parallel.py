@@ -18,6 +18,10 @@ within 6.2e-7 (all_gather, a2a), 1.7e-6 (learned positions), 8.5e-6 (cp2 x tp2 S
 2.1e-5 (p2p layouts: the ring's log-sum-exp merge rounds differently from one SDPA call, and
 Adam's first steps, ~lr x sign(grad), amplify that on elements whose gradient is near zero;
 dp2 without cp measures 1.7e-6 on the same model).
+
+Also here: the cp axis of the topology and the expert view folding ep over cp x dp against
+Megatron-Core's RankGenerator, the live cp groups, `gigatron topology --cp`, and the flag
+checks (one line each).
 """
 from __future__ import annotations
 
@@ -130,3 +134,101 @@ def test_context_parallel_layout_trains_the_one_device_model(references, tmp_pat
     param_error = max(_relative(params[n], ref_params[n]) for n in ref_params)
     print(f"{layout} {positions} {' '.join(shared)}: loss error {loss_error:.2e}, param error {param_error:.2e}")
     assert loss_error <= RTOL and param_error <= RTOL, (loss_error, param_error)
+
+
+def _megatron(tp, cp, dp, pp, ep=1, order="tp-cp-ep-dp-pp"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core warns that Apex / TE are missing
+        from megatron.core.parallel_state import RankGenerator
+    return RankGenerator(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order=order)
+
+
+def test_cp_groups_equal_megatron_rank_generator():
+    checked = 0
+    for world in (2, 4, 8, 12, 16, 24):
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        for tp, cp, pp in itertools.product(divisors, repeat=3):
+            if world % (tp * cp * pp):
+                continue
+            topo = Topology.from_world_size(world, tp=tp, pp=pp, cp=cp)
+            mc = _megatron(tp, cp, topo.dp, pp)
+            for axes in ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp", "tp-pp", "tp-cp-dp"):
+                assert topo.groups(axes) == sorted(mc.get_ranks(axes)), (tp, cp, pp, axes)
+            checked += 1
+    assert checked > 100
+
+
+def test_expert_view_folds_ep_over_cp_and_dp_as_megatron():
+    for tp, cp, dp, ep, etp in [(2, 2, 2, 2, 1), (1, 2, 2, 4, 1), (2, 2, 1, 2, 2),
+                                (1, 4, 1, 2, 2)]:
+        expert = ExpertTopology(Topology(tp=tp, dp=dp, pp=2, cp=cp), ep=ep, etp=etp)
+        assert expert.edp == tp * cp * dp // (etp * ep)
+        mc = _megatron(etp, 1, expert.edp, 2, ep=ep)
+        for name, token in {"ep": "ep", "etp": "tp", "edp": "dp", "etp-ep": "tp-ep",
+                            "pp": "pp"}.items():
+            assert expert.groups(name) == sorted(mc.get_ranks(token)), (tp, cp, dp, ep, name)
+
+
+def test_cp1_keeps_the_dense_grid():
+    dense, with_cp = Topology(tp=2, dp=2, pp=2), Topology(tp=2, dp=2, pp=2, cp=1)
+    assert dense.axes == with_cp.axes == ("tp", "dp", "pp")
+    assert dense.coords(5) == {"tp": 1, "dp": 0, "pp": 1}
+    assert dense.groups("dp-cp") == dense.groups("dp")
+    assert "cp" not in dense.describe()
+
+
+def test_cli_prints_cp_groups():
+    import contextlib
+    import io
+
+    from gigatron.parallel.topology import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--world-size", "8", "--tp", "2", "--cp", "2"]) == 0
+    text = out.getvalue()
+    assert "tp=2 cp=2 dp=2 pp=1, order tp-cp-dp-pp" in text
+    assert "cp groups (size 2):\n  [0, 2]" in text
+    assert "dp-cp groups (size 4):\n  [0, 2, 4, 6]" in text
+
+
+def _groups_on_ranks(rank, world):
+    from gigatron.parallel import comm
+    from gigatron.parallel.topology import ProcessGroups
+
+    groups = ProcessGroups(Topology.from_world_size(world, tp=2, cp=2), rank)
+    out = {}
+    for name in ("cp", "dp-cp", "tp-cp"):
+        t = torch.tensor([float(rank)])
+        comm.all_reduce(t, groups[name])
+        out[name] = (groups.ranks(name), t.item())
+    out["cp_group"] = groups.cp_group is not None
+    return out
+
+
+def test_process_groups_create_the_cp_groups():
+    results = run_on_ranks(_groups_on_ranks, 8)
+    assert results[0]["cp"] == ([0, 2], 2.0)
+    assert results[1]["dp-cp"] == ([1, 3, 5, 7], 16.0)
+    assert results[6]["tp-cp"] == ([4, 5, 6, 7], 22.0)
+    assert all(r["cp_group"] for r in results)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--context-parallel-size 3", "world size 4 is not divisible by tensor x context x "
+                                  "pipeline = 1 x 3 x 1 = 3"),
+    ("--context-parallel-size 4 --seq-length 12 --max-position-embeddings 12",
+     "--seq-length 12 is not divisible by 2 x --context-parallel-size = 8"),
+    ("--context-parallel-size 2 --cp-comm-type a2a --tensor-model-parallel-size 2 "
+     "--num-attention-heads 2", "--num-attention-heads 2 / --tensor-model-parallel-size 2 = 1 "
+                                "is not divisible by --context-parallel-size 2"),
+    ("--context-parallel-size 2 --num-experts 4",
+     "--num-experts with --context-parallel-size 2: mixture-of-experts layers"),
+])
+def test_bad_context_parallel_flags_get_one_line(flags, message):
+    from gigatron.training.config.arguments import parse_args
+    from gigatron.training.config.validation import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        parse_args(GPT + flags.split(), 4)
+    assert any(message in line for line in err.value.problems), err.value.problems
