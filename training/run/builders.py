@@ -133,13 +133,13 @@ def apply_fp8(chunks: List[torch.nn.Module], recipe: "FP8Recipe", amax_group: An
 
 
 def fp8_amax_group(groups: "ProcessGroups") -> Any:
-    """This rank's FP8 amax-reduction group: its pipeline stage's tensor- and data-parallel
-    ranks (Megatron's default amax reduction group). Collective: every rank creates every
-    such group, in the same order."""
+    """This rank's FP8 amax-reduction group: its pipeline stage's tensor-, context- and
+    data-parallel ranks (Megatron's default amax reduction group). Collective: every rank
+    creates every such group, in the same order."""
     import torch.distributed as dist
 
     mine = None
-    for ranks in groups.topology.groups("tp-dp"):
+    for ranks in groups.topology.groups("tp-cp-dp"):
         group = dist.new_group(ranks, timeout=groups.timeout)
         if groups.rank in ranks:
             mine = group

@@ -60,14 +60,16 @@ def estimate_memory(run: "RunConfig", parameters: int, device: torch.device) -> 
     width = _dtype_bytes(model.params_dtype)
     local = parameters / (p.tp * p.pp)  # this rank's slice of the model
     stage = zero.zero_stage
-    weights = local * width / (p.dp if stage >= 3 else 1)
-    gradients = local * width / (p.dp if stage >= 2 else 1)
+    shards = p.dp * p.context_parallel_size  # ZeRO shards over the ranks sharing the model
+    weights = local * width / (shards if stage >= 3 else 1)
+    gradients = local * width / (shards if stage >= 2 else 1)
     # Adam keeps two fp32 moments; mixed precision adds the fp32 master copy
     per_param = (8 if zero.optimizer in ("adam", "adamw") else
                  4 if zero.sgd_momentum else 0) + (4 if width != 4 else 0)
     offloaded = zero.offload_optimizer == "cpu" and device.type != "cpu"
-    optimizer = 0.0 if offloaded else local * per_param / (p.dp if stage >= 1 else 1)
-    s, b, h = model.seq_length, t.micro_batch_size, model.hidden_size
+    optimizer = 0.0 if offloaded else local * per_param / (shards if stage >= 1 else 1)
+    # context parallelism: each rank holds s / cp tokens of every micro-batch
+    s, b, h = model.seq_length // p.context_parallel_size, t.micro_batch_size, model.hidden_size
     a = model.num_attention_heads
     per_layer: float
     if model.recompute_granularity == "full":
