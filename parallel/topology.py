@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 from gigatron.parallel.activity import activity
 
 if TYPE_CHECKING:
+    from gigatron.parallel.comm import Group
     from gigatron.parallel.expert.topology import ExpertTopology
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -253,7 +254,7 @@ class ProcessGroups:
         raise AttributeError(f"no process group {name!r}; created: {sorted(groups)}")
 
     @property
-    def cp_group(self):
+    def cp_group(self) -> "Group":
         """The context-parallel group, or None when the job has no context parallelism."""
         return self._groups.get("cp") if self.topology.cp > 1 else None
 
