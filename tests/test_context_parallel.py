@@ -132,7 +132,8 @@ def test_context_parallel_layout_trains_the_one_device_model(references, tmp_pat
     assert set(params) - set(ref_params) <= {"output_layer.weight"}
     assert set(ref_params) <= set(params)
     param_error = max(_relative(params[n], ref_params[n]) for n in ref_params)
-    print(f"{layout} {positions} {' '.join(shared)}: loss error {loss_error:.2e}, param error {param_error:.2e}")
+    print(f"{layout} {positions} {' '.join(shared)}: loss error {loss_error:.2e}, "
+          f"param error {param_error:.2e}")
     assert loss_error <= RTOL and param_error <= RTOL, (loss_error, param_error)
 
 
