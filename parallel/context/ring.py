@@ -15,7 +15,7 @@ the keys/values around again, with their gradients travelling beside them back t
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -130,7 +130,8 @@ class RingAttention(torch.autograd.Function):
     """Exact causal attention of the local queries over the cp group's keys/values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):  # type: ignore[override]
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                group: Group, causal: bool, scale: Optional[float]) -> torch.Tensor:
         kv = torch.stack([k, v])
         block_ctx = BlockContext(kernels.pick_kernel(q), scale)
         out, lse = ring_forward(q, kv, group, causal, block_ctx)
@@ -140,7 +141,8 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor  # type: ignore[override]
+                 ) -> Tuple[Optional[torch.Tensor], ...]:
         q, kv, out, lse = ctx.saved_tensors
         dq, dkv = ring_backward(grad_out.contiguous(), q, kv, out, lse, ctx.group, ctx.causal,
                                 ctx.block_ctx)
