@@ -1,0 +1,57 @@
+"""bench/bench_context_parallel.py at a tiny size on forked gloo ranks: a GPT's held
+activations per rank fall as 1/cp within 15% (p2p, a2a; all_gather less, as it keeps the
+whole sequence's keys/values), the bytes each rank sends per step equal the formula for every
+comm type, and the bench itself reports a wrong claim (a formula off by one hop)."""
+import os
+import sys
+
+import pytest
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, BENCH_DIR)
+    try:
+        import bench_context_parallel
+    finally:
+        sys.path.remove(BENCH_DIR)
+    return bench_context_parallel
+
+
+@pytest.fixture(scope="module")
+def rows(bench):
+    return bench.run([512], [1, 2, 4], bench.COMM_TYPES, layers=1, batch=1)
+
+
+def test_activations_per_rank_fall_as_one_over_cp_within_15_percent(rows):
+    for r in rows:
+        if r["comm_type"] in ("p2p", "a2a"):
+            assert abs(r["ratio"] / r["cp"] - 1) < 0.15, r
+    gathered = {r["cp"]: r["ratio"] for r in rows if r["comm_type"] == "all_gather"}
+    assert 1.2 < gathered[2] < 2 * 0.85 and gathered[4] < 4 * 0.85, gathered
+
+
+def test_bytes_sent_per_step_equal_the_formula_for_every_comm_type(bench, rows):
+    assert len([r for r in rows if r["cp"] > 1]) == 6
+    for r in rows:
+        assert r["measured_bytes"] == r["formula_bytes"], r
+    # X = 1 x 512/cp x 4 heads x 16 x 4 B; p2p at cp 4: (3 x 2 + 3 x 2 + 4 x 2) X = 20 X
+    x4 = 512 // 4 * 4 * 16 * 4
+    assert bench.comm_bytes_formula("p2p", 4, 1, 512, 4, 16, 1) == {"send": 20 * x4}
+    assert bench.comm_bytes_formula("a2a", 4, 1, 512, 4, 16, 1) == {"all_to_all": 6 * x4}
+    assert bench.comm_bytes_formula("all_gather", 2, 1, 512, 4, 16, 1) == {
+        "all_gather": 2 * 2 * x4, "reduce_scatter": 2 * 2 * x4}
+    assert bench.problems(rows) == []
+
+
+def test_bench_reports_a_formula_off_by_one_hop(bench, rows):
+    broken = [dict(r) for r in rows]
+    for r in broken:
+        if r["comm_type"] == "p2p" and r["cp"] == 2:
+            r["formula_bytes"] = {"send": r["formula_bytes"]["send"] * 5 // 4}
+    (line,) = bench.problems(broken)
+    assert "cp 2 p2p: sent" in line
+    table = bench.table(rows)
+    assert "| 512 | 4 | p2p |" in table and "| 512 | 1 | - |" in table
