@@ -11,7 +11,9 @@ if TYPE_CHECKING:
 
 PROG = "gigatron generate"
 # settings of the training run a generation does not take over (besides its outputs)
+# (generation runs without context parallelism: the KV cache holds the whole sequence)
 OVERRIDES = {"sequence_parallel": False, "pipeline_model_parallel_size": 1,
+             "context_parallel_size": 1,
              "global_batch_size": None, "rampup_batch_size": None, "data_path": None,
              "train_data_path": None, "valid_data_path": None, "test_data_path": None,
              "mock_data": True}
@@ -115,6 +117,9 @@ def _run(args: argparse.Namespace, rest: Sequence[str]) -> int:
     if settings.parallel.pp != 1:
         raise ValueError("gigatron generate runs with --pipeline-model-parallel-size 1 "
                          "(pipeline-parallel generation is not supported): launch tp ranks")
+    if settings.parallel.context_parallel_size != 1:
+        raise ValueError("gigatron generate runs with --context-parallel-size 1 (the KV cache "
+                         "holds the whole sequence): drop --context-parallel-size")
     run, tokenizer = build_run(settings, launch.world_size)
     assert tokenizer is not None
     if run.parallel.dp != 1:

@@ -40,8 +40,12 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 def rank_file(folder: str, coords: Dict[str, int], fmt: str = "torch") -> str:
-    """This rank's shard inside an iteration folder."""
+    """This rank's shard inside an iteration folder (a context-parallel rank other than the
+    first adds its cp index: the cp ranks of one (tp, pp, dp) position hold distinct ZeRO
+    shards)."""
     name = f"mp_rank_{coords['tp']:02d}_{coords['pp']:03d}_{coords['dp']:03d}"
+    if coords.get("cp", 0):
+        name += f"_cp{coords['cp']:02d}"
     ext = "safetensors" if fmt == "safetensors" else "pt"
     return os.path.join(folder, name, f"model_optim_rng.{ext}")
 
@@ -314,10 +318,14 @@ def fallback_hint(folder: str) -> str:
             f"{tracker} (echo {older[-1]} > {tracker})")
 
 
+# sizes a checkpoint written before they were recorded was saved with
+LAYOUT_DEFAULTS = {"cp": 1}
+
+
 def check_layout(metadata: Dict[str, Any], layout: Dict[str, int], folder: str) -> None:
     """A per-rank (torch or safetensors) checkpoint loads only into the layout that wrote
     it: say so clearly, with the way out."""
-    saved = {k: metadata.get(k) for k in layout}
+    saved = {k: metadata.get(k, LAYOUT_DEFAULTS.get(k)) for k in layout}
     if saved != layout:
         got = " ".join(f"{k}={v}" for k, v in saved.items())
         want = " ".join(f"{k}={v}" for k, v in layout.items())

@@ -141,18 +141,25 @@ class StepReport:
     sha256: str = ""
     error: Optional[BaseException] = field(default=None, compare=False)  # this rank's only
 
+    def __post_init__(self) -> None:
+        # cp index 0 goes unnamed, as in folders.rank_file: a report compares equal either way
+        if "cp" in self.coords and not self.coords["cp"]:
+            self.coords = {k: v for k, v in self.coords.items() if k != "cp"}
+
     def row(self) -> List[int]:
         digest = bytes.fromhex(self.sha256) if self.sha256 else bytes(8 * _DIGEST_WORDS)
         words = [int.from_bytes(digest[8 * i:8 * i + 8], "big", signed=True)
                  for i in range(_DIGEST_WORDS)]
         return [int(self.failed), self.errno, self.state_bytes, self.free_bytes,
-                self.coords["tp"], self.coords["pp"], self.coords["dp"], self.file_bytes] + words
+                self.coords["tp"], self.coords["pp"], self.coords["dp"], self.file_bytes,
+                self.coords.get("cp", 0)] + words
 
     @staticmethod
     def from_row(row: List[int]) -> "StepReport":
-        digest = b"".join(int(w).to_bytes(8, "big", signed=True) for w in row[8:])
-        return StepReport({"tp": row[4], "pp": row[5], "dp": row[6]}, row[2], bool(row[0]),
-                          row[1], row[3], row[7], digest.hex() if any(digest) else "")
+        digest = b"".join(int(w).to_bytes(8, "big", signed=True) for w in row[9:])
+        return StepReport({"tp": row[4], "pp": row[5], "dp": row[6], "cp": row[8]}, row[2],
+                          bool(row[0]), row[1], row[3], row[7],
+                          digest.hex() if any(digest) else "")
 
     def fail(self, err: BaseException, where: str) -> None:
         """Record a failure of this rank (the free space of `where` tells a full disk)."""

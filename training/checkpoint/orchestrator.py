@@ -77,7 +77,8 @@ def layout(run: RunConfig, num_chunks: int) -> Dict[str, int]:
     """The sizes a per-rank (torch format) checkpoint is tied to (an MoE model's expert
     boxes also to ep and etp)."""
     p = run.parallel
-    sizes = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_chunks": num_chunks}
+    sizes = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "cp": p.context_parallel_size,
+             "virtual_chunks": num_chunks}
     if run.model is not None and run.model.num_moe_experts is not None:
         sizes.update(ep=p.ep, etp=p.tp if p.etp is None else p.etp)
     return sizes
@@ -140,7 +141,9 @@ def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
     with zero.gathered_parameters():
         model = [{k: v.detach().cpu().clone() for k, v in c.state_dict().items()}
                  for c in chunks]
-    state: Dict[str, Any] = {"progress": asdict(progress), "model": model}
+    state: Dict[str, Any] = {"progress": asdict(progress)}
+    if groups.coords.get("cp", 0) == 0:  # cp ranks hold the same weights: cp rank 0 writes
+        state["model"] = model
     if run.lr_schedule is not None:  # checked against the flags on resume
         state["lr_schedule"] = asdict(run.lr_schedule)
     if not run.checkpoint.no_save_optim:
@@ -162,11 +165,12 @@ def _dist_save_state(run: RunConfig, groups: "ProcessGroups", progress: TrainPro
     if ck.save is None:
         raise ValueError("saving a checkpoint needs --save DIR")
     with_optimizer = not ck.no_save_optim
+    replica = groups.index("dp-cp")  # which copy of the model: dp and cp ranks hold the same
     values, scalars = dist_state.zero_state_to_save(zero, chunks, coords["tp"], run.parallel.tp,
-                                                    coords["dp"], with_optimizer)
+                                                    replica, with_optimizer)
     state: Dict[str, Any] = dict(values)
-    # persistent buffers (an MoE router's expert bias) are the same on every tp and dp rank
-    state.update(module_state.buffers_to_save(chunks, coords["dp"] == 0 and coords["tp"] == 0))
+    # persistent buffers (an MoE router's expert bias) are the same on every tp, cp, dp rank
+    state.update(module_state.buffers_to_save(chunks, replica == 0 and coords["tp"] == 0))
     if groups.rank == 0:
         common: Dict[str, Any] = {"progress": asdict(progress)}
         if run.lr_schedule is not None:
@@ -174,7 +178,7 @@ def _dist_save_state(run: RunConfig, groups: "ProcessGroups", progress: TrainPro
         if with_optimizer:
             common["optimizer"] = dist_state.optimizer_common(zero, scalars)
         state[dist_state.COMMON] = common
-    if not ck.no_save_rng and coords["dp"] == 0:
+    if not ck.no_save_rng and replica == 0:  # the same seeds on every dp and cp rank
         state[dist_state.rng_key(coords["tp"], coords["pp"])] = rng_state(chunks, device)
     meta = {**_metadata(run, progress, len(chunks)),
             "params_dtype": str(zero.param_dtype).replace("torch.", "")}
@@ -218,6 +222,9 @@ def _load_shard(run: RunConfig, coords: Dict[str, int], chunks: List[torch.nn.Mo
     """This rank's shard, checksum verified, its weights checked against and put into the
     chunks."""
     shard = files.read_shard(files.rank_file(folder, coords, fmt), fmt, meta)
+    if coords.get("cp", 0):  # the weights are in the shard of cp rank 0 (see `save`)
+        first = files.read_shard(files.rank_file(folder, {**coords, "cp": 0}, fmt), fmt, meta)
+        shard["model"] = first["model"]
     check_model_shapes(shard["model"], chunks, meta.get("flags"), run.flags, folder)
     for chunk, weights in zip(chunks, shard["model"]):
         try:

@@ -11,8 +11,9 @@ layers by global number. Keys of the checkpoint:
     optimizer.<state>.<name>  each per-element optimizer state (exp_avg, exp_avg_sq, ...)
 
 Which rank writes what: every element once. ZeRO's shard of a parameter is a range of its
-flattened elements (cut into boxes, training/checkpoint/torch_dist/layout.py) and is written by the dp rank
-that owns it (stage 0 keeps no shards: dp rank 0 writes); an expert weight's box
+flattened elements (cut into boxes, training/checkpoint/torch_dist/layout.py) and is written by the rank
+of its dp x cp group that owns it (ZeRO shards over dp x cp; stage 0 keeps no shards: dp x cp
+rank 0 writes); an expert weight's box
 (experts over ep, each expert's ffn over etp) is written likewise by the owner in its
 expert-data-parallel group, whatever its tp rank; a tensor replicated over tp (norms,
 row-parallel biases) is written by tp rank 0; the tied output weight of a last
@@ -211,10 +212,11 @@ def optimizer_common(zero: "ZeroOptimizer", scalars: Dict[str, Any]) -> Dict[str
 
 
 def zero_state_to_save(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_rank: int,
-                       tp_size: int, dp_rank: int, with_optimizer: bool
+                       tp_size: int, replica_rank: int, with_optimizer: bool
                        ) -> Tuple[Dict[str, ShardedValue], Dict[str, Any]]:
     """The pieces this rank writes (weights, and masters + optimizer state when asked), and
-    the optimizer's scalar state (one value per key: every group steps together)."""
+    the optimizer's scalar state (one value per key: every group steps together).
+    `replica_rank`: this rank's index among the model's copies (its dp x cp group)."""
     names = global_names(chunks)
     values: Dict[str, ShardedValue] = {}
     masters = zero.param_dtype != torch.float32
@@ -237,25 +239,25 @@ def zero_state_to_save(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_
             prefix = MASTER if key == "master" else optimizer_key(key)
             add_flat(_values(values, prefix + piece.name, piece.placement),
                      tensor[at:at + piece.length], piece.start, piece.placement)
-    _add_unmanaged_weights(values, zero, chunks, names, tp_rank, tp_size, dp_rank)
+    _add_unmanaged_weights(values, zero, chunks, names, tp_rank, tp_size, replica_rank)
     return values, _common_scalars(per_group)
 
 
 def _add_unmanaged_weights(values: Dict[str, ShardedValue], zero: "ZeroOptimizer",
                            chunks: List[torch.nn.Module], names: Dict[int, Tuple[str, bool]],
-                           tp_rank: int, tp_size: int, dp_rank: int) -> None:
-    """Parameters ZeRO does not train (frozen) are saved whole by dp rank 0 (an expert box
-    by expert-data-parallel rank 0)."""
+                           tp_rank: int, tp_size: int, replica_rank: int) -> None:
+    """Parameters ZeRO does not train (frozen) are saved whole by the first copy of the
+    model (dp x cp rank 0; an expert box by expert-data-parallel rank 0)."""
     from gigatron.parallel import comm
 
     managed = {id(p) for g in zero.flat_groups for p in g.params}
     edp = zero.process_groups.expert_dp
-    edp_rank = dp_rank if edp is None else comm.group_rank(edp)
+    edp_rank = replica_rank if edp is None else comm.group_rank(edp)
     for chunk in chunks:
         for param in chunk.parameters():
             name, owner = names[id(param)]
             placement = placement_of(param, tp_rank, tp_size)
-            first = edp_rank if placement.expert_splits else dp_rank
+            first = edp_rank if placement.expert_splits else replica_rank
             if id(param) in managed or not owner or first or \
                     (tp_rank and not _own_box(placement)):
                 continue

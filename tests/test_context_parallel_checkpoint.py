@@ -1,0 +1,192 @@
+"""Checkpoints of context-parallel runs: cp ranks hold the same weights (written once, by cp
+rank 0) and distinct ZeRO shards (ZeRO shards over dp x cp: each owner writes its own), in
+both formats; the torch_dist format is layout-free across cp sizes.
+
+Real runs (pretrain.main on forked gloo ranks, --mock-data, fp32, RoPE, the tiny model of
+tests/test_context_parallel.py): the uninterrupted one-rank run and a cp2 run with ZeRO 1
+(Adam moments sharded over the two cp ranks) train 4 iterations, saving at 2 and 4. The cp2
+checkpoint of iteration 4 read back on one process holds every element of every weight and
+Adam moment (none left unwritten) and the weights are the cp2 run's. Resumed from iteration
+2 at cp2, the run logs the uninterrupted cp2 run's losses and ends with its parameters
+within 1e-6; resumed at cp1, cp4 (ZeRO 1) and cp2 x tp2 with sequence parallelism, the
+losses equal the one-rank run's within 1e-6 and the parameters within 1e-5: the layouts
+themselves round differently from one rank (tests/test_context_parallel.py measures 2e-5
+for p2p over 3 iterations from the same start). A resume that lost cp rank 1's half of the
+Adam moments, or read an element from the wrong place, misses by orders of magnitude. The
+per-rank (--ckpt-format torch) cp2 checkpoint has one file per cp rank, the weights only in
+cp rank 0's, and resumes at cp2 as the uninterrupted cp2 run; at cp1 it is refused in one
+line naming cp.
+
+`gigatron evaluate` of the cp2 checkpoint runs at cp 1 and gives the cp2 run's validation
+loss; `gigatron generate` runs at cp 1 and writes the one-rank checkpoint's tokens, and
+refuses --context-parallel-size in one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from multirank import run_on_ranks
+from test_context_parallel import GPT, ROPE, _train_layout
+from test_generation_cli import _command
+
+TOL = 1e-6
+LAYOUT_TOL = 1e-5  # parameters of another layout than the uninterrupted run's (see above)
+SAVED_AT, ITERS = 2, 4
+BASE = [f for f in GPT if f != "--eod-mask-loss"] + ROPE
+BASE[BASE.index("--train-iters") + 1] = str(ITERS)
+BASE[BASE.index("--eval-iters") + 1] = "1"
+BASE += ["--save-interval", str(SAVED_AT), "--eval-interval", str(SAVED_AT),
+         "--split", "80,20,0"]
+CP2 = ["--context-parallel-size", "2", "--zero-stage", "1"]
+# name -> (ranks, flags, reference run, parameter tolerance)
+RESUMES = {
+    "cp2_zero1": (2, CP2, "cp2", TOL),
+    "cp1": (1, [], "one", LAYOUT_TOL),
+    "cp4_zero1": (4, ["--context-parallel-size", "4", "--zero-stage", "1"], "one",
+                  LAYOUT_TOL),
+    "cp2_tp2_sp": (4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                       "--sequence-parallel"], "one", LAYOUT_TOL),
+}
+
+
+def _records(path, kind):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if r["type"] == kind]
+
+
+def _launch(world, argv, folder):
+    """(train losses, valid losses by iteration, full parameters) of one run."""
+    metrics = os.path.join(folder, "metrics.jsonl")
+    per_rank = run_on_ranks(_train_layout, world, argv, metrics, timeout=300)
+    params = {}
+    for rank_params in per_rank:  # cp and dp replicas hold the same parameters
+        params.update(rank_params)
+    valid = {r["iteration"]: r["lm loss"] for r in _records(metrics, "eval")}
+    return [r["lm loss"] for r in _records(metrics, "train")], valid, params
+
+
+def _relative(a, b):
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def _worst(got, want):
+    assert set(got) == set(want)
+    return max(_relative(got[n], want[n]) for n in want)
+
+
+def _loss_error(got, want):
+    assert len(got) == len(want)
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> (checkpoint folder, train losses, valid losses, final parameters): the
+    uninterrupted one-rank and cp2 runs (saving at 2 and 4) and the per-rank format cp2 run
+    that saves at 2."""
+    out = {}
+    for name, world, argv in (("one", 1, []), ("cp2", 2, CP2),
+                              ("cp2_torch", 2, CP2 + ["--ckpt-format", "torch",
+                                                      "--exit-interval", str(SAVED_AT)])):
+        folder = str(tmp_path_factory.mktemp(name))
+        out[name] = (folder,) + _launch(world, BASE + argv + ["--save", folder], folder)
+    assert len(out["one"][1]) == len(out["cp2"][1]) == ITERS
+    assert _loss_error(out["cp2"][1], out["one"][1]) <= TOL
+    return out
+
+
+def test_the_cp2_checkpoint_holds_every_element_once_written(runs):
+    """Read on one process into NaN-filled global tensors: a ZeRO shard no rank wrote would
+    stay NaN."""
+    from gigatron.training.checkpoint import folders as files
+    from gigatron.training.checkpoint.torch_dist import save_load
+
+    folder, _, _, params = runs["cp2"]
+    path = files.iteration_dir(folder, ITERS)
+    wanted = {k: torch.full(tuple(md.size), float("nan"))
+              for k, md in save_load.entries(path).items() if hasattr(md, "size")}
+    assert {k for k in wanted if k.startswith("model.")} == {f"model.{n}" for n in params}
+    assert any(k.startswith("optimizer.exp_avg_sq.") for k in wanted)
+    save_load.read(path, wanted)
+    for key, tensor in wanted.items():
+        assert not tensor.isnan().any(), key
+    for name, param in params.items():
+        assert torch.equal(wanted[f"model.{name}"], param), name
+
+
+@pytest.mark.parametrize("layout", list(RESUMES))
+def test_a_cp2_checkpoint_resumes_in_any_layout_as_the_uninterrupted_run(runs, tmp_path,
+                                                                         layout):
+    world, argv, reference, tolerance = RESUMES[layout]
+    _, want_losses, _, want_params = runs[reference]
+    losses, _, params = _launch(world, BASE + argv + [
+        "--load", runs["cp2"][0], "--ckpt-step", str(SAVED_AT)], str(tmp_path))
+    assert len(losses) == ITERS - SAVED_AT  # it resumed at the saved iteration
+    loss_error, param_error = _loss_error(losses, want_losses[SAVED_AT:]), \
+        _worst(params, want_params)
+    print(f"{layout}: loss error {loss_error:.2e}, param error {param_error:.2e}")
+    assert loss_error <= TOL and param_error <= tolerance, (loss_error, param_error)
+
+
+def test_a_per_rank_cp2_checkpoint_has_a_file_per_cp_rank_and_resumes_at_cp2(runs, tmp_path):
+    from gigatron.training.checkpoint import folders as files
+
+    _, want_losses, _, want_params = runs["cp2"]
+    cp2 = runs["cp2_torch"][0]
+    folder = files.iteration_dir(cp2, SAVED_AT)
+    first, second = (files.rank_file(folder, {"tp": 0, "pp": 0, "dp": 0, "cp": c})
+                     for c in (0, 1))
+    assert first != second and os.path.isfile(first) and os.path.isfile(second)
+    shards = [torch.load(p, weights_only=False) for p in (first, second)]
+    assert "model" in shards[0] and "model" not in shards[1]  # the weights written once
+    moments = [s["optimizer"] for s in shards]
+    assert repr(moments[0]) != repr(moments[1])  # each cp rank its own ZeRO shard
+    losses, _, params = _launch(2, BASE + CP2 + ["--load", cp2, "--ckpt-format", "torch"],
+                                str(tmp_path))
+    assert _loss_error(losses, want_losses[SAVED_AT:]) <= TOL
+    assert _worst(params, want_params) <= TOL
+
+
+def test_a_per_rank_cp2_checkpoint_refuses_another_cp_size_in_one_line(runs):
+    from gigatron.training.checkpoint import folders as files
+
+    folder = files.iteration_dir(runs["cp2_torch"][0], SAVED_AT)
+    meta = files.read_metadata(folder)
+    with pytest.raises(ValueError, match=r"saved with tp=1 pp=1 dp=1 cp=2 .* this run has "
+                                         r"tp=1 pp=1 dp=1 cp=1"):
+        files.check_layout(meta, {"tp": 1, "pp": 1, "dp": 1, "cp": 1, "virtual_chunks": 1},
+                           folder)
+
+
+def test_evaluate_of_a_cp2_checkpoint_gives_the_runs_validation_loss(runs, tmp_path):
+    cp2, _, valid, _ = runs["cp2"]
+    metrics = str(tmp_path / "eval.jsonl")
+    (code, _, err), = run_on_ranks(_command, 1, "cli.evaluate",
+                                   ["--load", cp2, "--metrics-file", metrics])
+    assert code == 0, err
+    (record,) = _records(metrics, "eval")
+    assert record["iteration"] == ITERS
+    assert record["lm loss"] == pytest.approx(valid[ITERS], rel=1e-5)
+
+
+def test_generate_from_a_cp2_checkpoint_runs_at_cp1(runs, tmp_path):
+    tokens = []
+    for folder in (runs["cp2"][0], runs["one"][0]):
+        out = str(tmp_path / f"{len(tokens)}.jsonl")
+        (code, _, err), = run_on_ranks(_command, 1, "cli.generate", [
+            "--load", folder, "--prompt", "5 9 17", "--max-new-tokens", "6", "--ignore-eod",
+            "--output", out])
+        assert code == 0, err
+        with open(out) as f:
+            tokens.append([json.loads(line)["tokens"] for line in f])
+    assert tokens[0] == tokens[1] and len(tokens[0][0]) >= 6
+
+
+def test_generate_refuses_context_parallelism_in_one_line(runs):
+    (code, _, err), = run_on_ranks(_command, 1, "cli.generate", [
+        "--load", runs["cp2"][0], "--prompt", "5", "--context-parallel-size", "2"])
+    assert code != 0 and "runs with --context-parallel-size 1" in err, err
