@@ -4,7 +4,9 @@ Weights are created empty (on `device`, possibly meta) and tagged with an `InitS
 model fills them afterwards from name-seeded full tensors (see `init.py`), so a layer
 never needs to know its own parameter name. `tp_group=None` means no tensor parallelism.
 The linears' `fp8` (None: off) holds their FP8-emulation state when `fp8.enable_fp8` gave
-them one (Megatron's --fp8-format on the transformer layers).
+them one (Megatron's --fp8-format on the transformer layers). Inside `wgrad.deferring` the
+linears defer their weight gradients to the zero-bubble schedules' W step (not under FP8);
+biases, the embedding and everything else compute theirs in the input-gradient backward.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from gigatron.parallel.tensor.mappings import (
     tp_size,
 )
 from gigatron.parallel.tensor.utils import divide
+from gigatron.parallel.tensor.wgrad import deferrable_linear
 from gigatron.parallel.comm import Group
 
 
@@ -85,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
         if self.fp8 is None:
-            y = F.linear(x, weight, self.bias)
+            y = deferrable_linear(x, weight, self.bias)
         else:
             y = fp8_linear(x, weight, self.bias, self.fp8)
         if self.gather_output:
@@ -131,7 +134,7 @@ class RowParallelLinear(nn.Module):
         """x: [s, b, in/tp] -> [s(/tp), b, out]."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight) if self.fp8 is None else \
+        y = deferrable_linear(x, self.weight) if self.fp8 is None else \
             fp8_linear(x, self.weight, None, self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
