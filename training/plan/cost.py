@@ -13,6 +13,9 @@ Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
                     on them, as Megatron's did in 2021.
   pipeline p2p      the activation sent forward and its gradient sent back, over the link
                     between stages (inter-node once tp x dp fills a node)
+  context-parallel  the attention's key/value exchange (context.py) over the link the tp x cp
+  communication     ranks span; the ring's hops hide behind its blocks' compute, all_gather's
+                    and a2a's collectives do not. Each cp rank computes s/cp tokens.
 
 The step is the project's schedule simulator run with the slowest stage's forward and
 backward times (so the bubble is the schedule's own, (p-1)/m for 1F1B), then the
@@ -38,6 +41,7 @@ from gigatron.parallel.zero.accounting import zero_comm_bytes_formula
 from gigatron.training.observe.flops import flops_per_token
 from gigatron.training.observe.devices import Hardware
 from gigatron.parallel.pipeline.partition import PipelinePartition
+from gigatron.training.plan import context
 from gigatron.training.plan.experts import MoELayerCost, moe_layer_cost
 from gigatron.training.plan.memory import attention_kernel, expert_data_parallel_size
 
@@ -78,6 +82,9 @@ class StepCost:
     gemm_flops: float  # executed per rank per step (recomputation included)
     expert_communication: float = 0.0  # MoE token exchange per step, slowest stage (exposed)
     expert_bytes: float = 0.0  # its bytes per rank per step
+    cp_communication: float = 0.0  # context-parallel traffic per step on the cp link
+    cp_exposed: float = 0.0  # the part of it the attention's compute did not hide
+    cp_bytes: float = 0.0  # per rank per step
 
 
 @dataclass(frozen=True)
@@ -102,8 +109,9 @@ def _layer_flops(c: "TransformerConfig", tokens: int, tp: int) -> Dict[str, floa
 
 
 def _layer_bytes(c: "TransformerConfig", tokens: int, tp: int, sequence_parallel: bool,
-                 on_gpu: bool) -> Dict[str, float]:
-    """Bytes element-wise kernels move in one layer's forward on one tp rank."""
+                 on_gpu: bool, cp: int = 1) -> Dict[str, float]:
+    """Bytes element-wise kernels move in one layer's forward on one tp rank (under cp the
+    attention is always torch's fused kernels)."""
     w = _width(c)
     h, a, ffn, s = c.hidden_size, c.num_attention_heads, c.ffn_hidden_size, c.seq_length
     split = tp if sequence_parallel else 1
@@ -112,7 +120,7 @@ def _layer_bytes(c: "TransformerConfig", tokens: int, tp: int, sequence_parallel
     residual = 2 * (3 * w + mask) * h / split
     activation = (3 if c.activation == "swiglu" else 2) * w * ffn / tp
     rope = 4 * w * h / tp if c.position_embedding_type == "rope" else 0
-    if attention_kernel(c, on_gpu) == "flash":
+    if cp > 1 or attention_kernel(c, on_gpu) == "flash":
         core = 4 * w * a * c.head_dim / tp  # q, k, v in, output out
     else:  # scores written, softmax read + written, dropout read + written (+ mask), AV read
         core = (6 * w + (1 if c.attention_dropout > 0 else 0)) * a * s / tp
@@ -175,9 +183,10 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     assert c is not None and t.micro_batch_size is not None and hw.hbm_gbps is not None
     peak = hw.peak(_dtype_name(c)) or hw.peak("fp32") or 1.0
     flop_rate, byte_rate = peak * 1e12 * GEMM_EFFICIENCY, hw.hbm_gbps * 1e9 * MEMORY_EFFICIENCY
-    tokens, width = c.seq_length * t.micro_batch_size, _width(c)
+    cp = p.context_parallel_size  # each cp rank computes s/cp tokens of a micro-batch
+    tokens, width = c.seq_length * t.micro_batch_size // cp, _width(c)
     sp = p.sequence_parallel and p.tp > 1
-    fl, by = _layer_flops(c, tokens, p.tp), _layer_bytes(c, tokens, p.tp, sp, on_gpu)
+    fl, by = _layer_flops(c, tokens, p.tp), _layer_bytes(c, tokens, p.tp, sp, on_gpu, cp)
     dense_fwd = fl["dense"] / flop_rate + by["dense"] / byte_rate
     core_fwd = fl["core"] / flop_rate + by["core"] / byte_rate
     vocab = c.padded_vocab_size(p.tp) / p.tp
@@ -189,12 +198,14 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     collectives_fwd, collectives_bwd = 2, 2 + (2 if recompute == "full" else 0)
     p2p = 0.0
     if p.pp > 1:
-        pp_link = _link(p.tp * p.dp * p.pp, hw.gpus_per_node, hw)
+        pp_link = _link(p.tp * cp * p.dp * p.pp, hw.gpus_per_node, hw)
         p2p = tokens * c.hidden_size * width / (p.tp if sp else 1) / \
             (pp_link * 1e9 * NETWORK_EFFICIENCY)
-    layer_fwd = dense_fwd + core_fwd + collectives_fwd * one_collective
+    cp_traffic = _context_traffic(run, hw, tokens, core_fwd)
+    layer_fwd = dense_fwd + core_fwd + collectives_fwd * one_collective + cp_traffic["fwd_s"]
     layer_bwd = 2 * (dense_fwd + core_fwd) + collectives_bwd * one_collective + \
-        {"full": dense_fwd + core_fwd, "selective": core_fwd}.get(recompute, 0.0)
+        {"full": dense_fwd + core_fwd, "selective": core_fwd}.get(recompute, 0.0) + \
+        cp_traffic["bwd_s"]
     moe = _moe(run, hw, tokens)
     full = recompute == "full"
     moe_fwd = moe_bwd = 0.0
@@ -240,7 +251,32 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     return StepCost(forward, backward, collectives * one_collective, makespan, bubble,
                     dp_cost["total"], dp_cost["exposed"], dp_cost["optimizer"],
                     makespan + dp_cost["exposed"] + dp_cost["optimizer"], tp_bytes,
-                    dp_cost["bytes"], m * gemm, expert_s, expert_bytes)
+                    dp_cost["bytes"], m * gemm, expert_s, expert_bytes,
+                    m * layers * cp_traffic["step_s"], m * layers * cp_traffic["exposed_s"],
+                    m * layers * cp_traffic["bytes"])
+
+
+def _context_traffic(run: "RunConfig", hw: Hardware, tokens: int, core_forward: float
+                     ) -> Dict[str, float]:
+    """One layer's context-parallel traffic per micro-batch (context.py): the seconds its
+    forward and backward wait, and per step's share its bytes, transfer and exposed time.
+    The cp group spans tp x cp consecutive ranks (tp-cp-dp-pp); recomputation (full, or
+    selective: the core attention) runs the forward's exchange again in the backward."""
+    c, p = run.model, run.parallel
+    assert c is not None
+    layout = context.ContextLayout(p.context_parallel_size, p.cp_comm_type)
+    out = dict.fromkeys(("fwd_s", "bwd_s", "bytes", "step_s", "exposed_s"), 0.0)
+    if layout.cp == 1:
+        return out
+    fwd_b, bwd_b = context.layer_bytes(layout, tokens, c.num_attention_heads * c.head_dim /
+                                       p.tp, _width(c))
+    rate = _link(p.tp * layout.cp, hw.gpus_per_node, hw) * 1e9 * NETWORK_EFFICIENCY
+    fwd_s, bwd_s = context.layer_time(layout, fwd_b, bwd_b, rate, core_forward)
+    again = 1 if c.recompute_granularity in ("full", "selective") else 0
+    out.update(fwd_s=fwd_s, bwd_s=bwd_s + again * fwd_s, bytes=(1 + again) * fwd_b + bwd_b,
+               step_s=((1 + again) * fwd_b + bwd_b) / rate,
+               exposed_s=(1 + again) * fwd_s + bwd_s)
+    return out
 
 
 def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: int,
@@ -251,13 +287,14 @@ def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: 
     c, p, z = run.model, run.parallel, run.zero
     assert c is not None
     param_bytes, grad_bytes = _width(c), z.reduce_dtype.itemsize
-    groups: List[Tuple[int, int]] = [(parameters - expert_parameters, p.dp)]
+    shards = p.dp * p.context_parallel_size  # the ranks sharing the model: dp x cp
+    groups: List[Tuple[int, int]] = [(parameters - expert_parameters, shards)]
     if expert_parameters:
         groups.append((expert_parameters, expert_data_parallel_size(
-            p.tp, p.dp, p.ep, p.etp or p.tp)))
+            p.tp, shards, p.ep, p.etp or p.tp)))
     grads = gather = stage3 = shard = total = 0.0
-    for count, size in groups:  # each group's ranks lie within the stage's tp x dp ranks
-        link = _link(p.tp * p.dp, hw.gpus_per_node, hw) if size > 1 else 1.0
+    for count, size in groups:  # each group's ranks lie within the stage's tp x cp x dp ranks
+        link = _link(p.tp * shards, hw.gpus_per_node, hw) if size > 1 else 1.0
         rate = link * 1e9 * NETWORK_EFFICIENCY
         share = count * (size - 1) / size if size > 1 else 0.0
         grads += (2 if z.zero_stage == 0 else 1) * share * grad_bytes / rate

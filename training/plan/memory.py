@@ -22,6 +22,9 @@ router's tensors (tokens x E), the dispatched rows (tokens x topk x h), the expe
 output and activation (tokens x topk x (2)f / etp), the expert outputs weighted by the
 router, and the shared experts' dense MLP. Expert state is ZeRO-sharded over the
 expert-data-parallel group (edp = tp x dp / (etp x ep)), the rest over dp.
+
+Context parallelism (context.py): s/cp tokens per rank, the cp attention's own tensors in the
+core attention's place, ZeRO over dp x cp (the ranks sharing the model).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from gigatron.parallel.pipeline.schedules import build_schedule
 from gigatron.parallel.pipeline.simulate import peak_in_flight
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.parallel.zero.layout import group_sizes, plan_buckets
+from gigatron.training.plan.context import NONE, ContextLayout, attention_held
 from gigatron.training.plan.parameters import ParamSpec, is_expert_parallel, stage_parameters
 
 if TYPE_CHECKING:
@@ -209,10 +213,12 @@ def moe_mlp_bytes(c: "TransformerConfig", tp: int, ep: int, etp: int) -> float:
 
 
 def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
-                     etp: Optional[int] = None) -> ActivationTerms:
+                     etp: Optional[int] = None, context: ContextLayout = NONE
+                     ) -> ActivationTerms:
     """Korthikanti's per-layer count, tensor by tensor, for this implementation (bytes per
     token; see the module docstring). `on_gpu`: CUDA kernels (bool dropout masks, fused
-    norms) rather than the CPU reference paths (fp32 norm copies, float dropout masks)."""
+    norms) rather than the CPU reference paths (fp32 norm copies, float dropout masks);
+    `context`: the cp attention's own tensors (context.py) in the core attention's place."""
     w = _width(c.params_dtype)
     h, a, g, d, ffn = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim, \
         c.ffn_hidden_size
@@ -230,7 +236,7 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
     else:
         norm = 4 * h + 8  # fp32 input (a copy under bf16/fp16), mean and rstd
     rope = c.position_embedding_type == "rope"
-    kernel = attention_kernel(c, on_gpu)
+    kernel = "flash" if context.cp > 1 else attention_kernel(c, on_gpu)
     q_view, k_view, v_view = not rope, not rope and g == a, g == a
     qkv_storage = w * g * (a // g + 2) * d / t
     copies = (0 if q_view else w * a * d) + (0 if k_view else w * a * d) + \
@@ -238,10 +244,15 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
     ad = a * d / t  # attention channels on this rank
     # the storages the core attention's inputs keep (checkpointed under selective recompute)
     inputs = (qkv_storage if (q_view or k_view or v_view) else 0) + copies / t
+    cp_constant = 0.0
     if kernel == "math":  # fp32 copies of q, k (scaled) and, unless a view, v
         held = 2 * 4 * ad + (0 if (w == 4 and v_view) else 4 * ad) + \
             (qkv_storage if (w == 4 and v_view) else 0)
         core = 3 * 4 * (a / t) * s
+    elif context.cp > 1:  # torch's fused kernels per block or gathered sequence
+        held, cp_constant = attention_held(context, qkv_storage if q_view else w * ad, w,
+                                           ad, s)
+        core = 4 * a / t
     else:
         held = inputs
         if kernel == "flash":  # its output is the projection's input (counted there)
@@ -258,8 +269,11 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
         hidden_mask * h / split
     last = norm / split + w * h + 4 * c.padded_vocab_size(tp) / t + 9
     per_layer_constant = float(s * s) if (kernel == "unfused" and not on_gpu) else 0.0
-    per_chunk = 2 * s * c.rotary_dim * 4.0 if rope else 0.0
-    notes = [f"attention kernel: {kernel}"]
+    if context.cp > 1:
+        per_layer_constant = cp_constant
+    per_chunk = 2 * s * c.rotary_dim * 4.0 / context.cp if rope else 0.0  # local positions
+    notes = [f"attention kernel: {kernel}" + (f", context parallel {context.comm_type}"
+                                              if context.cp > 1 else "")]
     moe = selective_moe = 0.0
     if c.num_moe_experts is not None:  # the MoE MLP in the dense one's place (w h: its input)
         swap = moe_mlp_bytes(c, t, ep, t if etp is None else etp) - (w * h + mlp_act)
@@ -346,16 +360,18 @@ def _model_state(c: "TransformerConfig", chunks: List[List[ParamSpec]], zero: "Z
 
 def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: int, tp: int,
                  dp: int, zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
-                 on_gpu: bool, ep: int = 1, etp: Optional[int] = None) -> StageMemory:
-    """Memory of one rank of pipeline stage `pp_rank` (any tp/dp rank: all hold the same;
-    ep, etp: the expert layers' sizes, etp None: tp)."""
-    etp = tp if etp is None else etp
+                 on_gpu: bool, ep: int = 1, etp: Optional[int] = None,
+                 context: ContextLayout = NONE) -> StageMemory:
+    """Memory of one rank of pipeline stage `pp_rank` (any tp/dp/cp rank: all hold the
+    same; ep, etp: the expert layers' sizes, etp None: tp; `context`: cp ranks share the
+    model, so ZeRO shards over dp x cp, and hold s/cp tokens of each micro-batch)."""
+    etp, shards = tp if etp is None else etp, dp * context.cp
     chunks = stage_parameters(c, tp, partition, pp_rank, ep, etp)
-    state, expert_state = _model_state(c, chunks, zero, dp,
-                                       expert_data_parallel_size(tp, dp, ep, etp),
+    state, expert_state = _model_state(c, chunks, zero, shards,
+                                       expert_data_parallel_size(tp, shards, ep, etp),
                                        on_gpu and zero.offload_optimizer == "cpu")
-    terms = activation_terms(c, tp, on_gpu, ep, etp)
-    tokens = c.seq_length * micro_batch_size
+    terms = activation_terms(c, tp, on_gpu, ep, etp, context)
+    tokens = c.seq_length * micro_batch_size // context.cp
     pattern = moe_layer_pattern(c)
     per_chunk = [chunk_activations(c, terms, len(partition.layer_range(pp_rank, k)),
                                    partition.pre_process(pp_rank, k),
@@ -377,8 +393,9 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
 
 def plan_memory(c: "TransformerConfig", partition: PipelinePartition, tp: int, dp: int,
                 zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
-                on_gpu: bool, ep: int = 1, etp: Optional[int] = None) -> List[StageMemory]:
+                on_gpu: bool, ep: int = 1, etp: Optional[int] = None,
+                context: ContextLayout = NONE) -> List[StageMemory]:
     """`stage_memory` of every pipeline stage."""
     return [stage_memory(c, partition, r, tp, dp, zero, micro_batch_size, num_microbatches,
-                         on_gpu, ep, etp) for r in range(partition.pp_size)]
+                         on_gpu, ep, etp, context) for r in range(partition.pp_size)]
 

@@ -6,6 +6,7 @@ from typing import List
 
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.config.run_config import RunConfig
+from gigatron.training.plan.context import ContextLayout
 from gigatron.training.plan.cost import StepCost, Throughput, step_cost, throughput
 from gigatron.training.observe.devices import Hardware
 from gigatron.training.plan.memory import GIB, StageMemory, plan_memory
@@ -43,6 +44,11 @@ def partition_of(run: RunConfig) -> PipelinePartition:
     return partition(run)
 
 
+def context_of(run: RunConfig) -> ContextLayout:
+    """The run's context parallelism as the plan models it."""
+    return ContextLayout(run.parallel.context_parallel_size, run.parallel.cp_comm_type)
+
+
 def plan_run(run: RunConfig, hw: Hardware) -> Plan:
     """Memory of every pipeline stage and the step's cost for `run` on `hw` devices."""
     c, p, t = run.model, run.parallel, run.train
@@ -50,7 +56,7 @@ def plan_run(run: RunConfig, hw: Hardware) -> Plan:
     on_gpu = hw.key != "cpu"
     partition = partition_of(run)
     stages = plan_memory(c, partition, p.tp, p.dp, run.zero, t.micro_batch_size,
-                         t.num_microbatches, on_gpu, p.ep, p.etp)
+                         t.num_microbatches, on_gpu, p.ep, p.etp, context_of(run))
     cost = step_cost(run, hw, partition, [m.parameters for m in stages], on_gpu,
                      [m.expert_parameters for m in stages])
     return Plan(run, hw, stages, cost, throughput(run, cost, hw))

@@ -25,7 +25,16 @@ def layout_dict(plan: Plan) -> Dict[str, Any]:
             "zero_stage": z.zero_stage, "optimizer_offload": z.offload_optimizer == "cpu",
             "sequence_parallel": p.sequence_parallel, "recompute": _recompute(plan),
             "micro_batch_size": t.micro_batch_size, "num_microbatches": t.num_microbatches,
-            "global_batch_size": t.global_batch_size, **_expert_layout(plan)}
+            "global_batch_size": t.global_batch_size, **_expert_layout(plan),
+            **_context_layout(plan)}
+
+
+def _context_layout(plan: Plan) -> Dict[str, Any]:
+    """cp and its comm type (cp > 1 only: a plan without cp prints as before)."""
+    p = plan.run.parallel
+    if p.context_parallel_size == 1:
+        return {}
+    return {"cp": p.context_parallel_size, "cp_comm_type": p.cp_comm_type}
 
 
 def _expert_layout(plan: Plan) -> Dict[str, Any]:
@@ -78,7 +87,8 @@ def plan_dict(plan: Plan) -> Dict[str, Any]:
                      "pipeline_s": c.pipeline, "bubble": c.bubble,
                      "dp_communication_s": c.dp_communication, "dp_exposed_s": c.dp_exposed,
                      "dp_bytes": c.dp_bytes, "optimizer_s": c.optimizer, "step_s": c.step,
-                     "executed_flops_per_gpu": c.gemm_flops, **_expert_step(plan)},
+                     "executed_flops_per_gpu": c.gemm_flops, **_expert_step(plan),
+                     **_context_step(plan)},
             "rates": {"tokens_per_s": r.tokens_per_s,
                       "model_tflops_per_gpu": r.model_tflops_per_gpu,
                       "executed_tflops_per_gpu": r.hardware_tflops_per_gpu, "mfu": r.mfu}}
@@ -91,15 +101,32 @@ def _expert_step(plan: Plan) -> Dict[str, Any]:
             "expert_bytes": plan.cost.expert_bytes}
 
 
+def _context_step(plan: Plan) -> Dict[str, Any]:
+    if not _context_layout(plan):
+        return {}
+    return {"cp_communication_s": plan.cost.cp_communication,
+            "cp_exposed_s": plan.cost.cp_exposed, "cp_bytes": plan.cost.cp_bytes}
+
+
 def search_dict(ranked: Sequence[Candidate], refused: Sequence[Candidate]) -> Dict[str, Any]:
     return {"schema": SCHEMA,
             "ranked": [plan_dict(c.plan) for c in ranked if c.plan is not None],
-            "refused": [{"layout": {k: v for k, v in c.layout.__dict__.items() if v is not None},
-                         "reason": c.reason} for c in refused]}
+            "refused": [{"layout": _layout_keys(c), "reason": c.reason} for c in refused]}
+
+
+def _layout_keys(candidate: Candidate) -> Dict[str, Any]:
+    """A refused layout's sizes (ep only for MoE, cp only above 1: as before cp existed)."""
+    return {k: v for k, v in candidate.layout.__dict__.items()
+            if v is not None and not (k == "cp" and v == 1)}
 
 
 def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
+
+
+def _context_sizes(plan: Plan) -> str:
+    lay = _context_layout(plan)
+    return f" cp={lay['cp']} ({lay['cp_comm_type']})" if lay else ""
 
 
 def _expert_sizes(plan: Plan) -> str:
@@ -115,7 +142,7 @@ def describe(plan: Plan) -> str:
     lay = layout_dict(plan)
     lines = [
         f"plan: {p.world_size} x {hw.key} ({hw.name}, {hw.memory_gib} GiB), tp={p.tp} "
-        f"pp={p.pp} dp={p.dp}{_expert_sizes(plan)}"
+        f"pp={p.pp} dp={p.dp}{_context_sizes(plan)}{_expert_sizes(plan)}"
         f"{' sequence-parallel' if p.sequence_parallel else ''}, "
         f"zero stage {z.zero_stage}{' + optimizer offload' if lay['optimizer_offload'] else ''}"
         f", recompute {lay['recompute']}",
@@ -151,6 +178,11 @@ def describe(plan: Plan) -> str:
               f"{rates.model_tflops_per_gpu:.1f} model TFLOP/s per GPU "
               f"({rates.hardware_tflops_per_gpu:.1f} executed), MFU {rates.mfu:.1%}"
               f"{' on active parameters' if lay.get('ep') else ''}"]
+    if lay.get("cp"):
+        lines.insert(-1, f"  context-parallel exchange ({lay['cp_comm_type']}) "
+                         f"{cost.cp_bytes / GIB:.2f} GiB per rank, "
+                         f"{cost.cp_communication * 1e3:.1f} ms per step on the link "
+                         f"({cost.cp_exposed * 1e3:.1f} ms exposed)")
     if lay.get("ep"):
         lines.insert(-1, f"  expert token exchange ({lay['moe_token_dispatcher_type']}) "
                          f"{cost.expert_bytes / GIB:.2f} GiB per rank, "

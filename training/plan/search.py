@@ -1,6 +1,6 @@
 """`gigatron plan --search`: every layout of the model on the GPU count, ranked or refused.
 
-A layout is (tp, pp, dp, ZeRO stage, recomputation, micro-batch size, and for a mixture of
+A layout is (tp, pp, cp, dp, ZeRO stage, recomputation, micro-batch size, and for a mixture of
 experts the expert-parallel size ep: each divisor of --num-experts whose etp x ep divides
 tp x dp, etp the flag's or tp), with sequence
 parallelism whenever tp > 1 and the user's global batch. Each one is validated by the same
@@ -39,9 +39,11 @@ class Layout:
     recompute: str
     micro_batch_size: int
     ep: Optional[int] = None  # expert-parallel size; None: a dense model
+    cp: int = 1  # context-parallel size (the flags' --cp-comm-type)
 
     def describe(self) -> str:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}"
+                f"{'' if self.cp == 1 else f' cp={self.cp}'}"
                 f"{'' if self.ep is None else f' ep={self.ep}'} zero={self.zero_stage} "
                 f"recompute={self.recompute} mbs={self.micro_batch_size}")
 
@@ -69,22 +71,30 @@ def expert_sizes(num_experts: Optional[int], tp: int, dp: int,
     return [ep for ep in _divisors(num_experts) if (tp * dp) % (expert_tp * ep) == 0]
 
 
+def context_sizes(ranks: int, seq_length: int) -> List[int]:
+    """The cp sizes to try on `ranks` (world / (tp x pp)): divisors whose load-balanced
+    split fits the sequence (seq_length divisible by 2 x cp)."""
+    return [cp for cp in _divisors(ranks) if seq_length % (2 * cp) == 0 or cp == 1]
+
+
 def layouts(world_size: int, num_layers: int, gpus_per_node: int,
-            num_experts: Optional[int] = None, etp: Optional[int] = None) -> Iterator[Layout]:
-    """The search space: tp within a node, pp up to one layer per stage, ep over the
-    experts (`expert_sizes`)."""
+            num_experts: Optional[int] = None, etp: Optional[int] = None,
+            seq_length: int = 1) -> Iterator[Layout]:
+    """The search space: tp within a node, pp up to one layer per stage, cp over the rest
+    (`context_sizes`), ep over the experts (`expert_sizes`)."""
     for tp in _divisors(world_size):
         if tp > gpus_per_node:
             continue
         for pp in _divisors(world_size // tp):
             if pp > num_layers:
                 continue
-            dp = world_size // (tp * pp)
-            for ep in expert_sizes(num_experts, tp, dp, etp):
-                for zero in ZERO_STAGES:
-                    for recompute in RECOMPUTE:
-                        for mbs in MICRO_BATCH_SIZES:
-                            yield Layout(tp, pp, dp, zero, recompute, mbs, ep)
+            for cp in context_sizes(world_size // (tp * pp), seq_length):
+                dp = world_size // (tp * pp * cp)
+                for ep in expert_sizes(num_experts, tp, dp * cp, etp):
+                    for zero in ZERO_STAGES:
+                        for recompute in RECOMPUTE:
+                            for mbs in MICRO_BATCH_SIZES:
+                                yield Layout(tp, pp, dp, zero, recompute, mbs, ep, cp)
 
 
 def _flags_for(flags: argparse.Namespace, layout: Layout,
@@ -97,6 +107,7 @@ def _flags_for(flags: argparse.Namespace, layout: Layout,
     out.recompute_granularity, out.recompute_method, out.recompute_num_layers = \
         granularity, method, num
     out.sequence_parallel = layout.tp > 1
+    out.context_parallel_size = layout.cp
     out.num_layers_per_virtual_pipeline_stage = None
     out.gradient_accumulation_steps = None
     if layout.ep is not None:
@@ -127,16 +138,18 @@ def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
 
 
 def _model_sizes(flags: argparse.Namespace, world_size: int,
-                 tokenizer: Optional["Tokenizer"]) -> Tuple[int, Optional[int]]:
-    """(layers, routed experts) of the model the flags build (a --model zoo entry too)."""
+                 tokenizer: Optional["Tokenizer"]) -> Tuple[int, Optional[int], int]:
+    """(layers, routed experts, sequence length) of the model the flags build (a --model
+    zoo entry too)."""
     from gigatron.training.config.arguments import build_run_config
 
     try:
         model = build_run_config(flags, world_size, tokenizer).model
     except ValueError:  # the user's own layout is refused: the flags' own sizes
-        return flags.num_layers or 1, getattr(flags, "num_experts", None)
+        return (flags.num_layers or 1, getattr(flags, "num_experts", None),
+                getattr(flags, "seq_length", None) or 1)
     assert model is not None
-    return model.num_layers, model.num_moe_experts
+    return model.num_layers, model.num_moe_experts, model.seq_length
 
 
 def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
@@ -145,9 +158,9 @@ def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
     """(layouts that fit, fastest first; layouts refused, each with its reason)."""
     ranked: List[Candidate] = []
     refused: List[Candidate] = []
-    num_layers, num_experts = _model_sizes(flags, world_size, tokenizer)
+    num_layers, num_experts, seq_length = _model_sizes(flags, world_size, tokenizer)
     for layout in layouts(world_size, num_layers, hw.gpus_per_node, num_experts,
-                          flags.expert_tensor_parallel_size):
+                          flags.expert_tensor_parallel_size, seq_length):
         candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw)
         (refused if candidate.reason else ranked).append(candidate)
     ranked.sort(key=lambda c: c.plan.cost.step if c.plan else 0.0)

@@ -1,0 +1,161 @@
+"""`gigatron plan` under context parallelism (issue 28).
+
+- The activations it predicts per rank equal what bench/bench_context_parallel.py measures
+  (bytes of the storages autograd keeps, forked gloo ranks) for cp 1, 2, 4 under each comm
+  type, so the predicted cp1/cp ratio equals the bench's within 15% (measured: exact, byte for
+  byte, on the bench's model at 512 tokens).
+- Its cp bytes per step equal the bench's formula (which the bench checks against
+  parallel/comm's counters), the time is taken on the link the tp x cp ranks span, the ring's
+  hops hide behind the attention and the collectives do not; parameters per rank do not change
+  with cp and ZeRO shards over dp x cp.
+- `--search` tries cp (sequence divisible by 2 x cp only).
+- Plans without cp are byte-identical to those before cp existed (sha256 of text and JSON
+  taken from the pre-cp planner for four layouts, MoE included).
+"""
+import contextlib
+import hashlib
+import io
+import json
+import os
+import sys
+
+import pytest
+
+from gigatron.cli import plan as plan_cli
+from gigatron.training.plan.cost import NETWORK_EFFICIENCY
+from gigatron.training.plan.search import context_sizes
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+BENCH = ("--num-layers 1 --hidden-size 64 --num-attention-heads 4 --seq-length 512 "
+         "--max-position-embeddings 512 --vocab-size 256 --make-vocab-size-divisible-by 8 "
+         "--position-embedding-type rope --disable-bias-linear --hidden-dropout 0 "
+         "--attention-dropout 0 --micro-batch-size 1 --lr 1e-4 --train-iters 1 "
+         "--mock-data").split()
+SMALL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
+         "--max-position-embeddings 512 --vocab-size 1000 --micro-batch-size 1 "
+         "--global-batch-size 16 --bf16 --lr 1e-4 --train-iters 1 --mock-data").split()
+CP_SMALL = SMALL + ["--attention-dropout", "0"]  # attention dropout is refused under cp
+
+
+def _plan_output(argv):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert plan_cli.main(list(argv)) == 0, argv
+    return buf.getvalue()
+
+
+def _plan(argv):
+    return json.loads(_plan_output(list(argv) + ["--json"]))
+
+
+def _cp(cp, comm_type="p2p"):
+    return ["--context-parallel-size", str(cp), "--cp-comm-type", comm_type]
+
+
+def test_predicted_activations_equal_the_bench_and_fall_as_it_does():
+    sys.path.insert(0, BENCH_DIR)
+    try:
+        import bench_context_parallel as bench
+    finally:
+        sys.path.remove(BENCH_DIR)
+    rows = bench.run([512], [1, 2, 4], bench.COMM_TYPES, layers=1, batch=1)
+    assert len(rows) == 7
+    planned = {}
+    for r in rows:
+        cp, comm_type = r["cp"], "p2p" if r["comm_type"] == "-" else r["comm_type"]
+        doc = _plan(["--gpu", "cpu", "--num-gpus", str(cp)] + _cp(cp, comm_type) + BENCH)
+        planned[cp, r["comm_type"]] = doc["stages"][0]["bytes"]["activations"]
+        assert abs(planned[cp, r["comm_type"]] / r["activation_bytes"] - 1) < 0.01, r
+    base = planned[1, "-"]
+    for r in rows:
+        predicted_ratio = base / planned[r["cp"], r["comm_type"]]
+        assert abs(predicted_ratio / r["ratio"] - 1) < 0.15, (r, predicted_ratio)
+
+
+@pytest.mark.parametrize("comm_type,fwd,bwd", [("p2p", 3 * 2, 3 * 2 + 4 * 2),
+                                               ("all_gather", 3 * 2, 3 * 2),
+                                               ("a2a", 3, 3)])
+def test_cp_bytes_per_step_equal_the_formula_on_the_link_the_cp_group_spans(comm_type, fwd,
+                                                                           bwd):
+    """cp 4, 4 layers, 16 micro-batches, bf16: X = 512/4 tokens x 8 heads x 32 x 2 B per
+    layer; a2a moves 4X x (cp-1)/cp = 3X each way."""
+    doc = _plan(["--gpu", "h100-sxm", "--num-gpus", "4"] + _cp(4, comm_type) + CP_SMALL)
+    x = 512 // 4 * 8 * 32 * 2
+    assert doc["layout"]["cp"] == 4 and doc["layout"]["cp_comm_type"] == comm_type
+    step = doc["step"]
+    assert step["cp_bytes"] == 16 * 4 * (fwd + bwd) * x
+    intra = doc["gpu"]["intra_node_gbps"] * 1e9 * NETWORK_EFFICIENCY
+    assert step["cp_communication_s"] == pytest.approx(step["cp_bytes"] / intra)
+    if comm_type == "p2p":  # the hops are smaller than the blocks' compute here
+        assert step["cp_exposed_s"] < step["cp_communication_s"]
+    else:
+        assert step["cp_exposed_s"] == pytest.approx(step["cp_communication_s"])
+    # 2 GPUs per node: the cp group of 4 spans nodes and its traffic takes the NIC
+    slow = _plan(["--gpu", "h100-sxm", "--num-gpus", "4", "--gpus-per-node", "2"] +
+                 _cp(4, comm_type) + CP_SMALL)["step"]
+    inter = doc["gpu"]["inter_node_gbps"] * 1e9 * NETWORK_EFFICIENCY
+    assert slow["cp_communication_s"] == pytest.approx(step["cp_bytes"] / inter)
+
+
+def test_parameters_unchanged_and_zero_shards_over_dp_times_cp():
+    def stage(num_gpus, cp):
+        argv = ["--gpu", "h100-sxm", "--num-gpus", str(num_gpus), "--zero-stage", "2"]
+        return _plan(argv + _cp(cp) + CP_SMALL)["stages"][0]
+
+    alone, cp2, dp2 = stage(1, 1), stage(2, 2), stage(2, 1)
+    assert cp2["parameters"] == alone["parameters"]
+    assert cp2["bytes"]["params"] == alone["bytes"]["params"]
+    for kind in ("grads", "master_params", "optimizer_state"):
+        assert cp2["bytes"][kind] == dp2["bytes"][kind] < alone["bytes"][kind], kind
+    assert cp2["bytes"]["activations"] < 0.6 * dp2["bytes"]["activations"]
+
+
+def test_search_includes_cp_where_the_sequence_splits_in_2cp_chunks():
+    assert context_sizes(8, 512) == [1, 2, 4, 8]
+    assert context_sizes(8, 12) == [1, 2]
+    doc = _plan(["--search", "--gpu", "h100-sxm", "--num-gpus", "4"] + CP_SMALL)
+    cps = {p["layout"].get("cp", 1) for p in doc["ranked"]}
+    assert cps == {1, 2, 4}
+    text = _plan_output(["--search", "--top", "500", "--gpu", "h100-sxm", "--num-gpus", "4"]
+                        + CP_SMALL)
+    assert " cp=2 " in text and " cp=4 " in text
+    # with attention dropout (the default 0.1) the run's validation refuses every cp layout
+    refused = _plan(["--search", "--gpu", "h100-sxm", "--num-gpus", "4"] + SMALL)["refused"]
+    with_cp = [r for r in refused if r["layout"].get("cp", 1) > 1]
+    assert with_cp and all("attention dropout under context parallelism" in r["reason"]
+                           for r in with_cp)
+
+
+GOLDEN = {  # sha256 of `gigatron plan` output from the planner before cp (commit 65ed26e)
+    "tp2_pp2_dp2": "55253b919d99dc1e23d9d127ef083ca7e6c9b75480e0baa22f10f428d2fb6e53",
+    "tp2_pp2_dp2_json": "2f153e38df769e0ac3dbfb99f07652dd78faf4374af20f43cd80129d2c0a4ded",
+    "zero3_full_recompute": "bb66e81e4a9ae4616487d99fbfa456a3c93c8ee932a9f58bef97101109d14fba",
+    "zero3_full_recompute_json":
+        "b744dd66aba77a6c682cbc7c03b714479ecaa7c21baeacae36be9c0a8bf8d0cf",
+    "gpt3_175b": "64692dbe3e4daf26b9cc90f095a3929dc0561b23e47f61354d12c489142dae3e",
+    "gpt3_175b_json": "47e9a5b87bb3b4c4b2d59915630fb90494ee29e48ebd43d7b7ad216d0f372451",
+    "moe": "e22958bbc9fcef7619cd9dc712d413964a3863079c1f65d11ae14cbad0d10a7a",
+    "moe_json": "b06244dbc340c6bb466bacf71c1b1d9240a12fa8520935dd49dfa5f9d5ada783",
+}
+CASES = {
+    "tp2_pp2_dp2": ["--gpu", "a100-80gb", "--num-gpus", "8", "--tensor-model-parallel-size",
+                    "2", "--pipeline-model-parallel-size", "2"] + SMALL,
+    "zero3_full_recompute": ["--gpu", "h100-sxm", "--num-gpus", "4", "--zero-stage", "3",
+                             "--recompute-granularity", "full", "--recompute-method",
+                             "uniform", "--recompute-num-layers", "1"] + SMALL,
+    "gpt3_175b": ("--gpu h100-sxm --num-gpus 512 --model gpt3-175b "
+                  "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 "
+                  "--micro-batch-size 1 --global-batch-size 1536 --bf16 --lr 1e-4 "
+                  "--train-iters 1 --mock-data").split(),
+    "moe": ["--gpu", "h100-sxm", "--num-gpus", "4", "--num-experts", "4", "--moe-router-topk",
+            "2", "--expert-model-parallel-size", "2", "--moe-ffn-hidden-size", "256",
+            "--disable-bias-linear"] + SMALL,
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_plans_without_cp_are_byte_identical_to_before_cp(name):
+    json_form = name.endswith("_json")
+    argv = CASES[name[:-5] if json_form else name] + (["--json"] if json_form else [])
+    digest = hashlib.sha256(_plan_output(argv).encode()).hexdigest()
+    assert digest == GOLDEN[name]
