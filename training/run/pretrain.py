@@ -154,11 +154,13 @@ def _memory_plan(run, device) -> Tuple[List[str], Dict[int, float]]:
     the first log line)."""
     from gigatron.training.run.builders import partition
     from gigatron.training.plan.memory import plan_memory
+    from gigatron.training.plan.planner import context_of
     from gigatron.training.plan.report import startup_lines
 
     p, t = run.parallel, run.train
     stages = plan_memory(run.model, partition(run), p.tp, p.dp, run.zero, t.micro_batch_size,
-                         t.num_microbatches, on_gpu=device.type == "cuda", ep=p.ep, etp=p.etp)
+                         t.num_microbatches, on_gpu=device.type == "cuda", ep=p.ep, etp=p.etp,
+                         context=context_of(run))
     return startup_lines(stages), {m.pp_rank: float(m.peak) for m in stages}
 
 
