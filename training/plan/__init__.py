@@ -5,6 +5,7 @@ parameters.py  each stage's parameters, read from GPTModel built on meta at the 
 memory.py    model state as ZeRO lays it out (exact) and activations (Korthikanti et al.)
 cost.py      FLOPs, compute, tp/pp/dp communication, the bubble from the schedule simulator
 experts.py   an MoE layer beyond a dense one: router/expert matmuls, the token exchange
+context.py   context parallelism: the cp attention's tensors and traffic per comm type
 planner.py   one layout's plan; search.py: every layout ranked; report.py: text and JSON
 sc21.py      the Megatron-LM SC21 table and the plan's prediction of it
 docs/PLAN.md explains the model, its three constants and its sources.
