@@ -135,6 +135,8 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
          "optimizer_cpu_offload":
          "--zero-stage 1", "sequence_parallel": "--tensor-model-parallel-size 2",
          "num_layers_per_virtual_pipeline_stage": "--pipeline-model-parallel-size 2",
+         "pipeline_schedule": "--pipeline-model-parallel-size 2 "
+                              "--num-layers-per-virtual-pipeline-stage 1",
          "decoder_first_pipeline_num_layers": "--pipeline-model-parallel-size 2 --num-layers 6",
          "decoder_last_pipeline_num_layers": "--pipeline-model-parallel-size 2 --num-layers 6",
          "num_layers": "--pipeline-model-parallel-size 2", "lr_decay_style":

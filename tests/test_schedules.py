@@ -5,7 +5,7 @@ import pytest
 from gigatron.parallel.pipeline.schedules import (
     COMMUNICATION, Backward, Forward, RecvActivation, RecvGrad, SendActivation, SendGrad,
     build_schedule, check_num_microbatches, interleaved_one_f_one_b,
-    last_backward_per_chunk, no_pipelining, one_f_one_b)
+    last_grad_step_per_chunk, no_pipelining, one_f_one_b)
 from gigatron.parallel.pipeline.render import render
 from gigatron.parallel.pipeline.simulate import ScheduleError, simulate
 
@@ -108,10 +108,19 @@ def test_interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1_and_smaller():
 def test_last_backward_of_each_chunk_is_where_grad_sync_is_enabled():
     sched = interleaved_one_f_one_b(0, 2, 4, 2)
     backwards = [i for i in sched if isinstance(i, Backward)]
-    last = last_backward_per_chunk(sched)
+    last = last_grad_step_per_chunk(sched)
     for chunk in range(2):
         mine = [b for b in backwards if b.chunk == chunk]
-        assert last[chunk] == mine[-1].microbatch
+        assert last[chunk] == mine[-1]
+
+
+def test_split_schedules_enable_grad_sync_at_the_last_weight_grad_not_the_last_backward():
+    from gigatron.parallel.pipeline.schedules import WeightGrad, build_schedule
+    for rank in range(4):
+        sched = build_schedule(rank, 4, 8, 1, schedule="zb-h1")
+        grads = [i for i in sched if isinstance(i, (Backward, WeightGrad))]
+        assert isinstance(grads[-1], WeightGrad)
+        assert last_grad_step_per_chunk(sched) == {0: grads[-1]}
 
 
 def test_no_pipelining_is_gradient_accumulation():

@@ -180,11 +180,105 @@ def test_schedule_command_json_prints_bubble_and_peak(capsys):
     assert "--schedule zb-h1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name,virtual", [("zb-h1", 1), ("zbv", 2)])
-def test_the_executor_refuses_split_backward_schedules_until_it_runs_them(name, virtual):
-    """Running W-bearing schedules in today's executor would drop every weight gradient."""
-    from gigatron.parallel.pipeline.executor import PipelineExecutor
+class _RecordingSync:
+    """A GradSync recording, per post-accumulate-grad hook, whether its chunk's sync was on."""
 
-    schedule = build_schedule(0, 2, 4, virtual, schedule=name)
-    with pytest.raises(NotImplementedError, match="split-backward"):
-        PipelineExecutor.run(object(), schedule, [])  # type: ignore[arg-type]
+    def __init__(self, named_params):
+        self.enabled, self.ready = {}, []  # ready: (name, sync enabled) per hook
+        for *name, p in named_params:
+            name = tuple(name)
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name: self.ready.append((name, self.enabled[name[0]])))
+
+    def enable_sync(self, chunk, enabled):
+        self.enabled[chunk] = enabled
+
+    def finish_sync(self):
+        pass
+
+
+def _single_rank_executor_run(schedule_name, virtual, split):
+    """One rank runs `schedule_name` (split: as built; else with its W's dropped, the full
+    backward in B) on GPT chunks; returns (losses, grads by chunk and name, sync)."""
+    import torch
+
+    from gigatron.models.config import TransformerConfig
+    from gigatron.models.pipeline_chunks import GPTMicroBatchStep, build_model_chunks
+    from gigatron.parallel.pipeline.executor import PipelineExecutor
+    from gigatron.parallel.pipeline.partition import PipelinePartition, partition_layers
+
+    config = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=2,
+                               vocab_size=64, seq_length=8, hidden_dropout=0.0,
+                               attention_dropout=0.0, untie_embeddings_and_output_weights=True)
+    partition = partition_layers(4, 1) if virtual == 1 else \
+        PipelinePartition(1, 2, ((range(0, 2), range(2, 4)),), "v")
+    chunks = build_model_chunks(config, partition, 0, None, 7)
+    sync = _RecordingSync([(c, n, p) for c, chunk in enumerate(chunks)
+                           for n, p in chunk.named_parameters()])
+    executor = PipelineExecutor(chunks, None, 0, [0], grad_sync=sync,
+                                micro_batch_step=GPTMicroBatchStep(),
+                                placement="v" if virtual == 2 else "loop")
+    schedule = build_schedule(0, 1, 3, virtual, schedule=schedule_name) if virtual == 1 else \
+        _zbv_single_rank(3)
+    if not split:
+        schedule = [i for i in schedule if not isinstance(i, WeightGrad)]
+    gen = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(3):
+        tokens = torch.randint(0, 64, (2, 9), generator=gen)
+        batches.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:],
+                        "loss_mask": torch.ones(2, 8)})
+    losses = executor.run(schedule, batches)
+    grads = {(c, n): p.grad.clone() for c, chunk in enumerate(chunks)
+             for n, p in chunk.named_parameters()}
+    return losses, grads, sync
+
+
+def _zbv_single_rank(m):
+    """zbv's pass order on one rank holding both chunks of the V (pp = 1; no messages)."""
+    out = []
+    for mb in range(m):
+        out += [Forward(mb, 0), Forward(mb, 1), Backward(mb, 1), Backward(mb, 0),
+                WeightGrad(mb, 1), WeightGrad(mb, 0)]
+    return out
+
+
+@pytest.mark.parametrize("name,virtual", [("zb-h1", 1), ("zbv", 2)])
+def test_the_executor_runs_split_backward_schedules_with_the_full_backwards_grads(name, virtual):
+    """B then W gives every parameter the grads of the full backward; each parameter's grad
+    is ready once per micro-batch, and sync is enabled only for the last of them (the last W
+    for weights): the V's local hand-off between chunks carries activations and grads."""
+    import torch
+
+    losses, grads, sync = _single_rank_executor_run(name, virtual, split=True)
+    ref_losses, ref_grads, _ = _single_rank_executor_run(name, virtual, split=False)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=0, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for key in grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=0, atol=1e-6)
+    assert sorted(name for name, _ in sync.ready) == sorted(list(grads) * 3)
+    # the linears' weights (deferred to W) are ready with sync on exactly at their last W;
+    # the rest (biases, norms, embeddings: computed in B) never during a B of sync off
+    linears = {key for key in grads if key[1].endswith(("linear_qkv.weight", "linear_proj.weight",
+                                                        "linear_fc1.weight", "linear_fc2.weight",
+                                                        "output_layer.weight"))}
+    assert len(linears) == 17
+    enabled = [name for name, on in sync.ready if on]
+    assert sorted(enabled) == sorted(linears)
+    last_hook = {name: i for i, (name, _) in enumerate(sync.ready)}
+    assert all(sync.ready[last_hook[name]][1] for name in linears)
+
+
+def test_the_timeline_shows_b_and_w_as_separate_spans(monkeypatch):
+    from gigatron.parallel import timeline
+
+    spans = []
+    monkeypatch.setattr(timeline, "on", True)
+    monkeypatch.setattr(timeline, "now", lambda: 0)
+    monkeypatch.setattr(timeline, "record", lambda name, start, args=None: spans.append(
+        (name, args["stage"])))
+    _single_rank_executor_run("zbv", 2, split=True)
+    assert spans[:6] == [("forward mb 0 chunk 0", 0), ("forward mb 0 chunk 1", 1),
+                         ("backward mb 0 chunk 1", 1), ("backward mb 0 chunk 0", 0),
+                         ("weight grad mb 0 chunk 1", 1), ("weight grad mb 0 chunk 0", 0)]
+    assert len(spans) == 18

@@ -19,9 +19,18 @@ tensors: every floating-point tensor of it gets a grad back, the others (masks, 
 only travel forward. A p2p that implements `KeyedPointToPoint` is told which stage boundary
 each message crosses (`schedules.message_boundary`), so messages may differ in shape.
 
+Split backward (zb-h1, zbv): a (micro-batch, chunk) with a `WeightGrad` in the schedule runs
+its forward and its `Backward` (B) inside `wgrad.deferring` with its own queue, so the linear
+layers leave their weight gradients to the queue, which the `WeightGrad` (W) runs. The V
+placement (`placement="v"`) keeps the hand-off between a rank's two chunks local: chunk 0's
+output is chunk 1's input on the last rank (detached there, so the grad comes back as a
+received one would), and chunk 1's input grad is chunk 0's output grad.
+
 `grad_sync` (optional, a `GradSync`) gets `enable_sync(chunk, enabled)` before every
-backward, True only for that chunk's last micro-batch, so reductions overlap backward; the
-caller waits for them (`grad_sync.finish_sync()`) after `run`, then steps its optimizer.
+backward and W, True only for that chunk's last one (its last micro-batch's W under a split
+schedule: the step at which the last weight gradients arrive), so reductions overlap
+backward; the caller waits for them (`grad_sync.finish_sync()`) after `run`, then steps its
+optimizer.
 """
 from __future__ import annotations
 
@@ -31,11 +40,13 @@ from typing import (Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Un
 import torch
 
 from gigatron.parallel import timeline
+from gigatron.parallel.tensor.wgrad import WeightGradQueue, deferring
 
 from .interfaces import GradSync, MicroBatch, MicroBatchStep, Payload
-from .schedules import (Backward, Forward, Instruction, RecvActivation, RecvGrad,
-                        SendActivation, SendGrad, WeightGrad, comm_batches, is_first_stage, is_last_stage,
-                        last_backward_per_chunk, message_boundary, peer)
+from .schedules import (Backward, Communication, Forward, Instruction, RecvActivation,
+                        RecvGrad, SendActivation, SendGrad, WeightGrad, comm_batches,
+                        is_first_stage, is_last_stage, is_local, last_grad_step_per_chunk,
+                        message_boundary, peer, virtual_stage)
 
 MessageKey = Tuple[str, int]  # ("activation" or "grad", stage boundary)
 
@@ -77,6 +88,12 @@ def _input_grads(hidden: Payload) -> Payload:
     return grads if isinstance(hidden, tuple) else grads[0]
 
 
+def _detached(payload: Payload) -> Payload:
+    """The payload cut from its graph, as it would arrive from another rank."""
+    tensors = tuple(t.detach() for t in as_tensors(payload))
+    return tensors if isinstance(payload, tuple) else tensors[0]
+
+
 class _OutputAnchor(torch.autograd.Function):
     """A scalar standing in for a sent stage output: its backward hands the output's
     floating-point tensors the grads received from the next stage, so the output itself
@@ -99,8 +116,9 @@ class PipelineExecutor:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], p2p: PointToPoint, pp_rank: int,
                  pp_ranks: Sequence[int], grad_sync: Optional[GradSync] = None, *,
-                 micro_batch_step: MicroBatchStep) -> None:
+                 micro_batch_step: MicroBatchStep, placement: str = "loop") -> None:
         self.chunks = list(chunks)
+        self.placement = placement  # "loop" or "v" (zbv): schedules.placement_of
         self.p2p = p2p
         self.pp_rank = pp_rank
         self.pp_ranks = list(pp_ranks)  # global rank of each pipeline stage
@@ -126,16 +144,14 @@ class PipelineExecutor:
         step; finish the grad sync after it); `batches[mb]` is micro-batch mb as the
         micro-batch step reads it (ranks whose chunks never read it may pass anything).
         """
-        if any(isinstance(step, WeightGrad) for step in schedule):
-            # zb-h1 / zbv split each backward (issue 29); until the split backward exists
-            # here, running them would silently drop every weight gradient
-            raise NotImplementedError("the executor cannot run a split-backward (zero-bubble) "
-                                      "schedule yet: use --pipeline-schedule 1f1b or interleaved")
         self._check_inputs(schedule, batches)
         self._forward_only = not any(isinstance(i, Backward) for i in schedule)
         self._batches = batches
         self._scale = loss_scale / (len(batches) if loss_divisor is None else loss_divisor)
-        self._last_backward = last_backward_per_chunk(schedule)
+        self._last_grad_step = last_grad_step_per_chunk(schedule)
+        split = {(i.microbatch, i.chunk) for i in schedule if isinstance(i, WeightGrad)}
+        self._queues: Dict[tuple, WeightGradQueue] = {
+            key: WeightGradQueue() for key in split if not self._forward_only}
         self._inputs: Dict[tuple, Optional[Payload]] = {}
         self._outputs: Dict[tuple, torch.Tensor] = {}  # loss, or anchor of a sent output
         self._to_send: Dict[tuple, Payload] = {}
@@ -154,23 +170,25 @@ class PipelineExecutor:
             if isinstance(step, Forward):
                 self._forward(step.microbatch, step.chunk)
             elif isinstance(step, Backward):
-                self._backward(step.microbatch, step.chunk)
+                self._backward(step)
+            else:
+                self._weight_grad(step)
             if timeline.on:
                 self._record_span(step, start)
         leftover = (len(self._outputs) + len(self._input_grads) + len(self._to_send) +
-                    sum(len(d) for d in self._received.values()))
+                    len(self._queues) + sum(len(d) for d in self._received.values()))
         if leftover:
             raise RuntimeError(f"schedule left {leftover} tensors unconsumed: it is malformed")
         return [self._losses[mb] for mb in sorted(self._losses)]
 
     def _record_span(self, step: Instruction, start: int) -> None:
-        """The timeline's span of a forward or backward ('forward mb 3', 'chunk 1' when
-        interleaved), with the virtual stage it ran."""
-        kind = "forward" if isinstance(step, Forward) else "backward"
+        """The timeline's span of a forward, backward (B when split) or weight-gradient step
+        ('forward mb 3', 'chunk 1' when interleaved), with the virtual stage it ran."""
+        kind = {Forward: "forward", Backward: "backward", WeightGrad: "weight grad"}[type(step)]
         chunk = f" chunk {step.chunk}" if len(self.chunks) > 1 else ""
         timeline.record(f"{kind} mb {step.microbatch}{chunk}", start, {
             "microbatch": step.microbatch, "chunk": step.chunk,
-            "stage": step.chunk * self.pp_size + self.pp_rank})
+            "stage": virtual_stage(self.pp_rank, step.chunk, self.pp_size, self.placement)})
 
     def _check_inputs(self, schedule: Sequence[Instruction],
                       batches: Sequence[MicroBatch]) -> None:
@@ -186,17 +204,28 @@ class PipelineExecutor:
                              f"same --num-layers-per-virtual-pipeline-stage")
 
     def _is_last(self, chunk: int) -> bool:
-        return is_last_stage(self.pp_rank, chunk, self.pp_size, len(self.chunks))
+        return is_last_stage(self.pp_rank, chunk, self.pp_size, len(self.chunks),
+                             self.placement)
+
+    def _is_first(self, chunk: int) -> bool:
+        return is_first_stage(self.pp_rank, chunk, self.pp_size, self.placement)
+
+    def _local_peer(self, op: Communication) -> Optional[tuple]:
+        """The (micro-batch, chunk) on this rank at the other end of `op`, when the placement
+        keeps it local (the V's turn on the last rank); None: a real message."""
+        if not is_local(op, self.pp_rank, self.pp_size, self.placement):
+            return None
+        return op.microbatch, peer(op, self.pp_rank, self.pp_size, self.placement)[1]
 
     def _forward(self, mb: int, chunk: int) -> None:
         batch, key, step = self._batches[mb], (mb, chunk), self.micro_batch_step
         hidden: Optional[Payload] = None
-        if not is_first_stage(self.pp_rank, chunk):
+        if not self._is_first(chunk):
             hidden = self._received[RecvActivation].pop(key)
             for t in _float_tensors(hidden):
                 t.requires_grad_(not self._forward_only)
         last = self._is_last(chunk)
-        with torch.set_grad_enabled(not self._forward_only):
+        with torch.set_grad_enabled(not self._forward_only), deferring(self._queues.get(key)):
             output = self.chunks[chunk](**step.chunk_inputs(batch, hidden, last))
             extra = self._add_aux_losses(step.layer_losses(self.chunks[chunk]))
             if last:
@@ -205,14 +234,18 @@ class PipelineExecutor:
                 aux = self._add_aux_losses(loss.aux_losses)
                 output = loss.loss if aux is None else loss.loss + aux
         if not last:
-            self._to_send[key] = output
+            local = self._local_peer(SendActivation(mb, chunk))
+            if local is None:
+                self._to_send[key] = output
+            else:  # a new leaf: chunk 1's backward leaves its grad there, as after a recv
+                self._received[RecvActivation][local] = _detached(output)
         if not self._forward_only:
             self._inputs[key] = hidden
             if not last:
                 self._grad_holders[key] = []
                 output = _OutputAnchor.apply(self._grad_holders[key], *as_tensors(output))
             self._outputs[key] = output if extra is None else output + extra
-        self.peak_stored = max(self.peak_stored, len(self._inputs))
+        self.peak_stored = max(self.peak_stored, len(self._inputs.keys() | self._queues.keys()))
 
     def _add_aux_losses(self, losses: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """Report `losses` in `aux_losses`; their sum to back-propagate (None: there are none)."""
@@ -223,28 +256,44 @@ class PipelineExecutor:
             total = value if total is None else total + value
         return total
 
-    def _backward(self, mb: int, chunk: int) -> None:
-        key = (mb, chunk)
+    def _enable_sync(self, step: Instruction) -> None:
         if self.grad_sync is not None:
-            self.grad_sync.enable_sync(chunk, self._last_backward.get(chunk) == mb)
+            self.grad_sync.enable_sync(step.chunk, self._last_grad_step.get(step.chunk) == step)
+
+    def _backward(self, step: Backward) -> None:
+        """The full backward of (micro-batch, chunk), or its input-gradient part B when the
+        schedule splits it (the weight gradients then wait in its queue for W)."""
+        mb, chunk = key = step.microbatch, step.chunk
+        self._enable_sync(step)
         # a sent output's anchor ignores the grad it gets: scaling it scales only the
         # layer losses added to it
         output, hidden = self._outputs.pop(key) * self._scale, self._inputs.pop(key)
         if not self._is_last(chunk):
             self._grad_holders.pop(key).append(self._received[RecvGrad].pop(key))
         if output.requires_grad:  # a stage whose output depends on nothing trainable: no-op
-            torch.autograd.backward(output)
-        if not is_first_stage(self.pp_rank, chunk):
+            with deferring(self._queues.get(key)):  # a recomputed forward defers too
+                torch.autograd.backward(output)
+        if not self._is_first(chunk):
             assert hidden is not None  # received from the previous stage
-            self._input_grads[key] = _input_grads(hidden)
+            local = self._local_peer(SendGrad(mb, chunk))
+            if local is None:
+                self._input_grads[key] = _input_grads(hidden)
+            else:
+                self._received[RecvGrad][local] = _input_grads(hidden)
+
+    def _weight_grad(self, step: WeightGrad) -> None:
+        """W: the weight gradients (mb, chunk)'s B deferred, accumulated as autograd would."""
+        self._enable_sync(step)
+        self._queues.pop((step.microbatch, step.chunk)).run()
 
     def _communicate(self, ops: tuple) -> None:
         sends, recvs, recv_from = [], [], []
         for op in ops:
-            peer_rank, _ = peer(op, self.pp_rank, self.pp_size)
+            peer_rank, _ = peer(op, self.pp_rank, self.pp_size, self.placement)
             key = (op.microbatch, op.chunk)
             message = ("activation" if isinstance(op, (SendActivation, RecvActivation))
-                       else "grad", message_boundary(op, self.pp_rank, self.pp_size))
+                       else "grad", message_boundary(op, self.pp_rank, self.pp_size,
+                                                     self.placement))
             if isinstance(op, SendActivation):
                 sends.append((self._to_send.pop(key), self.pp_ranks[peer_rank], message))
             elif isinstance(op, SendGrad):

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from .schedules import stage_position, virtual_stage
+
 PP_FLAG = "--pipeline-model-parallel-size"
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
@@ -69,6 +71,7 @@ class PipelinePartition:
     pp_size: int
     virtual_chunks: int
     layers: Tuple[Tuple[range, ...], ...]
+    placement: str = "loop"  # where virtual stages sit: schedules.placement_of ("v": zbv)
 
     def layer_range(self, pp_rank: int, chunk: int = 0) -> range:
         """Global decoder layer numbers built by this rank's model chunk."""
@@ -76,11 +79,12 @@ class PipelinePartition:
 
     def pre_process(self, pp_rank: int, chunk: int = 0) -> bool:
         """True where the embedding lives: the first virtual stage."""
-        return pp_rank == 0 and chunk == 0
+        return virtual_stage(pp_rank, chunk, self.pp_size, self.placement) == 0
 
     def post_process(self, pp_rank: int, chunk: int = 0) -> bool:
         """True where the final norm, output layer and loss live: the last virtual stage."""
-        return pp_rank == self.pp_size - 1 and chunk == self.virtual_chunks - 1
+        last = self.pp_size * self.virtual_chunks - 1
+        return virtual_stage(pp_rank, chunk, self.pp_size, self.placement) == last
 
     def describe(self) -> str:
         """One line per rank listing its chunks' layers (for logs)."""
@@ -93,8 +97,11 @@ class PipelinePartition:
 
 def partition_layers(num_layers: int, pp_size: int, *, first_stage_layers: Optional[int] = None,
                      last_stage_layers: Optional[int] = None,
-                     num_layers_per_virtual_stage: Optional[int] = None) -> PipelinePartition:
-    """Split the decoder over pipeline stages and virtual chunks, Megatron's way."""
+                     num_layers_per_virtual_stage: Optional[int] = None,
+                     placement: str = "loop") -> PipelinePartition:
+    """Split the decoder over pipeline stages and virtual chunks, Megatron's way; virtual
+    stages sit where the schedule's `placement` puts them ("v": rank r holds stages r and
+    2pp-1-r)."""
     counts = stage_layer_counts(num_layers, pp_size, first_stage_layers, last_stage_layers)
     virtual = 1
     if num_layers_per_virtual_stage is not None:
@@ -116,9 +123,9 @@ def partition_layers(num_layers: int, pp_size: int, *, first_stage_layers: Optio
                                  f"{LAST_FLAG} or {VIRTUAL_FLAG}")
     ranges: List[List[range]] = [[range(0)] * virtual for _ in range(pp_size)]
     start = 0
-    for chunk in range(virtual):  # virtual stages in model order: chunk-major
-        for rank in range(pp_size):
-            n = counts[rank] // virtual
-            ranges[rank][chunk] = range(start, start + n)
-            start += n
-    return PipelinePartition(pp_size, virtual, tuple(tuple(r) for r in ranges))
+    for stage in range(pp_size * virtual):  # virtual stages in model order
+        rank, chunk = stage_position(stage, pp_size, placement)
+        n = counts[rank] // virtual
+        ranges[rank][chunk] = range(start, start + n)
+        start += n
+    return PipelinePartition(pp_size, virtual, tuple(tuple(r) for r in ranges), placement)

@@ -321,6 +321,24 @@ def check_schedule_choice(schedule: str, virtual_chunks: int,
                          f"(got {virtual_chunks} from {names.virtual}): set it to give 2")
 
 
+def schedule_problems(schedule: str, virtual_chunks: int, tied_embeddings: bool,
+                      zero_stage: int) -> List[str]:
+    """pretrain_gpt.py's one-line problems with --pipeline-schedule on this layout."""
+    try:
+        check_schedule_choice(schedule, virtual_chunks)
+    except ValueError as e:
+        return [str(e)]
+    lines = []
+    if schedule == "zbv" and tied_embeddings:
+        # the V puts the embedding and the output layer on rank 0 as two chunks: the tied
+        # copies' grads would need a local sum the embedding group does not do
+        lines.append(f"{SCHEDULE_FLAG} zbv needs --untie-embeddings-and-output-weights")
+    if schedule in ("zb-h1", "zbv") and zero_stage == 3:
+        lines.append(f"{SCHEDULE_FLAG} {schedule} defers weight gradients past the backward "
+                     f"that ZeRO stage 3 gathers parameters for: use --zero-stage 0, 1 or 2")
+    return lines
+
+
 def build_schedule(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int = 1,
                    forward_only: bool = False, schedule: str = "1f1b",
                    names: ScheduleNames = FLAG_NAMES) -> List[Instruction]:
@@ -357,10 +375,11 @@ def comm_batches(instructions: Sequence[Instruction]) -> List[Union[Instruction,
     return steps
 
 
-def last_backward_per_chunk(instructions: Sequence[Instruction]) -> dict:
-    """{chunk: microbatch of that chunk's last Backward}: where grad reduction may start."""
+def last_grad_step_per_chunk(instructions: Sequence[Instruction]) -> dict:
+    """{chunk: its last Backward or WeightGrad}: the step after which its gradients are
+    complete, where grad reduction may start (a split schedule's last W)."""
     last = {}
     for ins in instructions:
-        if isinstance(ins, Backward):
-            last[ins.chunk] = ins.microbatch
+        if isinstance(ins, (Backward, WeightGrad)):
+            last[ins.chunk] = ins
     return last

@@ -44,6 +44,12 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = setting(
         None, "layers per virtual stage: interleaved 1F1B schedule",
         "--num-layers-per-virtual-pipeline-stage")
+    pipeline_schedule: str = setting(
+        "1f1b", "pipeline schedule: 1f1b (interleaved 1F1B when virtual stages are given, "
+        "as Megatron), interleaved, zb-h1 (zero bubble H1: split backward, 1F1B's memory) or "
+        "zbv (zero bubble V: 2 chunks per stage in a V, set by "
+        "--num-layers-per-virtual-pipeline-stage, untied embeddings)",
+        "--pipeline-schedule", choices=("1f1b", "interleaved", "zb-h1", "zbv"))
     decoder_first_pipeline_num_layers: Optional[int] = setting(
         None, "layers of the first pipeline stage (the rest split evenly)",
         "--decoder-first-pipeline-num-layers")

@@ -148,6 +148,13 @@ def check_train(s: "Settings", parallel: ParallelConfig, model: Optional["Transf
     if partition is not None:
         for count in num_microbatches:
             p.run(check_num_microbatches, count, parallel.pp, partition.virtual_chunks)
+        from gigatron.parallel.pipeline.schedules import schedule_problems
+
+        for line in schedule_problems(
+                parallel.pipeline_schedule, partition.virtual_chunks,
+                tied_embeddings=not model.untie_embeddings_and_output_weights,
+                zero_stage=s.precision.zero_stage or 0):
+            p.add(line)
 
 
 def check_optimizer(s: "Settings", p: Problems) -> None:

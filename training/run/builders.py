@@ -29,14 +29,17 @@ if TYPE_CHECKING:
 
 
 def partition(run: RunConfig) -> "PipelinePartition":
-    """Which layers each (pipeline rank, virtual chunk) builds."""
+    """Which layers each (pipeline rank, virtual chunk) builds, where the schedule places
+    them (zbv: a V)."""
     from gigatron.parallel.pipeline.partition import partition_layers
+    from gigatron.parallel.pipeline.schedules import placement_of
 
     p = run.parallel
     return partition_layers(run.model.num_layers, p.pp,
                             first_stage_layers=p.decoder_first_pipeline_num_layers,
                             last_stage_layers=p.decoder_last_pipeline_num_layers,
-                            num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage)
+                            num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+                            placement=placement_of(p.pipeline_schedule))
 
 
 def build_process_groups(run: RunConfig, rank: int, timeout: timedelta) -> "ProcessGroups":
@@ -159,6 +162,7 @@ class Pipeline:
     pp_size: int = 1
     virtual_chunks: int = 1
     schedules: Dict[int, List[Instruction]] = field(default_factory=dict)  # by micro-batches
+    schedule: str = "1f1b"  # --pipeline-schedule
 
     def train_schedule_for(self, num_microbatches: int) -> List[Instruction]:
         """The train schedule of a step with `num_microbatches` (a batch ramp-up changes the
@@ -167,18 +171,21 @@ class Pipeline:
 
         if num_microbatches not in self.schedules:
             self.schedules[num_microbatches] = build_schedule(
-                self.pp_rank, self.pp_size, num_microbatches, self.virtual_chunks)
+                self.pp_rank, self.pp_size, num_microbatches, self.virtual_chunks,
+                schedule=self.schedule)
         return self.schedules[num_microbatches]
 
 
 def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.nn.Module],
                    grad_sync: Optional[GradSync], device: torch.device,
                    timers: Optional[Timers] = None) -> Pipeline:
-    """The pipeline executor (pp = 1 runs the no-pipelining schedule) and its schedules;
-    with `timers`, its p2p transfers are timed as 'comm'."""
+    """The pipeline executor (pp = 1 runs the no-pipelining schedule) and its schedules
+    (--pipeline-schedule; evaluation runs forwards only, in the same placement); with
+    `timers`, its p2p transfers are timed as 'comm'."""
     from gigatron.models.pipeline_chunks import GPTMicroBatchStep
     from gigatron.parallel.pipeline.p2p import PipelineP2P, p2p_tensor_shape
-    from gigatron.parallel.pipeline.schedules import build_schedule
+    from gigatron.parallel.pipeline.schedules import (build_schedule, is_first_stage,
+                                                      is_last_stage, placement_of)
     from gigatron.training.run.per_token_loss import per_token_loss
 
     m, p, mbs = run.model, run.parallel, run.train.micro_batch_size
@@ -187,16 +194,21 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
                              p.tp, p.sequence_parallel)
     p2p = PipelineP2P(shape, m.params_dtype, device, groups.pp, rank=groups.rank)
     pp_rank, v = groups.index("pp"), len(chunks)
+    name, placement = p.pipeline_schedule, placement_of(p.pipeline_schedule)
     executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
                                 pp_rank, groups.ranks("pp"), grad_sync=grad_sync,
-                                micro_batch_step=GPTMicroBatchStep(per_token_loss(run)))
+                                micro_batch_step=GPTMicroBatchStep(per_token_loss(run)),
+                                placement=placement)
     n = run.train.num_microbatches
-    train_schedule = build_schedule(pp_rank, p.pp, n, v)
+    train_schedule = build_schedule(pp_rank, p.pp, n, v, schedule=name)
     return Pipeline(executor, train_schedule,
-                    build_schedule(pp_rank, p.pp, n, v, forward_only=True),
-                    needs_inputs=pp_rank == 0, needs_labels=pp_rank == p.pp - 1,
+                    build_schedule(pp_rank, p.pp, n, v, forward_only=True, schedule=name),
+                    needs_inputs=any(is_first_stage(pp_rank, c, p.pp, placement)
+                                     for c in range(v)),
+                    needs_labels=any(is_last_stage(pp_rank, c, p.pp, v, placement)
+                                     for c in range(v)),
                     pp_rank=pp_rank, pp_size=p.pp, virtual_chunks=v,
-                    schedules={n: train_schedule})
+                    schedules={n: train_schedule}, schedule=name)
 
 
 def sample_counts(run: RunConfig) -> List[int]:

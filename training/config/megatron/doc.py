@@ -107,8 +107,8 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
       "--hidden-size-teacher", "--num-attention-heads-teacher", "--reset-iteration"),
      "distillation is not part of gigatron"),
     (("--random-ltd", "--data-efficiency"), "DeepSpeed's data-efficiency library is not used"),
-    (("--enable-zbh1",), "zero-bubble pipeline schedules are not implemented (1F1B and "
-                         "interleaved 1F1B are)"),
+    (("--enable-zbh1",), "Megatron-DeepSpeed's zero-bubble switch: use --pipeline-schedule "
+                         "zb-h1 (or zbv)"),
     (("--window-size", "--window-attn"), "sliding-window attention is not implemented"),
     (("--yarn-", "--rope-type", "--no-rope-freq", "--mrope"),
      "this RoPE variant is not implemented (--rotary-base, --rotary-percent and "
