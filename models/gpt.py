@@ -15,6 +15,7 @@ from torch import nn
 from gigatron.models.config import TransformerConfig
 from gigatron.models.kv_cache import CacheStep, KVCache
 from gigatron.models.losses import LayerLosses
+from gigatron.models.moe.layer import MoELayer
 from gigatron.models.transformer import (CoreAttention, TransformerBlock, dropout,
                                          rotary_cos_sin, rotary_cos_sin_at)
 from gigatron.parallel import comm
@@ -140,6 +141,8 @@ class GPTModel(nn.Module):
         for module in self.decoder.modules():
             if isinstance(module, CoreAttention):
                 module.set_context_parallel(cp_group, cp_comm_type)
+            elif cp_group is not None and isinstance(module, MoELayer):
+                module.set_context_parallel(cp_group)
 
     def _mark_shared_embedding(self) -> None:
         if not self.tied or (self.pre_process and self.post_process):

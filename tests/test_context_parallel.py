@@ -223,8 +223,6 @@ def test_process_groups_create_the_cp_groups():
     ("--context-parallel-size 2 --cp-comm-type a2a --tensor-model-parallel-size 2 "
      "--num-attention-heads 2", "--num-attention-heads 2 / --tensor-model-parallel-size 2 = 1 "
                                 "is not divisible by --context-parallel-size 2"),
-    ("--context-parallel-size 2 --num-experts 4",
-     "--num-experts with --context-parallel-size 2: mixture-of-experts layers"),
 ])
 def test_bad_context_parallel_flags_get_one_line(flags, message):
     from gigatron.training.config.arguments import parse_args

@@ -32,7 +32,7 @@ from gigatron.models.config import TransformerConfig
 from gigatron.models.losses import LayerLosses
 from gigatron.models.moe.config_checks import router_config
 from gigatron.models.moe.experts import RoutedExperts
-from gigatron.models.moe.router import Router
+from gigatron.models.moe.router import Router, RouterOutput
 from gigatron.models.moe.sharded_losses import tp_reduced_losses
 from gigatron.models.transformer import MLP, output_init_std
 from gigatron.parallel import comm
@@ -67,6 +67,7 @@ class MoELayer(nn.Module):
         experts, h = config.num_moe_experts, config.hidden_size
         self.layer_number = layer_number
         self.tp_group = tp_group
+        self.cp_group: Group = None  # set_context_parallel
         self.sequence_parallel = config.sequence_parallel and tp_size(tp_group) > 1
         self.layer_losses = LayerLosses() if layer_losses is None else layer_losses
         self.router = Router(router_config(config), h, config.moe_router_load_balancing_type,
@@ -145,6 +146,11 @@ class MoELayer(nn.Module):
         # since the last update_expert_biases: the expert-bias update's counts
         self.register_buffer("bias_tokens_per_expert", zeros(experts), persistent=False)
 
+    def set_context_parallel(self, cp_group: Group) -> None:
+        """Under context parallelism each cp rank routes its own sequence chunks: the
+        balancing losses and counts are reduced over cp too (sharded_losses.py)."""
+        self.cp_group = cp_group
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]."""
         if self.expert_parallel:
@@ -158,11 +164,14 @@ class MoELayer(nn.Module):
         training = self.training and torch.is_grad_enabled()
         # a recompute builds the losses' graph again (checkpoint wants the same saved
         # tensors) but must not add them, or count the tokens, a second time
-        routing = self.router(tokens, s, with_losses=training)
-        if training and not self.recomputing:
-            for name, loss in routing.losses.items():
-                self.layer_losses.add(name, loss)
-            self._add_counts(self._counts(routing.routing_map, routing.routed_map))
+        if self.cp_group is not None:  # tp ranks hold the same (gathered) tokens here
+            routing = self._route_sharded(tokens, s, None)
+        else:
+            routing = self.router(tokens, s, with_losses=training)
+            if training and not self.recomputing:
+                for name, loss in routing.losses.items():
+                    self.layer_losses.add(name, loss)
+                self._add_counts(self._counts(routing.routing_map, routing.routed_map))
         dispatched = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
         rows = self.experts.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
         out = self.dispatcher.combine(rows, dispatched).view(s, b, h)
@@ -177,22 +186,29 @@ class MoELayer(nn.Module):
         experts' ranks; losses and counts are the micro-batch's (sharded_losses.py)."""
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        logits = self.router.gating(tokens)
-        routing = self.router.route_logits(logits)
-        if self.training and torch.is_grad_enabled():
-            counts = self._counts(routing.routing_map, routing.routed_map)
-            losses, counts = tp_reduced_losses(self.router, logits, s, counts, self.tp_group,
-                                               with_losses=True)
-            if not self.recomputing:
-                for name, loss in losses.items():
-                    self.layer_losses.add(name, loss)
-                self._add_counts(counts)
+        routing = self._route_sharded(tokens, s, self.tp_group)
         dispatched = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
         rows = self.experts.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
         out = self.dispatcher.combine(rows, dispatched).view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _route_sharded(self, tokens: torch.Tensor, s: int, tp_group: Group) -> RouterOutput:
+        """The routing of this rank's tokens; in training, the balancing losses and counts
+        of the micro-batch, reduced over the ranks that hold its other tokens (`tp_group`,
+        the cp group)."""
+        logits = self.router.gating(tokens)
+        routing = self.router.route_logits(logits)
+        if self.training and torch.is_grad_enabled():
+            counts = self._counts(routing.routing_map, routing.routed_map)
+            losses, counts = tp_reduced_losses(self.router, logits, s, counts, tp_group,
+                                               with_losses=True, cp_group=self.cp_group)
+            if not self.recomputing:
+                for name, loss in losses.items():
+                    self.layer_losses.add(name, loss)
+                self._add_counts(counts)
+        return routing
 
     @staticmethod
     @torch.no_grad()

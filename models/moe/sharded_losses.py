@@ -6,11 +6,16 @@ its per-expert score sums, token counts and z-loss sum over tp in one all-reduce
 sum; backward: identity, so each rank's scores get the full loss's gradient for its own
 tokens) and every rank computes the loss of the whole micro-batch: the same value as one
 device, and router grads that sum over tp to one device's (the router weight is tagged
-sequence-parallel, whose grads the optimizer all-reduces over tp). Megatron-Core reduces the
-same token counts over tp x cp for its aux loss; the value here is the whole micro-batch's.
+sequence-parallel, whose grads the optimizer all-reduces over tp).
+
+Under context parallelism each cp rank holds its own chunks of the sequence, so the same sums
+are reduced over cp as well (Megatron-Core reduces the token counts over tp x cp), with or
+without expert parallelism. The optimizer averages dense grads over dp x cp, so a cp rank's
+share of the loss's gradient is scaled by cp (the value stays the micro-batch's), as the LM
+loss of a cp rank is.
 
 The same all-reduce carries the layer's routing statistics (tokens per expert, routed and
-dropped choices), so the step's counts are the micro-batch's on every tp rank.
+dropped choices), so the step's counts are the micro-batch's on every tp and cp rank.
 """
 from __future__ import annotations
 
@@ -38,11 +43,13 @@ def _aux_terms(router: Router, logits: torch.Tensor, local_seq: int
 
 
 def tp_reduced_losses(router: Router, logits: torch.Tensor, local_seq: int,
-                      stats: torch.Tensor, tp_group: Group, with_losses: bool
+                      stats: torch.Tensor, tp_group: Group, with_losses: bool,
+                      cp_group: Group = None
                       ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
-    """(the micro-batch's balancing losses by layer-loss name, `stats` summed over tp) from
-    this rank's logits [local_seq * b, E] (sequence-major) and statistics vector."""
-    tp = tp_size(tp_group)
+    """(the micro-batch's balancing losses by layer-loss name, `stats` summed over tp x cp)
+    from this rank's logits [local_seq * b, E] (sequence-major) and statistics vector;
+    `tp_group` None: the tp ranks hold the same tokens."""
+    ranks = tp_size(tp_group) * tp_size(cp_group)  # that split the micro-batch's tokens
     num_tokens, num_experts = logits.shape
     aux = with_losses and router.aux_loss_coeff > 0 and \
         router.load_balancing_type in ("aux_loss", "seq_aux_loss")
@@ -55,20 +62,27 @@ def tp_reduced_losses(router: Router, logits: torch.Tensor, local_seq: int,
         pieces.append(torch.logsumexp(logits, dim=-1).square().sum().view(1))
     pieces = [p.to(dtype) for p in pieces] + [stats.to(dtype)]
     sizes = [p.numel() for p in pieces]
-    reduced = reduce_from_tensor_parallel_region(torch.cat(pieces), tp_group).split(sizes)
+    reduced = torch.cat(pieces)
+    for group in (tp_group, cp_group):
+        if tp_size(group) > 1:
+            reduced = reduce_from_tensor_parallel_region(reduced, group)
+    reduced = reduced.split(sizes)
     losses: Dict[str, torch.Tensor] = {}
     topk, coeff = router.config.topk, router.aux_loss_coeff
     if aux:
         score_sums, counts = reduced[0], reduced[1]
         if router.load_balancing_type == "aux_loss":
             losses["load_balancing_loss"] = switch_load_balancing_loss(
-                score_sums.unsqueeze(0), counts, num_tokens * tp, topk, num_experts, coeff)
+                score_sums.unsqueeze(0), counts, num_tokens * ranks, topk, num_experts, coeff)
         else:
             batch = num_tokens // local_seq
             losses["load_balancing_loss"] = switch_load_balancing_loss(
-                score_sums.unsqueeze(0), counts, local_seq * tp, topk, num_experts,
+                score_sums.unsqueeze(0), counts, local_seq * ranks, topk, num_experts,
                 coeff) / batch
     if z:
         z_sum = reduced[2 if aux else 0]
-        losses["z_loss"] = (z_sum / (num_tokens * tp) * router.z_loss_coeff).squeeze(0)
+        losses["z_loss"] = (z_sum / (num_tokens * ranks) * router.z_loss_coeff).squeeze(0)
+    cp = tp_size(cp_group)
+    if cp > 1:  # dense grads are averaged over dp x cp: each cp rank's share counts cp times
+        losses = {k: v + (cp - 1) * (v - v.detach()) for k, v in losses.items()}
     return losses, reduced[-1].detach()

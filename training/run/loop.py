@@ -365,8 +365,8 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
                        s.groups.index("dp"), s.device, s.pipeline, cp_rank(s))
     exit_signal = ExitSignal(t.exit_signal_handler)
     _start_nonfinite_watch(s, progress)
-    s.moe = moe_training(s.chunks, s.run.model, s.groups.dp,
-                         s.run.parallel.tp * s.run.parallel.dp, s.device)
+    s.moe = moe_training(s.chunks, s.run.model, s.groups.dp, s.groups.size("tp-cp") *
+                         s.run.parallel.dp, s.device)
     ramp = run_rampup(t, s.run.parallel.dp)
     interval, last_count = _Interval(), None
     profiler = Profiler(s.run.settings.profiling, s.run.logging.tensorboard_dir, s.groups.rank,

@@ -8,9 +8,10 @@ its tensor-parallel ranks may route different sequence shards. In gigatron the c
 keeps already cover its whole micro-batch: with expert parallelism each tp rank routes its
 sequence-parallel slice and the layer sums the counts over tp in the same all-reduce as its
 balancing losses (models/moe/sharded_losses.py); without it the layer routes the gathered
-sequence. So the data-parallel group is the one left whose ranks routed different tokens. The step's balancing losses (the executor's
-`aux_losses`, summed over micro-batches and this rank's MoE layers) are added up on the
-device. At a log line (`log_fields`, collective) one all-reduce brings every stage's losses
+sequence; under context parallelism the layer sums them over cp as well. So the
+data-parallel group is the one left whose ranks routed different tokens. The step's
+balancing losses (the executor's `aux_losses`, summed over micro-batches and this rank's MoE
+layers) are added up on the device. At a log line (`log_fields`, collective) one all-reduce brings every stage's losses
 and per-layer statistics to every rank, and the host reads them once.
 """
 from __future__ import annotations

@@ -42,6 +42,3 @@ def context_parallel_problems(s: "Settings", model: Optional["TransformerConfig"
     if model.attention_dropout:
         p.add(f"--attention-dropout {model.attention_dropout} with {_FLAG} {cp}: attention "
               f"dropout under context parallelism is not supported; set --attention-dropout 0")
-    if model.num_moe_experts is not None:
-        p.add(f"--num-experts with {_FLAG} {cp}: mixture-of-experts layers under context "
-              f"parallelism are not supported yet; use {_FLAG} 1")

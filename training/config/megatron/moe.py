@@ -193,17 +193,20 @@ def moe_overrides(s: "Settings", zoo: Optional[Dict[str, Any]],
 def expert_parallel_problems(s: "Settings", dp: Optional[int], num_experts: Optional[int],
                              p: "Problems") -> None:
     """--expert-model-parallel-size and --expert-tensor-parallel-size against the launch and
-    the experts (Megatron's rules: etp x ep divides the tp x dp ranks of a pipeline stage,
+    the experts (Megatron's rules: etp x ep divides the tp x cp x dp ranks of a pipeline stage,
     ep divides the experts, expert parallelism with tp > 1 needs --sequence-parallel)."""
     par = s.parallel
     n = len(p.lines)
     p.positive(s, "expert_model_parallel_size", "expert_tensor_parallel_size")
     if len(p.lines) > n:
         return
-    ep, etp, stage = par.ep, par.tp if par.etp is None else par.etp, par.tp * (dp or 0)
+    cp = par.context_parallel_size  # the expert view folds ep over tp x cp x dp
+    ep, etp, stage = par.ep, par.tp if par.etp is None else par.etp, par.tp * cp * (dp or 0)
     if stage and stage % (ep * etp):
+        ranks = f"tensor x data parallel = {par.tp} x {dp}" if cp == 1 else \
+            f"tensor x context x data parallel = {par.tp} x {cp} x {dp}"
         p.add(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = "
-              f"{ep * etp} does not divide tensor x data parallel = {par.tp} x {dp} = {stage} "
+              f"{ep * etp} does not divide {ranks} = {stage} "
               f"(the ranks of a pipeline stage, which the expert layers split again): change "
               f"those flags or the launch size")
     if num_experts is None and ep > 1:
