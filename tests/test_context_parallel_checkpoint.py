@@ -239,3 +239,26 @@ def test_moe_under_context_parallelism_trains_the_one_device_model(moe_reference
     param_error = max(_relative(params[n], ref_params[n]) for n in ref_params)
     print(f"{layout}: loss error {loss_error:.2e}, param error {param_error:.2e}")
     assert loss_error <= RTOL and param_error <= RTOL, (loss_error, param_error)
+
+
+def test_a_moe_cp2_ep2_checkpoint_resumes_on_one_rank(tmp_path):
+    """Expert boxes (written by their owner in the expert-data-parallel group, which folds
+    over cp), their ZeRO 1 moments and the dense shards over dp x cp."""
+    from test_moe_checkpoint import MIXTRAL, SAVED_AT as MOE_SAVED_AT, _launch as launch_moe
+    from test_moe_checkpoint import _loss_error as moe_loss_error
+    from test_moe_checkpoint import _worst as moe_worst
+
+    one, cp2 = str(tmp_path / "one"), str(tmp_path / "cp2")
+    os.makedirs(one), os.makedirs(cp2)
+    want_losses, want_params = launch_moe(1, MIXTRAL, one)
+    launch_moe(2, MIXTRAL + ["--context-parallel-size", "2", "--expert-model-parallel-size",
+                             "2", "--zero-stage", "1", "--save", cp2, "--exit-interval",
+                             str(MOE_SAVED_AT)], cp2)
+    resumed = str(tmp_path / "resumed")
+    os.makedirs(resumed)
+    losses, params = launch_moe(1, MIXTRAL + ["--load", cp2], resumed)
+    loss_error = moe_loss_error(losses, want_losses[MOE_SAVED_AT:])
+    param_error = moe_worst(params, want_params)
+    print(f"moe cp2 x ep2 -> one rank: loss error {loss_error:.2e}, param error "
+          f"{param_error:.2e}")
+    assert loss_error <= TOL and param_error <= LAYOUT_TOL, (loss_error, param_error)
