@@ -11,9 +11,9 @@ layers by global number. Keys of the checkpoint:
     optimizer.<state>.<name>  each per-element optimizer state (exp_avg, exp_avg_sq, ...)
 
 Which rank writes what: every element once. ZeRO's shard of a parameter is a range of its
-flattened elements (cut into boxes, training/checkpoint/torch_dist/layout.py) and is written by the rank
-of its dp x cp group that owns it (ZeRO shards over dp x cp; stage 0 keeps no shards: dp x cp
-rank 0 writes); an expert weight's box
+flattened elements (cut into boxes, torch_dist/layout.py) and is written by the rank of its
+dp x cp group that owns it (ZeRO shards over dp x cp; stage 0 keeps no shards: dp x cp rank 0
+writes); an expert weight's box
 (experts over ep, each expert's ffn over etp) is written likewise by the owner in its
 expert-data-parallel group, whatever its tp rank; a tensor replicated over tp (norms,
 row-parallel biases) is written by tp rank 0; the tied output weight of a last
