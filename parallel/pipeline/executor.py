@@ -171,7 +171,7 @@ class PipelineExecutor:
                 self._forward(step.microbatch, step.chunk)
             elif isinstance(step, Backward):
                 self._backward(step)
-            else:
+            elif isinstance(step, WeightGrad):
                 self._weight_grad(step)
             if timeline.on:
                 self._record_span(step, start)
