@@ -110,6 +110,16 @@ def test_parameters_unchanged_and_zero_shards_over_dp_times_cp():
     assert cp2["bytes"]["activations"] < 0.6 * dp2["bytes"]["activations"]
 
 
+def test_moe_expert_state_shards_over_tp_cp_dp_over_etp_ep():
+    """edp = tp x cp x dp / (etp x ep): cp2 x dp4 x ep2 holds the expert state of edp 4."""
+    moe = CASES["moe"][4:] + ["--attention-dropout", "0"]
+    doc = _plan(["--gpu", "h100-sxm", "--num-gpus", "8"] + _cp(2) + moe)
+    dp8 = _plan(["--gpu", "h100-sxm", "--num-gpus", "8", "--zero-stage", "1"] + moe)
+    cp2 = _plan(["--gpu", "h100-sxm", "--num-gpus", "8", "--zero-stage", "1"] + _cp(2) + moe)
+    assert doc["layout"]["edp"] == 4 and doc["layout"]["dp"] == 4
+    assert cp2["stages"][0]["expert_bytes"] == dp8["stages"][0]["expert_bytes"]
+
+
 def test_search_includes_cp_where_the_sequence_splits_in_2cp_chunks():
     assert context_sizes(8, 512) == [1, 2, 4, 8]
     assert context_sizes(8, 12) == [1, 2]

@@ -23,8 +23,8 @@ output and activation (tokens x topk x (2)f / etp), the expert outputs weighted 
 router, and the shared experts' dense MLP. Expert state is ZeRO-sharded over the
 expert-data-parallel group (edp = tp x dp / (etp x ep)), the rest over dp.
 
-Context parallelism (context.py): s/cp tokens per rank, the cp attention's own tensors in the
-core attention's place, ZeRO over dp x cp (the ranks sharing the model).
+Context parallelism (context.py): s/cp tokens per rank, the cp attention's tensors in the core
+attention's place, ZeRO over dp x cp.
 """
 from __future__ import annotations
 
@@ -269,8 +269,7 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
         hidden_mask * h / split
     last = norm / split + w * h + 4 * c.padded_vocab_size(tp) / t + 9
     per_layer_constant = float(s * s) if (kernel == "unfused" and not on_gpu) else 0.0
-    if context.cp > 1:
-        per_layer_constant = cp_constant
+    per_layer_constant = cp_constant if context.cp > 1 else per_layer_constant
     per_chunk = 2 * s * c.rotary_dim * 4.0 / context.cp if rope else 0.0  # local positions
     notes = [f"attention kernel: {kernel}" + (f", context parallel {context.comm_type}"
                                               if context.cp > 1 else "")]

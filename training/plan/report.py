@@ -43,7 +43,8 @@ def _expert_layout(plan: Plan) -> Dict[str, Any]:
     if c is None or c.num_moe_experts is None:
         return {}
     etp = p.etp or p.tp
-    return {"ep": p.ep, "etp": etp, "edp": expert_data_parallel_size(p.tp, p.dp, p.ep, etp),
+    shards = p.dp * p.context_parallel_size  # experts fold over cp x dp
+    return {"ep": p.ep, "etp": etp, "edp": expert_data_parallel_size(p.tp, shards, p.ep, etp),
             "num_experts": c.num_moe_experts, "moe_router_topk": c.moe_router_topk,
             "moe_token_dispatcher_type": c.moe_token_dispatcher_type}
 
