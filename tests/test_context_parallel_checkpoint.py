@@ -19,7 +19,7 @@ cp rank 0's, and resumes at cp2 as the uninterrupted cp2 run; at cp1 it is refus
 line naming cp.
 
 `gigatron evaluate` of the cp2 checkpoint runs at cp 1 and gives the cp2 run's validation
-loss; `gigatron generate` runs at cp 1 and writes the one-rank checkpoint's tokens, and
+loss (of the per-rank one, at cp 2: exactly); `gigatron generate` runs at cp 1 and writes the one-rank checkpoint's tokens, and
 refuses --context-parallel-size in one line.
 
 Mixture of experts under cp (the model of tests/test_moe_parallel.py: aux and z losses, a
@@ -178,6 +178,18 @@ def test_evaluate_of_a_cp2_checkpoint_gives_the_runs_validation_loss(runs, tmp_p
     (record,) = _records(metrics, "eval")
     assert record["iteration"] == ITERS
     assert record["lm loss"] == pytest.approx(valid[ITERS], rel=1e-5)
+
+
+def test_evaluate_of_a_per_rank_cp2_checkpoint_runs_at_cp2(runs, tmp_path):
+    """A per-rank checkpoint keeps the layout that wrote it: two ranks, cp 2 (one rank:
+    the launch-size line)."""
+    folder, _, valid, _ = runs["cp2_torch"]
+    metrics = str(tmp_path / "eval.jsonl")
+    results = run_on_ranks(_command, 2, "cli.evaluate",
+                           ["--load", folder, "--metrics-file", metrics])
+    assert [r[0] for r in results] == [0, 0], results
+    (record,) = _records(metrics, "eval")
+    assert record["iteration"] == SAVED_AT and record["lm loss"] == valid[SAVED_AT]
 
 
 def test_generate_from_a_cp2_checkpoint_runs_at_cp1(runs, tmp_path):
