@@ -7,7 +7,7 @@ zb-h1 runs with tied embeddings (the tied copies' grads summed over the embeddin
 zbv with untied ones (it refuses tied: both copies would be chunks of pipeline rank 0).
 Layouts: zb-h1 at pp2, pp4, pp2 x dp2 with ZeRO 1 and overlapped bucketed grad reduction
 (the buckets start when a parameter's last W is done), pp2 x tp2 with sequence parallelism;
-zbv at pp2, pp4 and pp2 x dp2. Tolerance 1e-5 (absolute on losses, relative L2 on every
+zbv at pp2, pp4 and pp2 x dp2; the MoE model at pp2 x ep2 with zb-h1. Tolerance 1e-5 (absolute on losses, relative L2 on every
 full parameter). A W that is dropped, run twice, or reduced before its last micro-batch
 moves the parameters by far more (see test_zero_bubble_schedules.py and test_wgrad.py for
 the per-layer and per-hook checks).
@@ -132,3 +132,21 @@ def test_bad_zero_bubble_layouts_get_one_line_naming_the_flags():
     assert "--zero-stage 0, 1 or 2" in _problems(GPT + ZB_H1 + ["--zero-stage", "3"], 1)
     assert "zb-h1 runs one chunk per stage" in _problems(
         pp2 + ZB_H1 + ["--num-layers-per-virtual-pipeline-stage", "1"], 2)
+
+
+def test_zb_h1_trains_the_one_rank_moe_model_at_pp2_ep2(tmp_path):
+    """The MoE layers (router and experts compute their weight grads in B, the attention's
+    linears defer theirs to W) under zb-h1 with expert parallelism."""
+    from test_moe_parallel import ALLTOALL, MOE, _full_parameters, _relative
+    from test_moe_parallel import _losses as moe_losses
+    from test_moe_parallel import _train_layout as moe_layout
+
+    one, four = str(tmp_path / "one.jsonl"), str(tmp_path / "four.jsonl")
+    ref = _full_parameters(run_on_ranks(moe_layout, 1, MOE + ALLTOALL, one, timeout=300))
+    flags = ("--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 "
+             "--pipeline-schedule zb-h1").split()
+    got = _full_parameters(run_on_ranks(moe_layout, 4, MOE + ALLTOALL + flags, four,
+                                        timeout=300))
+    for mine, want in zip(moe_losses(four), moe_losses(one)):
+        assert all(abs(mine[k] - want[k]) <= TOL for k in want), (mine, want)
+    assert max(_relative(got[n], ref[n]) for n in ref) <= TOL
