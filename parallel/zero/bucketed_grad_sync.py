@@ -3,7 +3,10 @@
 Implements the pipeline executor's `GradSync` protocol (parallel/pipeline/interfaces.py):
 `enable_sync(chunk, enabled)` before every backward (True only for a chunk's last micro-batch) and `finish_sync()` once after all
 backwards, which also all-reduces tied-embedding grads over the embedding group and
-sequence-parallel grads over tp.
+sequence-parallel grads over tp. A parameter is ready when its post-accumulate-grad hook
+fires: in the backward, or for the linears' weights under a split-backward schedule (zb-h1,
+zbv) at the W step that accumulates the deferred gradient (tensor/wgrad.py), so the
+executor enables sync there, at the chunk's last W.
 """
 from __future__ import annotations
 
