@@ -19,7 +19,7 @@ import argparse
 import itertools
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, cast
 
 from gigatron.parallel.activity import activity
 
@@ -256,7 +256,7 @@ class ProcessGroups:
     @property
     def cp_group(self) -> "Group":
         """The context-parallel group, or None when the job has no context parallelism."""
-        return self._groups.get("cp") if self.topology.cp > 1 else None
+        return cast("Group", self._groups.get("cp")) if self.topology.cp > 1 else None
 
     def ranks(self, name: str) -> List[int]:
         """Global ranks of this rank's group `name` (empty if it is in none)."""

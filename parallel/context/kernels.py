@@ -12,7 +12,7 @@ native GQA); CUDA `_scaled_dot_product_flash_attention` for fp16/bf16 and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ class BlockContext:
     its placeholders (random-number state, sequence offsets), shared by every block."""
 
     kernel: str
-    scale: float
+    scale: Optional[float]
     extras: Tuple[Any, ...] = field(default_factory=tuple)
 
 

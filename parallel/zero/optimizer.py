@@ -69,7 +69,7 @@ class ZeroGroups:
 
     dp: object = None
     tp: object = None
-    expert_dp: object = None  # the expert-data-parallel group ("edp"); None: no experts
+    expert_dp: Group = None  # the expert-data-parallel group ("edp"); None: no experts
     embedding: object = None
     tp_rank: int = 0
     pp_rank: int = 0

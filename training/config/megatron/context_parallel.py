@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
-    from gigatron.training.config.settings import Settings
+    from gigatron.training.config.table import Settings
     from gigatron.training.config.validation import Problems
 
 _FLAG = "--context-parallel-size"
