@@ -114,7 +114,7 @@ def test_finetune_and_no_load_optim_and_layout_mismatch(tmp_path):
     results = _program_on(2, FLAGS + ["--train-iters", "6", "--load", ckpt,
                                       "--tensor-model-parallel-size", "2"])
     assert [r[0] for r in results] == [2, 2]
-    assert "saved with tp=1 pp=1 dp=1 virtual_chunks=1 but this run has tp=2" in results[0][1]
+    assert "saved with tp=1 pp=1 dp=1 cp=1 virtual_chunks=1 but this run has tp=2" in results[0][1]
 
 
 def test_fp16_overflow_is_a_skipped_step_that_keeps_the_lr(tmp_path):
