@@ -18,7 +18,8 @@ Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
                     and a2a's collectives do not. Each cp rank computes s/cp tokens.
 
 The step is the project's schedule simulator run with the slowest stage's forward and
-backward times (so the bubble is the schedule's own, (p-1)/m for 1F1B), then the
+backward times (so the bubble is the schedule's own, (p-1)/m for 1F1B, (p-1)/3m for zb-h1
+with B = W = half the backward), then the
 data-parallel gradient reduction that the last backward did not hide (buckets are reduced
 from backward hooks when overlap_comm is on; ZeRO-1/2's parameter all-gather after the step
 is exposed), then the optimizer step (memory-bound). An MoE layer (experts.py) adds its
@@ -150,8 +151,11 @@ def _link(extent: int, gpus_per_node: int, hw: Hardware) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _schedule(pp: int, m: int, v: int, forward: float, backward: float):
-    result = simulate_step(pp, m, v, forward, backward)
+def _schedule(pp: int, m: int, v: int, forward: float, backward: float,
+              schedule: str = "1f1b") -> Tuple[float, float]:
+    """(makespan, bubble over busy time) of `schedule` simulated with a chunk's forward and
+    backward times (a split backward: half B, half W, as the simulator's default)."""
+    result = simulate_step(pp, m, v, forward, backward, schedule=schedule)
     return result.makespan, max(0.0, result.makespan / (m * v * (forward + backward)) - 1.0)
 
 
@@ -228,7 +232,7 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
         if f + b > forward + backward:
             forward, backward, slowest = f, b, r
     m = t.num_microbatches
-    makespan, bubble = _schedule(p.pp, m, v, forward / v, backward / v)
+    makespan, bubble = _schedule(p.pp, m, v, forward / v, backward / v, p.pipeline_schedule)
     heaviest = max(range(len(stage_parameters)), key=stage_parameters.__getitem__)
     dp_cost = _dp_cost(run, stage_parameters[heaviest], hw, m, backward, byte_rate,
                        stage_expert_parameters[heaviest] if stage_expert_parameters else 0)

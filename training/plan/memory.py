@@ -14,8 +14,8 @@ writes that count tensor by tensor for this implementation (which tensors autogr
 the activation dtype, fp32 norm statistics, the attention kernel actually taken, what
 sequence parallelism gathers), so it is the paper's formula where the implementation is
 the paper's, and this code's where it differs. The first pipeline stage holds the
-micro-batches its schedule has in flight: read from the schedule itself (1F1B: p; the
-interleaved schedule: Megatron's (p - 1) * 2 + (v - 1) * p + 1 chunk forwards).
+micro-batches its schedule has in flight, read from the schedule itself (1F1B: p; interleaved:
+Megatron's (p - 1) * 2 + (v - 1) * p + 1 chunk forwards; zb-h1: p, each held until its W).
 
 Mixture of experts (`moe_mlp_bytes`): an MoE layer keeps, instead of the dense MLP's, its
 router's tensors (tokens x E), the dispatched rows (tokens x topk x h), the experts' fc1
@@ -23,8 +23,8 @@ output and activation (tokens x topk x (2)f / etp), the expert outputs weighted 
 router, and the shared experts' dense MLP. Expert state is ZeRO-sharded over the
 expert-data-parallel group (edp = tp x dp / (etp x ep)), the rest over dp.
 
-Context parallelism (context.py): s/cp tokens per rank, the cp attention's tensors in the core
-attention's place, ZeRO over dp x cp.
+Context parallelism (context.py): s/cp tokens per rank, the cp attention's tensors in the
+core attention's place, ZeRO over dp x cp.
 """
 from __future__ import annotations
 
@@ -360,10 +360,10 @@ def _model_state(c: "TransformerConfig", chunks: List[List[ParamSpec]], zero: "Z
 def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: int, tp: int,
                  dp: int, zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
                  on_gpu: bool, ep: int = 1, etp: Optional[int] = None,
-                 context: ContextLayout = NONE) -> StageMemory:
+                 context: ContextLayout = NONE, schedule: str = "1f1b") -> StageMemory:
     """Memory of one rank of pipeline stage `pp_rank` (any tp/dp/cp rank: all hold the
     same; ep, etp: the expert layers' sizes, etp None: tp; `context`: cp ranks share the
-    model, so ZeRO shards over dp x cp, and hold s/cp tokens of each micro-batch)."""
+    model, so ZeRO shards over dp x cp, and hold s/cp tokens; `schedule`: its name)."""
     etp, shards = tp if etp is None else etp, dp * context.cp
     chunks = stage_parameters(c, tp, partition, pp_rank, ep, etp)
     state, expert_state = _model_state(c, chunks, zero, shards,
@@ -377,9 +377,9 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
                                    partition.post_process(pp_rank, k), tokens,
                                    [pattern[i] for i in partition.layer_range(pp_rank, k)])
                  for k in range(partition.virtual_chunks)]
-    schedule = build_schedule(pp_rank, partition.pp_size, num_microbatches,
-                              partition.virtual_chunks)
-    held, in_flight = peak_in_flight(schedule, [bytes_ for bytes_, _ in per_chunk])
+    held, in_flight = peak_in_flight(
+        build_schedule(pp_rank, partition.pp_size, num_microbatches, partition.virtual_chunks,
+                       schedule=schedule), [bytes_ for bytes_, _ in per_chunk])
     transient = max(t for _, t in per_chunk)
     if any(partition.post_process(pp_rank, k) for k in range(partition.virtual_chunks)):
         # the loss's backward: the fp32 gradient of the logits beside the saved softmax
@@ -393,8 +393,8 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
 def plan_memory(c: "TransformerConfig", partition: PipelinePartition, tp: int, dp: int,
                 zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
                 on_gpu: bool, ep: int = 1, etp: Optional[int] = None,
-                context: ContextLayout = NONE) -> List[StageMemory]:
+                context: ContextLayout = NONE, schedule: str = "1f1b") -> List[StageMemory]:
     """`stage_memory` of every pipeline stage."""
     return [stage_memory(c, partition, r, tp, dp, zero, micro_batch_size, num_microbatches,
-                         on_gpu, ep, etp, context) for r in range(partition.pp_size)]
+                         on_gpu, ep, etp, context, schedule) for r in range(partition.pp_size)]
 

@@ -56,7 +56,8 @@ def plan_run(run: RunConfig, hw: Hardware) -> Plan:
     on_gpu = hw.key != "cpu"
     partition = partition_of(run)
     stages = plan_memory(c, partition, p.tp, p.dp, run.zero, t.micro_batch_size,
-                         t.num_microbatches, on_gpu, p.ep, p.etp, context_of(run))
+                         t.num_microbatches, on_gpu, p.ep, p.etp, context_of(run),
+                         p.pipeline_schedule)
     cost = step_cost(run, hw, partition, [m.parameters for m in stages], on_gpu,
                      [m.expert_parameters for m in stages])
     return Plan(run, hw, stages, cost, throughput(run, cost, hw))

@@ -8,6 +8,7 @@ from gigatron.training.plan.planner import Plan
 from gigatron.training.plan.search import Candidate
 
 SCHEMA = "gigatron-plan-v1"
+ZERO_BUBBLE = {"zb-h1": "ZB-H1", "zbv": "ZBV"}
 
 
 def _recompute(plan: Plan) -> str:
@@ -26,7 +27,21 @@ def layout_dict(plan: Plan) -> Dict[str, Any]:
             "sequence_parallel": p.sequence_parallel, "recompute": _recompute(plan),
             "micro_batch_size": t.micro_batch_size, "num_microbatches": t.num_microbatches,
             "global_batch_size": t.global_batch_size, **_expert_layout(plan),
-            **_context_layout(plan)}
+            **_context_layout(plan), **_zero_bubble_layout(plan)}
+
+
+def _zero_bubble_layout(plan: Plan) -> Dict[str, Any]:
+    """The zero-bubble schedule's name (1f1b and interleaved plans print as before)."""
+    schedule = plan.run.parallel.pipeline_schedule
+    return {"pipeline_schedule": schedule} if schedule in ZERO_BUBBLE else {}
+
+
+def _schedule_name(plan: Plan, virtual_chunks: int) -> str:
+    """The schedule line's name: ZB-H1 or ZBV, else (interleaved) 1F1B or none."""
+    p = plan.run.parallel
+    if p.pipeline_schedule in ZERO_BUBBLE:
+        return ZERO_BUBBLE[p.pipeline_schedule]
+    return "interleaved 1F1B" if virtual_chunks > 1 else "1F1B" if p.pp > 1 else "none"
 
 
 def _context_layout(plan: Plan) -> Dict[str, Any]:
@@ -149,7 +164,7 @@ def describe(plan: Plan) -> str:
         f", recompute {lay['recompute']}",
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {p.dp} x "
         f"{t.num_microbatches} micro-batches, schedule "
-        f"{'interleaved 1F1B' if lay['virtual_chunks'] > 1 else '1F1B' if p.pp > 1 else 'none'}",
+        f"{_schedule_name(plan, lay['virtual_chunks'])}",
         "", "memory per rank, GiB (model state exactly as ZeRO lays it out; activations at the "
         "schedule's high point):",
         f"  {'stage':>5} {'params':>14} {'weights':>8} {'grads':>8} {'master':>8} "

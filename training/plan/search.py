@@ -2,7 +2,7 @@
 
 A layout is (tp, pp, cp, dp, ZeRO stage, recomputation, micro-batch size, and for a mixture of
 experts the expert-parallel size ep: each divisor of --num-experts whose etp x ep divides
-tp x dp, etp the flag's or tp), with sequence
+tp x dp, etp the flag's or tp; with pp > 1 the pipeline schedule: `schedules`), with sequence
 parallelism whenever tp > 1 and the user's global batch. Each one is validated by the same
 `build_run_config` the real run uses (its error is the rejection reason), then planned; those
 that fit the device's memory are ranked by predicted step time, the others are refused with
@@ -40,12 +40,15 @@ class Layout:
     micro_batch_size: int
     ep: Optional[int] = None  # expert-parallel size; None: a dense model
     cp: int = 1  # context-parallel size (the flags' --cp-comm-type)
+    schedule: str = "1f1b"  # --pipeline-schedule
+    virtual_stage_layers: Optional[int] = None  # zbv's 2 chunks per stage: layers / (2 pp)
 
     def describe(self) -> str:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}"
                 f"{'' if self.cp == 1 else f' cp={self.cp}'}"
                 f"{'' if self.ep is None else f' ep={self.ep}'} zero={self.zero_stage} "
-                f"recompute={self.recompute} mbs={self.micro_batch_size}")
+                f"recompute={self.recompute} mbs={self.micro_batch_size}"
+                f"{'' if self.schedule == '1f1b' else f' schedule={self.schedule}'}")
 
 
 @dataclass(frozen=True)
@@ -77,11 +80,20 @@ def context_sizes(ranks: int, seq_length: int) -> List[int]:
     return [cp for cp in _divisors(ranks) if seq_length % (2 * cp) == 0 or cp == 1]
 
 
+def schedules(pp: int, num_layers: int, zero_stage: int, tied_embeddings: bool) -> List[str]:
+    """The pipeline schedules to try: 1f1b, and with pp > 1 zb-h1 (not under ZeRO 3) and zbv
+    (where it is valid: 2 virtual chunks, untied embeddings, no ZeRO 3)."""
+    if pp == 1 or zero_stage == 3:
+        return ["1f1b"]
+    v_shaped = not tied_embeddings and num_layers % (2 * pp) == 0
+    return ["1f1b", "zb-h1"] + (["zbv"] if v_shaped else [])
+
+
 def layouts(world_size: int, num_layers: int, gpus_per_node: int,
             num_experts: Optional[int] = None, etp: Optional[int] = None,
-            seq_length: int = 1) -> Iterator[Layout]:
+            seq_length: int = 1, tied_embeddings: bool = True) -> Iterator[Layout]:
     """The search space: tp within a node, pp up to one layer per stage, cp over the rest
-    (`context_sizes`), ep over the experts (`expert_sizes`)."""
+    (`context_sizes`), ep over the experts (`expert_sizes`), the pipeline `schedules`."""
     for tp in _divisors(world_size):
         if tp > gpus_per_node:
             continue
@@ -94,7 +106,10 @@ def layouts(world_size: int, num_layers: int, gpus_per_node: int,
                     for zero in ZERO_STAGES:
                         for recompute in RECOMPUTE:
                             for mbs in MICRO_BATCH_SIZES:
-                                yield Layout(tp, pp, dp, zero, recompute, mbs, ep, cp)
+                                for name in schedules(pp, num_layers, zero, tied_embeddings):
+                                    yield Layout(tp, pp, dp, zero, recompute, mbs, ep, cp,
+                                                 name, num_layers // (2 * pp)
+                                                 if name == "zbv" else None)
 
 
 def _flags_for(flags: argparse.Namespace, layout: Layout,
@@ -108,7 +123,8 @@ def _flags_for(flags: argparse.Namespace, layout: Layout,
         granularity, method, num
     out.sequence_parallel = layout.tp > 1
     out.context_parallel_size = layout.cp
-    out.num_layers_per_virtual_pipeline_stage = None
+    out.pipeline_schedule = layout.schedule
+    out.num_layers_per_virtual_pipeline_stage = layout.virtual_stage_layers
     out.gradient_accumulation_steps = None
     if layout.ep is not None:
         out.expert_model_parallel_size = layout.ep
@@ -138,18 +154,20 @@ def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
 
 
 def _model_sizes(flags: argparse.Namespace, world_size: int,
-                 tokenizer: Optional["Tokenizer"]) -> Tuple[int, Optional[int], int]:
-    """(layers, routed experts, sequence length) of the model the flags build (a --model
-    zoo entry too)."""
+                 tokenizer: Optional["Tokenizer"]) -> Tuple[int, Optional[int], int, bool]:
+    """(layers, routed experts, sequence length, tied embeddings) of the model the flags
+    build (a --model zoo entry too)."""
     from gigatron.training.config.arguments import build_run_config
 
     try:
         model = build_run_config(flags, world_size, tokenizer).model
     except ValueError:  # the user's own layout is refused: the flags' own sizes
         return (flags.num_layers or 1, getattr(flags, "num_experts", None),
-                getattr(flags, "seq_length", None) or 1)
+                getattr(flags, "seq_length", None) or 1,
+                not getattr(flags, "untie_embeddings_and_output_weights", False))
     assert model is not None
-    return model.num_layers, model.num_moe_experts, model.seq_length
+    return (model.num_layers, model.num_moe_experts, model.seq_length,
+            not model.untie_embeddings_and_output_weights)
 
 
 def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
@@ -158,9 +176,9 @@ def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
     """(layouts that fit, fastest first; layouts refused, each with its reason)."""
     ranked: List[Candidate] = []
     refused: List[Candidate] = []
-    num_layers, num_experts, seq_length = _model_sizes(flags, world_size, tokenizer)
+    num_layers, num_experts, seq_length, tied = _model_sizes(flags, world_size, tokenizer)
     for layout in layouts(world_size, num_layers, hw.gpus_per_node, num_experts,
-                          flags.expert_tensor_parallel_size, seq_length):
+                          flags.expert_tensor_parallel_size, seq_length, tied):
         candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw)
         (refused if candidate.reason else ranked).append(candidate)
     ranked.sort(key=lambda c: c.plan.cost.step if c.plan else 0.0)
