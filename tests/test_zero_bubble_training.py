@@ -5,8 +5,9 @@ iteration and ends with its full parameters (tp slices gathered).
 
 zb-h1 runs with tied embeddings (the tied copies' grads summed over the embedding group),
 zbv with untied ones (it refuses tied: both copies would be chunks of pipeline rank 0).
-Layouts: zb-h1 at pp2, pp4, pp2 x dp2 with ZeRO 1 and overlapped bucketed grad reduction
-(the buckets start when a parameter's last W is done), pp2 x tp2 with sequence parallelism;
+Layouts: zb-h1 at pp2, pp4, pp2 x dp2 with ZeRO 1 and with ZeRO 2 and overlapped bucketed
+grad reduction (the buckets start when a parameter's last W is done), pp2 x tp2 with sequence
+parallelism, pp2 x cp2;
 zbv at pp2, pp4 and pp2 x dp2; the MoE model at pp2 x ep2 with zb-h1. Tolerance 1e-5
 (absolute on losses, relative L2 on every full parameter); SGD, since Adam would blow the
 key bias's zero-in-theory grads (float noise) up to full steps in any layout, 1f1b too.
@@ -41,6 +42,10 @@ LAYOUTS = {  # name: (ranks, flags)
     "zbh1_pp4": (4, ZB_H1 + ["--pipeline-model-parallel-size", "4"]),
     "zbh1_pp2_dp2_zero1": (4, ZB_H1 + "--pipeline-model-parallel-size 2 --zero-stage 1 "
                                       "--overlap-grad-reduce --ddp-bucket-size 2000".split()),
+    "zbh1_pp2_dp2_zero2": (4, ZB_H1 + "--pipeline-model-parallel-size 2 --zero-stage 2 "
+                                      "--overlap-grad-reduce --ddp-bucket-size 2000".split()),
+    "zbh1_pp2_cp2": (4, ZB_H1 + "--pipeline-model-parallel-size 2 "
+                                "--context-parallel-size 2".split()),
     "zbh1_pp2_tp2_sp": (4, ZB_H1 + "--pipeline-model-parallel-size 2 "
                                    "--tensor-model-parallel-size 2 --sequence-parallel".split()),
     "zbv_pp2": (2, ZBV + "--pipeline-model-parallel-size 2 "
