@@ -1,5 +1,5 @@
 """The merged timeline (--timeline / GIGATRON_TIMELINE): one Chrome trace for all ranks, with
-a valid schema, properly nested spans, 1F1B's order on every pipeline rank, one clock, the
+a valid schema, properly nested spans, 1F1B's order on every pipeline rank (zb-h1's with B and W as separate spans), one clock, the
 engine's spans, crashed runs' parts, and nothing recorded when it is off."""
 import json
 import os
@@ -293,3 +293,38 @@ def test_the_renderer_draws_one_iteration_of_a_trace(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_zb_h1_pp2_trace_shows_b_and_w_as_separate_spans_per_stage(tmp_path):
+    from gigatron.parallel.pipeline.schedules import WeightGrad
+    from gigatron.parallel.pipeline.zero_bubble import zb_h1
+
+    path = str(tmp_path / "t.json")
+    argv = FLAGS + ["--train-iters", "2", "--global-batch-size", "8", "--eval-iters", "0",
+                    "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                    "--timeline", path]
+    results = run_on_ranks(_pretrain, 2, argv)
+    assert [r[0] for r in results] == [0, 0], results[0][1]
+    trace = _load(path)
+    _check_schema(trace, 2)
+    _check_nesting(trace)
+    rows, names = _spans(trace), _names(trace, "process")
+    kinds = {Forward: "forward", Backward: "backward", WeightGrad: "weight"}
+    for pid in range(2):
+        pp_rank = int(re.search(r"pp (\d)", names[(pid, 0)]).group(1))
+        main = rows[(pid, 1)]
+        steps = [e for e in main if e["name"].startswith("iteration ")]
+        assert len(steps) == 2
+        expected = [(kinds[type(i)], i.microbatch) for i in zb_h1(pp_rank, 2, 4)
+                    if type(i) in kinds]
+        assert sum(k == "weight" for k, _ in expected) == 4
+        for step in steps:
+            inside = [e for e in main if e["name"].split(" ")[0] in kinds.values()
+                      and step["ts"] <= e["ts"] <= step["ts"] + step["dur"]]
+            assert [(e["name"].split(" ")[0], e["args"]["microbatch"]) for e in inside] == \
+                expected, f"rank {pid} (pp {pp_rank})"
+            b = [e for e in inside if e["name"].startswith("backward")]
+            w = [e for e in inside if e["name"].startswith("weight grad")]
+            assert all(x["ts"] + x["dur"] <= y["ts"] + EPS or y["ts"] + y["dur"] <= x["ts"] +
+                       EPS for x in b for y in w), "B and W are disjoint spans"
+            assert all(e["args"]["stage"] == pp_rank for e in b + w)
