@@ -1,6 +1,7 @@
 """The merged timeline (--timeline / GIGATRON_TIMELINE): one Chrome trace for all ranks, with
-a valid schema, properly nested spans, 1F1B's order on every pipeline rank (zb-h1's with B and W as separate spans), one clock, the
-engine's spans, crashed runs' parts, and nothing recorded when it is off."""
+a valid schema, properly nested spans, 1F1B's order on every pipeline rank (zb-h1's with B
+and W as separate spans), one clock, the engine's spans, crashed runs' parts, and nothing
+recorded when it is off."""
 import json
 import os
 import re
