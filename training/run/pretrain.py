@@ -160,7 +160,7 @@ def _memory_plan(run, device) -> Tuple[List[str], Dict[int, float]]:
     p, t = run.parallel, run.train
     stages = plan_memory(run.model, partition(run), p.tp, p.dp, run.zero, t.micro_batch_size,
                          t.num_microbatches, on_gpu=device.type == "cuda", ep=p.ep, etp=p.etp,
-                         context=context_of(run))
+                         context=context_of(run), schedule=p.pipeline_schedule)
     return startup_lines(stages), {m.pp_rank: float(m.peak) for m in stages}
 
 
