@@ -100,47 +100,61 @@ def moe_block_checks(config: TransformerConfig, family: str) -> List[Tuple[bool,
         (not config.add_bias_linear, f"{family}'s linears have no biases (add_bias_linear)")]
 
 
-def _take(src: StateDict, name: str) -> torch.Tensor:
-    require(name in src, f"Mixtral tensor {name} is missing")
+def take(src: StateDict, name: str, family: str) -> torch.Tensor:
+    """Pop one Hugging Face tensor, or one line naming it when it is missing."""
+    require(name in src, f"{family} tensor {name} is missing")
     return src.pop(name)
 
 
-def _moe_from_hf(src: StateDict, i: int, config: TransformerConfig) -> StateDict:
-    """Layer i's router and experts, from either the on-disk per-expert tensors or
-    transformers 5's fused ones."""
-    ours, layer = layer_prefix(i) + "mlp.", f"model.layers.{i}."
+def moe_from_hf(src: StateDict, i: int, config: TransformerConfig, theirs: str,
+                names: Tuple[str, str, str], family: str) -> StateDict:
+    """Layer i's router (`theirs`gate.weight) and experts, from either the per-expert tensors
+    save_pretrained writes (`theirs`experts.{e}.{name}.weight for the gate, up and down
+    `names`) or transformers 5's fused `experts.gate_up_proj` / `experts.down_proj`."""
     experts = config.num_moe_experts
     assert experts is not None
-    if layer + "block_sparse_moe.gate.weight" in src:
-        theirs = layer + "block_sparse_moe."
-        router = _take(src, theirs + "gate.weight")
-        w1, w2, w3 = (torch.stack([_take(src, f"{theirs}experts.{e}.{w}.weight")
-                                   for e in range(experts)]) for w in ("w1", "w2", "w3"))
-        gate_up, down = torch.cat([w1, w3], dim=1), w2
+    router = take(src, theirs + "gate.weight", family)
+    if theirs + "experts.gate_up_proj" in src:
+        gate_up = take(src, theirs + "experts.gate_up_proj", family)
+        down = take(src, theirs + "experts.down_proj", family)
     else:
-        theirs = layer + "mlp."
-        router = _take(src, theirs + "gate.weight")
-        gate_up = _take(src, theirs + "experts.gate_up_proj")
-        down = _take(src, theirs + "experts.down_proj")
-    require(router.shape[0] == experts, f"Mixtral layer {i} router has {router.shape[0]} "
-            f"experts, config num_local_experts is {experts}")
+        gate, up, down = (torch.stack([take(src, f"{theirs}experts.{e}.{name}.weight", family)
+                                       for e in range(experts)]) for name in names)
+        gate_up = torch.cat([gate, up], dim=1)
+    require(router.shape[0] == experts, f"{family} layer {i} router has {router.shape[0]} "
+            f"experts, config has {experts}")
+    ours = layer_prefix(i) + "mlp."
     return {ours + "router.weight": router,
             ours + "experts.weight1": gate_up.transpose(1, 2),
             ours + "experts.weight2": down.transpose(1, 2)}
 
 
-def _moe_to_hf(state: StateDict, i: int, config: TransformerConfig) -> StateDict:
-    """Layer i's router and experts as the per-expert tensors save_pretrained writes."""
-    ours, theirs = layer_prefix(i) + "mlp.", f"model.layers.{i}.block_sparse_moe."
+def moe_to_hf(state: StateDict, i: int, theirs: str, names: Tuple[str, str, str]
+              ) -> StateDict:
+    """Layer i's router and experts as the per-expert tensors save_pretrained writes
+    (`theirs`experts.{e}.{name}.weight for the gate, up and down `names`)."""
+    ours = layer_prefix(i) + "mlp."
     weight1, weight2 = state[ours + "experts.weight1"], state[ours + "experts.weight2"]
     f = weight2.shape[1]
     out = {theirs + "gate.weight": state[ours + "router.weight"]}
     for e in range(weight1.shape[0]):
-        expert = f"{theirs}experts.{e}."
-        out[expert + "w1.weight"] = weight1[e, :, :f].t()
-        out[expert + "w3.weight"] = weight1[e, :, f:].t()
-        out[expert + "w2.weight"] = weight2[e].t()
+        gate, up, down = (f"{theirs}experts.{e}.{name}.weight" for name in names)
+        out[gate], out[up], out[down] = weight1[e, :, :f].t(), weight1[e, :, f:].t(), weight2[e].t()
     return out
+
+
+_NAMES = ("w1", "w3", "w2")  # Mixtral's gate, up, down
+
+
+def _moe_from_hf(src: StateDict, i: int, config: TransformerConfig) -> StateDict:
+    """Mixtral's layer i: `block_sparse_moe.` on disk, `mlp.` in transformers 5's memory."""
+    on_disk = f"model.layers.{i}.block_sparse_moe."
+    theirs = on_disk if on_disk + "gate.weight" in src else f"model.layers.{i}.mlp."
+    return moe_from_hf(src, i, config, theirs, _NAMES, "Mixtral")
+
+
+def _moe_to_hf(state: StateDict, i: int, config: TransformerConfig) -> StateDict:
+    return moe_to_hf(state, i, f"model.layers.{i}.block_sparse_moe.", _NAMES)
 
 
 def state_dict_from_hf(hf_state: StateDict, config: TransformerConfig) -> StateDict:

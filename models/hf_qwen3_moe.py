@@ -27,12 +27,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Union
 
-import torch
-
 from gigatron.models import hf_llama, hf_qwen3
 from gigatron.models.config import TransformerConfig
-from gigatron.models.hf_common import StateDict, layer_prefix, require
-from gigatron.models.hf_mixtral import moe_block_checks
+from gigatron.models.hf_common import StateDict, require
+from gigatron.models.hf_mixtral import moe_block_checks, moe_from_hf, moe_to_hf
 from gigatron.models.moe.config_checks import moe_layer_pattern
 
 FAMILY = "Qwen3-MoE"
@@ -100,44 +98,15 @@ def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
             "output_router_logits": False}
 
 
-def _take(src: StateDict, name: str) -> torch.Tensor:
-    require(name in src, f"{FAMILY} tensor {name} is missing")
-    return src.pop(name)
+_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def _moe_from_hf(src: StateDict, i: int, config: TransformerConfig) -> StateDict:
-    """Layer i's router and experts, from either the on-disk per-expert tensors or
-    transformers 5's fused ones."""
-    ours, theirs = layer_prefix(i) + "mlp.", f"model.layers.{i}.mlp."
-    experts = config.num_moe_experts
-    assert experts is not None
-    router = _take(src, theirs + "gate.weight")
-    if theirs + "experts.gate_up_proj" in src:
-        gate_up = _take(src, theirs + "experts.gate_up_proj")
-        down = _take(src, theirs + "experts.down_proj")
-    else:
-        gate, up, down = (torch.stack([_take(src, f"{theirs}experts.{e}.{p}_proj.weight")
-                                       for e in range(experts)]) for p in ("gate", "up", "down"))
-        gate_up = torch.cat([gate, up], dim=1)
-    require(router.shape[0] == experts, f"{FAMILY} layer {i} router has {router.shape[0]} "
-            f"experts, config num_experts is {experts}")
-    return {ours + "router.weight": router,
-            ours + "experts.weight1": gate_up.transpose(1, 2),
-            ours + "experts.weight2": down.transpose(1, 2)}
+    return moe_from_hf(src, i, config, f"model.layers.{i}.mlp.", _NAMES, FAMILY)
 
 
 def _moe_to_hf(state: StateDict, i: int) -> StateDict:
-    """Layer i's router and experts as the per-expert tensors save_pretrained writes."""
-    ours, theirs = layer_prefix(i) + "mlp.", f"model.layers.{i}.mlp."
-    weight1, weight2 = state[ours + "experts.weight1"], state[ours + "experts.weight2"]
-    f = weight2.shape[1]
-    out = {theirs + "gate.weight": state[ours + "router.weight"]}
-    for e in range(weight1.shape[0]):
-        expert = f"{theirs}experts.{e}."
-        out[expert + "gate_proj.weight"] = weight1[e, :, :f].t()
-        out[expert + "up_proj.weight"] = weight1[e, :, f:].t()
-        out[expert + "down_proj.weight"] = weight2[e].t()
-    return out
+    return moe_to_hf(state, i, f"model.layers.{i}.mlp.", _NAMES)
 
 
 def _layer_from_hf(src: StateDict, i: int, config: TransformerConfig) -> StateDict:
