@@ -19,12 +19,12 @@ from multirank import run_on_ranks
 
 from gigatron.models.gpt import GPTModel
 from gigatron.models.hf_common import ConversionError
-from gigatron.models.megatron_import import (
+from gigatron.models.megatron.legacy import (
     layer_offsets,
     merge_tensor_parallel,
     read_megatron,
 )
-from gigatron.models.megatron_import_args import config_from_megatron_args
+from gigatron.models.megatron.args import config_from_megatron_args
 
 LLAMA_LIKE = {}  # megatron_args' defaults: RoPE, SwiGLU, GQA 4/2, RMSNorm, untied, no biases
 GPT_LIKE = dict(position_embedding_type="learned_absolute", normalization="LayerNorm",

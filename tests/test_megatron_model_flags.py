@@ -16,7 +16,7 @@ from gigatron.models.gpt import GPTModel
 from gigatron.models.transformer import (ACTIVATIONS, MLP, apply_rotary, rotary_cos_sin,
                                          rotary_inv_freq)
 from gigatron.training.config.arguments import parse_args
-from gigatron.models.megatron_import_args import megatron_activation
+from gigatron.models.megatron.args import megatron_activation
 from gigatron.training.config.validation import ConfigError
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "

@@ -26,8 +26,8 @@ import torch
 
 from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError, StateDict, pad_vocab, require
-from gigatron.models.megatron_import_args import config_from_megatron_args, vocab_sizes
-from gigatron.models.megatron_import_files import read_checkpoint
+from gigatron.models.megatron.args import config_from_megatron_args, vocab_sizes
+from gigatron.models.megatron.files import read_checkpoint
 
 # names inside a layer: Megatron-Core (local or transformer_engine spec) -> gigatron
 _LAYER_NAMES = {

@@ -263,7 +263,7 @@ def export_tokenizer(metadata: Dict[str, Any], given: Dict[str, Any], out_dir: s
 def megatron_to_gigatron(load: str, save: str, vocab_size: Optional[int] = None
                          ) -> TransformerConfig:
     """Convert a Megatron-LM torch checkpoint (any tp / pp) into a gigatron checkpoint."""
-    from gigatron.models.megatron_import import read_megatron
+    from gigatron.models.megatron.legacy import read_megatron
 
     config, state = read_megatron(load, vocab_size)
     save_model(save, config, state, f"megatron:{load}")

@@ -59,7 +59,7 @@ _NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}  # Megatron-De
 def _activation(m: "ModelSettings", zoo: Optional[Dict[str, Any]],
                 p: "Problems") -> Optional[str]:
     """The activation field the flags set; None: the zoo's stays."""
-    from gigatron.models.megatron_import_args import megatron_activation
+    from gigatron.models.megatron.args import megatron_activation
 
     if m.swiglu and m.squared_relu:
         p.add("--swiglu and --squared-relu are exclusive: pick one")

@@ -1,0 +1,2 @@
+"""Megatron-LM checkpoints in: the legacy `torch` format (legacy.py, files.py), Megatron-Core's
+`torch_dist` format (torch_dist.py), and the saved args -> TransformerConfig (args.py)."""
