@@ -179,6 +179,27 @@ class CheckpointConfig:
         False, "write checkpoints in the background while training goes on (staged to CPU "
         "memory first; the tracker names a checkpoint once every rank finished it; needs "
         "--ckpt-format torch_dist)", "--async-save")
+    non_persistent_save_interval: Optional[int] = setting(
+        None, "iterations between non-persistent checkpoints: cheap, only the newest is kept, "
+        "and --load resumes from it when it is newer than the persistent one (needs --save "
+        "and --non-persistent-ckpt-type; docs/CHECKPOINTS.md)", "--non-persistent-save-interval")
+    non_persistent_ckpt_type: Optional[str] = setting(
+        None, "where non-persistent checkpoints go: global (a checkpoint as --save's, in "
+        "--non-persistent-global-ckpt-dir), local (each rank its own state, no gather, in "
+        "--non-persistent-local-ckpt-dir; loads only into the same layout), in_memory (each "
+        "rank's state in host memory, /dev/shm, and a copy on a peer node's)",
+        "--non-persistent-ckpt-type", choices=("global", "local", "in_memory"))
+    non_persistent_global_ckpt_dir: Optional[str] = setting(
+        None, "folder of global non-persistent checkpoints (default: --save/non_persistent)",
+        "--non-persistent-global-ckpt-dir", metavar="DIR")
+    non_persistent_local_ckpt_dir: Optional[str] = setting(
+        None, "node-local folder of local non-persistent checkpoints (needed by local); for "
+        "in_memory, the tmpfs folder (default /dev/shm)", "--non-persistent-local-ckpt-dir",
+        metavar="DIR")
+    non_persistent_local_ckpt_algo: str = setting(
+        "fully_parallel", "accepted: each rank always writes its whole state, replicas "
+        "included (as Megatron's atomic)", "--non-persistent-local-ckpt-algo",
+        choices=("fully_parallel", "atomic"))
     override_opt_param_scheduler: bool = setting(
         False, "on --load, follow the flags' lr schedule, not the checkpoint's",
         "--override-opt_param-scheduler")

@@ -219,6 +219,7 @@ def check_checkpointing(s: "Settings", p: Problems) -> None:
     if ck.async_save and ck.ckpt_format != "torch_dist":
         p.add(f"--async-save needs --ckpt-format torch_dist (got {ck.ckpt_format}): drop "
               f"--ckpt-format or --async-save")
+    _check_non_persistent(ck, p)
     if ck.override_opt_param_scheduler and ck.use_checkpoint_opt_param_scheduler:
         p.add("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
               "contradict each other: give one")
@@ -228,6 +229,26 @@ def check_checkpointing(s: "Settings", p: Problems) -> None:
                   f"(it is created if missing)" if flag == "--save" else
                   f"{flag} {path} is a file, not a checkpoint directory: give the folder "
                   f"--save wrote")
+
+
+def _check_non_persistent(ck: Any, p: Problems) -> None:
+    """--non-persistent-* companions (training/checkpoint/non_persistent.py)."""
+    kind, interval = ck.non_persistent_ckpt_type, ck.non_persistent_save_interval
+    if interval is not None and interval <= 0:
+        p.add(f"--non-persistent-save-interval must be > 0, got {interval}")
+    elif interval and kind is None:
+        p.add("--non-persistent-save-interval needs --non-persistent-ckpt-type global, local "
+              "or in_memory (where the checkpoints go)")
+    elif interval and ck.save is None:
+        p.add("--non-persistent-save-interval needs --save DIR (as in Megatron: the "
+              "persistent checkpoints' folder, which also names the job's non-persistent ones)")
+    if kind == "local" and ck.non_persistent_local_ckpt_dir is None:
+        p.add("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR "
+              "(node-local storage, e.g. an NVMe mount)")
+    if kind == "in_memory" and ck.non_persistent_local_ckpt_dir is None and \
+            not os.path.isdir("/dev/shm"):
+        p.add("--non-persistent-ckpt-type in_memory: /dev/shm does not exist here; give "
+              "--non-persistent-local-ckpt-dir DIR (a tmpfs folder)")
 
 
 def check_logging(s: "Settings", p: Problems) -> None:

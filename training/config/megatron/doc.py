@@ -114,7 +114,7 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
      "this RoPE variant is not implemented (--rotary-base, --rotary-percent and "
      "--use-rope-scaling are)"),
     (("--ckpt-", "--no-ckpt-", "--async-", "--dist-ckpt", "--use-dist-ckpt",
-      "--non-persistent", "--use-persistent-ckpt", "--auto-detect-ckpt", "--replication",
+      "--use-persistent-ckpt", "--auto-detect-ckpt", "--replication",
       "--distrib-optim", "--load-main-params", "--no-strict-fsdp", "--no-save-tokenizer"),
      "a knob of Megatron's distributed checkpointing; gigatron's torch_dist checkpoints "
      "are written through torch.distributed.checkpoint with gigatron's own tensor names "
