@@ -1,6 +1,6 @@
 """bench/bench_context_parallel.py at a tiny size on forked gloo ranks: a GPT's held
-activations per rank fall as 1/cp within 15% (p2p, a2a; all_gather less, as it keeps the
-whole sequence's keys/values), the bytes each rank sends per step equal the formula for every
+activations per rank fall as 1/cp within 15% under every comm type (all_gather too: it
+attends block by block and keeps only the local pieces), the bytes each rank sends per step equal the formula for every
 comm type, and the bench itself reports a wrong claim (a formula off by one hop)."""
 import os
 import sys
@@ -26,11 +26,10 @@ def rows(bench):
 
 
 def test_activations_per_rank_fall_as_one_over_cp_within_15_percent(rows):
+    assert {r["comm_type"] for r in rows if r["cp"] > 1} == {"p2p", "all_gather", "a2a"}
     for r in rows:
-        if r["comm_type"] in ("p2p", "a2a"):
+        if r["cp"] > 1:
             assert abs(r["ratio"] / r["cp"] - 1) < 0.15, r
-    gathered = {r["cp"]: r["ratio"] for r in rows if r["comm_type"] == "all_gather"}
-    assert 1.2 < gathered[2] < 2 * 0.85 and gathered[4] < 4 * 0.85, gathered
 
 
 def test_bytes_sent_per_step_equal_the_formula_for_every_comm_type(bench, rows):
@@ -42,7 +41,7 @@ def test_bytes_sent_per_step_equal_the_formula_for_every_comm_type(bench, rows):
     assert bench.comm_bytes_formula("p2p", 4, 1, 512, 4, 16, 1) == {"send": 20 * x4}
     assert bench.comm_bytes_formula("a2a", 4, 1, 512, 4, 16, 1) == {"all_to_all": 6 * x4}
     assert bench.comm_bytes_formula("all_gather", 2, 1, 512, 4, 16, 1) == {
-        "all_gather": 2 * 2 * x4, "reduce_scatter": 2 * 2 * x4}
+        "all_gather": 2 * 2 * 2 * x4, "reduce_scatter": 2 * 2 * x4}  # gathered twice
     assert bench.problems(rows) == []
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from gigatron.parallel import comm
 from gigatron.parallel.context import kernels
+from gigatron.parallel.context.all_gather import query_blocks
 from gigatron.parallel.context.attention import context_parallel_attention
 from gigatron.parallel.context.ring import block_slices
 from gigatron.parallel.context.split import (check_context_parallel, rank_positions,
@@ -211,3 +212,22 @@ def test_attention_dropout_is_refused_in_one_line():
     with pytest.raises(ValueError, match="--attention-dropout") as err:
         context_parallel_attention(q, q, q, None, dropout_p=0.1)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_all_gather_blocks_tile_each_ranks_causal_mask(cp):
+    """all_gather's blocks (query rows, global key rows, causal) cover exactly the causal
+    mask of the local queries, each allowed score once, with no block beyond the diagonal."""
+    seq = 8 * cp
+    for rank in range(cp):
+        queries = rank_positions(seq, cp, rank)
+        covered = torch.zeros(seq // cp, seq, dtype=torch.int64)
+        for chunk in query_blocks(seq, cp, rank, causal=True):
+            for rows, cols, causal in chunk:
+                block = torch.ones(rows.stop - rows.start, cols.stop - cols.start,
+                                   dtype=torch.int64)
+                covered[rows, cols] += block.tril() if causal else block
+        want = (torch.arange(seq).unsqueeze(0) <= queries.unsqueeze(1)).long()
+        assert torch.equal(covered, want), f"cp{cp} rank {rank}"
+    (only,) = query_blocks(seq, cp, 0, causal=False)
+    assert only == [(slice(0, seq // cp), slice(0, seq), False)]

@@ -73,7 +73,7 @@ def test_predicted_activations_equal_the_bench_and_fall_as_it_does():
 
 
 @pytest.mark.parametrize("comm_type,fwd,bwd", [("p2p", 3 * 2, 3 * 2 + 4 * 2),
-                                               ("all_gather", 3 * 2, 3 * 2),
+                                               ("all_gather", 3 * 2, 2 * 3 * 2),
                                                ("a2a", 3, 3)])
 def test_cp_bytes_per_step_equal_the_formula_on_the_link_the_cp_group_spans(comm_type, fwd,
                                                                            bwd):

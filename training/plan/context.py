@@ -8,15 +8,15 @@ ad = heads x head_dim / tp and w the activation width (keys/values enter the att
 the query heads: models/transformer.py repeats a GQA model's before the call):
   p2p         the local queries' storage, the stacked k and v (2 w ad), its output and
               log-sum-exp: torch's fused kernels per block, no s x s tensor
-  all_gather  the local queries', the gathered k and v of the whole sequence (2 w ad cp)
-              and the causal mask over them as the kernel takes it (w x s/cp x s per layer
-              and micro-batch, whatever the batch)
+  all_gather  as p2p: blocks through the fused kernels, the gathered k and v not kept (the
+              backward gathers them again)
   a2a         the head-split q, k, v and output (4 w ad) and two int64 sequence orders
               (16 s per layer)
 Communication per layer and micro-batch, per rank, X = tokens/cp x ad x w (the bench checks
 each against parallel/comm's counters):
   p2p         forward (cp-1) 2X, backward (cp-1) 2X + cp 2X; overlapped with the blocks
-  all_gather  forward (cp-1) 2X (all-gather), backward (cp-1) 2X (reduce-scatter)
+  all_gather  forward (cp-1) 2X (all-gather), backward (cp-1) 2X gathered again and
+              (cp-1) 2X reduce-scattered
   a2a         forward and backward 4X (cp-1)/cp each (all-to-all)
 """
 from __future__ import annotations
@@ -40,11 +40,8 @@ def attention_held(layout: ContextLayout, q_storage: float, w: int, ad: float,
                    seq_length: int) -> Tuple[float, float]:
     """(bytes the cp attention keeps per local token, bytes per layer and micro-batch) on
     top of the log-sum-exp; `q_storage`: the local queries' storage per token."""
-    cp = layout.cp
-    if layout.comm_type == "p2p":
+    if layout.comm_type in ("p2p", "all_gather"):
         return q_storage + 2 * w * ad, 0.0
-    if layout.comm_type == "all_gather":
-        return q_storage + 2 * w * ad * cp, float(w * seq_length * seq_length // cp)
     return 4 * w * ad, 16.0 * seq_length
 
 
@@ -58,7 +55,7 @@ def layer_bytes(layout: ContextLayout, local_tokens: float, ad: float, w: int
     if layout.comm_type == "p2p":
         return (cp - 1) * 2 * x, (cp - 1) * 2 * x + cp * 2 * x
     if layout.comm_type == "all_gather":
-        return (cp - 1) * 2 * x, (cp - 1) * 2 * x
+        return (cp - 1) * 2 * x, 2 * (cp - 1) * 2 * x
     return 4 * x * (cp - 1) / cp, 4 * x * (cp - 1) / cp
 
 
