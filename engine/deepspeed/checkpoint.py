@@ -19,7 +19,9 @@ DeepSpeed's load options: load_optimizer_states=False keeps this engine's optimi
 and refreshes its fp32 masters from the loaded weights (the counters, scheduler and RNG
 still load); load_lr_scheduler_states=False keeps this engine's scheduler;
 load_module_only=True loads the weights and buffers only. Per-rank checkpoints written
-before still load (checkpoint_legacy.py; the format is read from metadata.json).
+before still load (checkpoint_legacy.py; the format is read from metadata.json), and so do
+the real DeepSpeed's own tags and universal checkpoints (ds_format.py; told apart by their
+mp_rank_00_model_states.pt).
 
 Both calls are collective: a rank that does not call them makes every caller fail within
 the collective timeout.
@@ -31,9 +33,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from gigatron.engine.deepspeed import checkpoint_legacy
+from gigatron.engine.deepspeed import checkpoint_legacy, ds_format
 from gigatron.engine.deepspeed.distributed import require_every_rank
 from gigatron.training.checkpoint import folders as files
+from gigatron.training.checkpoint.deepspeed import reader as ds_reader
 from gigatron.training.checkpoint.integrity import (job_gather, raise_if_any_failed,
                                                     single_process_gather)
 from gigatron.training.checkpoint.rng import generator_states, restore_generators
@@ -114,6 +117,9 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str], strict: bool,
             return None, None
         tag = open(latest, encoding="utf-8").read().strip()
     root = os.path.join(load_dir, str(tag))
+    if ds_reader.is_deepspeed_folder(root):  # written by DeepSpeed itself (ds_format.py)
+        return root, ds_format.load(engine, root, _gather(engine), strict, load_optimizer and
+                                    not module_only, load_scheduler, module_only)
     _, folder = files.find_checkpoint(root)
     if folder is None:
         raise ValueError(f"load_checkpoint: no checkpoint with tag {tag!r} in {load_dir} "
