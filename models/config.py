@@ -105,6 +105,9 @@ class TransformerConfig:
     """Dtype of parameters: fp32 | bf16 | fp16 (the names are accepted and resolved)."""
     attention_backend: str = "sdpa"
     """'sdpa' (torch scaled_dot_product_attention) or 'unfused' (softmax via gigatron.ops)."""
+    attention_softmax_in_fp32: bool = True
+    """The unfused softmax of fp16/bf16 scores in fp32; False: in their dtype, as Megatron's
+    torch softmax without --attention-softmax-in-fp32 (Megatron-Core's default: True)."""
     sequence_parallel: bool = False
     """Split norms/dropout along the sequence across tp (--sequence-parallel)."""
     recompute_granularity: Optional[str] = None

@@ -151,6 +151,7 @@ class CoreAttention(nn.Module):
                  tracker: Optional[TensorParallelRNGTracker]) -> None:
         super().__init__()
         self.backend = config.attention_backend
+        self.softmax_in_fp32 = config.attention_softmax_in_fp32
         self.p = config.attention_dropout
         self.tracker = tracker
         self.scale = 1.0 / math.sqrt(config.head_dim)
@@ -184,10 +185,21 @@ class CoreAttention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scores = torch.matmul(q.reshape(b * n, s, d), k.reshape(b * n, s, d).transpose(1, 2))
-            probs = ops.scaled_upper_triang_masked_softmax(scores, self.scale)
-            probs = dropout(probs, p, True, self.tracker)
+            probs = dropout(self._softmax(scores), p, True, self.tracker)
             out = torch.bmm(probs, v.reshape(b * n, s, d)).view(b, n, s, d)
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+    def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """The unfused causal softmax, as Megatron's FusedScaleMaskSoftmax: in fp32 (the
+        fused kernels always; torch's softmax with --attention-softmax-in-fp32), else in the
+        fp16/bf16 scores' own dtype; probabilities in the scores' dtype either way."""
+        name = "scaled_upper_triang_masked_softmax"
+        if self.softmax_in_fp32 or scores.dtype not in (torch.float16, torch.bfloat16) or \
+                ops.chosen_backend(name, scores) != "torch":
+            return ops.scaled_upper_triang_masked_softmax(scores, self.scale)
+        s = scores.shape[-1]
+        mask = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+        return torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
 
     def forward_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:

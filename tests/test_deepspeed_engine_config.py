@@ -314,8 +314,9 @@ def test_speed_only_keys_are_accepted_with_one_info_line_each():
                                  'supported: use "fp16" or "bf16"'),
     ({"zero_optimization": {"zero_quantized_gradients": True}},
      "zero_optimization.zero_quantized_gradients True is not supported (ZeRO++ quantized"),
-    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype 'bf16' is not "
-                                                   "supported: gradients accumulate in fp32"),
+    ({"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "bf16"},
+     "data_types.grad_accum_dtype 'fp32' and communication_data_type 'bf16' differ: gradients "
+     "accumulate in the dtype they are reduced in here; give one of them"),
     ({"pipeline": {"stages": 2}}, "pipeline is not supported: pipeline settings are gigatron.pipe.PipelineModule arguments"),
     ({"checkpoint": {"tag_validation": "Sometimes"}}, "checkpoint.tag_validation must be one "
                                                       "of Ignore, Warn, Fail, got 'Sometimes'"),

@@ -55,7 +55,9 @@ class ZeroConfig:
     """'cpu': fp32 master weights and optimizer state live (pinned on CUDA) in host memory
     and the step runs there (DeepSpeed offload_optimizer.device). Needs zero_stage >= 1."""
     grad_reduce_dtype: str = "fp32"
-    """Dtype gradients travel in ('fp32', 'bf16', 'fp16'); they accumulate back in fp32."""
+    """Dtype gradients are accumulated and reduced in ('fp32', 'bf16', 'fp16'): the grad
+    buffers' dtype and the wire's, as Megatron-Core's grad buffer (fp32 with
+    grad_reduce_in_fp32, else the parameters' dtype); the optimizer steps fp32 copies."""
     grad_reduce_in_bf16: bool = False
     """Megatron's --grad-reduce-in-bf16: same as grad_reduce_dtype='bf16'."""
 
@@ -120,6 +122,19 @@ def zero_problems(values: Mapping[str, Any],
 
 
 _DEFAULTS = {f.name: f.default for f in fields(ZeroConfig)}
+
+
+def megatron_grad_dtype(params: str, accumulate_allreduce_grads_in_fp32: bool,
+                        grad_reduce_in_bf16: bool) -> str:
+    """The dtype Megatron-LM accumulates and reduces gradients in, for parameters in `params`
+    ('fp32', 'fp16' or 'bf16'): fp32 under --accumulate-allreduce-grads-in-fp32, which --bf16
+    turns on unless --grad-reduce-in-bf16 (which then turns it off), else the parameters'
+    dtype (megatron/training/arguments.py validate_args; training.py passes the flag as
+    DistributedDataParallelConfig.grad_reduce_in_fp32, whose grad buffers are fp32 if set,
+    else the parameters' dtype: megatron/core/distributed/distributed_data_parallel.py)."""
+    if params == "bf16":
+        return "bf16" if grad_reduce_in_bf16 else "fp32"
+    return "fp32" if accumulate_allreduce_grads_in_fp32 else params
 
 
 def zero3_pipeline_problem(zero_stage: int, pipeline_stages: int, stage_name: str,

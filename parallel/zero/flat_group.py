@@ -1,8 +1,9 @@
 """FlatGroup: one optimizer param group's parameters in flat, padded, contiguous buffers.
 
 Holds the model parameters (as views into a flat buffer, or for stage 3 a persistent shard
-plus per-bucket full buffers that exist only while gathered), the fp32 gradient storage
-(full buffer for stages 0-1, this rank's shard for stages 2-3), this rank's fp32 master shard
+plus per-bucket full buffers that exist only while gathered), the gradient storage in the
+reduce dtype, where gradients are accumulated and reduced (full buffer for stages 0-1, this
+rank's shard for stages 2-3), this rank's fp32 master shard
 (for fp32 params a view of the parameter storage where possible, see `_make_master`), and
 the per-bucket reductions over data parallelism.
 """
@@ -102,10 +103,10 @@ class FlatGroup:
         self.grad_buffer: Optional[torch.Tensor] = None  # stages 0-1: every bucket's grads
         self.grad_shard: Optional[torch.Tensor] = None  # stages 2-3: this rank's shard only
         if self.stage <= 1:
-            self.grad_buffer = torch.zeros(self.full_numel, dtype=torch.float32,
+            self.grad_buffer = torch.zeros(self.full_numel, dtype=self.reduce_dtype,
                                            device=self.device)
         else:
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32,
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.reduce_dtype,
                                           device=self.device)
         for b in self.buckets:
             b.grad_full = None if self.grad_buffer is None else \
@@ -122,9 +123,10 @@ class FlatGroup:
 
     # ---- gradients ----------------------------------------------------------------
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor) -> None:
-        """Add one parameter's fresh gradient into its bucket (fp32)."""
+        """Add one parameter's fresh gradient into its bucket (in the reduce dtype)."""
         if b.grad_full is None:
-            b.grad_full = torch.zeros(b.padded_numel, dtype=torch.float32, device=self.device)
+            b.grad_full = torch.zeros(b.padded_numel, dtype=self.reduce_dtype,
+                                      device=self.device)
         off = b.offsets[pos]
         b.grad_full[off:off + grad.numel()].add_(grad.reshape(-1))
 
@@ -132,24 +134,22 @@ class FlatGroup:
         """Launch bucket `b`'s average over dp; returns (handle, finish callback)."""
         grad = b.grad_full
         if grad is None:  # no parameter of this bucket received a gradient on this rank
-            grad = torch.zeros(b.padded_numel, dtype=torch.float32, device=self.device)
+            grad = torch.zeros(b.padded_numel, dtype=self.reduce_dtype, device=self.device)
         if self.stage >= 2:
             b.grad_full = None  # the transient full bucket lives only until reduced
         if self.average_over > 1:
             grad.div_(self.average_over)
-        wire = grad if self.reduce_dtype == torch.float32 else grad.to(self.reduce_dtype)
         if self.stage == 0:
-            handle = comm.all_reduce(wire, group=self.dp_group, async_op=True)
-            return handle, (lambda: grad.copy_(wire)) if wire is not grad else (lambda: None)
+            return comm.all_reduce(grad, group=self.dp_group, async_op=True), lambda: None
         out = torch.empty(b.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        handle = comm.reduce_scatter(out, wire, group=self.dp_group, async_op=True)
+        handle = comm.reduce_scatter(out, grad, group=self.dp_group, async_op=True)
         view = self.shard_views[b.index]
         if self.stage == 1:
             return handle, lambda: view.copy_(out)
         return handle, lambda: view.add_(out)
 
     def flat_grad_shard(self) -> torch.Tensor:
-        """This rank's fp32 gradient shard as one tensor, laid out like the master shard."""
+        """This rank's gradient shard as one tensor, laid out like the master shard."""
         pieces = self.grad_shard_pieces()
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 

@@ -37,7 +37,6 @@ ZERO_FLAGS = {"zero_stage": "zero_stage", "optimizer": "optimizer", "lr": "lr",
               "loss_scale": "loss_scale", "initial_scale_power": "initial_loss_scale",
               "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
               "min_loss_scale": "min_loss_scale", "grad_reduce_dtype": "grad_reduce_in_bf16",
-              "grad_reduce_in_bf16": "grad_reduce_in_bf16",
               "offload_optimizer": "optimizer_cpu_offload",
               "reduce_bucket_size": "ddp_bucket_size", "overlap_comm": "overlap_comm",
               "consecutive_hysteresis": "consecutive_hysteresis"}
@@ -89,7 +88,7 @@ def given_dests(argv: Optional[Sequence[str]], prog: str = "pretrain_gpt.py") ->
 def zero_config(s: Settings, p: Problems) -> Optional["ZeroConfig"]:
     """The optimizer, mixed-precision, clipping and ZeRO settings as the ZeRO wrapper's config
     (None when invalid, with the problems in `p`)."""
-    from gigatron.parallel.zero.config import ZeroConfig, zero_problems
+    from gigatron.parallel.zero.config import ZeroConfig, megatron_grad_dtype, zero_problems
 
     precision, o = s.precision, s.optimizer
     stage = precision.zero_stage if precision.zero_stage is not None else \
@@ -104,7 +103,9 @@ def zero_config(s: Settings, p: Problems) -> Optional["ZeroConfig"]:
         initial_scale_power=int(round(math.log2(scale))) if scale > 0 else 16,
         loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
         min_loss_scale=precision.min_loss_scale,
-        grad_reduce_in_bf16=precision.grad_reduce_in_bf16,
+        grad_reduce_dtype=megatron_grad_dtype(
+            "bf16" if precision.bf16 else "fp16" if precision.fp16 else "fp32",
+            precision.accumulate_allreduce_grads_in_fp32, precision.grad_reduce_in_bf16),
         offload_optimizer="cpu" if precision.optimizer_cpu_offload else "none")
     for field in ("reduce_bucket_size", "overlap_comm", "consecutive_hysteresis"):
         if s.value(ZERO_FLAGS[field]) is not None:  # else ZeroConfig's default

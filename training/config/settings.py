@@ -192,8 +192,18 @@ class PrecisionSettings:
         "--overlap-grad-reduce, as in Megatron): ZeRO 1-2 all-gather the updated parameters "
         "right after the step, ZeRO 3 gathers each layer just in time with prefetch",
         "--overlap-param-gather")
-    grad_reduce_in_bf16: bool = setting(False, "reduce gradients in bf16",
-                                        "--grad-reduce-in-bf16")
+    grad_reduce_in_bf16: bool = setting(
+        False, "with --bf16: accumulate and reduce gradients in bf16, not fp32 (Megatron's "
+        "rule; without --bf16 it changes nothing, as there)", "--grad-reduce-in-bf16")
+    accumulate_allreduce_grads_in_fp32: bool = setting(
+        False, "accumulate and reduce gradients in fp32 (the grad buffers and the "
+        "data-parallel reduction); Megatron's defaults without it: --fp16 in fp16, --bf16 in "
+        "fp32 (unless --grad-reduce-in-bf16)", "--accumulate-allreduce-grads-in-fp32")
+    attention_softmax_in_fp32: bool = setting(
+        False, "the unfused attention's softmax in fp32 under --fp16/--bf16 (without it: in "
+        "the model's dtype, as Megatron's torch softmax); torch's scaled_dot_product_attention "
+        "and the fused softmax kernel compute in fp32 either way",
+        "--attention-softmax-in-fp32")
     optimizer_cpu_offload: bool = setting(
         False, "keep master weights and optimizer state on the host (ZeRO >= 1)",
         "--optimizer-cpu-offload", ds="zero_optimization.offload_optimizer",
@@ -394,8 +404,8 @@ class ImplementationSettings:
         "(Megatron-Core's default), the softmax is the same in exact arithmetic",
         "--no-query-key-layer-scaling")
     apply_query_key_layer_scaling: bool = setting(
-        False, "accepted without effect: the same softmax in exact arithmetic (it only guards "
-        "fp16 against overflow, which gigatron's fp32 softmax does not need)",
+        False, "accepted: QK^T is not scaled by the layer number (the same softmax in exact "
+        "arithmetic); as in Megatron it turns on --attention-softmax-in-fp32",
         "--apply-query-key-layer-scaling")
     use_legacy_models: bool = setting(
         False, "refused: gigatron builds Megatron-Core's model only", "--use-legacy-models")

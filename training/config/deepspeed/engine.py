@@ -16,9 +16,13 @@ they differ docs/FLAGS.md shows both: no gradient clipping (0), no weight decay 
 momentum 0, steps_per_print 10, overlap_comm only at stage 3. These are DeepSpeed's defaults up
 to 0.19.2 and as issue 15 specifies; DeepSpeed 0.19.3 (#8068) clips at 1.0 by default and
 0.15.2 made steps_per_print default to no printing.
-Deliberate differences from DeepSpeed: with no communication_data_type gradients are reduced in
-fp32 (DeepSpeed reduces in the fp16/bf16 training dtype); unknown keys are errors (DeepSpeed
-ignores unknown top-level keys); offload_optimizer "nvme" offloads to host memory.
+Gradients are accumulated and reduced in communication_data_type, by default the training
+dtype (fp16, bf16 or fp32), as DeepSpeed's engine (its communication_data_type property; its
+data_types.grad_accum_dtype defaults to the training dtype too).
+Deliberate differences from DeepSpeed: a communication_data_type other than the training
+dtype is also the dtype gradients accumulate in (DeepSpeed accumulates in the training dtype
+and casts for the wire); unknown keys are errors (DeepSpeed ignores unknown top-level keys);
+offload_optimizer "nvme" offloads to host memory.
 """
 from __future__ import annotations
 
@@ -110,10 +114,20 @@ def _offload(ds: Mapping, info: List[str], p: Problems) -> str:
     return offload_optimizer_device(section, info, p.lines)
 
 
-def _reduce_dtype(ds: Mapping, p: Problems) -> str:
+def _reduce_dtype(ds: Mapping, values: Dict[str, Any], p: Problems) -> str:
+    """The dtype gradients accumulate and travel in: communication_data_type, else
+    data_types.grad_accum_dtype, else the training dtype (DeepSpeed's default of both)."""
     dtype = ds.get("communication_data_type")
+    accumulate = _value(ds, "data_types.grad_accum_dtype", p)
+    if accumulate not in (None, "fp32", "fp16", "bf16"):
+        p.add(f'data_types.grad_accum_dtype must be "fp32", "fp16" or "bf16", got '
+              f"{accumulate!r}")
+    elif dtype is not None and accumulate is not None and str(dtype).lower() != accumulate:
+        p.add(f"data_types.grad_accum_dtype {accumulate!r} and communication_data_type "
+              f"{dtype!r} differ: gradients accumulate in the dtype they are reduced in here; "
+              f"give one of them")
     if dtype is None:
-        return "fp32"  # DeepSpeed would use the training dtype; fp32 loses nothing
+        return accumulate or ("fp16" if values["fp16"] else "bf16" if values["bf16"] else "fp32")
     if isinstance(dtype, str) and dtype.lower() in ("fp32", "fp16", "bf16"):
         return dtype.lower()
     p.add(f'communication_data_type must be "fp32", "fp16" or "bf16", got {dtype!r}')
@@ -145,7 +159,7 @@ def _zero(ds: Mapping, values: Dict[str, Any], optimizer: Optional[OptimizerSpec
               loss_scale_window=values["loss_scale_window"], hysteresis=values["hysteresis"],
               consecutive_hysteresis=bool(values["consecutive_hysteresis"]),
               min_loss_scale=values["min_loss_scale"], offload_optimizer=_offload(ds, info, p),
-              grad_reduce_dtype=_reduce_dtype(ds, p), **_optimizer_fields(optimizer))
+              grad_reduce_dtype=_reduce_dtype(ds, values, p), **_optimizer_fields(optimizer))
     problems = zero_problems(kw, _ZERO_KEYS)
     p.lines += problems
     return None if problems else ZeroConfig(**kw)
@@ -194,10 +208,6 @@ def _engine_fields(ds: Mapping, info: List[str], p: Problems) -> Dict[str, Any]:
     predivide = _value(ds, "gradient_predivide_factor", p)
     if predivide <= 0:
         p.add(f"gradient_predivide_factor must be > 0, got {predivide}")
-    accumulate = _value(ds, "data_types.grad_accum_dtype", p)
-    if accumulate not in (None, "fp32"):
-        p.add(f"data_types.grad_accum_dtype {accumulate!r} is not supported: gradients "
-              f'accumulate in fp32 here (set "fp32" or drop it)')
     return dict(prescale_gradients=_value(ds, "prescale_gradients", p),
                 gradient_predivide_factor=float(predivide),
                 zero_allow_untested_optimizer=_value(ds, "zero_allow_untested_optimizer", p),

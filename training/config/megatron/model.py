@@ -161,6 +161,8 @@ def model_overrides(s: "Settings", vocab_size: Optional[int],
     fields.update(moe_overrides(s, zoo, p))
     fields["sequence_parallel"] = bool(s.parallel.sequence_parallel and s.parallel.tp > 1)
     fields["params_dtype"] = params_dtype(s.precision)
+    fields["attention_softmax_in_fp32"] = (s.precision.attention_softmax_in_fp32 or  # Megatron
+                                           s.implementation.apply_query_key_layer_scaling)
     return fields
 
 
