@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 
 from gigatron.training.checkpoint import folders as files
+from gigatron.training.checkpoint import non_persistent, rank_copies
 from gigatron.training.checkpoint.torch_dist import module_state, save_load
 from gigatron.training.checkpoint.torch_dist import resume as dist_resume
 from gigatron.training.checkpoint.torch_dist import state as dist_state
@@ -94,32 +95,59 @@ def _metadata(run: RunConfig, progress: TrainProgress, num_chunks: int) -> Dict[
 
 class Checkpointer:
     """Saves a run's checkpoints: synchronously, or (--async-save) staged to CPU memory and
-    written in the background while training goes on (training/checkpoint/torch_dist/async_save.py)."""
+    written in the background while training goes on (training/checkpoint/torch_dist/async_save.py);
+    persistent ones, or non-persistent ones (training/checkpoint/non_persistent.py)."""
 
     def __init__(self) -> None:
         self._async = AsyncSaver()
+        self._copies: Optional[rank_copies.RankCopies] = None
 
     def save(self, run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
              chunks: List[torch.nn.Module], zero: "ZeroOptimizer",
-             device: torch.device) -> List[SavedCheckpoint]:
+             device: torch.device, persistent: bool = True) -> List[SavedCheckpoint]:
         """Collective: save iteration `progress.iteration`; returns the saves that finished
         (the previous background one, waited for first, and this one unless it runs in the
         background). A failed save raises the same ValueError on every rank."""
         started = time.perf_counter()
         finished = [saved for saved in [self.wait()] if saved is not None]
+        if not persistent and run.checkpoint.non_persistent_ckpt_type in rank_copies.KINDS:
+            where = self._save_rank_copy(run, groups, progress, chunks, zero, device)
+            return finished + [SavedCheckpoint(progress.iteration, where,
+                                               time.perf_counter() - started)]
+        root, published = non_persistent.destination(run, groups.rank, progress.iteration,
+                                                      persistent)
         if not run.checkpoint.async_save:
-            folder = save(run, groups, progress, chunks, zero, device)
+            folder = save(run, groups, progress, chunks, zero, device, root)
+            published()
             return finished + [SavedCheckpoint(progress.iteration, folder,
                                                time.perf_counter() - started)]
         if run.checkpoint.ckpt_format != save_load.FORMAT:
             raise ValueError("--async-save needs --ckpt-format torch_dist")
         group = self._async.group(run.parallel.distributed_timeout_minutes)
-        root, state, coords, meta = _dist_save_state(run, groups, progress, chunks, zero,
-                                                      device)
+        _, state, coords, meta = _dist_save_state(run, groups, progress, chunks, zero, device)
         state = dist_state.staged(state)
-        self._async.start(progress.iteration, started, lambda: save_load.save(
-            root, progress.iteration, state, coords, meta, group))
+
+        def write() -> str:
+            folder = save_load.save(root, progress.iteration, state, coords, meta, group)
+            published()
+            return folder
+        self._async.start(progress.iteration, started, write)
         return finished
+
+    def _save_rank_copy(self, run: RunConfig, groups: "ProcessGroups",
+                        progress: TrainProgress, chunks: List[torch.nn.Module],
+                        zero: "ZeroOptimizer", device: torch.device) -> str:
+        """A local / in_memory non-persistent checkpoint: each rank keeps its own state."""
+        ck = run.checkpoint
+        assert ck.save is not None and ck.non_persistent_ckpt_type is not None
+        if self._copies is None:
+            self._copies = rank_copies.RankCopies(ck.non_persistent_ckpt_type,
+                                                  run.parallel.distributed_timeout_minutes)
+        state = _rank_state(run, progress, chunks, zero, device, with_model=True)
+        meta = {"iteration": progress.iteration, "layout": copy_layout(run, len(chunks))}
+        job = non_persistent.copies_dir(ck, ck.save)
+        self._copies.save(job, state, meta, groups.rank, run.parallel.world_size, device)
+        return f"{job} ({ck.non_persistent_ckpt_type} non-persistent)"
 
     def wait(self) -> Optional[SavedCheckpoint]:
         """The pending background save, once it finished (None: none was pending)."""
@@ -128,21 +156,36 @@ class Checkpointer:
 
 def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
          chunks: List[torch.nn.Module], zero: "ZeroOptimizer",
-         device: torch.device) -> str:
+         device: torch.device, root: Optional[str] = None) -> str:
     """Collective: write this rank's part of iteration `progress.iteration` in the
-    --ckpt-format; a failed save (say, a full disk on any rank) raises the same ValueError
-    on every rank."""
-    if run.checkpoint.save is None:
+    --ckpt-format to `root` (default --save); a failed save (say, a full disk on any rank)
+    raises the same ValueError on every rank."""
+    root = root or run.checkpoint.save
+    if root is None:
         raise ValueError("saving a checkpoint needs --save DIR")
     if run.checkpoint.ckpt_format == save_load.FORMAT:
-        root, dist_state_dict, coords, meta = _dist_save_state(run, groups, progress, chunks,
-                                                                zero, device)
+        _, dist_state_dict, coords, meta = _dist_save_state(run, groups, progress, chunks,
+                                                             zero, device)
         return save_load.save(root, progress.iteration, dist_state_dict, coords, meta)
+    # cp ranks hold the same weights: cp rank 0 writes them
+    state = _rank_state(run, progress, chunks, zero, device,
+                        with_model=groups.coords.get("cp", 0) == 0)
+    return files.save_checkpoint(root, progress.iteration, state,
+                                 groups.coords, _metadata(run, progress, len(chunks)),
+                                 job_gather(device), groups.rank == 0,
+                                 run.checkpoint.ckpt_format)
+
+
+def _rank_state(run: RunConfig, progress: TrainProgress, chunks: List[torch.nn.Module],
+                zero: "ZeroOptimizer", device: torch.device, with_model: bool
+                ) -> Dict[str, Any]:
+    """Everything this rank resumes from, on the host: its chunks' weights (ZeRO 3 gathers
+    them), its optimizer shard, RNG states, progress and lr schedule."""
     with zero.gathered_parameters():
         model = [{k: v.detach().cpu().clone() for k, v in c.state_dict().items()}
                  for c in chunks]
     state: Dict[str, Any] = {"progress": asdict(progress)}
-    if groups.coords.get("cp", 0) == 0:  # cp ranks hold the same weights: cp rank 0 writes
+    if with_model:
         state["model"] = model
     if run.lr_schedule is not None:  # checked against the flags on resume
         state["lr_schedule"] = asdict(run.lr_schedule)
@@ -150,10 +193,13 @@ def save(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
         state["optimizer"] = zero.state_dict()
     if not run.checkpoint.no_save_rng:
         state["rng"] = rng_state(chunks, device)
-    return files.save_checkpoint(run.checkpoint.save, progress.iteration, state,
-                                 groups.coords, _metadata(run, progress, len(chunks)),
-                                 job_gather(device), groups.rank == 0,
-                                 run.checkpoint.ckpt_format)
+    return state
+
+
+def copy_layout(run: RunConfig, num_chunks: int) -> Dict[str, Any]:
+    """What a rank's own state is tied to: the layout, the world and the ZeRO stage."""
+    return {**layout(run, num_chunks), "world_size": run.parallel.world_size,
+            "zero_stage": run.zero.zero_stage}
 
 
 def _dist_save_state(run: RunConfig, groups: "ProcessGroups", progress: TrainProgress,
@@ -191,7 +237,10 @@ def load_model_weights(run: RunConfig, groups: "ProcessGroups",
     root = run.checkpoint.load
     if root is None:
         return None
-    _, folder = files.find_checkpoint(root, run.checkpoint.ckpt_step)
+    newer = non_persistent.newer_checkpoint(run, groups.rank, copy_layout(run, len(chunks)))
+    if isinstance(newer, dict):
+        return _load_rank_copy(run, chunks, newer)
+    folder = newer or files.find_checkpoint(root, run.checkpoint.ckpt_step)[1]
     if folder is None:
         if run.checkpoint.finetune:
             raise ValueError(f"--finetune: no checkpoint in --load {root} "
@@ -225,13 +274,34 @@ def _load_shard(run: RunConfig, coords: Dict[str, int], chunks: List[torch.nn.Mo
     if coords.get("cp", 0):  # the weights are in the shard of cp rank 0 (see `save`)
         first = files.read_shard(files.rank_file(folder, {**coords, "cp": 0}, fmt), fmt, meta)
         shard["model"] = first["model"]
-    check_model_shapes(shard["model"], chunks, meta.get("flags"), run.flags, folder)
-    for chunk, weights in zip(chunks, shard["model"]):
+    _put_weights(run, chunks, shard["model"], folder, meta.get("flags"))
+    return shard
+
+
+def _put_weights(run: RunConfig, chunks: List[torch.nn.Module],
+                 model: List[Dict[str, torch.Tensor]], folder: str,
+                 saved_flags: Optional[Dict[str, Any]]) -> None:
+    """A per-rank checkpoint's weights into this rank's chunks, checked first."""
+    check_model_shapes(model, chunks, saved_flags, run.flags, folder)
+    for chunk, weights in zip(chunks, model):
         try:
             chunk.load_state_dict(weights, strict=True)
         except RuntimeError as err:  # shapes and names were checked: say what is left
             raise ValueError(f"checkpoint {folder} does not load into this run's model: "
                              f"{str(err).strip().splitlines()[-1].strip()}") from None
+
+
+def _load_rank_copy(run: RunConfig, chunks: List[torch.nn.Module],
+                    shard: Dict[str, Any]) -> Dict[str, Any]:
+    """Phase 1 from this rank's local / in_memory state (all ranks fail alike)."""
+    failure: Optional[ValueError] = None
+    try:
+        _put_weights(run, chunks, shard["model"], shard["_folder"], None)
+    except ValueError as err:
+        failure = err
+    raise_if_any_failed(job_gather(_device_of(chunks)), failure, lambda ranks: (
+        f"ranks {', '.join(map(str, ranks))} could not load their state from "
+        f"{shard['_folder']} (their error lines say why): this rank stops too"))
     return shard
 
 

@@ -27,6 +27,7 @@ NOT_INHERITED: Dict[str, Any] = {
     "save": None, "metrics_file": None, "tensorboard_dir": None, "wandb_project": None,
     "timeline": None, "deepspeed_config": None, "exit_signal_handler": False, "finetune": False,
     "ckpt_step": None,  # the step a resumed run loaded is not the one to load now
+    "non_persistent_ckpt_type": None,  # evaluate and generate load the persistent checkpoint
 }
 # the layout of the training run: a layout-free (torch_dist) checkpoint loads into any, so
 # an inference command starts from one rank's layout (the flags of its command line choose

@@ -280,17 +280,20 @@ def _report_planned_memory(s: Session) -> None:
     s.memory_plan = None
 
 
-def _save(s: Session, progress: TrainProgress) -> None:
+def _save(s: Session, progress: TrainProgress, persistent: bool = True) -> None:
     """Check for a non-finite step first (never checkpoint after one), then save if asked
-    (with --async-save the save goes on in the background; the previous one is waited for)."""
+    (with --async-save the save goes on in the background; the previous one is waited for);
+    a non-persistent one (--non-persistent-save-interval) is not counted as saved."""
     if s.nonfinite is not None:
         s.nonfinite.check(s.saved_iterations)
     if s.run.checkpoint.save is None or progress.iteration in s.saved_iterations:
         return
     activity.at(progress.iteration, "saving checkpoint")
     with timeline.span("checkpoint save"):
-        finished = s.checkpointer.save(s.run, s.groups, progress, s.chunks, s.zero, s.device)
-    s.saved_iterations.append(progress.iteration)
+        finished = s.checkpointer.save(s.run, s.groups, progress, s.chunks, s.zero, s.device,
+                                       persistent)
+    if persistent:
+        s.saved_iterations.append(progress.iteration)
     for saved in finished:
         _log_saved(s, saved)
 
@@ -402,6 +405,9 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
             _evaluate_and_log(s, progress, 1, "valid")
         if ck.save_interval and progress.iteration % ck.save_interval == 0:
             _save(s, progress)
+        elif ck.non_persistent_save_interval and \
+                progress.iteration % ck.non_persistent_save_interval == 0:
+            _save(s, progress, persistent=False)
         interval.start += time.perf_counter() - paused
         reason = _exit_reason(s, progress, sigterm)
         if reason is not None:

@@ -1,0 +1,313 @@
+"""Non-persistent checkpoints that each rank keeps itself: --non-persistent-ckpt-type local
+(node-local storage) and in_memory (host memory: a tmpfs such as /dev/shm, and a copy of
+every rank's state in the memory of a peer rank on the next node).
+
+    DIR/gigatron-in_memory-<job>/held_by_00003/rank_00003_iter_0000008.pt    rank 3's state
+    DIR/gigatron-in_memory-<job>/held_by_00003/rank_00002_iter_0000008.pt    rank 2's copy
+    DIR/gigatron-in_memory-<job>/held_by_00003/rank_00002_iter_0000008.json  its iteration,
+                                                    owner, layout, sha256 and size
+
+<job> is a hash of the --save folder when saving and of --load when loading: a restart runs
+the same command, so it finds the files of its own job and of no other.
+
+Save (collective; the state is never gathered): each rank serialises its state once and
+writes it under a temporary name, renamed into place after its sidecar is written (a file
+counts only once renamed: a crash never leaves a half-written newest); in_memory then sends
+the bytes to its peer, which writes them the same way. All ranks report success (one
+all-gather of a flag) and only then delete their older files, so a crash during a save
+leaves every rank's previous checkpoint.
+
+Load (collective): each rank lists the files it can see; from the gathered lists every rank
+computes the same choice, the newest iteration newer than the persistent checkpoint of
+which every rank's state is held somewhere in this run's layout. A rank whose own file is
+gone (its node was lost) receives the copy from the rank that holds it. Every file's sha256
+is checked; anything missing or damaged means: resume from the persistent checkpoint, with
+one line saying why.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from gigatron.training.checkpoint.folders import atomic_write_text
+from gigatron.training.checkpoint.integrity import job_gather, raise_if_any_failed
+from gigatron.training.checkpoint.torch_dist.save_load import all_objects
+
+KINDS = ("local", "in_memory")
+_NAME = re.compile(r"rank_(\d+)_iter_(\d+)\.pt$")
+
+
+def job_folder(base: str, kind: str, root: str) -> str:
+    """The folder of one job's (named by its --save / --load folder) rank copies."""
+    tag = hashlib.sha1(os.path.abspath(root).encode()).hexdigest()[:12]
+    return os.path.join(base, f"gigatron-{kind}-{tag}")
+
+
+def copy_path(job: str, holder: int, owner: int, iteration: int) -> str:
+    """Where rank `holder` keeps rank `owner`'s state of `iteration`."""
+    return os.path.join(job, f"held_by_{holder:05d}", f"rank_{owner:05d}_iter_{iteration:07d}.pt")
+
+
+def _sidecar(path: str) -> str:
+    return path[:-len(".pt")] + ".json"
+
+
+def peer_ranks(hosts: List[str]) -> List[int]:
+    """Each rank's peer, which keeps a copy of its state: the rank of the same local index on
+    the next node (cyclically), so that losing one node loses no state; on one node, the
+    next rank. `hosts`: every rank's host name, in rank order."""
+    nodes: Dict[str, List[int]] = {}
+    for rank, host in enumerate(hosts):
+        nodes.setdefault(host, []).append(rank)
+    order = list(nodes.values())
+    if len(order) == 1:
+        return [(rank + 1) % len(hosts) for rank in range(len(hosts))]
+    peers = [0] * len(hosts)
+    for i, ranks in enumerate(order):
+        following = order[(i + 1) % len(order)]
+        for j, rank in enumerate(ranks):
+            peers[rank] = following[j % len(following)]
+    return peers
+
+
+def _write(path: str, data: memoryview, meta: Dict[str, Any]) -> None:
+    """Write `data` and its sidecar so that the file counts only once complete."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = f"{path}.part"
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    atomic_write_text(_sidecar(path), json.dumps(
+        {**meta, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
+    os.replace(part, path)
+
+
+def remove_copies(job: str, holder: int, keep: Optional[int] = None,
+                  older_than: Optional[int] = None) -> None:
+    """Delete rank `holder`'s files but those of iteration `keep` (or those of iterations
+    below `older_than`); an emptied folder goes too."""
+    held = os.path.dirname(copy_path(job, holder, 0, 0))
+    for name in sorted(os.listdir(held)) if os.path.isdir(held) else []:
+        match = _NAME.match(name.replace(".part", "").replace(".json", ".pt"))
+        if match is None:
+            continue
+        iteration = int(match.group(2))
+        if (keep is not None and iteration != keep) or \
+                (older_than is not None and iteration < older_than) or name.endswith(".part"):
+            try:
+                os.remove(os.path.join(held, name))
+            except FileNotFoundError:
+                pass
+    for folder in (held, job):
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (or gone)
+            pass
+
+
+class RankCopies:
+    """Saves one kind of rank copies (its gloo group and peers are made at the first save)."""
+
+    def __init__(self, kind: str, timeout_minutes: float) -> None:
+        self.kind, self.timeout = kind, timedelta(minutes=timeout_minutes)
+        self._group: Any = None
+        self._peers: Optional[List[int]] = None
+
+    def _peer_setup(self, world: int) -> Tuple[Any, List[int]]:
+        """Collective at the first in_memory save: the peers (from every rank's host name)
+        and a gloo group for the copies (host bytes, whatever backend trains)."""
+        if self._peers is None:
+            self._peers = peer_ranks(all_objects(socket.gethostname(), None))
+            if world > 1:
+                self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        return self._group, self._peers
+
+    def save(self, job: str, state: Dict[str, Any], meta: Dict[str, Any], rank: int,
+             world: int, device: torch.device) -> str:
+        """Collective: keep this rank's `state` of iteration meta["iteration"] (and, for
+        in_memory, its peer's copy); a failure on any rank raises on every rank and leaves
+        the previous checkpoint."""
+        iteration = int(meta["iteration"])
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getbuffer()
+        failure: Optional[BaseException] = None
+        path = copy_path(job, rank, rank, iteration)
+        try:
+            _write(path, data, {**meta, "owner": rank})
+        except OSError as err:
+            failure = err
+        if self.kind == "in_memory" and world > 1:
+            group, peers = self._peer_setup(world)
+            for owner, received in _send_to_peer(data, peers, rank, group).items():
+                try:
+                    _write(copy_path(job, rank, owner, iteration), received,
+                           {**meta, "owner": owner})
+                except OSError as err:
+                    failure = failure or err
+        if failure is not None:
+            failure = ValueError(f"could not keep the {self.kind} non-persistent checkpoint of "
+                                 f"iteration {iteration} in {job}: {failure}")
+        raise_if_any_failed(job_gather(device), failure, lambda ranks: (
+            f"ranks {', '.join(map(str, ranks))} could not keep their {self.kind} "
+            f"non-persistent checkpoint of iteration {iteration} (their error lines say why): "
+            f"this rank stops too"))
+        remove_copies(job, rank, keep=iteration)
+        return job
+
+
+def _send_to_peer(data: memoryview, peers: List[int], rank: int, group: Any
+                  ) -> Dict[int, memoryview]:
+    """Send `data` to this rank's peer; returns the bytes of each rank whose peer this is."""
+    sources = [q for q, p in enumerate(peers) if p == rank and q != rank]
+    sizes = {q: torch.zeros(1, dtype=torch.int64) for q in sources}
+    _wait([dist.isend(torch.tensor([len(data)]), peers[rank], group)] +
+          [dist.irecv(t, q, group) for q, t in sizes.items()])
+    received = {q: torch.empty(int(t.item()), dtype=torch.uint8) for q, t in sizes.items()}
+    _wait([dist.isend(torch.frombuffer(data, dtype=torch.uint8), peers[rank], group)] +
+          [dist.irecv(t, q, group) for q, t in received.items()])
+    return {q: memoryview(t.numpy()) for q, t in received.items()}
+
+
+def _wait(works: List[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One kept file as a rank sees it (gathered at load)."""
+
+    owner: int
+    iteration: int
+    path: str
+    meta: Dict[str, Any]
+
+
+def inventory(job: str) -> List[Copy]:
+    """Every complete file under `job` that this rank can read."""
+    found = []
+    for held in sorted(os.listdir(job)) if os.path.isdir(job) else []:
+        folder = os.path.join(job, held)
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            match = _NAME.match(name)
+            if match is None:
+                continue
+            path = os.path.join(folder, name)
+            try:
+                with open(_sidecar(path), encoding="utf-8") as f:
+                    meta = json.load(f)
+            except (OSError, ValueError):
+                continue
+            found.append(Copy(int(match.group(1)), int(match.group(2)), path, meta))
+    return found
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a load reads: for each rank (owner), the rank that can read its file, and it."""
+
+    iteration: int
+    readers: Dict[int, Tuple[int, Copy]]
+
+
+def _sizes(layout: Dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items())
+
+
+def choose(seen: List[List[Copy]], world: int, layout: Dict[str, Any], newer_than: int,
+           kind: str) -> Tuple[Optional[Plan], Optional[str]]:
+    """The newest iteration above `newer_than` of which every rank's state is readable by
+    some rank (its own file first) in `layout`; else None and the line saying why (None:
+    there is nothing newer). `seen[r]`: the files rank r can read. Pure: every rank computes
+    the same answer from the same lists."""
+    newer = sorted({c.iteration for copies in seen for c in copies if c.iteration > newer_than},
+                   reverse=True)
+    if not newer:
+        return None, None
+    head = f"the {kind} non-persistent checkpoint of iteration {newer[0]}"
+    saved = next(c.meta.get("layout") for copies in seen for c in copies
+                 if c.iteration == newer[0])
+    if saved != layout:
+        return None, (f"{head} was saved with {_sizes(saved or {})} but this run has "
+                      f"{_sizes(layout)}: it loads only into the layout that saved it; "
+                      f"resuming from the persistent checkpoint instead")
+    lost: List[int] = []
+    for iteration in newer:
+        readers: Dict[int, Tuple[int, Copy]] = {}
+        for rank, copies in enumerate(seen):
+            for c in copies:
+                if c.iteration == iteration and c.meta.get("layout") == layout and \
+                        (c.owner not in readers or rank == c.owner):
+                    readers[c.owner] = (rank, c)
+        if set(readers) >= set(range(world)):
+            return Plan(iteration, readers), None
+        if iteration == newer[0]:
+            lost = sorted(set(range(world)) - set(readers))
+    return None, (f"{head} is incomplete: no copy of the state of rank"
+                  f"{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} is left; "
+                  f"resuming from the persistent checkpoint instead")
+
+
+def load(job: str, kind: str, rank: int, world: int, layout: Dict[str, Any], newer_than: int,
+         timeout_minutes: float) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """Collective: this rank's state of the newest usable iteration above `newer_than`
+    (None: resume from the persistent checkpoint) and a line saying why not, if any."""
+    plan, note = choose(all_objects(inventory(job), None), world, layout, newer_than, kind)
+    if plan is None:
+        return None, note
+    data, failure = _fetch(plan, rank, timedelta(minutes=timeout_minutes))
+    reader, copy = plan.readers[rank]
+    if failure is None and hashlib.sha256(data).hexdigest() != copy.meta.get("sha256"):
+        failure = f"{copy.path} (read by rank {reader}) does not match its recorded sha256"
+    failures = [f for f in all_objects(failure, None) if f is not None]
+    if failures:
+        return None, (f"the {kind} non-persistent checkpoint of iteration {plan.iteration} "
+                      f"cannot be used: {failures[0]}; resuming from the persistent "
+                      f"checkpoint instead")
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    state.update({"_folder": f"{job} ({kind} non-persistent)", "_format": "torch",
+                  "_zero_stage": layout.get("zero_stage")})
+    return state, None
+
+
+def _fetch(plan: Plan, rank: int, timeout: timedelta) -> Tuple[memoryview, Optional[str]]:
+    """Collective: this rank's file, read here or received from the rank that can read it."""
+    moves = [(owner, reader, c) for owner, (reader, c) in sorted(plan.readers.items())
+             if reader != owner]
+    group = dist.new_group(backend="gloo", timeout=timeout) if moves else None
+    reader, copy = plan.readers[rank]
+    own, failure = _read(copy) if reader == rank else (None, None)
+    works, sent = [], []
+    for owner, holder, c in moves:
+        if holder == rank:
+            payload, _ = _read(c)  # a failed read sends zeros: the owner's checksum fails
+            sent.append(payload)
+            works.append(dist.isend(torch.frombuffer(payload, dtype=torch.uint8), owner, group))
+        if owner == rank:
+            own = bytearray(int(c.meta["bytes"]))
+            works.append(dist.irecv(torch.frombuffer(own, dtype=torch.uint8), holder, group))
+    _wait(works)
+    assert own is not None  # the plan names a reader for every rank
+    return memoryview(own), failure
+
+
+def _read(copy: Copy) -> Tuple[bytearray, Optional[str]]:
+    """The file's bytes (zeros of the recorded size and the reason when it cannot be read)."""
+    try:
+        with open(copy.path, "rb") as f:
+            return bytearray(f.read()), None
+    except OSError as err:
+        return bytearray(int(copy.meta["bytes"])), f"{copy.path} cannot be read ({err})"
