@@ -5,7 +5,8 @@ ZeRO paper (Rajbhandari et al. 2020), per rank, for Ψ parameters and dp degree 
   stage 2: P·Ψ + (G + K)·Ψ/N_d  stage 3: (P + G + K)·Ψ/N_d
 with P, G the bytes per parameter and gradient element and K the bytes of master weights plus
 optimizer state (the paper's mixed-precision Adam: P = G = 2, K = 4 + 8 = 12).
-Here gradients are stored in fp32 (G = 4) so that bf16/fp16 training accumulates in fp32.
+Here gradients are stored in the dtype they are reduced in (ZeroConfig.grad_reduce_dtype: G = 4
+for fp32, as Megatron under --bf16 or --accumulate-allreduce-grads-in-fp32; 2 for fp16/bf16).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Memory of one rank of each pipeline stage: model state exactly, activations by formula.
 
-Model state (parameters, fp32 gradients, fp32 master weights, optimizer moments) is laid
+Model state (parameters, gradients, fp32 master weights, optimizer moments) is laid
 out as `gigatron.parallel.zero` lays it out: the same flat groups, the same buckets padded
 to a multiple of the data-parallel size (`plan_buckets`), the same master-aliasing rule, so
 the bytes equal what `measure_memory` reports after a step (tests/test_plan_memory.py).
@@ -134,7 +134,7 @@ def model_state_bytes(chunks: List[List[ParamSpec]], zero: "ZeroConfig", dp: int
                                                                   for s in group])
             full, shard = group_sizes(buckets)
             params += (shard if stage == 3 else full) * width
-            grads += (full if stage <= 1 else shard) * 4
+            grads += (full if stage <= 1 else shard) * zero.reduce_dtype.itemsize
             aliases = width == 4 and not offload_to_host and \
                 (stage in (0, 3) or len(buckets) == 1)
             master += 0 if aliases else shard * 4
