@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # torch is imported lazily at run time
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT_MINUTES = 10.0
+RESTART_COUNT_ENV = "GIGATRON_RESTART_COUNT"  # set by `gigatron launch --max_restarts`
 
 
 @dataclass(frozen=True)
@@ -137,14 +138,43 @@ def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     if not dist.is_initialized():
-        init_method = "env://" if launch.launcher == "torchrun" else \
-            f"tcp://{launch.master_addr}:{launch.master_port}"
+        timeout = timedelta(minutes=timeout_minutes)
+        store = attempt_store(launch, os.environ if env is None else env, timeout)
+        meet: Dict[str, Any] = {"store": store} if store is not None else {
+            "init_method": "env://" if launch.launcher == "torchrun" else
+            f"tcp://{launch.master_addr}:{launch.master_port}"}
         # Binding the device makes NCCL build every communicator eagerly (subgroups by
         # ncclCommSplit, inside new_group, with all members present). Lazily, a group's first
         # batched isend/irecv must involve all its ranks (torch leaves it undefined
         # otherwise), and a pipeline batch pairs two stages only.
         bind: Dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
-        dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
-                                world_size=launch.world_size,
-                                timeout=timedelta(minutes=timeout_minutes), **bind)
+        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout, **meet, **bind)
     return launch, device
+
+
+def restart_count(env: Optional[Mapping[str, str]] = None) -> int:
+    """How many times this job was restarted before this attempt (0: the first run): torch's
+    elastic agent's TORCHELASTIC_RESTART_COUNT plus `gigatron launch`'s own restarts."""
+    env = os.environ if env is None else env
+    return sum(int(env.get(name) or 0) for name in ("TORCHELASTIC_RESTART_COUNT",
+                                                   RESTART_COUNT_ENV))
+
+
+def attempt_store(launch: LaunchEnv, env: Mapping[str, str], timeout: timedelta
+                  ) -> Optional["torch.distributed.Store"]:
+    """The store this attempt's process groups meet in: None (torch's env:// or tcp://
+    rendezvous) unless torchrun's agent hosts it, which keeps it across `--max-restarts`.
+
+    The agent's store still holds the previous attempt's addresses (gloo: each rank's
+    listening port; NCCL: the unique id) under the same keys, so a restarted rank could read
+    a dead peer's entry before the new one is written ("Gloo connectFullMesh failed ...
+    Connection refused"); a prefix per attempt keeps every attempt's keys apart.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    client = dist.TCPStore(launch.master_addr, launch.master_port, is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"gigatron/attempt_{restart_count(env)}/", client)
