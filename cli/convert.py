@@ -1,4 +1,4 @@
-"""Convert models into and out of gigatron checkpoints (Hugging Face, Megatron-LM)."""
+"""Convert models into and out of gigatron checkpoints (Hugging Face, Megatron-LM, DeepSpeed)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,10 @@ DIRECTIONS = {
     "gigatron-to-hf": "a gigatron checkpoint (any tp/pp/dp) -> a Hugging Face folder",
     "megatron-to-gigatron": "a Megatron-LM torch checkpoint (mp_rank_XX[_YYY], any tp/pp) -> "
                             "a gigatron checkpoint",
+    "deepspeed-to-gigatron": "a DeepSpeed checkpoint (save_checkpoint's folder, ZeRO 0-3, any "
+                             "dp) of Megatron-DeepSpeed's pretrain_gpt.py -> a gigatron "
+                             "checkpoint; of any model with --to safetensors -> "
+                             "SAVE/model.safetensors (DeepSpeed's zero_to_fp32)",
 }
 
 
@@ -44,9 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"gigatron-to-hf: {what} (Megatron's flag), in place of the "
                                  f"one the checkpoint's flags name (default: theirs)")
     parser.add_argument("--vocab-size", type=int, default=None,
-                        help="megatron-to-gigatron: the tokenizer's vocabulary size, to drop "
+                        help="megatron-/deepspeed-to-gigatron: the tokenizer's vocabulary "
+                             "size, to drop "
                              "Megatron's padding rows beyond it (not given: the saved "
                              "--vocab-size, else every padded row is kept as a token)")
+    parser.add_argument("--to", choices=("gigatron", "safetensors"), default="gigatron",
+                        help="deepspeed-to-gigatron: a gigatron checkpoint of the GPT, or the "
+                             "module's consolidated fp32 weights as safetensors")
+    parser.add_argument("--tag", default=None,
+                        help="deepspeed-to-gigatron: the checkpoint tag (default: the one "
+                             "--load's `latest` file names)")
     return parser
 
 
@@ -61,8 +72,17 @@ def _run(args: argparse.Namespace) -> str:
         hf, tokenizer_line = convert.gigatron_to_hf(
             args.load, args.save, "" if args.family == "auto" else args.family, tokenizer)
         return f"wrote {args.save}: {hf['architectures'][0]}; {tokenizer_line}"
+    if args.direction == "deepspeed-to-gigatron" and args.to == "safetensors":
+        from gigatron.training.checkpoint.deepspeed import convert as deepspeed
+
+        return f"wrote {deepspeed.deepspeed_to_safetensors(args.load, args.save, args.tag)}"
     if args.direction == "hf-to-gigatron":
         config = convert.hf_to_gigatron(args.load, args.save)
+    elif args.direction == "deepspeed-to-gigatron":
+        from gigatron.training.checkpoint.deepspeed import convert as deepspeed
+
+        config = deepspeed.deepspeed_to_gigatron(args.load, args.save, args.vocab_size,
+                                                 args.tag)
     else:
         config = convert.megatron_to_gigatron(args.load, args.save, args.vocab_size)
     flags = convert.model_flags(config)

@@ -37,6 +37,7 @@ CHUNKS = 2  # micro-batches per step over all ranks: accumulation 2 on one rank,
 CASES = {"z0": (0, "fp32"), "z1": (1, "fp32"), "z2": (2, "fp32"), "z3": (3, "fp32"),
          "z0-bf16": (0, "bf16"), "z1-bf16": (1, "bf16"), "z3-bf16": (3, "bf16")}
 UNIVERSAL_CASE = "z2"
+UNIVERSAL_TAG = f"global_step{SAVE_AT}_universal"
 
 
 def config(stage: int, precision: str, world: int) -> Dict[str, Any]:
@@ -100,19 +101,82 @@ def run_deepspeed(out_dir: str, rank: int, world: int) -> Dict[str, Any]:
         after = train(engine, SAVE_AT, CONTINUE, rank, world, dtype)
         results[case] = {"before": before, "losses": after}
         engine.destroy()
+    if world == 2:
+        save_megatron_deepspeed_gpt(deepspeed.initialize, os.path.join(out_dir, "megatron"))
     if rank == 0:
         write_universal(os.path.join(out_dir, f"ds{world}", UNIVERSAL_CASE))
     dist.barrier()
     return results
 
 
+MEGATRON_ARGS = dict(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=16,
+                     max_position_embeddings=16, padded_vocab_size=64, vocab_size=60,
+                     make_vocab_size_divisible_by=8, normalization="layernorm",
+                     layernorm_epsilon=1e-5, add_bias_linear=True, bias_gelu_fusion=True,
+                     ffn_hidden_size=32, kv_channels=4, hidden_dropout=0.0,
+                     attention_dropout=0.0, position_embedding_type="learned_absolute")
+MEGATRON_LAYER = {"input_layernorm.weight": (8,), "input_layernorm.bias": (8,),
+                  "self_attention.query_key_value.weight": (24, 8),
+                  "self_attention.query_key_value.bias": (24,),
+                  "self_attention.dense.weight": (8, 8), "self_attention.dense.bias": (8,),
+                  "post_attention_layernorm.weight": (8,), "post_attention_layernorm.bias": (8,),
+                  "mlp.dense_h_to_4h.weight": (32, 8), "mlp.dense_h_to_4h.bias": (32,),
+                  "mlp.dense_4h_to_h.weight": (8, 32), "mlp.dense_4h_to_h.bias": (8,)}
+
+
+def megatron_deepspeed_shapes() -> Dict[str, Tuple[int, ...]]:
+    """Megatron-DeepSpeed's GPTModel parameter names (megatron/model/language_model.py,
+    transformer.py) for MEGATRON_ARGS."""
+    shapes = {"language_model.embedding.word_embeddings.weight": (64, 8),
+              "language_model.embedding.position_embeddings.weight": (16, 8)}
+    for layer in range(2):
+        shapes.update({f"language_model.encoder.layers.{layer}.{k}": v
+                       for k, v in MEGATRON_LAYER.items()})
+    shapes.update({"language_model.encoder.final_layernorm.weight": (8,),
+                   "language_model.encoder.final_layernorm.bias": (8,)})
+    return shapes
+
+
+class NamedLikeMegatronDeepSpeed(torch.nn.Module):
+    """Parameters named and shaped as Megatron-DeepSpeed's GPT's (its forward is only a
+    differentiable function of them): what `gigatron convert deepspeed-to-gigatron` reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, shape in megatron_deepspeed_shapes().items():
+            owner: torch.nn.Module = self
+            for part in name.split(".")[:-1]:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(name.split(".")[-1],
+                                     torch.nn.Parameter(torch.randn(*shape) * 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(((p - x.mean()) ** 2).mean() for p in self.parameters())
+
+
+def save_megatron_deepspeed_gpt(initialize: Any, folder: str) -> None:
+    """One ZeRO 2 step of the Megatron-DeepSpeed-named model, saved with its Megatron args."""
+    torch.manual_seed(5)
+    model = NamedLikeMegatronDeepSpeed()
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+           "zero_optimization": {"stage": 2}}
+    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine.backward(engine(torch.ones(2)))
+    engine.step()
+    engine.save_checkpoint(folder, client_state={"args": argparse.Namespace(**MEGATRON_ARGS),
+                                                 "iteration": 1})
+    engine.destroy()
+
+
 def write_universal(folder: str) -> None:
     """DeepSpeed's own converter, as `python -m deepspeed.checkpoint.ds_to_universal` runs it."""
     from deepspeed.checkpoint import ds_to_universal
 
-    tag = open(os.path.join(folder, "latest")).read().strip()
-    argv = ["--input_folder", os.path.join(folder, tag), "--output_folder",
-            os.path.join(folder, tag + "_universal"), "--num_extract_workers", "1",
+    argv = ["--input_folder", os.path.join(folder, f"global_step{SAVE_AT}"), "--output_folder",
+            os.path.join(folder, UNIVERSAL_TAG), "--num_extract_workers", "1",
             "--num_merge_workers", "1", "--inject_missing_state"]
     saved, sys.argv = sys.argv, ["ds_to_universal"] + argv
     try:
@@ -122,22 +186,39 @@ def write_universal(folder: str) -> None:
 
 
 def run_gigatron(out_dir: str, rank: int, world: int, sources: List[int]) -> Dict[str, Any]:
+    """Every case from every source world size; for z1 from one rank, also without the
+    optimizer states and not loaded at all (what the test's tolerance must tell apart)."""
     import gigatron
 
     results = {}
     for source in sources:
         for case, (stage, precision) in CASES.items():
-            dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-            folder = os.path.join(out_dir, f"ds{source}", case)
-            tags = [None] + (["global_step3_universal"] if case == UNIVERSAL_CASE else [])
+            tags = [None] + ([UNIVERSAL_TAG] if case == UNIVERSAL_CASE else [])
             for tag in tags:
-                engine = build(gigatron.initialize, stage, precision, world)
-                path, client = engine.load_checkpoint(folder, tag=tag)
-                assert path is not None and client.get("case") == case, (path, client)
-                assert engine.global_steps == SAVE_AT, engine.global_steps
                 name = f"{case}@{source}" + ("-universal" if tag else "")
-                results[name] = {"losses": train(engine, SAVE_AT, CONTINUE, rank, world, dtype)}
+                results[name] = continue_from(gigatron.initialize, out_dir, case, source, world,
+                                              rank, tag=tag)
+    folder_case, source = "z1", sources[0]
+    results["z1-no-optimizer"] = continue_from(gigatron.initialize, out_dir, folder_case,
+                                               source, world, rank, load_optimizer=False)
+    results["z1-not-loaded"] = continue_from(gigatron.initialize, out_dir, folder_case, source,
+                                             world, rank, load=False)
     return results
+
+
+def continue_from(initialize: Any, out_dir: str, case: str, source: int, world: int,
+                  rank: int, tag: Any = None, load_optimizer: bool = True, load: bool = True
+                  ) -> Dict[str, Any]:
+    """Load DeepSpeed's checkpoint of `case` saved on `source` ranks; train CONTINUE steps."""
+    stage, precision = CASES[case]
+    engine = build(initialize, stage, precision, world)
+    if load:
+        path, client = engine.load_checkpoint(os.path.join(out_dir, f"ds{source}", case),
+                                              tag=tag, load_optimizer_states=load_optimizer)
+        assert path is not None and client.get("case") == case, (path, client)
+        assert client.get("samples_seen") == 24 and engine.global_steps == SAVE_AT
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return {"losses": train(engine, SAVE_AT, CONTINUE, rank, world, dtype)}
 
 
 def main() -> None:
@@ -162,7 +243,8 @@ def main() -> None:
                                [int(s) for s in args.sources.split(",")])
     write_results(os.path.join(args.out_dir, f"{args.framework}{world}.rank{rank}.json"),
                   results)
-    leave_process_group()
+    if dist.is_initialized():  # gigatron runs a world of one without a process group
+        leave_process_group()
     exit_before_interpreter_finalization()
 
 

@@ -115,10 +115,14 @@ def read(folder: str, with_optimizer: bool = True) -> DeepSpeedCheckpoint:
 
 
 def _model_states(folder: str) -> Dict[str, Any]:
+    """Rank 0's model states file (unpickled leniently: a Megatron-DeepSpeed run's args may
+    name Megatron classes that are not installed here)."""
+    from gigatron.models.megatron.files import load_rank_file
+
     for name in MODEL_STATES:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
-            return dict(torch.load(path, map_location="cpu", weights_only=False))
+            return dict(load_rank_file(path))
     raise ValueError(f"{folder} is not a DeepSpeed checkpoint tag: it holds none of "
                      f"{', '.join(MODEL_STATES)}; give the folder save_checkpoint wrote to "
                      f"and the tag")

@@ -52,11 +52,15 @@ def optimizer_files(folder: str) -> List[str]:
         if match:
             found[int(match.group(1))] = path
     ranks = sorted(found)
-    if ranks != list(range(len(ranks))):
-        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+    _check_ranks(folder, ranks, max(ranks, default=-1) + 1)
+    return [found[r] for r in ranks]
+
+
+def _check_ranks(folder: str, ranks: List[int], world: int) -> None:
+    missing = sorted(set(range(world)) - set(ranks))
+    if missing:
         raise ValueError(f"{folder} lacks the ZeRO optimizer files of dp ranks {missing}: the "
                          f"save did not finish on every rank; load an earlier tag")
-    return [found[r] for r in ranks]
 
 
 def merge_zero(folder: str, param_shapes: Shapes, with_states: bool) -> MergedZero:
@@ -65,6 +69,9 @@ def merge_zero(folder: str, param_shapes: Shapes, with_states: bool) -> MergedZe
     shards = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
               for f in files]
     stage = int(shards[0].get("zero_stage", 1))  # the bf16 optimizer (ZeRO 1) names none
+    count = shards[0].get("partition_count", len(files))  # ZeRO 1/2: one per group
+    _check_ranks(folder, list(range(len(files))),
+                 max(count) if isinstance(count, (list, tuple)) else int(count))
     if stage == 3:
         flats = [shard["fp32_flat_groups"] for shard in shards]
         base = [shard["optimizer_state_dict"] for shard in shards]
