@@ -9,8 +9,8 @@ DIRECTIONS = {
     "hf-to-gigatron": "a Hugging Face folder (config.json + safetensors) -> a gigatron "
                       "checkpoint",
     "gigatron-to-hf": "a gigatron checkpoint (any tp/pp/dp) -> a Hugging Face folder",
-    "megatron-to-gigatron": "a Megatron-LM torch checkpoint (mp_rank_XX[_YYY], any tp/pp) -> "
-                            "a gigatron checkpoint",
+    "megatron-to-gigatron": "a Megatron-LM checkpoint (torch_dist, or the legacy torch "
+                            "format; any tp/pp) -> a gigatron checkpoint",
     "deepspeed-to-gigatron": "a DeepSpeed checkpoint (save_checkpoint's folder, ZeRO 0-3, any "
                              "dp) of Megatron-DeepSpeed's pretrain_gpt.py -> a gigatron "
                              "checkpoint; of any model with --to safetensors -> "
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tag", default=None,
                         help="deepspeed-to-gigatron: the checkpoint tag (default: the one "
                              "--load's `latest` file names)")
+    parser.add_argument("--no-load-optim", action="store_true",
+                        help="megatron-to-gigatron: leave a torch_dist checkpoint's optimizer "
+                             "state out (Megatron's flag); the legacy torch format is always "
+                             "converted without it")
     return parser
 
 
@@ -84,7 +88,8 @@ def _run(args: argparse.Namespace) -> str:
         config = deepspeed.deepspeed_to_gigatron(args.load, args.save, args.vocab_size,
                                                  args.tag)
     else:
-        config = convert.megatron_to_gigatron(args.load, args.save, args.vocab_size)
+        config = convert.megatron_to_gigatron(args.load, args.save, args.vocab_size,
+                                              not args.no_load_optim)
     flags = convert.model_flags(config)
     line = (f"wrote {args.save}: {config.num_layers} layers, hidden {config.hidden_size}, "
             f"vocab {config.vocab_size}\nmodel flags for pretrain_gpt.py --load "

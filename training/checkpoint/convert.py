@@ -1,5 +1,5 @@
 """Converters into and out of gigatron checkpoints: Hugging Face folders both ways, Megatron-LM
-torch checkpoints in.
+checkpoints (torch and torch_dist) in.
 
 A converted model is written as a gigatron checkpoint through
 `dist_checkpoint.save_global_model` (layout-free: `pretrain_gpt.py --load` with any tp / pp /
@@ -26,7 +26,7 @@ from gigatron.models.hf_common import ConversionError, StateDict, pad_vocab, req
 CONVERTED_ITERATION = 0  # a converted model starts training at iteration 0 (Megatron's release)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # fields that change what the model computes (the rest: memory, speed, initialisation)
-_VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 SPECIAL_IDS_KEY = "special_token_ids"  # metadata: a converted model's bos/eos/pad ids
 _RUNTIME_ONLY = ("attention_backend", "sequence_parallel", "recompute_granularity",
                  "recompute_method", "recompute_num_layers", "apply_scaled_init")
@@ -169,7 +169,7 @@ def save_model(root: str, config: TransformerConfig, state: StateDict, source: s
     metadata = {"flags": parse_model_flags(argv), "model_flags": argv,
                 "model_config": config_to_json(config), "converted_from": source,
                 SPECIAL_IDS_KEY: special_ids or {}}
-    tensors = {k: (v[:config.vocab_size] if k in _VOCAB_NAMES else v).detach().contiguous()
+    tensors = {k: (v[:config.vocab_size] if k in VOCAB_NAMES else v).detach().contiguous()
                for k, v in state.items()}
     return save_global_model(tensors, root, CONVERTED_ITERATION, metadata)
 
@@ -203,7 +203,7 @@ def _load_with_metadata(root: str) -> Tuple[TransformerConfig, StateDict, Dict[s
 
 def _padded(config: TransformerConfig, state: StateDict) -> Tuple[TransformerConfig, StateDict]:
     """The single-device GPTModel's vocabulary rows (zeros after the real ones)."""
-    return config, {k: pad_vocab(v, config) if k in _VOCAB_NAMES else v
+    return config, {k: pad_vocab(v, config) if k in VOCAB_NAMES else v
                     for k, v in state.items()}
 
 
@@ -260,9 +260,19 @@ def export_tokenizer(metadata: Dict[str, Any], given: Dict[str, Any], out_dir: s
                  f"{ids['bos_token_id']}, eos {ids['eos_token_id']}")
 
 
-def megatron_to_gigatron(load: str, save: str, vocab_size: Optional[int] = None
-                         ) -> TransformerConfig:
-    """Convert a Megatron-LM torch checkpoint (any tp / pp) into a gigatron checkpoint."""
+def megatron_to_gigatron(load: str, save: str, vocab_size: Optional[int] = None,
+                         with_optimizer: bool = True) -> TransformerConfig:
+    """Convert a Megatron-LM checkpoint into a gigatron checkpoint, whichever format Megatron
+    wrote: torch_dist (any tp / pp; with its optimizer state unless `with_optimizer` is
+    False: training/checkpoint/from_megatron.py) or the legacy torch format (weights)."""
+    from gigatron.models.megatron.torch_dist import find_torch_dist, read_torch_dist
+
+    if find_torch_dist(load) is not None:
+        from gigatron.training.checkpoint.from_megatron import save_converted
+
+        checkpoint = read_torch_dist(load, vocab_size, with_optimizer)
+        save_converted(checkpoint, save, f"megatron:{load}")
+        return checkpoint.config
     from gigatron.models.megatron.legacy import read_megatron
 
     config, state = read_megatron(load, vocab_size)

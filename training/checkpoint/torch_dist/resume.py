@@ -50,6 +50,9 @@ def load_weights(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.nn.
                 f"{saved_layout} from checkpoint): RNG state will be ignored")
     elif rng_key in entries:
         state[rng_key] = None
+    elif meta.get("converted_from"):  # Megatron's RNG streams are not gigatron's
+        note = (f"{folder} was converted from {meta['converted_from']} and holds no RNG "
+                f"state: the run seeds its generators from --seed")
     with torch.no_grad():
         save_load.read(folder, state)
     shard = dict(state[dist_state.COMMON] or {})
