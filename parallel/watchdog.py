@@ -12,9 +12,16 @@ Each rank watches one peer (the next rank, so the job reads N keys per interval,
 A peer whose beats have not moved for `timeout` seconds is hung: the watcher posts a verdict
 naming it (and SIGKILLs it when it runs on the same host: a stopped process ignores the
 launcher's SIGTERM), and every rank's thread, reading the verdict, ends its process non-zero
-(only the watcher prints the verdict), so the launcher ends the job. Ages are measured on the watcher's own monotonic clock, so
-clock skew between hosts does not matter. A rank that finishes (or fails with an error of
+(only the watcher prints the verdict), so the launcher ends the job. Ages are measured on
+the watcher's own monotonic clock, so clock skew between hosts does not matter. A rank that finishes (or fails with an error of
 its own) says so in its last beat and is never called hung.
+
+A rank whose data loader has not delivered a batch for `timeout` seconds is named by its own
+watchdog thread (its process still runs, only its worker processes, or its own read with
+--num-workers 0, do not answer): the iterator marks the wait in `activity` with the workers'
+pids, the verdict names them and their state, and the rank SIGKILLs them (its children: a
+stopped one would outlive the job). Its peers, blocked in a collective that waits for it,
+would otherwise time out at the same moment and blame whichever peer noticed first.
 """
 from __future__ import annotations
 
@@ -27,9 +34,9 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from gigatron.parallel.activity import activity
+from gigatron.parallel.activity import WAITING_FOR_DATA, activity
 
 VERDICT = "verdict"
 EXIT_CODE = 3  # distinct from the 1 of an exception and the 2 of a bad flag
@@ -55,6 +62,33 @@ class Hung:
                 f"{self.silent_s:.0f} s (stopped, dead or frozen){doing}. Every rank is ending "
                 f"(noticed by rank {self.noticed_by}{noticer}; --distributed-timeout-minutes "
                 f"sets the wait)")
+
+
+def data_loader_stuck(rank: int, waited_s: float, pids: Sequence[int],
+                      iteration: Optional[int] = None, local: bool = True) -> str:
+    """The verdict on a rank that has waited `waited_s` for a batch from its data loader;
+    the workers' states are read where they run on this host (`local`)."""
+    if pids:
+        states = ", ".join(f"{pid}{process_state(pid) if local else ''}" for pid in pids)
+        cause = f"worker pid{'s' if len(pids) > 1 else ''} {states} not answering"
+    else:
+        cause = ("no worker processes (--num-workers 0), and the training process's own read "
+                 "of the dataset has not returned")
+    at = "" if iteration is None else f" in iteration {iteration}"
+    return (f"rank {rank} waits for its data loader for {waited_s:.0f} s{at}: {cause}. Every "
+            f"rank is ending (--distributed-timeout-minutes sets the wait)")
+
+
+def process_state(pid: int) -> str:
+    """' (stopped)', ' (sleeping)', ... from /proc; '' where it cannot be read."""
+    names = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped",
+             "t": "stopped", "Z": "exited", "X": "exited"}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return f" ({names.get(state, state)})"
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -96,7 +130,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gigatron-watchdog",
                                         daemon=True)
-        self._identity = {"host": socket.gethostname(), "pid": os.getpid()}
+        self._identity: Dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
 
     def start(self) -> "Watchdog":
         self._publish("running")
@@ -133,6 +167,9 @@ class Watchdog:
     def _publish(self, status: str) -> None:
         self._beats += 1
         beat = {"beat": self._beats, "status": status, "doing": activity.describe(),
+                "iteration": activity.iteration, "phase": activity.phase,
+                "phase_s": round(activity.phase_seconds(), 1),
+                "waiting_on": list(activity.waiting_on),
                 **self._identity}
         self.store.set(self._key(str(self.rank)), json.dumps(beat))
 
@@ -140,30 +177,53 @@ class Watchdog:
         """Read the verdict and the watched peer; act on a verdict. Returns it (tests)."""
         verdict = self._get(VERDICT)
         if verdict is None:
-            hung = self._judge_peer()
-            if hung is not None:
-                verdict = json.dumps({"message": hung.message(), "by": self.rank,
-                                      "pid": hung.beat.get("pid"), "host": hung.beat.get("host")})
-                # the first verdict stands: compare_set only writes where none exists
-                verdict = _text(self.store.compare_set(self._key(VERDICT), "", verdict))
+            found = self._judge_own_data_wait() or self._judge_peer()
+            if found is not None:
+                verdict = self._post(found)
         if verdict is None:
             return None
         decided = json.loads(verdict)
         if decided["by"] == self.rank:
             self._kill(decided.get("pid"), decided.get("host"))
+        if decided.get("workers_of") == self.rank:  # a stopped worker would outlive the job
+            for worker in decided["workers"]:
+                _kill_quietly(worker)
         if self.rank == 0:  # without torchrun's agent rank 0 hosts the store: let the others
             time.sleep(2 * self.interval_s)  # read the verdict before it goes
         self.on_verdict(decided["message"], decided["by"] == self.rank)
         return decided["message"]
 
+    def _post(self, verdict: Dict[str, Any]) -> str:
+        """Post `verdict` unless one exists (the first verdict stands); returns the one that
+        stands."""
+        return _text(self.store.compare_set(self._key(VERDICT), "", json.dumps(verdict)))
+
     def _kill(self, pid: Optional[int], host: Optional[str]) -> None:
         if self.kill_hung and pid and host == self._identity["host"]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass  # gone already, or not ours to end
+            _kill_quietly(pid)
 
-    def _judge_peer(self) -> Optional[Hung]:
+    def _judge_own_data_wait(self) -> Optional[Dict[str, Any]]:
+        """This rank's verdict on itself when its data loader kept it waiting too long."""
+        waited = activity.phase_seconds()
+        if activity.phase != WAITING_FOR_DATA or waited < self.timeout_s:
+            return None
+        return self._data_wait_verdict(self.rank, waited, activity.waiting_on,
+                                       activity.iteration, self._identity["host"])
+
+    def _data_wait_verdict(self, rank: int, waited: float, pids: Sequence[int],
+                           iteration: Optional[int], host: Optional[str]) -> Dict[str, Any]:
+        local = host == self._identity["host"]
+        return {"message": data_loader_stuck(rank, waited, pids, iteration, local),
+                "by": self.rank, "workers": list(pids), "workers_of": rank}
+
+    def _judge_peer(self) -> Optional[Dict[str, Any]]:
+        hung = self._hung_peer()
+        if hung is None:
+            return None
+        return {"message": hung.message(), "by": self.rank, "pid": hung.beat.get("pid"),
+                "host": hung.beat.get("host")}
+
+    def _hung_peer(self) -> Optional[Hung]:
         if self.world_size < 2:
             return None
         now = time.monotonic()
@@ -200,12 +260,26 @@ class Watchdog:
                     return "a hung rank was named"
                 time.sleep(self.interval_s)
             after = self._all_beats()
+            if self._name_data_wait(after):
+                return "a rank waiting for its data loader was named"
         except Exception as err:
             return (f"the rendezvous store is unreachable too ({err}): without torchrun's "
                     f"agent rank 0 hosts it, so rank 0 has probably exited")
         for rank in silent_peers(before, after, self.rank):  # stopped ones hold the job up
             self._kill(after[rank].get("pid"), after[rank].get("host"))
         return describe_peers(before, after, self.rank)
+
+    def _name_data_wait(self, beats: Dict[int, Dict[str, Any]]) -> bool:
+        """A peer still waiting for its data loader when this rank's collective timed out is
+        the cause, even if its own verdict has not come yet (a starved thread, a later
+        start): post it on its behalf and act on it."""
+        for rank, beat in sorted(beats.items()):
+            if rank != self.rank and beat.get("status") == "running" and \
+                    beat.get("phase") == WAITING_FOR_DATA:
+                self._post(self._data_wait_verdict(rank, beat["phase_s"], beat["waiting_on"],
+                                                   beat.get("iteration"), beat.get("host")))
+                return self.check() is not None
+        return False
 
     def _all_beats(self) -> Dict[int, Dict[str, Any]]:
         beats = {}
@@ -250,6 +324,13 @@ def describe_peers(before: Dict[int, Dict[str, Any]], after: Dict[int, Dict[str,
             lines.append(f"rank {rank} failed with its own error (see its output)")
     return "; ".join(lines) or ("every peer still beats: a peer's connection failed (see "
                                 "the first error in the job's output)")
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass  # gone already, or not ours to end
 
 
 def _text(value: Any) -> str:

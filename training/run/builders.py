@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 
@@ -55,7 +55,10 @@ def build_process_groups(run: RunConfig, rank: int, timeout: timedelta) -> "Proc
     expert = None
     if run.model.num_moe_experts is not None:
         expert = ExpertTopology(topology, ep=p.ep, etp=p.etp)
-    return ProcessGroups(topology, rank, timeout=timeout, expert=expert)
+    hierarchical = (p.hierarchical_context_parallel_sizes if p.cp_comm_type == "a2a+p2p"
+                    else None)
+    return ProcessGroups(topology, rank, timeout=timeout, expert=expert,
+                         hierarchical_cp=hierarchical)
 
 
 def dispatcher_factory(run: RunConfig, groups: "ProcessGroups") -> Optional[Callable]:
@@ -266,7 +269,7 @@ def _empty_batches() -> Iterator[dict]:
 
 def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
                  cp_rank: int = 0) -> Iterator[dict]:
-    for batch in loader:
+    for batch in waited_for(loader):
         out = {}
         if pipeline.needs_inputs:
             out["input_ids"] = batch["tokens"].to(device)
@@ -275,6 +278,23 @@ def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
             out["labels"] = batch["labels"].to(device)
             out["loss_mask"] = batch["loss_mask"].to(device)
         yield out if cp == 1 else context_parallel_shard(out, cp, cp_rank)
+
+
+def waited_for(loader: Iterable[dict]) -> Iterator[dict]:
+    """The loader's batches, each wait for one marked in `activity` with the pids of the
+    loader's worker processes: the watchdog names a rank whose loader stops delivering."""
+    from gigatron.parallel.activity import WAITING_FOR_DATA, activity
+
+    batches = iter(loader)
+    # torch keeps a multi-process iterator's worker processes in `_workers` (none with
+    # --num-workers 0, where the training process reads the samples itself)
+    pids = [w.pid for w in getattr(batches, "_workers", ())]
+    while True:
+        with activity.waiting(WAITING_FOR_DATA, pids):
+            batch = next(batches, None)
+        if batch is None:
+            return
+        yield batch
 
 
 def context_parallel_shard(batch: Dict[str, torch.Tensor], cp: int,

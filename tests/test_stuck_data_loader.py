@@ -1,0 +1,186 @@
+"""A rank whose data loader stops delivering is named as such, and the job ends.
+
+Issue 30, part 2: SIGSTOP of one rank's data-loader workers used to leave the job running
+until the collectives timed out, and the report blamed a peer ("every peer still beats").
+Now the data iterator marks each wait for a batch in `activity` with the workers' pids, and
+the rank's own watchdog thread, once the wait passes --distributed-timeout-minutes, posts a
+verdict naming the rank, the wait and the workers ("worker pids ... (stopped) not
+answering"); every rank ends on it. With --num-workers 0 there are no workers: the training
+process reads the samples itself, and the verdict says that its own read has not returned.
+"""
+import multiprocessing
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from gigatron.parallel.activity import WAITING_FOR_DATA, Activity, activity
+from gigatron.parallel.watchdog import EXIT_CODE, Watchdog, data_loader_stuck, process_state
+from gigatron.training.run import loop, pretrain  # imported before the ranks fork: once, not 4x
+from gigatron.training.run.builders import waited_for
+from multirank import RankError, run_on_ranks
+from test_watchdog import DictStore
+
+
+def test_the_wait_for_a_batch_is_a_phase_with_its_clock_and_is_undone_after():
+    a = Activity()
+    a.at(4, "train step")
+    with a.waiting(WAITING_FOR_DATA, [11, 12]):
+        assert a.phase == WAITING_FOR_DATA and a.waiting_on == (11, 12)
+        assert a.describe() == "iteration 4, waiting for its data loader for 0 s"
+    assert (a.phase, a.waiting_on) == ("train step", ())
+
+
+def test_the_verdict_names_the_rank_the_wait_and_each_worker_state():
+    text = data_loader_stuck(2, 60.2, [os.getpid(), 2 ** 22 + 1], 7)
+    assert text.startswith(f"rank 2 waits for its data loader for 60 s in iteration 7: worker "
+                           f"pids {os.getpid()} (running), {2 ** 22 + 1} not answering. "), text
+    assert "--num-workers 0" in data_loader_stuck(0, 5, [])
+
+
+class _Blocking:
+    """Two batches, then a read that never returns (a hung filesystem, say)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def __iter__(self):
+        yield {"tokens": 0}
+        yield {"tokens": 1}
+        self.release.wait()
+
+
+def test_a_read_that_never_returns_with_no_workers_is_named_by_the_ranks_own_watchdog():
+    store, verdicts = DictStore(), []
+    dog = Watchdog(store, 1, 2, 0.3, "p/", interval_s=0.02,
+                   on_verdict=lambda message, reporter: verdicts.append((message, reporter)))
+    source = _Blocking()
+    batches = waited_for(source)
+    activity.at(9, "train step")
+    assert next(batches) == {"tokens": 0} and activity.phase == "train step"
+    assert dog.check() is None  # a batch arrived: nothing to say
+    reader = threading.Thread(target=lambda: list(batches), daemon=True)
+    reader.start()
+    try:
+        time.sleep(0.1)
+        assert dog.check() is None  # waiting, but not for longer than the timeout yet
+        time.sleep(0.3)
+        message = dog.check()
+    finally:
+        source.release.set()
+        reader.join(5)
+    assert message is not None and message.startswith(
+        "rank 1 waits for its data loader for 0 s in iteration 9: no worker processes "
+        "(--num-workers 0), and the training process's own read of the dataset has not "
+        "returned"), message
+    assert verdicts == [(message, True)]  # it reports itself
+    assert activity.phase == "train step"
+
+
+def test_a_peer_whose_collective_timed_out_names_the_rank_still_waiting_for_data():
+    """The waiting rank's own verdict may come late (a starved thread): the first peer whose
+    collective timed out posts it from the heartbeat, and only the waiting rank, which owns
+    the workers, ends them."""
+    store, verdicts = DictStore(), []
+    dogs = _watchdogs(store, 3, 60, verdicts)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        while process_state(worker.pid) != " (stopped)":
+            time.sleep(0.01)
+        for d in dogs:
+            d._publish("running")
+        beat = json.loads(store.data["p/2"])
+        beat.update(phase=WAITING_FOR_DATA, phase_s=42.4, waiting_on=[worker.pid], iteration=8)
+        store.set("p/2", json.dumps(beat))
+        assert dogs[0].explain_failure(0.05) == "a rank waiting for its data loader was named"
+        assert worker.poll() is None  # not rank 0's to end
+        dogs[2].check()
+        assert worker.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        worker.kill()
+        worker.wait()
+    message = (f"rank 2 waits for its data loader for 42 s in iteration 8: worker pid "
+               f"{worker.pid} (stopped) not answering. ")
+    assert verdicts[0][:2] == (0, True) and verdicts[0][2].startswith(message), verdicts
+    assert verdicts[1][:2] == (2, False)
+
+
+def _watchdogs(store, n, timeout, verdicts):
+    return [Watchdog(store, r, n, timeout, "p/", interval_s=0.01,
+                     on_verdict=lambda msg, reporter, r=r: verdicts.append((r, reporter, msg)))
+            for r in range(n)]
+
+
+# -- the issue's job: 4 ranks, tp2 pp2, rank 2's workers stopped ---------------------------
+
+TIMEOUT_MINUTES = 0.05  # 3 s: the smallest the test can afford (the flag takes a float)
+FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+         "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --mock-data --vocab-size 128 "
+         "--log-interval 1 --eval-iters 0 --no-progress --make-vocab-size-divisible-by 8 "
+         "--train-iters 1000 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+         f"--num-workers 2 --distributed-timeout-minutes {TIMEOUT_MINUTES}").split()
+
+
+def _train_until_rank_2_workers_stop(rank, world, stalled_file):
+    from gigatron.data import samplers
+
+    # a forked test rank is daemonic, and daemonic processes may not start the loader's
+    # worker processes: this rank is a training process like torchrun's
+    multiprocessing.current_process().daemon = False
+    if rank == 2:
+        collate, made = samplers.collate_samples, [0]
+
+        def stop_on_the_third_batch(samples):
+            made[0] += 1  # counted per worker process (each has its own copy)
+            if torch.utils.data.get_worker_info() is not None and made[0] == 3:
+                with open(f"{stalled_file}.{os.getpid()}", "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)  # as `kill -STOP` of the worker
+            return collate(samples)
+
+        samplers.collate_samples = stop_on_the_third_batch
+    return pretrain.main(FLAGS)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads worker states from /proc")
+def test_stopped_data_loader_workers_of_rank_2_are_named_and_end_the_job(tmp_path, capfd):
+    stalled = tmp_path / "stalled"
+    with pytest.raises(RankError) as err:
+        run_on_ranks(_train_until_rank_2_workers_stop, 4, str(stalled), timeout=90)
+    ended = time.time()
+    report, stderr = str(err.value), capfd.readouterr().err
+    assert f"died with exit code {EXIT_CODE}" in report, report
+    stops = list(tmp_path.glob("stalled.*"))
+    # the worker that owed the next batch stopped; the other one idles (it has made its
+    # batches ahead and waits for the main process to take them)
+    assert len(stops) == 1, (stops, stderr[-3000:])
+    stopped_at, stopped = float(stops[0].read_text()), int(stops[0].name.split(".")[1])
+    timeout_s = 60 * TIMEOUT_MINUTES
+    print(f"job ended {ended - stopped_at:.1f} s after rank 2's worker stopped "
+          f"(timeout {timeout_s:.0f} s)")
+    assert ended - stopped_at < timeout_s + 5, ended - stopped_at
+    line = next((line for line in stderr.splitlines() if "waits for its data loader" in line),
+                stderr[-3000:])
+    # the rank names itself once the wait passes the timeout, or the first peer whose
+    # collective timed out names it from its heartbeat (a fraction of a second older)
+    waited = re.match(r"gigatron: error: rank 2 waits for its data loader for (\d+) s in "
+                      r"iteration \d+: ", line)
+    assert waited is not None and 1 <= int(waited[1]) <= timeout_s + 5, line
+    named = re.search(r"worker pids (\d+) \((\w+)\), (\d+) \((\w+)\) not answering", line)
+    assert named is not None, line
+    states = {int(named[1]): named[2], int(named[3]): named[4]}
+    assert states.pop(stopped) == "stopped" and list(states.values()) != ["stopped"], line
+    pids = [stopped, *states]
+    assert stderr.count("waits for its data loader for") == 1  # one report, not one per rank
+    assert "every peer still beats" not in stderr and "stopped answering" not in stderr
+    for pid in pids:  # rank 2 ended its stopped workers: nothing is left behind
+        assert not os.path.exists(f"/proc/{pid}") or \
+            open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX", pid
