@@ -178,7 +178,7 @@ def _send_to_peer(data: memoryview, peers: List[int], rank: int, group: Any
     received = {q: torch.empty(int(t.item()), dtype=torch.uint8) for q, t in sizes.items()}
     _wait([dist.isend(torch.frombuffer(data, dtype=torch.uint8), peers[rank], group)] +
           [dist.irecv(t, q, group) for q, t in received.items()])
-    return {q: memoryview(t.numpy()) for q, t in received.items()}
+    return {q: t.numpy().data for q, t in received.items()}
 
 
 def _wait(works: List[Any]) -> None:

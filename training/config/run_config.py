@@ -258,6 +258,20 @@ class LoggingConfig:
     timeline: Optional[str] = setting(
         None, "write a Chrome/Perfetto trace of every rank's spans here (docs/TIMELINE.md; "
         "default: $GIGATRON_TIMELINE)", "--timeline", metavar="FILE")
+    log_straggler: bool = setting(
+        False, "each log line also shows the --straggler-minmax-count slowest and fastest "
+        "ranks' working time per step (wall time less p2p and grad-sync waits) and names the "
+        "slowest (one all-gather per log line; training/observe/straggler.py)",
+        "--log-straggler")
+    straggler_minmax_count: int = setting(
+        1, "how many slowest and fastest ranks --log-straggler shows", "--straggler-minmax-count")
+    straggler_ctrlr_port: int = setting(
+        65535, "accepted: no control server is started (Megatron's turns the straggler report "
+        "on and off at run time over this port); --log-straggler reports on every log line",
+        "--straggler-ctrlr-port")
+    disable_straggler_on_startup: bool = setting(
+        False, "start with the --log-straggler report off, as Megatron; without its control "
+        "server (--straggler-ctrlr-port) it then stays off", "--disable-straggler-on-startup")
 
 
 @dataclass

@@ -133,7 +133,7 @@ def check_train(s: "Settings", parallel: ParallelConfig, model: Optional["Transf
     """Loop settings and the pipeline's needs on layers and on each step's micro-batches (one
     count, or each of a batch ramp-up's); the training length is `megatron/schedule.py`'s."""
     p.positive(s, "eval_interval", "log_interval", "exit_interval", "save_interval",
-               "exit_duration_in_mins")
+               "exit_duration_in_mins", "straggler_minmax_count")
     if s.train.eval_iters < 0:
         p.add(f"--eval-iters must be >= 0, got {s.train.eval_iters}")
     if model is None:
