@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not pass --local_rank=K to the script")
     add("--log_dir", default=None, metavar="D",
         help="one log per rank, D/rank{RANK}.log (their output leaves the console)")
+    add("--max_restarts", "--max-restarts", type=int, default=0, metavar="N",
+        help="after a rank fails (or the watchdog ends a hang), start the job again up to N "
+             "times; it resumes from its latest checkpoint when --load is the --save folder "
+             "(torchrun's --max-restarts)")
     add("--timeline", default=None, metavar="F",
         help="merged Chrome-trace timeline: sets GIGATRON_TIMELINE=F for every rank")
     add("--dry_run", action="store_true", help="print the commands per node; start nothing")
@@ -113,7 +117,8 @@ def request_from_args(args: argparse.Namespace) -> "LaunchRequest":
         master_port=args.master_port, launcher=args.launcher,
         launcher_args=args.launcher_args, node_rank=args.node_rank,
         # Horovod's -np: horovodrun passes no --local_rank, and Horovod scripts do not parse it
-        no_local_rank=args.no_local_rank or args.np > 0, log_dir=log_dir, timeline=timeline)
+        no_local_rank=args.no_local_rank or args.np > 0, log_dir=log_dir, timeline=timeline,
+        max_restarts=args.max_restarts)
 
 
 def _machine(req: "LaunchRequest") -> "Machine":
@@ -194,8 +199,10 @@ def _start(req: "LaunchRequest", plan: "LaunchPlan", commands: List["Command"]) 
     if missing:
         raise LaunchError(f"--launcher {plan.launcher} needs `{missing[0]}`, which is not on "
                           f"PATH: install it or pick another --launcher")
-    return run_commands(commands, req.log_dir,
-                        ranks_report=plan.launcher in ("openmpi", "mpich", "slurm"))
+    ranks_report = plan.launcher in ("openmpi", "mpich", "slurm")
+    # pdsh/ssh nodes run torchrun, which restarts each node's part (--max-restarts)
+    return run_commands(commands, req.log_dir, ranks_report=ranks_report,
+                        max_restarts=req.max_restarts if ranks_report else 0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -72,10 +72,11 @@ def node_env(req: LaunchRequest, node: NodePlan) -> Dict[str, str]:
 def torchrun_argv(plan: LaunchPlan, node: NodePlan, req: LaunchRequest, python: str,
                   node_rank: str = "") -> List[str]:
     """`python -u -m <node> --nnodes ... -m <worker> script args`: torchrun for one node."""
+    restarts = [f"--max-restarts={req.max_restarts}"] if req.max_restarts else []
     return [python, "-u", "-m", NODE_MODULE, f"--nnodes={len(plan.nodes)}",
             f"--node-rank={node_rank or node.node_rank}", f"--nproc-per-node={node.nproc}",
             f"--master-addr={plan.master_addr}", f"--master-port={plan.master_port}",
-            *worker_argv(req)]
+            *restarts, *worker_argv(req)]
 
 
 def _remote(cwd: str, env: Mapping[str, str], argv: List[str]) -> str:

@@ -9,7 +9,9 @@ import json
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from .progress import iterations_lost
 
 PROG = "gigatron launch"
 TAIL_LINES = 6  # of a rank's log when it left no traceback
@@ -96,3 +98,17 @@ def format_report(failures: Sequence[RankFailure], stopped_others: bool = True) 
     return "\n".join(lines)
 
 
+
+
+def restart_line(failures: Sequence[RankFailure], restart: int, restarts: int,
+                 progress: Mapping[str, int]) -> str:
+    """The one line of a restart: which rank failed and why, the count, what it costs."""
+    first = first_failures(failures)[0]
+    return (f"{PROG}: rank {first.rank} failed ({first.message}); restart {restart} of "
+            f"{restarts} from the latest checkpoint: {iterations_lost(progress)}")
+
+
+def gave_up_line(restarts: int) -> str:
+    """After the last allowed restart failed too."""
+    return (f"{PROG}: no restart left after {restarts} (--max_restarts {restarts}): "
+            f"the failure above ends the job")

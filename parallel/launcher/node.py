@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
-from typing import Any, Iterator, Optional, Sequence
+import tempfile
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+from gigatron.parallel.world import RESTART_COUNT_ENV
 
 from .commands import WORKER_MODULE
-from .failures import PROG, describe_failure, first_failures, format_report
+from .failures import (PROG, RankFailure, describe_failure, first_failures, format_report,
+                       gave_up_line, restart_line)
+from .progress import PROGRESS_DIR_ENV, read_progress
 from .worker import parse_worker_args
 
 
@@ -50,30 +56,57 @@ def _log_dir(args: Any) -> Optional[str]:
         return None
 
 
-def run_node(torchrun_args: Sequence[str]) -> int:
-    """torchrun with these flags, here; 0, or a short report and the failed rank's code."""
+def _run_once(args: Any) -> Tuple[int, Optional[List[RankFailure]]]:
+    """One attempt of torch's agent: (exit code, the ranks that failed; None when the
+    failure is not a rank's: a signal to the launcher, a rendezvous or store error)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
-    args = parse_args(list(torchrun_args))
     try:
         with _quiet_torch_elastic():
             run(args)
     except ChildFailedError as error:
         failures = [describe_failure(rank, f.exitcode, f.error_file, _log_dir(args),
                                      f.timestamp) for rank, f in error.failures.items()]
-        print(format_report(failures), file=sys.stderr)
         code = first_failures(failures)[0].exitcode
-        return code if code > 0 else 1
+        return (code if code > 0 else 1), failures
     except SignalException as error:
         print(f"{PROG}: stopped by {error.sigval.name}; the workers were stopped",
               file=sys.stderr)
-        return 128 + int(error.sigval)
+        return 128 + int(error.sigval), None
     except Exception as error:  # rendezvous and store errors: one line, not the agent's
         print(_startup_error(error, args), file=sys.stderr)
-        return 1
-    return 0
+        return 1, None
+    return 0, None
+
+
+def run_node(torchrun_args: Sequence[str]) -> int:
+    """torchrun with these flags, here; 0, or a short report and the failed rank's code.
+
+    torchrun's --max-restarts N is ours: each restart is a fresh agent (a fresh rendezvous
+    and store) after one line naming the failure and the iterations it costs.
+    """
+    from torch.distributed.run import parse_args
+
+    restarts = parse_args(list(torchrun_args)).max_restarts
+    with tempfile.TemporaryDirectory(prefix="gigatron-progress-") as progress_dir:
+        os.environ[PROGRESS_DIR_ENV] = progress_dir
+        for attempt in range(restarts + 1):
+            os.environ[RESTART_COUNT_ENV] = str(attempt)
+            args = parse_args(list(torchrun_args))  # torch fills some in (run id)
+            args.max_restarts = 0
+            code, failures = _run_once(args)
+            if not failures:
+                return code
+            if attempt == restarts:
+                print(format_report(failures), file=sys.stderr)
+                if restarts:
+                    print(gave_up_line(restarts), file=sys.stderr)
+                return code
+            print(restart_line(failures, attempt + 1, restarts, read_progress(progress_dir)),
+                  file=sys.stderr)
+    return 1  # not reached: the last attempt returns
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

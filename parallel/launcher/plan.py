@@ -38,6 +38,7 @@ class LaunchRequest:
     no_local_rank: bool = False
     log_dir: Optional[str] = None
     timeline: Optional[str] = None
+    max_restarts: int = 0  # whole-job restarts after a rank fails (torchrun's --max-restarts)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ def _check_counts(req: LaunchRequest) -> None:
         raise LaunchError(f"--master_port {req.master_port}: give a port in 1..65535")
     if req.node_rank < -1:
         raise LaunchError(f"--node_rank {req.node_rank}: give this node's index, 0 or more")
+    if req.max_restarts < 0:
+        raise LaunchError(f"--max_restarts {req.max_restarts}: give how many times to restart "
+                          f"the job after a failure, 0 or more")
 
 
 def check_request(req: LaunchRequest) -> None:
@@ -270,4 +274,14 @@ def make_plan(req: LaunchRequest, machine: Machine) -> LaunchPlan:
         raise LaunchError(f"--launcher mpich needs the same number of slots on every node "
                           f"(mpirun -ppn); the job has {shape}: even out the hostfile")
     return LaunchPlan(nodes, launcher, _master_addr(req, launcher, nodes),
-                      req.master_port, local_node, tuple(notes))
+                      req.master_port, local_node, tuple(notes + _restart_notes(req)))
+
+
+def _restart_notes(req: LaunchRequest) -> List[str]:
+    """A restart resumes only what the script loads: Megatron's --save without --load
+    would start the job again from scratch."""
+    args = req.script_args
+    if req.max_restarts and "--save" in args and "--load" not in args:
+        return [f"--max_restarts {req.max_restarts}: the script has --save but no --load, so "
+                f"a restart trains from scratch; give --load the same folder as --save"]
+    return []

@@ -14,10 +14,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from gigatron.parallel.world import RESTART_COUNT_ENV
 
 from .commands import Command
-from .failures import PROG, RankFailure, describe_failure, exit_message, format_report
+from .failures import (PROG, RankFailure, describe_failure, exit_message, format_report,
+                       gave_up_line)
+from .progress import PROGRESS_DIR_ENV, iterations_lost, read_progress
 from .worker import ERROR_DIR_ENV
 
 STOP_GRACE_SECONDS = 5.0
@@ -48,37 +52,64 @@ def _recorded_failures(folders: Sequence[Optional[str]], log_dir: Optional[str]
     return list(found.values())
 
 
+def _run_once(commands: Sequence[Command], env: Dict[str, str]
+              ) -> Tuple[Optional[int], Optional[subprocess.Popen]]:
+    """Start the commands and wait: (None, None) when all succeed, else (index of the first
+    that failed, its process) once the others are stopped; KeyboardInterrupt stops them."""
+    processes = [subprocess.Popen(list(c.argv), env={**env, **dict(c.env)},
+                                  start_new_session=True) for c in commands]
+    try:
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed or all(code == 0 for code in codes):
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        _stop(processes)
+        raise
+    if not failed:
+        return None, None
+    _stop(processes)
+    return failed[0], processes[failed[0]]
+
+
 def run_commands(commands: Sequence[Command], log_dir: Optional[str],
-                 ranks_report: bool) -> int:
+                 ranks_report: bool, max_restarts: int = 0) -> int:
     """Start every command (pdsh, ssh, mpirun, srun); the first to fail stops the others.
 
     `ranks_report`: the commands start the ranks themselves (mpirun, srun), so the launcher
     names the failed rank; pdsh/ssh nodes run the node module, which reports it already.
+    `max_restarts`: start every command again after a failure, up to that many times.
     """
     with tempfile.TemporaryDirectory(prefix="gigatron-launch-") as error_dir:
-        env = {**os.environ, ERROR_DIR_ENV: error_dir} if ranks_report else dict(os.environ)
-        processes = [subprocess.Popen(list(c.argv), env={**env, **dict(c.env)},
-                                      start_new_session=True) for c in commands]
-        try:
-            while True:
-                codes = [p.poll() for p in processes]
-                failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-                if failed or all(code == 0 for code in codes):
-                    break
-                time.sleep(0.1)
-        except KeyboardInterrupt:
-            _stop(processes)
-            print(f"{PROG}: interrupted; the workers were stopped", file=sys.stderr)
-            return 130
-        if not failed:
-            return 0
-        _stop(processes)
-        code = processes[failed[0]].returncode
-        failures = _recorded_failures([error_dir, log_dir], log_dir) if ranks_report else []
-        if failures:
-            print(format_report(failures), file=sys.stderr)
-        else:
-            print(f"{PROG}: {commands[failed[0]].what}: {exit_message(code)}"
-                  + ("; the other commands were stopped" if len(commands) > 1 else ""),
-                  file=sys.stderr)
-        return code if code > 0 else 1
+        env = {**os.environ, PROGRESS_DIR_ENV: error_dir}
+        if ranks_report:
+            env[ERROR_DIR_ENV] = error_dir
+        for attempt in range(max_restarts + 1):
+            env[RESTART_COUNT_ENV] = str(attempt)
+            for old in glob.glob(os.path.join(error_dir, "rank*.error.json")):
+                os.remove(old)  # the previous attempt's records
+            try:
+                index, process = _run_once(commands, env)
+            except KeyboardInterrupt:
+                print(f"{PROG}: interrupted; the workers were stopped", file=sys.stderr)
+                return 130
+            if process is None:
+                return 0
+            failures = _recorded_failures([error_dir, log_dir], log_dir) if ranks_report \
+                else []
+            code = process.returncode
+            what = format_report(failures) if failures else \
+                f"{PROG}: {commands[index].what}: {exit_message(code)}" + (
+                    "; the other commands were stopped" if len(commands) > 1 else "")
+            if attempt < max_restarts:
+                print(f"{what.splitlines()[0]}; restart {attempt + 1} of {max_restarts} from "
+                      f"the latest checkpoint: {iterations_lost(read_progress(error_dir))}",
+                      file=sys.stderr)
+                continue
+            print(what, file=sys.stderr)
+            if max_restarts:
+                print(gave_up_line(max_restarts), file=sys.stderr)
+            return code if code > 0 else 1
+    return 1  # not reached: the last attempt returns

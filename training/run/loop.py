@@ -27,6 +27,7 @@ import torch
 
 from gigatron.parallel import comm, timeline
 from gigatron.parallel.activity import activity
+from gigatron.parallel.launcher.progress import inject_fault, note_progress
 from gigatron.parallel.pipeline.interfaces import GradSync
 from gigatron.parallel.topology import ProcessGroups
 from gigatron.parallel.zero import ZeroOptimizer
@@ -256,6 +257,7 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
     if "forward" in phases:  # backward is what the measured phases leave of the step
         record["timers_ms"]["backward"] = max(0.0, 1000 * (elapsed - accounted) / n)
     s.logger.train(record)
+    note_progress(logged=progress.iteration)  # for `gigatron launch --max_restarts`
     if s.memory_plan is not None and s.device.type == "cuda":
         _report_planned_memory(s)
     s.logger.progress(progress.iteration, loss)
@@ -311,6 +313,7 @@ def _log_saved(s: Session, saved: SavedCheckpoint) -> None:
                    f"({saved.seconds:.1f} s{how})")
     s.logger.event({"type": "checkpoint", "iteration": saved.iteration, "path": saved.folder,
                     "seconds": saved.seconds})
+    note_progress(saved=saved.iteration)
 
 
 def logged_validation_start(progress: TrainProgress, train: TrainConfig) -> int:
@@ -383,6 +386,7 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
         last_count = count
         profiler.before_step(progress.iteration)
         activity.at(progress.iteration + 1, "train step")  # for hang reports (watchdog)
+        inject_fault(progress.iteration + 1)  # GIGATRON_KILL_RANK_AT (restart tests)
         started = timeline.now() if timeline.on else 0
         outcome = train_step(s, _next_batches(it, count, s.timers), progress)
         advance(progress, outcome, batch_size)

@@ -117,6 +117,7 @@ def _ranks_phrase(world_size: int, launcher: str) -> str:
 def _banner(s, progress, shard, launch, device) -> None:
     import torch.distributed as dist
     from gigatron.models.gpt import count_parameters
+    from gigatron.parallel.launcher.progress import note_progress
     from gigatron.training.run.builders import partition
     from gigatron.data.builder import describe_datasets
     from gigatron.training.config.features import flag_notes
@@ -144,6 +145,7 @@ def _banner(s, progress, shard, launch, device) -> None:
     if shard is not None:
         s.logger.print(f"loaded checkpoint {shard['_folder']} (iteration {progress.iteration}, "
                        f"{progress.consumed_train_samples} samples consumed)")
+        note_progress(saved=progress.iteration)  # what a restart resumes from, at least
     elif run.checkpoint.load:
         s.logger.print(f"no checkpoint in --load {run.checkpoint.load}: training from scratch")
 
