@@ -78,10 +78,12 @@ def _read_into_engine(engine: "Engine", ckpt: DeepSpeedCheckpoint, load_optimize
     options = _param_group_options(engine, ckpt)
     scalars = {k: torch.tensor(float(v)) if k == "step" else v for k, v in ckpt.scalars.items()}
 
+    scaler = zero.scaler.state_dict()  # the saved loss scale, for the fields both have
+    scaler.update({k: v for k, v in ckpt.loss_scale.items() if k in scaler})
+
     def install() -> None:
-        zero.load_resharded(resumed.masters, resumed.per_element, scalars,
-                            zero.scaler.state_dict(), int(ckpt.model_states.get(
-                                "skipped_steps", 0)))
+        zero.load_resharded(resumed.masters, resumed.per_element, scalars, scaler,
+                            int(ckpt.model_states.get("skipped_steps", 0)))
         for group, saved in zip(zero.optimizer.param_groups, options):
             for key, value in saved.items():
                 if isinstance(group.get(key), torch.Tensor):

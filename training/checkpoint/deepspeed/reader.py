@@ -51,6 +51,7 @@ class DeepSpeedCheckpoint:
     states: Dict[str, Tensors] = field(default_factory=dict)  # exp_avg, exp_avg_sq, ...
     scalars: Dict[str, Any] = field(default_factory=dict)  # the step count
     param_groups: List[Dict[str, Any]] = field(default_factory=list)
+    loss_scale: Dict[str, Any] = field(default_factory=dict)  # gigatron's scaler state names
 
     @property
     def buffers(self) -> Tensors:
@@ -99,11 +100,13 @@ def read(folder: str, with_optimizer: bool = True) -> DeepSpeedCheckpoint:
         ckpt.weights.update(merged.weights)
         ckpt.states, ckpt.scalars = merged.states, merged.scalars
         ckpt.param_groups, ckpt.world_size = merged.param_groups, merged.world_size
+        ckpt.loss_scale = merged.loss_scale
     elif model_states.get("optimizer") is not None:
         masters, ckpt.states, ckpt.scalars, ckpt.param_groups = zero_shards.split_stage0(
             model_states["optimizer"], names, {n: module[n].shape for n in names},
             with_optimizer)
         ckpt.weights.update(masters)
+        ckpt.loss_scale = zero_shards.loss_scale_state(None, model_states["optimizer"])
     if with_optimizer and not ckpt.states:
         raise ValueError(f"{folder} holds no optimizer state (saved without an optimizer): "
                          f"pass load_optimizer_states=False")

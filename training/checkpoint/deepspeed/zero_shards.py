@@ -39,9 +39,11 @@ class MergedZero:
     optimizer's scalar state (the step count) and its param groups' options."""
 
     def __init__(self, weights: Tensors, states: Dict[str, Tensors], scalars: Dict[str, Any],
-                 param_groups: List[Dict[str, Any]], world_size: int) -> None:
+                 param_groups: List[Dict[str, Any]], world_size: int,
+                 loss_scale: Dict[str, Any]) -> None:
         self.weights, self.states, self.scalars = weights, states, scalars
-        self.param_groups, self.world_size = param_groups, world_size
+        self.param_groups, self.world_size, self.loss_scale = param_groups, world_size, \
+            loss_scale
 
 
 def optimizer_files(folder: str) -> List[str]:
@@ -91,7 +93,19 @@ def merge_zero(folder: str, param_shapes: Shapes, with_states: bool) -> MergedZe
                                 param_shapes, paddings)
         scalars = _scalars(base[0])
     groups = [{k: v for k, v in g.items() if k != "params"} for g in base[0]["param_groups"]]
-    return MergedZero(weights, states, scalars, groups, len(files))
+    return MergedZero(weights, states, scalars, groups, len(files),
+                      loss_scale_state(shards[0].get("loss_scaler"), shards[0]))
+
+
+def loss_scale_state(scaler: Any, wrapper: Dict[str, Any]) -> Dict[str, Any]:
+    """DeepSpeed's loss scaler (ZeRO: the pickled scaler object; ZeRO 0's fp16 wrapper: its
+    cur_scale, cur_iter, ... keys) in gigatron's scaler state names; {} without one."""
+    def get(name: str) -> Any:
+        return getattr(scaler, name, None) if scaler is not None else wrapper.get(name)
+    state = {"scale": get("cur_scale"), "iteration": get("cur_iter"),
+             "last_overflow_iteration": get("last_overflow_iter"),
+             "hysteresis_left": get("cur_hysteresis")}
+    return {k: v for k, v in state.items() if v is not None}
 
 
 def _per_group_states(base: Dict[str, Any], groups: int, path: str) -> List[Tensors]:

@@ -1,0 +1,248 @@
+"""Checkpoints the real DeepSpeed wrote continue in gigatron's engine as in DeepSpeed itself.
+
+tests/deepspeed_checkpoint_script.py: DeepSpeed 0.19.8 trains a small MLP for 3 steps on 1
+and on 2 gloo ranks at ZeRO 0, 1, 2, 3 in fp32 and at ZeRO 0, 1, 3 in bf16, saves
+(`engine.save_checkpoint`, client_state included), and continues 3 steps: the oracle. Rank 0
+also converts the ZeRO 2 tag with DeepSpeed's `ds_to_universal`. Then gigatron's engine, on 1
+and on 2 ranks, loads every tag of both world sizes (and the universal folder) and
+continues. The global batch is the same on 1 and 2 ranks, so a step's loss averaged over
+its micro-batches and ranks is comparable across world sizes.
+
+Launches: DeepSpeed on 1 and 2 ranks at once, then gigatron on 1 and 2 ranks at once (each
+launch runs every case; the ranks are started and bounded as in test_deepspeed_parity.py).
+Measured: every fp32 continuation within 8.2e-8 of DeepSpeed's (ZeRO 3: summation order),
+bf16 ones equal; loading without the optimizer states moves the losses by more than 1e-3,
+not loading by more than 1e-2, so the tolerances below catch a lost moment or a lost step.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from typing import Dict, List
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="the real DeepSpeed is not installed: "
+                    "DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
+
+from test_deepspeed_parity import free_port, stop, tail  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "deepspeed_checkpoint_script.py")
+sys.path.insert(0, HERE)
+import deepspeed_checkpoint_script as script  # noqa: E402
+
+WORLDS = (1, 2)
+LAUNCH_TIMEOUT_S = 400  # both launches of a framework together, on a loaded 2-core box
+FP32_TOLERANCE = 1e-5  # relative, per step's mean loss
+BF16_TOLERANCE = 2 ** -8  # one bf16 ulp of the loss (DeepSpeed's and ours both round to it)
+
+
+def launch(framework: str, world: int, out_dir: str) -> List:
+    """Start `world` ranks of the script, each logging to out_dir."""
+    import subprocess
+
+    port = free_port()
+    ranks = []
+    for rank in range(world):
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+               "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world)}
+        log = open(os.path.join(out_dir, f"{framework}{world}.rank{rank}.log"), "w+")
+        cmd = [sys.executable, SCRIPT, framework, out_dir]
+        ranks.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    return ranks
+
+
+def wait_all(launches: Dict[str, List]) -> None:
+    """Every rank of every launch exits 0 within LAUNCH_TIMEOUT_S; else the test fails with
+    the failed (or hung) ranks' output, and no rank is left running."""
+    import time
+
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            failed = [(name, r, proc) for name, ranks in launches.items()
+                      for r, (proc, _) in enumerate(ranks) if proc.poll() not in (None, 0)]
+            if failed:
+                time.sleep(1)  # peers of a failed rank fail too: the first one is the cause
+                pytest.fail("\n".join(f"{name} rank {r} exited with {proc.returncode}:\n"
+                                      f"{tail(launches[name][r][1])}"
+                                      for name, r, proc in failed))
+            if all(proc.poll() == 0 for ranks in launches.values() for proc, _ in ranks):
+                return
+            time.sleep(0.1)
+        pytest.fail("\n".join(f"{name} rank {r} did not finish within {LAUNCH_TIMEOUT_S} s "
+                              f"(hung?):\n{tail(log)}" for name, ranks in launches.items()
+                              for r, (_, log) in enumerate(ranks)))
+    finally:
+        for ranks in launches.values():
+            stop(ranks)
+
+
+def step_means(ranks: List[List[List]]) -> List[float]:
+    """Per step, the loss averaged over every (rank, micro-batch) chunk of the global batch."""
+    means = []
+    for steps in zip(*ranks):
+        losses = [loss for chunks in steps for _, loss in chunks]
+        means.append(sum(losses) / len(losses))
+    return means
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Dict[str, Dict[int, List[Dict]]]:
+    """{framework: {world size: per-rank results}}; the checkpoints stay in the folder."""
+    import json
+
+    out = str(tmp_path_factory.mktemp("ds_checkpoints"))
+    results: Dict[str, Dict[int, List[Dict]]] = {}
+    for framework in ("deepspeed", "gigatron"):
+        wait_all({f"{framework}{w}": launch(framework, w, out) for w in WORLDS})
+        results[framework] = {w: [json.load(open(os.path.join(
+            out, f"{framework}{w}.rank{r}.json"))) for r in range(w)] for w in WORLDS}
+    results["folder"] = out  # type: ignore[assignment]
+    return results
+
+
+def relative(a: List[float], b: List[float]) -> float:
+    assert len(a) == len(b) == script.CONTINUE, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+CONTINUATIONS = [(case, source, loader) for case in script.CASES for source in WORLDS
+                 for loader in WORLDS]
+
+
+@pytest.mark.parametrize("case,source,loader", CONTINUATIONS)
+def test_gigatron_continues_deepspeed_checkpoint_with_deepspeeds_losses(runs, case, source,
+                                                                         loader):
+    oracle = step_means([rank[case]["losses"] for rank in runs["deepspeed"][source]])
+    ours = step_means([rank[f"{case}@{source}"]["losses"] for rank in runs["gigatron"][loader]])
+    tolerance = BF16_TOLERANCE if case.endswith("bf16") else FP32_TOLERANCE
+    assert relative(ours, oracle) <= tolerance, (
+        f"{case} saved by DeepSpeed on {source} rank(s), continued by gigatron on {loader}: "
+        f"{ours} vs DeepSpeed's {oracle}")
+
+
+@pytest.mark.parametrize("source,loader", [(s, w) for s in WORLDS for w in WORLDS])
+def test_universal_checkpoint_continues_with_deepspeeds_losses(runs, source, loader):
+    case = script.UNIVERSAL_CASE
+    oracle = step_means([rank[case]["losses"] for rank in runs["deepspeed"][source]])
+    ours = step_means([rank[f"{case}@{source}-universal"]["losses"]
+                       for rank in runs["gigatron"][loader]])
+    assert relative(ours, oracle) <= FP32_TOLERANCE, (ours, oracle)
+
+
+@pytest.mark.parametrize("loader", WORLDS)
+def test_lost_optimizer_state_or_lost_checkpoint_is_told_apart(runs, loader):
+    """Without the moments (or without the load) the losses move by far more than the
+    tolerances: the continuation tests above can fail."""
+    oracle = step_means([rank["z1"]["losses"] for rank in runs["deepspeed"][WORLDS[0]]])
+    for variant, at_least in (("z1-no-optimizer", 1e-3), ("z1-not-loaded", 1e-2)):
+        ours = step_means([rank[variant]["losses"] for rank in runs["gigatron"][loader]])
+        assert relative(ours, oracle) > max(at_least, BF16_TOLERANCE), (variant, ours, oracle)
+
+
+def test_a_missing_rank_file_is_one_line_naming_the_rank(runs, tmp_path):
+    """A tag whose save did not finish on every rank is refused before anything loads."""
+    from gigatron.training.checkpoint.deepspeed import reader
+
+    tag = tmp_path / "z2"
+    shutil.copytree(os.path.join(runs["folder"], "ds2", "z2", f"global_step{script.SAVE_AT}"),
+                    tag)
+    os.remove(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(ValueError, match=r"lacks the ZeRO optimizer files of dp ranks \[1\]"):
+        reader.read(str(tag))
+
+
+@pytest.mark.parametrize("case", ["z0", "z1", "z2", "z3", "z0-bf16", "z3-bf16"])
+def test_to_safetensors_equals_deepspeeds_zero_to_fp32(runs, case, tmp_path):
+    """`gigatron convert deepspeed-to-gigatron --to safetensors` writes what DeepSpeed's own
+    zero_to_fp32 consolidates (ZeRO 0: the module's fp32 weights, as DeepSpeed loads them)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from gigatron.cli.convert import main
+
+    folder = os.path.join(runs["folder"], "ds2", case)
+    assert main(["deepspeed-to-gigatron", "--load", folder, "--save", str(tmp_path),
+                 "--to", "safetensors"]) == 0
+    ours = load_file(str(tmp_path / "model.safetensors"))
+    if case.startswith("z0"):
+        fp32 = torch.load(os.path.join(folder, f"global_step{script.SAVE_AT}",
+                                       "mp_rank_00_model_states.pt"), weights_only=False)
+        optimizer = fp32["optimizer"]
+        masters = [t for group in optimizer.get("fp32_groups", []) for t in group]
+        reference = dict(zip(fp32["module"], masters)) if masters else fp32["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        reference = get_fp32_state_dict_from_zero_checkpoint(folder)
+    assert sorted(ours) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(ours[name], tensor.contiguous().float()), name
+
+
+def test_megatron_deepspeed_gpt_converts_to_gigatron_names(runs, tmp_path):
+    """A ZeRO 2 checkpoint of 2 ranks whose parameters carry Megatron-DeepSpeed GPTModel's
+    names and whose client_state holds its Megatron args: every tensor lands under gigatron's
+    name, equal to DeepSpeed's consolidated fp32 weights, the vocabulary cut to --vocab-size
+    and padded as gigatron pads it."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from gigatron.cli.convert import main
+    from gigatron.training.checkpoint.convert import load_model
+
+    folder = os.path.join(runs["folder"], "megatron")
+    assert main(["deepspeed-to-gigatron", "--load", folder, "--save", str(tmp_path)]) == 0
+    config, ours = load_model(str(tmp_path))
+    assert (config.num_layers, config.hidden_size, config.vocab_size) == (2, 8, 60)
+    ds = get_fp32_state_dict_from_zero_checkpoint(folder)
+    renames = {"input_layernorm": "input_layernorm",
+               "self_attention.query_key_value": "self_attention.linear_qkv",
+               "self_attention.dense": "self_attention.linear_proj",
+               "post_attention_layernorm": "pre_mlp_layernorm",
+               "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
+    expected = {"embedding.position_embeddings.weight":
+                ds["language_model.embedding.position_embeddings.weight"],
+                "decoder.final_layernorm.weight":
+                ds["language_model.encoder.final_layernorm.weight"],
+                "decoder.final_layernorm.bias": ds["language_model.encoder.final_layernorm.bias"]}
+    for layer in range(2):
+        for old, new in renames.items():
+            for kind in ("weight", "bias"):
+                expected[f"decoder.layers.{layer}.{new}.{kind}"] = \
+                    ds[f"language_model.encoder.layers.{layer}.{old}.{kind}"]
+    word = ours.pop("embedding.word_embeddings.weight")
+    assert torch.equal(word[:60], ds["language_model.embedding.word_embeddings.weight"][:60])
+    assert not word[60:].any()  # gigatron's own padding rows
+    assert sorted(ours) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_pipeline_names_map_by_what_each_layer_holds():
+    """GPTModelPipe's `<index>.<name>` parameters (tied embedding under tied_modules.embed)
+    map to Megatron-Core's names, layers numbered in index order."""
+    import torch
+
+    from gigatron.training.checkpoint.deepspeed.megatron_gpt import core_state_dict
+
+    t = torch.zeros(1)
+    pipe = {"tied_modules.embed.word_embeddings.weight": t,
+            "tied_modules.embed.position_embeddings.weight": t,
+            "2.input_layernorm.weight": t, "2.self_attention.query_key_value.weight": t,
+            "3.input_layernorm.weight": t, "3.mlp.dense_4h_to_h.bias": t,
+            "4.weight": t, "4.bias": t}
+    assert sorted(core_state_dict(pipe)) == sorted([
+        "embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+        "decoder.layers.0.input_layernorm.weight", "decoder.layers.0.self_attention.linear_qkv"
+        ".weight", "decoder.layers.1.input_layernorm.weight",
+        "decoder.layers.1.mlp.linear_fc2.bias", "decoder.final_layernorm.weight",
+        "decoder.final_layernorm.bias"])
+    untied = {"1.word_embeddings.weight": t, "2.input_layernorm.weight": t, "3.weight": t,
+              "4.lm_head.weight": t}
+    assert "output_layer.weight" in core_state_dict(untied)
