@@ -242,6 +242,11 @@ def _check_non_persistent(ck: Any, p: Problems) -> None:
     elif interval and ck.save is None:
         p.add("--non-persistent-save-interval needs --save DIR (as in Megatron: the "
               "persistent checkpoints' folder, which also names the job's non-persistent ones)")
+    if kind == "global" and ck.save and ck.non_persistent_global_ckpt_dir and \
+            os.path.abspath(ck.non_persistent_global_ckpt_dir) == os.path.abspath(ck.save):
+        p.add(f"--non-persistent-global-ckpt-dir {ck.non_persistent_global_ckpt_dir} is the "
+              f"--save folder, whose checkpoints the non-persistent saves would delete: give "
+              f"another folder (default --save/non_persistent)")
     if kind == "local" and ck.non_persistent_local_ckpt_dir is None:
         p.add("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR "
               "(node-local storage, e.g. an NVMe mount)")
