@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ def read_common(folder: str) -> Dict[str, Any]:
     try:
         common = torch.load(path, map_location="cpu", weights_only=False,
                             pickle_module=_LenientPickle)
-    except (RuntimeError, EOFError, ValueError) as err:
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
         raise ConversionError(f"{path} cannot be read ({str(err).splitlines()[0]}): the file "
                               f"is truncated or not a torch checkpoint") from None
     require(isinstance(common.get("args"), argparse.Namespace), f"{path} holds no 'args': "
@@ -159,7 +160,8 @@ def _to_gigatron(state: StateDict, config: TransformerConfig, padded: int) -> St
 
 
 def optimizer_step(common: Dict[str, Any], folder: str) -> int:
-    """The optimizer's step count: Megatron keeps it in every param group."""
+    """The optimizer's step count: the distributed optimizer keeps it in every param group,
+    the non-distributed one as the state's `common_step`."""
     steps = set()
 
     def walk(node: Any) -> None:
@@ -167,6 +169,9 @@ def optimizer_step(common: Dict[str, Any], folder: str) -> int:
             for group in node.get("param_groups") or []:
                 if isinstance(group, dict) and "step" in group:
                     steps.add(int(group["step"]))
+            state = node.get("state")
+            if isinstance(state, dict) and "common_step" in state:
+                steps.add(int(state["common_step"]))
             for value in node.values():
                 walk(value)
     walk(common.get("optimizer"))
