@@ -162,6 +162,22 @@ class Topology:
         """First and last pipeline stage of each pipeline group (they share tied embeddings)."""
         return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
 
+    def hierarchical_cp_groups(self, sizes: Sequence[int]) -> Tuple[List[List[int]],
+                                                                     List[List[int]]]:
+        """(inner, outer) sub-groups of every cp group for --hierarchical-context-parallel-
+        sizes A P, as Megatron-Core's create_hierarchical_parallel_groups: inner groups of A
+        consecutive cp ranks (a2a), outer groups of the ranks A apart (p2p)."""
+        inner_size, outer_size = sizes
+        if inner_size * outer_size != self.cp:
+            raise ValueError(f"--hierarchical-context-parallel-sizes {inner_size} {outer_size}:"
+                             f" the product must equal --context-parallel-size {self.cp}")
+        inner: List[List[int]] = []
+        outer: List[List[int]] = []
+        for ranks in self.groups("cp"):
+            inner += [ranks[k * inner_size:(k + 1) * inner_size] for k in range(outer_size)]
+            outer += [ranks[j::inner_size] for j in range(inner_size)]
+        return inner, outer
+
     def describe(self) -> str:
         """The whole layout as text: each rank's coordinates, then each group's ranks."""
         shown = [a for a in AXES if a in self._axes]
@@ -192,12 +208,13 @@ class ProcessGroups:
     30 min for gloo, not the world group's): pass --distributed-timeout-minutes here.
     `expert` (an ExpertTopology over `topology`) also creates the expert groups "ep", "etp",
     "edp" and "etp-ep"; dense jobs leave it out and create none of them.
+    `hierarchical_cp` (--hierarchical-context-parallel-sizes A P) adds "cp-a2a" and "cp-p2p".
     """
 
     def __init__(self, topology: Topology, rank: int,
                  extra: Sequence[str] = (), backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = None, expert: Optional["ExpertTopology"] = None
-                 ) -> None:
+                 timeout: Optional[timedelta] = None, expert: Optional["ExpertTopology"] = None,
+                 hierarchical_cp: Optional[Sequence[int]] = None) -> None:
         import torch.distributed as dist  # the pure part above stays importable without torch
 
         if dist.get_world_size() != topology.world_size:
@@ -221,6 +238,8 @@ class ProcessGroups:
         self._create(dist, "embedding", topology.embedding_groups(), backend)
         self._create(dist, "position_embedding",
                      [[g[0]] for g in topology.groups("pp")], backend)
+        if hierarchical_cp is not None and topology.cp > 1:
+            self._create_hierarchical_cp(dist, hierarchical_cp, backend)
         self.expert = expert
         if expert is not None:
             from gigatron.parallel.expert.topology import EXPERT_GROUPS
@@ -238,6 +257,17 @@ class ProcessGroups:
                 self._groups[name], self._ranks[name] = group, ranks
                 activity.label_group(group, f"{name} group {ranks}")
         self._ranks.setdefault(name, [])
+
+    def _create_hierarchical_cp(self, dist, sizes: Sequence[int], backend: Optional[str]
+                                ) -> None:
+        """The a2a (inner) and p2p (outer) groups of --cp-comm-type a2a+p2p, registered for
+        the attention under this rank's cp group."""
+        from gigatron.parallel.context.hierarchical import register_subgroups
+
+        inner, outer = self.topology.hierarchical_cp_groups(sizes)
+        self._create(dist, "cp-a2a", inner, backend)
+        self._create(dist, "cp-p2p", outer, backend)
+        register_subgroups(self._groups["cp"], self._groups["cp-a2a"], self._groups["cp-p2p"])
 
     def __getitem__(self, name: str):
         if name not in self._groups:

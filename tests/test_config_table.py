@@ -124,8 +124,10 @@ SAMPLES = {"model": "gpt2-124m", "position_embedding_type": "rope", "normalizati
            "rope_scaling_high_freq_factor": 16.0,  # above the low factor's default 1
            "moe_layer_freq": "([1]*1+[0]*1)*2", "moe_router_score_function": "sigmoid",
            "moe_router_load_balancing_type": "seq_aux_loss",
-           "moe_token_dispatcher_type": "alltoall"}
+           "moe_token_dispatcher_type": "alltoall",
+           "hierarchical_context_parallel_sizes": [1, 1]}  # A x P = cp 1
 NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layers 1",
+         "hierarchical_context_parallel_sizes": "--cp-comm-type a2a+p2p",
          "no_position_embedding": "--position-embedding-type rope",
          "recompute_granularity": "--recompute-method uniform --recompute-num-layers 1",
          "recompute_num_layers": "--recompute-granularity full --recompute-method uniform",

@@ -14,6 +14,7 @@ import torch
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.context.all_gather import all_gather_attention
+from gigatron.parallel.context.hierarchical import hierarchical_attention, subgroups_of
 from gigatron.parallel.context.ring import RingAttention
 from gigatron.parallel.context.split import check_context_parallel
 from gigatron.parallel.context.ulysses import ulysses_attention
@@ -24,7 +25,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale: Optional[float] = None, dropout_p: float = 0.0
                                ) -> torch.Tensor:
     """Attention of the local queries q [b, heads, s/cp, d] over the keys/values k, v
-    [b, kv_heads, s/cp, d] of every rank of the cp `group`; returns the local output."""
+    [b, kv_heads, s/cp, d] of every rank of the cp `group`; returns the local output.
+    a2a+p2p: the sub-groups registered for `group` (hierarchical.py)."""
     if dropout_p:
         raise ValueError(f"--attention-dropout {dropout_p}: attention dropout under context "
                          f"parallelism is not supported; set --attention-dropout 0")
@@ -34,8 +36,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          f"[b, kv_heads, s, d]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     cp = comm.group_size(group)
-    check_context_parallel(q.shape[2] * cp, cp, q.shape[1], k.shape[1], comm_type)
+    inner = outer = None
+    if comm_type == "a2a+p2p":
+        inner, outer = subgroups_of(group)
+    sizes = None if inner is None else (comm.group_size(inner), comm.group_size(outer))
+    check_context_parallel(q.shape[2] * cp, cp, q.shape[1], k.shape[1], comm_type, sizes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if comm_type == "a2a+p2p":
+        return hierarchical_attention(q, k, v, inner, outer, causal, scale)
     if comm_type == "p2p":
         return RingAttention.apply(q, k, v, group, causal, scale)
     if comm_type == "all_gather":

@@ -7,21 +7,29 @@ so every rank does the same attention work. Positions (learned or RoPE) stay the
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-COMM_TYPES = ("p2p", "all_gather", "a2a")
+COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+HIERARCHICAL_FLAG = "--hierarchical-context-parallel-sizes"
 
 
 def check_context_parallel(seq_length: int, cp: int, num_heads: int, num_query_groups: int,
-                           comm_type: str = "p2p") -> None:
-    """Raise one line naming the flag and the fix when a layout cannot split the attention."""
+                           comm_type: str = "p2p",
+                           hierarchical_sizes: Optional[Sequence[int]] = None) -> None:
+    """Raise one line naming the flag and the fix when a layout cannot split the attention
+    (`hierarchical_sizes`: a2a+p2p's (A, P))."""
     if cp < 1:
         raise ValueError(f"--context-parallel-size {cp}: must be at least 1")
     if comm_type == "a2a+p2p":
-        raise ValueError("--cp-comm-type a2a+p2p (with --hierarchical-context-parallel-sizes) "
-                         "is not supported yet: use p2p, all_gather or a2a")
+        inner = check_hierarchical_sizes(cp, hierarchical_sizes)
+        for flag, heads in (("--num-attention-heads", num_heads),
+                            ("--num-query-groups", num_query_groups)):
+            if heads % inner:
+                raise ValueError(f"{flag} {heads} is not divisible by the a2a size {inner} of "
+                                 f"{HIERARCHICAL_FLAG} (a2a+p2p splits the heads over it): "
+                                 f"pick an a2a size that divides it")
     if comm_type not in COMM_TYPES:
         raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
     if seq_length % (2 * cp):
@@ -38,6 +46,18 @@ def check_context_parallel(seq_length: int, cp: int, num_heads: int, num_query_g
                          f"--context-parallel-size {cp} (--cp-comm-type a2a splits the "
                          f"{'heads' if flag == '--num-attention-heads' else 'key/value heads'}"
                          f" over cp): pick a cp that divides it, or --cp-comm-type p2p")
+
+
+def check_hierarchical_sizes(cp: int, sizes: Optional[Sequence[int]]) -> int:
+    """a2a+p2p's sizes A P: two, their product cp; returns A."""
+    if sizes is None or len(sizes) != 2 or min(sizes) < 1:
+        raise ValueError(f"--cp-comm-type a2a+p2p needs {HIERARCHICAL_FLAG} A P (a2a within "
+                         f"groups of A cp ranks, p2p ring across P of them), got {sizes}")
+    inner, outer = sizes
+    if inner * outer != cp:
+        raise ValueError(f"{HIERARCHICAL_FLAG} {inner} {outer}: the product {inner * outer} "
+                         f"must equal --context-parallel-size {cp}")
+    return inner
 
 
 def rank_chunks(cp: int, rank: int) -> Tuple[int, int]:

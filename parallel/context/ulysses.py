@@ -9,6 +9,8 @@ of cp's ring length; the limit is heads (or query groups) divisible by cp.
 """
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +41,20 @@ def heads_to_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
     return rows.view(cp, b, heads, local, d).transpose(0, 1).reshape(b, cp * heads, local, d)
 
 
+def kv_to_heads(k: torch.Tensor, v: torch.Tensor, group: Group, order: torch.Tensor
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """k, v [b, kv_heads, s/n, d] split by sequence -> [b, kv_heads/n, s, d] split by heads
+    over `group` (n ranks), the sequence put in `order`; one all-to-all for both."""
+    n = comm.group_size(group)
+    b, kv_heads, local, d = k.shape
+    # k's and v's heads of one head group side by side, so one all-to-all moves both
+    kv = torch.stack([k.view(b, n, kv_heads // n, local, d),
+                      v.view(b, n, kv_heads // n, local, d)], dim=2)
+    kv = sequence_to_heads(kv.view(b, 2 * kv_heads, local, d), group).index_select(2, order)
+    k_heads, v_heads = kv.view(b, 2, kv_heads // n, n * local, d).unbind(1)
+    return k_heads, v_heads
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                       causal: bool, scale: float) -> torch.Tensor:
     """Local queries [b, h, s/cp, d] attended over the whole sequence, heads split over cp."""
@@ -46,12 +62,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     order = global_order_index(q.shape[2] * cp, cp).to(q.device)
     inverse = torch.argsort(order)
     q_heads = sequence_to_heads(q, group).index_select(2, order)
-    b, kv_heads, local, d = k.shape
-    # k's and v's heads of one head group side by side, so one all-to-all moves both
-    kv = torch.stack([k.view(b, cp, kv_heads // cp, local, d),
-                      v.view(b, cp, kv_heads // cp, local, d)], dim=2)
-    kv = sequence_to_heads(kv.view(b, 2 * kv_heads, local, d), group).index_select(2, order)
-    k_heads, v_heads = kv.view(b, 2, kv_heads // cp, cp * local, d).unbind(1)
+    k_heads, v_heads = kv_to_heads(k, v, group, order)
+    kv_heads = k.shape[1]
     out = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, is_causal=causal,
                                          scale=scale, enable_gqa=kv_heads != q.shape[1])
     return heads_to_sequence(out.index_select(2, inverse), group)

@@ -66,9 +66,15 @@ class ParallelConfig:
         "--context-parallel-size")
     cp_comm_type: str = setting(
         "p2p", "attention under context parallelism: p2p (ring of key/value blocks), "
-        "all_gather (gather the keys/values) or a2a (DeepSpeed-Ulysses: all-to-all to a "
-        "split of the heads; heads per tensor-parallel rank divisible by cp); a2a+p2p is "
-        "refused", "--cp-comm-type", choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
+        "all_gather (gather the keys/values), a2a (DeepSpeed-Ulysses: all-to-all to a "
+        "split of the heads; heads per tensor-parallel rank divisible by cp) or a2a+p2p "
+        "(a2a within groups of A cp ranks, p2p ring across P of them: "
+        "--hierarchical-context-parallel-sizes A P)", "--cp-comm-type",
+        choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
+    hierarchical_context_parallel_sizes: Optional[List[int]] = setting(
+        None, "A P for --cp-comm-type a2a+p2p (A x P = --context-parallel-size): a2a within "
+        "groups of A consecutive cp ranks, p2p across the P groups, as Megatron-Core",
+        "--hierarchical-context-parallel-sizes", metavar="N")
     no_pipeline_parallel: bool = setting(
         False, "Megatron-DeepSpeed's non-pipeline engine: accepted with "
         "--pipeline-model-parallel-size 1 (gigatron runs pp 1 without pipelining)",

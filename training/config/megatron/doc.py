@@ -82,9 +82,9 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
       "--decode-only-cuda-graphs", "--delay-offload-until-cuda-graph"),
      "CUDA graphs are not used"),
     (("--mtp-",), "multi-token prediction is not implemented"),
-    (("--hierarchical-context", "--hybrid-context", "--max-seqlen-per-dp-cp"),
-     "hierarchical (a2a+p2p) and hybrid context parallelism are not implemented: "
-     "--context-parallel-size with --cp-comm-type p2p, all_gather or a2a is"),
+    (("--hybrid-context", "--max-seqlen-per-dp-cp"),
+     "hybrid context parallelism is not implemented: --context-parallel-size with "
+     "--cp-comm-type p2p, all_gather, a2a or a2a+p2p is"),
     (("--ds-sequence-parallel", "--force-ds-sequence-parallel"),
      "DeepSpeed-Ulysses sequence parallelism is --context-parallel-size with "
      "--cp-comm-type a2a"),
