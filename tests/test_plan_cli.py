@@ -79,10 +79,12 @@ def test_search_ranks_fitting_layouts_and_gives_each_refusal_its_reason(capsys):
 
 
 def test_search_refuses_what_does_not_fit_naming_stage_and_bytes(capsys):
+    # every layout of this small model needs 2.79-3.0 GiB on the device (2.44 of it the
+    # CUDA context and kernels, allocator.py), so a 2.9 GiB card takes some of them
     code, out, _ = _plan(capsys, "--search", "--gpu", "a100-40gb", "--gpu-memory-gib",
-                         "0.04", "--num-gpus", "2", *SMALL)
+                         "2.9", "--num-gpus", "2", *SMALL)
     assert code == 0
-    assert "out of memory: stage 0 needs" in out and "the a100-40gb has 0.0" in out
+    assert "out of memory: stage 0 needs" in out and "the a100-40gb has 2.9" in out
     assert "layouts fit" in out and not out.startswith("0 layouts fit")
 
 

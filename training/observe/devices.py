@@ -5,7 +5,7 @@ Every figure is the vendor's datasheet number (dense, no structured sparsity), p
   peak_tflops       dense tensor-core TFLOP/s by dtype; fp32 is plain fp32 (torch's default
                     disallows TF32 for matmuls)
   memory_gib        device memory, GiB (the datasheet's GB as torch.cuda.mem_get_info
-                    reports it: an "80 GB" H100 has 79.6 GiB, a "141 GB" H200 140.4)
+                    reports it: an "80 GB" H100 has 79.6 GiB, a "141 GB" H200 139.8)
   hbm_gbps          memory bandwidth, GB/s
   intra_node_gbps   bandwidth one device has to the others of its node, per direction, GB/s
                     (NVLink: half the datasheet's bidirectional figure; PCIe cards: PCIe)
@@ -20,8 +20,18 @@ Sources (retrieved for this table):
   H100: NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOP/s bf16 dense, 67 fp32, 80 GB
         HBM3 3.35 TB/s, NVLink 900 GB/s; PCIe: 756 dense, 51 fp32, 80 GB HBM2e 2.0 TB/s,
         PCIe Gen5 128 GB/s); DGX H100 datasheet.
+  H100 NVL: the same datasheet's NVL column (835 TFLOP/s bf16 dense, 60 fp32, 94 GB HBM3
+        3.9 TB/s; its NVLink bridge joins pairs only, so groups beyond two use PCIe Gen5,
+        64 GB/s per direction); memory as nvidia-smi shows the card, 95,830 MiB.
+  H100 96 GB HBM2e: torchtitan's GPUs (pytorch/torchtitan benchmarks/
+        llama3_h100_202412_torchtitan.md: Grand Teton hosts, 96 GB HBM2e at 2.4 TB/s, NVLink
+        within a host, 400 Gb/s RDMA per GPU, 500 W power limit). Its peak is not published
+        ("between SXM and NVL", ibid.): the SXM figure, as torchtitan's own MFU uses; memory
+        six 16 GiB stacks less the 80 GB card's 0.4 GiB reserve. No device name matches it:
+        `--gpu h100-hbm2e`.
   H200: NVIDIA H200 Tensor Core GPU datasheet (989 TFLOP/s bf16 dense, 67 fp32, 141 GB HBM3e
-        4.8 TB/s, NVLink 900 GB/s).
+        4.8 TB/s, NVLink 900 GB/s); memory 139.80 GiB as torch reported it on the H200 of
+        the GPU session (docs/PERFORMANCE.md, "One H200").
   B200: NVIDIA DGX B200 / HGX B200 datasheets (2.25 PFLOP/s bf16 dense per GPU, 1,440 GB for
         8 GPUs = 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s; 8x ConnectX-7 400 Gb/s).
   Others (for MFU at run time; no interconnect figures): L40S, L4, A10G, A10, V100 and
@@ -74,10 +84,15 @@ def _p(bf16: Optional[float], fp32: float, fp16: Optional[float] = None) -> Dict
 
 # First match wins when a device name is looked up: specific names before general ones.
 HARDWARE: Tuple[Hardware, ...] = (
-    Hardware("h200", "NVIDIA H200 SXM", ("H200",), _p(989.4, 66.9), 140.4, 4800, 450, 50),
+    Hardware("h200", "NVIDIA H200 SXM", ("H200",), _p(989.4, 66.9), 139.8, 4800, 450, 50),
     Hardware("h100-pcie", "NVIDIA H100 PCIe", ("H100", "PCIe"), _p(756.0, 51.2), 79.6, 2000,
              64, 50),
-    Hardware("h100-sxm", "NVIDIA H100 SXM", ("H100",), _p(989.4, 66.9), 79.6, 3350, 450, 50),
+    Hardware("h100-nvl", "NVIDIA H100 NVL", ("H100", "NVL"), _p(835.0, 60.0), 93.6, 3900,
+             64, 50),
+    Hardware("h100-hbm2e", "NVIDIA H100 SXM 96GB HBM2e, 500 W (Grand Teton)", (),
+             _p(989.4, 66.9), 95.6, 2400, 450, 50),
+    Hardware("h100-sxm", "NVIDIA H100 SXM 80GB", ("H100",), _p(989.4, 66.9), 79.6, 3350, 450,
+             50),
     Hardware("b200", "NVIDIA B200", ("B200",), _p(2250.0, 75.0), 179.0, 8000, 900, 50),
     Hardware("a100-80gb", "NVIDIA A100 SXM 80GB", ("A100", "80GB"), _p(312.0, 19.5), 80, 2039,
              300, 25),

@@ -6,6 +6,7 @@ from typing import List
 
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.config.run_config import RunConfig
+from gigatron.training.plan.allocator import device_bytes, reserved_bytes
 from gigatron.training.plan.context import ContextLayout
 from gigatron.training.plan.cost import StepCost, Throughput, step_cost, throughput
 from gigatron.training.observe.devices import Hardware
@@ -28,13 +29,32 @@ class Plan:
         return max(m.peak for m in self.stages)
 
     @property
+    def reported_bytes(self) -> float:
+        """The highest peak as torch's caching allocator reserves it (max_memory_reserved:
+        allocator.py), the figure torchtitan logs."""
+        return reserved_bytes(self.peak_bytes) if self.on_gpu else self.peak_bytes
+
+    @property
+    def device_bytes(self) -> float:
+        """The highest peak as the device holds it (nvidia-smi): reserved, the CUDA context
+        and NCCL's buffers (allocator.py)."""
+        p = self.run.parallel
+        return device_bytes(self.peak_bytes, (p.tp, p.pp, p.dp * p.context_parallel_size,
+                                              p.context_parallel_size, p.ep), self.on_gpu)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.hardware.key != "cpu"
+
+    @property
     def capacity_bytes(self) -> float:
         assert self.hardware.memory_gib is not None
         return self.hardware.memory_gib * GIB
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.capacity_bytes
+        """Whether the device's whole use (`device_bytes`) fits its memory."""
+        return self.device_bytes <= self.capacity_bytes
 
 
 def partition_of(run: RunConfig) -> PipelinePartition:

@@ -98,6 +98,7 @@ def plan_dict(plan: Plan) -> Dict[str, Any]:
             "num_gpus": plan.run.parallel.world_size, "layout": layout_dict(plan),
             "stages": [stage_dict(m) for m in plan.stages],
             "fits": plan.fits, "peak_bytes": plan.peak_bytes,
+            "reserved_bytes": plan.reported_bytes, "device_bytes": plan.device_bytes,
             "step": {"forward_s": c.forward, "backward_s": c.backward,
                      "tp_communication_s": c.tp_communication, "tp_bytes": c.tp_bytes,
                      "pipeline_s": c.pipeline, "bubble": c.bubble,
@@ -178,7 +179,10 @@ def describe(plan: Plan) -> str:
                      f"{_gib(m.peak):>8}")
     lines += _expert_lines(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines.append(f"  peak {_gib(plan.peak_bytes)} GiB of {_gib(plan.capacity_bytes)}: {verdict}"
+    lines.append(f"  peak {_gib(plan.peak_bytes)} GiB allocated (max_memory_allocated), "
+                 f"{_gib(plan.reported_bytes)} reserved by the caching allocator "
+                 f"(max_memory_reserved), {_gib(plan.device_bytes)} on the device with the "
+                 f"CUDA context and NCCL buffers, of {_gib(plan.capacity_bytes)}: {verdict}"
                  + (" (master weights and optimizer state in host memory)"
                     if lay["optimizer_offload"] else ""))
     cost, rates = plan.cost, plan.rates
@@ -190,7 +194,8 @@ def describe(plan: Plan) -> str:
               f"  data-parallel {cost.dp_bytes / GIB:.2f} GiB per rank, "
               f"{cost.dp_communication * 1e3:.1f} ms ({cost.dp_exposed * 1e3:.1f} ms exposed)"
               f"; optimizer step {cost.optimizer * 1e3:.1f} ms",
-              f"  step {cost.step:.3f} s: {rates.tokens_per_s:,.0f} tokens/s, "
+              f"  step {cost.step:.3f} s: {rates.tokens_per_s:,.0f} tokens/s "
+              f"({rates.tokens_per_s / plan.run.parallel.world_size:,.0f} per GPU), "
               f"{rates.model_tflops_per_gpu:.1f} model TFLOP/s per GPU "
               f"({rates.hardware_tflops_per_gpu:.1f} executed), MFU {rates.mfu:.1%}"
               f"{' on active parameters' if lay.get('ep') else ''}"]

@@ -148,24 +148,25 @@ def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
     if not plan.fits:
         worst = max(plan.stages, key=lambda m: m.peak)
         return Candidate(layout, plan, reason=(
-            f"out of memory: stage {worst.pp_rank} needs {worst.peak / GIB:.1f} GiB, the "
-            f"{hw.key} has {plan.capacity_bytes / GIB:.1f}"))
+            f"out of memory: stage {worst.pp_rank} needs {plan.device_bytes / GIB:.1f} GiB "
+            f"on the device ({worst.peak / GIB:.1f} allocated), the {hw.key} has "
+            f"{plan.capacity_bytes / GIB:.1f}"))
     return Candidate(layout, plan)
 
 
-def _model_sizes(flags: argparse.Namespace, world_size: int,
-                 tokenizer: Optional["Tokenizer"]) -> Tuple[int, Optional[int], int, bool]:
+def _model_sizes(flags: argparse.Namespace) -> Tuple[int, Optional[int], int, bool]:
     """(layers, routed experts, sequence length, tied embeddings) of the model the flags
-    build (a --model zoo entry too)."""
-    from gigatron.training.config.arguments import build_run_config
+    describe (a --model zoo entry with its overrides), whatever their layout; the flags'
+    own values where the model cannot be built (its problems are each layout's)."""
+    from gigatron.training.config.megatron.model import build_model_config
+    from gigatron.training.config.table import build_settings
+    from gigatron.training.config.validation import Problems
 
-    try:
-        model = build_run_config(flags, world_size, tokenizer).model
-    except ValueError:  # the user's own layout is refused: the flags' own sizes
+    model = build_model_config(build_settings(flags), None, Problems())
+    if model is None:
         return (flags.num_layers or 1, getattr(flags, "num_experts", None),
                 getattr(flags, "seq_length", None) or 1,
                 not getattr(flags, "untie_embeddings_and_output_weights", False))
-    assert model is not None
     return (model.num_layers, model.num_moe_experts, model.seq_length,
             not model.untie_embeddings_and_output_weights)
 
@@ -176,7 +177,7 @@ def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
     """(layouts that fit, fastest first; layouts refused, each with its reason)."""
     ranked: List[Candidate] = []
     refused: List[Candidate] = []
-    num_layers, num_experts, seq_length, tied = _model_sizes(flags, world_size, tokenizer)
+    num_layers, num_experts, seq_length, tied = _model_sizes(flags)
     for layout in layouts(world_size, num_layers, hw.gpus_per_node, num_experts,
                           flags.expert_tensor_parallel_size, seq_length, tied):
         candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw)

@@ -42,6 +42,17 @@ DATA_SOURCES = ("data_path", "train_data_path", "valid_data_path", "test_data_pa
                 "mock_data")
 
 
+def fill_training_only(flags: Dict[str, Any], skip: Sequence[str] = ()) -> None:
+    """Give each `TRAINING_ONLY` setting `flags` leave unset its stand-in value (except
+    those in `skip`): the one rule for commands that build a run config but never train
+    (`gigatron generate`/`evaluate` of a converted checkpoint, `gigatron plan`)."""
+    for name, value in TRAINING_ONLY.items():
+        if name in skip or flags.get(name) is not None or \
+                (name == "train_iters" and flags.get("train_samples")):
+            continue
+        flags[name] = value
+
+
 def saved_flags(load: str, step: Optional[int] = None) -> Dict[str, Any]:
     """The flags recorded in the metadata.json of the checkpoint `load` tracks (of iteration
     `step`: --ckpt-step), with the default layout in place of the saved one when the
@@ -75,9 +86,7 @@ def inference_settings(argv: Sequence[str], load: str, prog: str,
 
     step = make_parser(prog).parse_known_args(list(argv))[0].ckpt_step
     base = {**saved_flags(load, step), **NOT_INHERITED, **overrides, "load": load}
-    for name, value in TRAINING_ONLY.items():
-        if base.get(name) is None and not (name == "train_iters" and base.get("train_samples")):
-            base[name] = value
+    fill_training_only(base)
     if given_dests(argv, prog) & set(DATA_SOURCES):
         base.update({name: None for name in DATA_SOURCES}, mock_data=False)
     # argparse fills only the attributes the namespace lacks: flags newer than the checkpoint
