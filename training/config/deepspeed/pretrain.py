@@ -42,7 +42,8 @@ _INSTEAD = {
     "prescale_gradients": "gradients are averaged over data-parallel ranks after reduction",
     "gradient_predivide_factor": "gradients are averaged over data-parallel ranks after "
                                  "reduction",
-    "data_types": "gradients accumulate in fp32; use --grad-reduce-in-bf16 to reduce in bf16",
+    "data_types": "gradients accumulate in the dtype they are reduced in: "
+                  "--accumulate-allreduce-grads-in-fp32, --grad-reduce-in-bf16",
 }
 # top-level keys accepted at the value that says what gigatron does anyway (a real config
 # often spells its defaults out): prescale false, predivide 1, accumulation in fp32
