@@ -24,6 +24,7 @@ import sys
 import time
 from typing import IO, Callable, Dict, Optional
 
+from gigatron.training.observe import straggler
 from gigatron.training.observe.summary import RunTotals, format_summary
 
 # console label, JSON key, format
@@ -201,6 +202,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.print(format_train_line(record, self.train_iters))
+        if record.get("straggler"):
+            self.print(straggler.format_line(record["straggler"]))
         self._write({"type": "train", **record})
         self.totals.add_train(record)
         if self._tb is not None:

@@ -46,6 +46,7 @@ from gigatron.training.observe.logger import MetricsLogger
 from gigatron.training.lr.megatron import learning_rate
 from gigatron.training.observe.flops import peak_memory_bytes, throughput
 from gigatron.training.checkpoint.orchestrator import TrainProgress
+from gigatron.training.observe import straggler
 from gigatron.training.observe.timers import Timers
 
 
@@ -256,6 +257,9 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
         record["optimizer"] = optimizer_state_stats(s.zero)
     if "forward" in phases:  # backward is what the measured phases leave of the step
         record["timers_ms"]["backward"] = max(0.0, 1000 * (elapsed - accounted) / n)
+    if s.run.logging.log_straggler and not s.run.logging.disable_straggler_on_startup:
+        record["straggler"] = straggler.fields_over_ranks(  # collective: every rank
+            elapsed, phases.get("comm", 0.0), n, s.run.logging.straggler_minmax_count, s.device)
     s.logger.train(record)
     note_progress(logged=progress.iteration)  # for `gigatron launch --max_restarts`
     if s.memory_plan is not None and s.device.type == "cuda":
