@@ -9,7 +9,8 @@
 pair as DeepSpeed's: inputs feed the first stage, labels the loss on the last (middle
 stages read nothing); without `data_iter` they come from the loader built over
 `training_data` (each data-parallel replica its share, repeated pass after pass). It runs
-the schedule pretrain_gpt runs (1F1B, or interleaved 1F1B with virtual_stages > 1) through
+the schedule pretrain_gpt runs (1F1B, interleaved 1F1B with virtual_stages > 1, or zb-h1 with
+PipelineModule(schedule="zb-h1")) through
 `gigatron.parallel.pipeline.PipelineExecutor`, with ZeRO (stages 0-2) as its grad sync,
 then the optimizer and lr scheduler step; it returns the step's mean loss over its
 micro-batches and data-parallel replicas on every rank, as DeepSpeed's does.
@@ -32,7 +33,7 @@ from gigatron.engine.pipe.specs import preserved_rng
 from gigatron.parallel import comm, timeline
 from gigatron.parallel.pipeline.executor import Payload, PipelineExecutor
 from gigatron.parallel.pipeline.schedules import (Instruction, ScheduleNames, build_schedule,
-                                                  check_num_microbatches)
+                                                  check_num_microbatches, placement_of)
 from gigatron.parallel.pipeline.shaped_p2p import ShapedP2P, discover_shapes
 from gigatron.parallel.zero import ZeroOptimizer
 
@@ -57,9 +58,14 @@ class PipelineEngine(Engine):
         _check_microbatches(self.micro_batches, module, "gradient_accumulation_steps")
         groups = module.groups
         self.p2p = ShapedP2P(ctx.device, groups.pp if groups is not None else None, ctx.rank)
+        if module.schedule != "1f1b" and zero.stage == 3:
+            raise ValueError(f"PipelineModule(schedule={module.schedule!r}) defers weight "
+                             f"gradients past the backward that ZeRO stage 3 gathers "
+                             f"parameters for: use zero_optimization.stage 0, 1 or 2")
         self.executor = PipelineExecutor(module.chunks, self.p2p, self.stage_id,
                                          module.pp_ranks, grad_sync=zero,
-                                         micro_batch_step=PipeModuleStep(module))
+                                         micro_batch_step=PipeModuleStep(module),
+                                         placement=placement_of(module.schedule))
         self._schedules: Dict[Tuple[int, bool], List[Instruction]] = {}
         self._shapes_known = module.num_stages * module.virtual_stages == 1
         self.data_iterator: Optional[Iterator[Any]] = None
@@ -130,7 +136,9 @@ class PipelineEngine(Engine):
         if key not in self._schedules:
             self._schedules[key] = build_schedule(self.stage_id, self.num_stages,
                                                   num_microbatches, self.pipe.virtual_stages,
-                                                  forward_only)
+                                                  forward_only, self.pipe.schedule,
+                                                  _names(self.pipe, "gradient_accumulation_"
+                                                                    "steps"))
         return self._schedules[key]
 
     # -- data -------------------------------------------------------------------------------------
@@ -245,12 +253,17 @@ class PipelineEngine(Engine):
         raise RuntimeError(_ONLY_BATCHES.format("engine.step()"))
 
 
+def _names(module: "PipelineModule", what: str) -> ScheduleNames:
+    """The schedules' settings in DeepSpeed's (and PipelineModule's) words."""
+    return ScheduleNames(microbatches=what, pp="num_stages",
+                         virtual=f"virtual_stages={module.virtual_stages}",
+                         fix=f"change {what} or build the PipelineModule with virtual_stages=1",
+                         schedule="PipelineModule(schedule=...)")
+
+
 def _check_microbatches(n: int, module: "PipelineModule", what: str) -> None:
     """The schedules' rule on a step's micro-batches, in DeepSpeed's words."""
-    names = ScheduleNames(microbatches=what, pp="num_stages",
-                          virtual=f"virtual_stages={module.virtual_stages}",
-                          fix=f"change {what} or build the PipelineModule with virtual_stages=1")
-    check_num_microbatches(n, module.num_stages, module.virtual_stages, names)
+    check_num_microbatches(n, module.num_stages, module.virtual_stages, _names(module, what))
 
 
 def _to_device(value: Any, device: torch.device, float_dtype: Optional[torch.dtype]) -> Any:

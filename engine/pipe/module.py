@@ -18,7 +18,8 @@ the data-parallel size is world / (tp x pp); constructing one joins the process 
 
 gigatron's addition: `virtual_stages=v` cuts the list into num_stages x v stages; rank r
 runs stages r, r + num_stages, ... and the engine runs Megatron's interleaved 1F1B
-schedule (a smaller bubble; gradient_accumulation_steps must be a multiple of num_stages).
+schedule (a smaller bubble; gradient_accumulation_steps must be a multiple of num_stages);
+`schedule="zb-h1"` runs the zero-bubble H1 schedule (split_backward.py).
 With `seed_layers=True` each layer is built under seed base_seed + its index (a tied
 module: its first layer's index), so the initial model is the same for every layout.
 """
@@ -35,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from gigatron.engine.deepspeed.distributed import init_distributed
 from gigatron.engine.pipe.specs import (LayerSpec, TiedLayerSpec, check_layers, display_name,
                                         set_random_seed, trainable_parameter_count, type_name)
+from gigatron.engine.pipe.split_backward import check_schedule, split_linear_backward
 from gigatron.engine.pipe.stage import PipelineStage
 from gigatron.parallel import comm
 from gigatron.engine.pipe.partition_method import (describe_partition, partition_by_method,
@@ -90,9 +92,12 @@ class PipelineModule(nn.Module):
                  activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Optional[Callable[..., Any]] = None,
                  checkpointable_layers: Optional[List[str]] = None,
-                 dynamic_shape: bool = False, *, virtual_stages: int = 1) -> None:
+                 dynamic_shape: bool = False, *, virtual_stages: int = 1,
+                 schedule: str = "1f1b") -> None:
         super().__init__()
         specs = check_layers(layers)
+        check_schedule(schedule, virtual_stages)
+        self.schedule = schedule
         _check_options(activation_checkpoint_interval, checkpointable_layers, dynamic_shape)
         ctx = init_distributed()
         self._topo = resolve_topology(num_stages, topology, ctx.world_size, virtual_stages)
@@ -123,6 +128,8 @@ class PipelineModule(nn.Module):
                         for c in range(virtual_stages)]
         self.to(ctx.device)
         self._tie_across_stages()
+        if schedule == "zb-h1":
+            split_linear_backward(self._stages + [self.tied_modules])
 
     # -- DeepSpeed's accessors --------------------------------------------------------------
     def topology(self) -> Topology:
