@@ -21,6 +21,8 @@ import argparse
 import re
 from typing import Dict
 
+import torch
+
 from gigatron.models.hf_common import ConversionError, StateDict
 
 _LAYER_NAMES = {
@@ -74,7 +76,7 @@ def _from_gpt_model(weights: StateDict) -> StateDict:
 
 def _from_pipeline(weights: StateDict) -> StateDict:
     """GPTModelPipe: the layers told apart by what they hold, in index order."""
-    layers: Dict[int, Dict[str, object]] = {}
+    layers: Dict[int, Dict[str, torch.Tensor]] = {}
     out: StateDict = {}
     for name, tensor in weights.items():
         if name.startswith(_TIED):
@@ -104,12 +106,12 @@ def _from_pipeline(weights: StateDict) -> StateDict:
     return out
 
 
-def _embedding(out: StateDict, inner: str, tensor: object, name: str) -> None:
+def _embedding(out: StateDict, inner: str, tensor: torch.Tensor, name: str) -> None:
     """The first copy of the (possibly tied) embedding wins; the output's copy is the same."""
     if inner not in _EMBEDDINGS:
         raise ConversionError(f"Megatron-DeepSpeed embedding parameter {name!r} is not "
                               f"understood")
-    out.setdefault(_EMBEDDINGS[inner], tensor)  # type: ignore[arg-type]
+    out.setdefault(_EMBEDDINGS[inner], tensor)
 
 
 def megatron_args(args: argparse.Namespace) -> argparse.Namespace:

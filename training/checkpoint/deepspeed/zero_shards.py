@@ -177,27 +177,15 @@ def split_stage0(optimizer: Dict[str, Any], names: List[str], shapes: Dict[str, 
     the order given to the optimizer, taken here as `names` (model.parameters() order)."""
     base = optimizer.get("optimizer_state_dict", optimizer)
     groups = base["param_groups"]
-    if "fp32_groups_flat" in optimizer:  # the fp16/bf16 wrapper: one flat master per group
-        if len(groups) != 1:
-            raise ValueError(f"a ZeRO 0 bf16/fp16 checkpoint with {len(groups)} param groups "
-                             f"does not say which parameter is in which group: pass "
-                             f"load_optimizer_states=False to load the weights")
-        flat_shapes = [{name: shapes[name] for name in names}]
-        masters = _split_stage12([optimizer["fp32_groups_flat"]], flat_shapes, None)
-        per_group = _per_group_states(base, 1, "the model states file") if with_states \
-            else [{}]
-        states = {key: _split_stage12([[per_group[0][key]]], flat_shapes, None)
-                  for key in per_group[0]}
-        return masters, states, _scalars(base), _options(groups)
+    if "fp32_groups_flat" in optimizer:
+        return _split_stage0_flat(optimizer, base, names, shapes, with_states)
     indices = [i for g in groups for i in g["params"]]
-    masters: Tensors = {}
-    if "fp32_groups" in optimizer:  # the unfused wrapper: one fp32 master per parameter
-        flat = [t for group in optimizer["fp32_groups"] for t in group]
-        masters = {n: t.detach().float().clone() for n, t in zip(names, flat)}
-    if len(indices) != len(names) or (masters and len(flat) != len(names)):
+    flat = [t for group in optimizer.get("fp32_groups", []) for t in group]  # unfused wrapper
+    if len(indices) != len(names) or (flat and len(flat) != len(names)):
         raise ValueError(f"the ZeRO 0 optimizer state has {len(indices)} parameters, the saved "
                          f"module {len(names)} trainable ones: their order cannot be matched; "
                          f"pass load_optimizer_states=False to load the weights")
+    masters = {n: t.detach().float().clone() for n, t in zip(names, flat)}
     states: Dict[str, Tensors] = {}
     scalars: Dict[str, Any] = {}
     for name, index in zip(names, indices) if with_states else ():
@@ -207,6 +195,24 @@ def split_stage0(optimizer: Dict[str, Any], names: List[str], shapes: Dict[str, 
             else:
                 scalars[key] = value.item() if isinstance(value, torch.Tensor) else value
     return masters, states, scalars, _options(groups)
+
+
+def _split_stage0_flat(optimizer: Dict[str, Any], base: Dict[str, Any], names: List[str],
+                       shapes: Dict[str, torch.Size], with_states: bool
+                       ) -> Tuple[Tensors, Dict[str, Tensors], Dict[str, Any],
+                                  List[Dict[str, Any]]]:
+    """The fused fp16 wrapper: one flat fp32 master (and state) per param group."""
+    groups = base["param_groups"]
+    if len(groups) != 1:
+        raise ValueError(f"a ZeRO 0 fp16 checkpoint with {len(groups)} param groups does not "
+                         f"say which parameter is in which group: pass "
+                         f"load_optimizer_states=False to load the weights")
+    flat_shapes = [{name: shapes[name] for name in names}]
+    masters = _split_stage12([optimizer["fp32_groups_flat"]], flat_shapes, None)
+    per_group = _per_group_states(base, 1, "the model states file") if with_states else [{}]
+    states = {key: _split_stage12([[per_group[0][key]]], flat_shapes, None)
+              for key in per_group[0]}
+    return masters, states, _scalars(base), _options(groups)
 
 
 def _options(groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
