@@ -76,7 +76,8 @@ def _newer(argv, tracker_iteration, ckpt):
 
 
 @pytest.mark.parametrize("kind", ["global", "local"])
-def test_restart_resumes_from_the_newer_non_persistent_checkpoint_exactly(tmp_path, kind):
+def test_restart_resumes_from_the_newer_non_persistent_checkpoint_exactly(tmp_path, kind,
+                                                                          capsys):
     def before_restart(argv, ckpt, shm):
         if kind == "global":  # only the newest non-persistent checkpoint is kept
             assert sorted(os.listdir(os.path.join(ckpt, "non_persistent"))) == \
@@ -91,6 +92,15 @@ def test_restart_resumes_from_the_newer_non_persistent_checkpoint_exactly(tmp_pa
         assert newer is not None
         if kind == "local":
             assert newer["progress"]["iteration"] == 8
+            (job,) = os.listdir(shm)  # a damaged file: one line, then the persistent one
+            path = os.path.join(shm, job, "held_by_00000", "rank_00000_iter_0000008.pt")
+            data = open(path, "rb").read()
+            open(path, "wb").write(data[:-1] + bytes([data[-1] ^ 1]))
+            capsys.readouterr()
+            assert _newer(argv, 6, ckpt) is None
+            assert "does not match its recorded crc32; resuming from the persistent " \
+                "checkpoint instead" in capsys.readouterr().out
+            open(path, "wb").write(data)
     whole, again, out = _crash_at_9_and_restart(
         tmp_path, 1, ["--non-persistent-ckpt-type", kind], before_restart)
     assert "loaded checkpoint" in out and "(iteration 8," in out, out

@@ -5,7 +5,7 @@ every rank's state in the memory of a peer rank on the next node).
     DIR/gigatron-in_memory-<job>/held_by_00003/rank_00003_iter_0000008.pt    rank 3's state
     DIR/gigatron-in_memory-<job>/held_by_00003/rank_00002_iter_0000008.pt    rank 2's copy
     DIR/gigatron-in_memory-<job>/held_by_00003/rank_00002_iter_0000008.json  its iteration,
-                                                    owner, layout, sha256 and size
+                                                    owner, layout, crc32 and size
 
 <job> is a hash of the --save folder when saving and of --load when loading: a restart runs
 the same command, so it finds the files of its own job and of no other.
@@ -20,9 +20,10 @@ leaves every rank's previous checkpoint.
 Load (collective): each rank lists the files it can see; from the gathered lists every rank
 computes the same choice, the newest iteration newer than the persistent checkpoint of
 which every rank's state is held somewhere in this run's layout. A rank whose own file is
-gone (its node was lost) receives the copy from the rank that holds it. Every file's sha256
+gone (its node was lost) receives the copy from the rank that holds it. Every file's CRC32
 is checked; anything missing or damaged means: resume from the persistent checkpoint, with
-one line saying why.
+one line saying why. (A CRC32, not sha256 as persistent checkpoints: these guard against
+crashes, not tampering, and must be cheap; computed once, by the rank that owns the state.)
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import os
 import re
 import shutil
 import socket
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
@@ -81,16 +83,16 @@ def peer_ranks(hosts: List[str]) -> List[int]:
     return peers
 
 
-def _write(path: str, data: memoryview, meta: Dict[str, Any]) -> None:
-    """Write `data` and its sidecar so that the file counts only once complete."""
+def _write(path: str, data: memoryview, meta: Dict[str, Any], crc: int) -> None:
+    """Write `data` and its sidecar (with the data's `crc`) so that the file counts only
+    once complete."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = f"{path}.part"
     with open(part, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    atomic_write_text(_sidecar(path), json.dumps(
-        {**meta, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
+    atomic_write_text(_sidecar(path), json.dumps({**meta, "crc32": crc, "bytes": len(data)}))
     os.replace(part, path)
 
 
@@ -143,18 +145,20 @@ class RankCopies:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         data = buffer.getbuffer()
+        crc = zlib.crc32(data)
         failure: Optional[BaseException] = None
         path = copy_path(job, rank, rank, iteration)
         try:
-            _write(path, data, {**meta, "owner": rank})
+            _write(path, data, {**meta, "owner": rank}, crc)
         except OSError as err:
             failure = err
         if self.kind == "in_memory" and world > 1:
             group, peers = self._peer_setup(world)
-            for owner, received in _send_to_peer(data, peers, rank, group).items():
+            for owner, (received, owner_crc) in _send_to_peer(data, crc, peers, rank,
+                                                              group).items():
                 try:
                     _write(copy_path(job, rank, owner, iteration), received,
-                           {**meta, "owner": owner})
+                           {**meta, "owner": owner}, owner_crc)
                 except OSError as err:
                     failure = failure or err
         if failure is not None:
@@ -168,17 +172,18 @@ class RankCopies:
         return job
 
 
-def _send_to_peer(data: memoryview, peers: List[int], rank: int, group: Any
-                  ) -> Dict[int, memoryview]:
-    """Send `data` to this rank's peer; returns the bytes of each rank whose peer this is."""
+def _send_to_peer(data: memoryview, crc: int, peers: List[int], rank: int, group: Any
+                  ) -> Dict[int, Tuple[memoryview, int]]:
+    """Send `data` (and its `crc`) to this rank's peer; returns the bytes and crc of each
+    rank whose peer this is."""
     sources = [q for q, p in enumerate(peers) if p == rank and q != rank]
-    sizes = {q: torch.zeros(1, dtype=torch.int64) for q in sources}
-    _wait([dist.isend(torch.tensor([len(data)]), peers[rank], group)] +
-          [dist.irecv(t, q, group) for q, t in sizes.items()])
-    received = {q: torch.empty(int(t.item()), dtype=torch.uint8) for q, t in sizes.items()}
+    heads = {q: torch.zeros(2, dtype=torch.int64) for q in sources}
+    _wait([dist.isend(torch.tensor([len(data), crc]), peers[rank], group)] +
+          [dist.irecv(t, q, group) for q, t in heads.items()])
+    received = {q: torch.empty(int(t[0]), dtype=torch.uint8) for q, t in heads.items()}
     _wait([dist.isend(torch.frombuffer(data, dtype=torch.uint8), peers[rank], group)] +
           [dist.irecv(t, q, group) for q, t in received.items()])
-    return {q: t.numpy().data for q, t in received.items()}
+    return {q: (t.numpy().data, int(heads[q][1])) for q, t in received.items()}
 
 
 def _wait(works: List[Any]) -> None:
@@ -270,8 +275,8 @@ def load(job: str, kind: str, rank: int, world: int, layout: Dict[str, Any], new
         return None, note
     data, failure = _fetch(plan, rank, timedelta(minutes=timeout_minutes))
     reader, copy = plan.readers[rank]
-    if failure is None and hashlib.sha256(data).hexdigest() != copy.meta.get("sha256"):
-        failure = f"{copy.path} (read by rank {reader}) does not match its recorded sha256"
+    if failure is None and zlib.crc32(data) != copy.meta.get("crc32"):
+        failure = f"{copy.path} (read by rank {reader}) does not match its recorded crc32"
     failures = [f for f in all_objects(failure, None) if f is not None]
     if failures:
         return None, (f"the {kind} non-persistent checkpoint of iteration {plan.iteration} "
