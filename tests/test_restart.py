@@ -175,3 +175,15 @@ def test_max_restarts_reaches_torchrun_and_a_missing_load_is_noted():
                           "restart trains from scratch; give --load the same folder as --save",)
     with pytest.raises(LaunchError, match=r"^--max_restarts -1: give how many times"):
         _plan(restarts=-1)
+
+
+def test_a_killed_rank_is_named_before_the_peer_whose_collective_failed_after(tmp_path):
+    from gigatron.parallel.launcher.failures import describe_failure, first_failures
+
+    error_file = tmp_path / "e.json"  # rank 0's all-reduce failed 0.3 s into second 12
+    error_file.write_text(json.dumps({"message": {"message": "RuntimeError: Connection closed "
+                                      "by peer", "extraInfo": {"py_callstack": "", "time": 12.3}}}))
+    # the agent noticed rank 1's SIGKILL in second 13 (its timestamps are whole seconds)
+    failures = [describe_failure(0, 1, str(error_file), None),
+                describe_failure(1, -signal.SIGKILL, None, None, when=13)]
+    assert [f.rank for f in first_failures(failures)] == [1, 0]
