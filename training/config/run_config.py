@@ -173,6 +173,14 @@ class CheckpointConfig:
     no_load_rng: bool = setting(False, "do not load the RNG state", "--no-load-rng")
     finetune: bool = setting(False, "load weights only and start at iteration 0",
                              "--finetune")
+    use_checkpoint_args: bool = setting(
+        False, "take the model's shape flags (layers, sizes, heads, query groups, sequence "
+        "length, positions, norm, activation, biases, untied output, vocabulary) from the "
+        "--load checkpoint's saved args: gigatron's, or Megatron-LM's torch or torch_dist",
+        "--use-checkpoint-args")
+    exit_on_missing_checkpoint: bool = setting(
+        False, "stop with an error when --load holds no checkpoint, instead of training from "
+        "scratch", "--exit-on-missing-checkpoint")
     no_save_optim: bool = setting(False, "do not save the optimizer state", "--no-save-optim")
     no_save_rng: bool = setting(False, "do not save the RNG state", "--no-save-rng")
     ckpt_format: str = setting(

@@ -214,6 +214,8 @@ def check_checkpointing(s: "Settings", p: Problems) -> None:
     ck = s.checkpoint
     if ck.finetune and ck.load is None:
         p.add("--finetune needs --load DIR (the checkpoint to start from)")
+    if ck.use_checkpoint_args and ck.load is None:
+        p.add("--use-checkpoint-args needs --load DIR (the checkpoint whose args to take)")
     if ck.ckpt_step is not None and ck.load is None:
         p.add(f"--ckpt-step {ck.ckpt_step} needs --load DIR (the checkpoints to pick from)")
     if ck.async_save and ck.ckpt_format != "torch_dist":
