@@ -56,8 +56,9 @@ class ModelSettings:
     no_position_embedding: bool = setting(
         False, "Megatron's deprecated switch: accepted with --position-embedding-type rope (where "
         "it changes nothing, as in Megatron-Core), refused otherwise", "--no-position-embedding")
-    rotary_base: Optional[float] = setting(None, "RoPE base theta (model default 10000)",
-                                           "--rotary-base")
+    rotary_base: Optional[float] = setting(
+        None, "RoPE base theta (model default 10000)", "--rotary-base",
+        "--rotary-position-embeddings-theta")
     rotary_percent: Optional[float] = setting(
         None, "fraction of each head's channels RoPE rotates (model default 1.0)",
         "--rotary-percent")
@@ -85,7 +86,7 @@ class ModelSettings:
         None, "norm layer (model default LayerNorm; Megatron-DeepSpeed's layernorm/rmsnorm "
         "too)", "--normalization", choices=("LayerNorm", "RMSNorm", "layernorm", "rmsnorm"))
     norm_epsilon: Optional[float] = setting(None, "epsilon of the norms (model default 1e-5)",
-                                            "--norm-epsilon")
+                                            "--norm-epsilon", "--layernorm-epsilon")
     apply_layernorm_1p: Optional[bool] = setting(
         None, "zero-centred norm weights: stored as w, initialised to 0, applied as 1 + w "
         "(Megatron-Core's layernorm_zero_centered_gamma; every norm of the model, LayerNorm "
@@ -346,10 +347,12 @@ class SourceSettings:
     deepspeed_config: Optional[str] = setting(
         None, "a DeepSpeed JSON config: fills flags not given; a flag that disagrees with it, "
         "or an unsupported key, is an error", "--deepspeed-config", "--deepspeed_config",
+        "--deepscale_config",
         metavar="PATH")
     deepspeed: bool = setting(
         False, "Megatron-DeepSpeed's switch to its DeepSpeed engine: accepted; gigatron always "
-        "runs its own engine (ZeRO by --zero-stage or --deepspeed-config)", "--deepspeed")
+        "runs its own engine (ZeRO by --zero-stage or --deepspeed-config)", "--deepspeed",
+        "--deepscale")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from gigatron.training.config.field import SAME_DEFAULT, FieldSpec, field_spec
+from gigatron.training.config.megatron.accepted import AcceptedSettings
 from gigatron.training.config.megatron.fp8 import FP8Settings
 from gigatron.training.config.megatron.moe import MoESettings
 from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig,
@@ -57,6 +58,8 @@ class Settings:
     profiling: ProfilingSettings = _concern("profiling")
     implementation: ImplementationSettings = _concern(
         "implementation selectors (the same numbers whichever is chosen)")
+    accepted: AcceptedSettings = _concern(
+        "speed, memory, kernel and NCCL switches (accepted: the same numbers)")
     source: SourceSettings = _concern("configuration file")
 
     def value(self, dest: str) -> Any:

@@ -17,6 +17,7 @@ import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from gigatron.training.config.table import Row, table
+from gigatron.training.config.megatron.reasons import MORE_REASONS
 from gigatron.training.config.megatron.catalog import (MEGATRON_DEEPSPEED, MEGATRON_DEEPSPEED_SOURCE,
                                               MEGATRON_LM, MEGATRON_LM_SOURCE, entries)
 
@@ -129,7 +130,7 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
       "--tokenizer-sentencepiece-", "--no-tokenizer-sentencepiece-", "--null-tokenizer-pad-id"),
      "a tokenizer option for chat/SFT data or Megatron's metadata files; not needed to "
      "pretrain (docs/DATA.md)"),
-)
+) + MORE_REASONS
 FAMILY_REASONS: Dict[str, str] = {
     "vision": "vision models are not part of gigatron (GPT only)",
     "biencoder": "retrieval (ICT/biencoder) models are not part of gigatron",
