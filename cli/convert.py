@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-load-optim", action="store_true",
                         help="megatron-to-gigatron: leave a torch_dist checkpoint's optimizer "
                              "state out (Megatron's flag); the legacy torch format is always "
-                             "converted without it")
+                             "converted without it; deepspeed-to-gigatron: the same for "
+                             "DeepSpeed's ZeRO optimizer states")
     return parser
 
 
@@ -86,7 +87,7 @@ def _run(args: argparse.Namespace) -> str:
         from gigatron.training.checkpoint.deepspeed import convert as deepspeed
 
         config = deepspeed.deepspeed_to_gigatron(args.load, args.save, args.vocab_size,
-                                                 args.tag)
+                                                 args.tag, not args.no_load_optim)
     else:
         config = convert.megatron_to_gigatron(args.load, args.save, args.vocab_size,
                                               not args.no_load_optim)

@@ -189,7 +189,7 @@ def test_megatron_deepspeed_gpt_converts_to_gigatron_names(runs, tmp_path):
     """A ZeRO 2 checkpoint of 2 ranks whose parameters carry Megatron-DeepSpeed GPTModel's
     names and whose client_state holds its Megatron args: every tensor lands under gigatron's
     name, equal to DeepSpeed's consolidated fp32 weights, the vocabulary cut to --vocab-size
-    and padded as gigatron pads it."""
+    and padded as gigatron pads it; the optimizer state and iteration come along."""
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -222,6 +222,32 @@ def test_megatron_deepspeed_gpt_converts_to_gigatron_names(runs, tmp_path):
     assert sorted(ours) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(ours[name], tensor), name
+    check_resumable(str(tmp_path), folder)
+
+
+def check_resumable(converted: str, source: str) -> None:
+    """The converted checkpoint is one pretrain_gpt.py --load resumes: the saved iteration
+    (client_state's), Adam's step and moments under gigatron's names."""
+    import torch
+
+    from gigatron.training.checkpoint import folders
+    from gigatron.training.checkpoint.deepspeed import reader
+    from gigatron.training.checkpoint.torch_dist import save_load
+
+    iteration, folder = folders.find_checkpoint(converted)
+    assert iteration == 1 and folder is not None
+    common = save_load.read_common(folder)
+    assert common["progress"]["iteration"] == 1
+    assert float(common["optimizer"]["scalars"]["step"]) == 1.0
+    saved = reader.read(reader.tag_folder(source, None) or "")
+    pairs = {"optimizer.exp_avg.decoder.layers.1.mlp.linear_fc1.weight":
+             saved.states["exp_avg"]["language_model.encoder.layers.1.mlp.dense_h_to_4h.weight"],
+             "optimizer.exp_avg_sq.decoder.layers.0.self_attention.linear_qkv.bias":
+             saved.states["exp_avg_sq"][
+                 "language_model.encoder.layers.0.self_attention.query_key_value.bias"]}
+    read = save_load.read(folder, {k: torch.empty_like(v) for k, v in pairs.items()})
+    for key, tensor in pairs.items():
+        assert tensor.abs().sum() > 0 and torch.equal(read[key], tensor), key
 
 
 def test_pipeline_names_map_by_what_each_layer_holds():
