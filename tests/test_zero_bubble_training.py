@@ -8,7 +8,10 @@ zbv with untied ones (it refuses tied: both copies would be chunks of pipeline r
 Layouts: zb-h1 at pp2, pp4, pp2 x dp2 with ZeRO 1 and with ZeRO 2 and overlapped bucketed
 grad reduction (the buckets start when a parameter's last W is done), pp2 x tp2 with sequence
 parallelism, pp2 x cp2;
-zbv at pp2, pp4 and pp2 x dp2; the MoE model at pp2 x ep2 with zb-h1. Tolerance 1e-5
+zbv at pp2, pp4 and pp2 x dp2; the MoE model at pp2 x ep2 with zb-h1; recomputation under
+zb-h1 (--recompute-granularity full, uniform, 1 layer; and selective) and under zbv (full)
+at pp2, each rank checked to have recomputed (the recomputed forward runs inside B, whose
+queue its linears defer to). Tolerance 1e-5
 (absolute on losses, relative L2 on every full parameter); SGD, since Adam would blow the
 key bias's zero-in-theory grads (float noise) up to full steps in any layout, 1f1b too.
 Measured (CPU, torch 2.13) at zb-h1 pp2 and zbv pp2: losses within 5e-7, every parameter
@@ -37,6 +40,7 @@ GPT = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 
 UNTIED = ["--untie-embeddings-and-output-weights"]
 ZB_H1 = ["--pipeline-schedule", "zb-h1"]
 ZBV = ["--pipeline-schedule", "zbv", "--untie-embeddings-and-output-weights"]
+FULL = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
 LAYOUTS = {  # name: (ranks, flags)
     "zbh1_pp2": (2, ZB_H1 + ["--pipeline-model-parallel-size", "2"]),
     "zbh1_pp4": (4, ZB_H1 + ["--pipeline-model-parallel-size", "4"]),
@@ -50,6 +54,12 @@ LAYOUTS = {  # name: (ranks, flags)
                                    "--tensor-model-parallel-size 2 --sequence-parallel".split()),
     "zbv_pp2": (2, ZBV + "--pipeline-model-parallel-size 2 "
                          "--num-layers-per-virtual-pipeline-stage 1".split()),
+    "zbh1_pp2_recompute_full": (2, ZB_H1 + ["--pipeline-model-parallel-size", "2"] + FULL),
+    "zbh1_pp2_recompute_selective": (2, ZB_H1 + "--pipeline-model-parallel-size 2 "
+                                              "--recompute-granularity selective".split()),
+    "zbv_pp2_recompute_full": (2, ZBV + "--pipeline-model-parallel-size 2 "
+                                        "--num-layers-per-virtual-pipeline-stage 1".split()
+                               + FULL),
     "zbv_pp4": (4, ZBV + "--pipeline-model-parallel-size 4 --num-layers 8 "
                          "--num-layers-per-virtual-pipeline-stage 1".split()),
     "zbv_pp2_dp2": (4, ZBV + "--pipeline-model-parallel-size 2 "
@@ -72,8 +82,24 @@ def _train_layout(rank, world, argv, metrics):
         return result
 
     loop.train = train
+    recomputed = _count_recompute() if "--recompute-granularity" in argv else None
     assert pretrain.main(argv + ["--metrics-file", metrics]) == 0
+    assert recomputed is None or recomputed[0] > 0, "nothing was recomputed"
     return captured["params"]
+
+
+def _count_recompute():
+    """Count the model's activation checkpoints (this forked rank only)."""
+    from gigatron.models import transformer
+
+    real, calls = transformer.checkpoint, [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    transformer.checkpoint = counted
+    return calls
 
 
 def _losses(path):
