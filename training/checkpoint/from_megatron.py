@@ -15,11 +15,15 @@ own checkpoints:
                               position in samples), Megatron's opt_param_scheduler as
                               gigatron's lr schedule, the optimizer's step count
 
+`pretrain_gpt.py --load MEGATRON_ROOT` does the same on the fly (`resolve_load`): rank 0
+writes the copy into MEGATRON_ROOT/gigatron/ and every rank loads it.
+
 Megatron's RNG states are not carried (gigatron draws from other streams): the run seeds
 from --seed and says so. The loss scaler of an fp16 run starts afresh.
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
@@ -100,3 +104,33 @@ def save_converted(ckpt: "TorchDistCheckpoint", save: str, source: str) -> str:
             "params_dtype": str(ckpt.config.params_dtype).replace("torch.", "")}
     return save_load.save(save, ckpt.iteration, checkpoint_state(ckpt),
                           {"tp": 0, "pp": 0, "dp": 0}, meta, single_process=True)
+
+
+CONVERTED_DIR = "gigatron"  # LOAD/gigatron/: the copy a run's --load of Megatron's root reads
+
+
+def resolve_load(load: str, vocab_size: Optional[int], with_optimizer: bool,
+                 rank: int) -> str:
+    """Collective: the checkpoint root a run with --load `load` reads. A Megatron-Core
+    torch_dist checkpoint (Megatron-LM's --ckpt-format torch_dist) is converted by rank 0
+    into LOAD/gigatron/ (the optimizer state only when the run loads it), which every rank
+    then loads; any other folder is returned as it is. A failure is one line on every rank."""
+    from gigatron.models.hf_common import ConversionError
+    from gigatron.models.megatron.torch_dist import find_torch_dist, read_torch_dist
+
+    if find_torch_dist(load) is None:
+        return load
+    target = os.path.join(load, CONVERTED_DIR)
+    error = None
+    if rank == 0:
+        try:
+            save_converted(read_torch_dist(load, vocab_size, with_optimizer), target,
+                           f"megatron:{load}")
+        except (ConversionError, OSError, ValueError) as err:
+            error = (f"--load {load} is a Megatron torch_dist checkpoint that could not be "
+                     f"converted into {target}: {str(err).splitlines()[0]} (convert it "
+                     f"elsewhere with `gigatron convert megatron-to-gigatron` and --load that)")
+    error = save_load.all_objects(error, None)[0]
+    if error is not None:
+        raise ValueError(error)
+    return target

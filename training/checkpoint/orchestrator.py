@@ -234,17 +234,24 @@ def _dist_save_state(run: RunConfig, groups: "ProcessGroups", progress: TrainPro
 def load_model_weights(run: RunConfig, groups: "ProcessGroups",
                        chunks: List[torch.nn.Module]) -> Optional[Dict[str, Any]]:
     """Phase 1 of --load: weights into the chunks; returns this rank's shard (None: none)."""
-    root = run.checkpoint.load
-    if root is None:
+    from gigatron.training.checkpoint.from_megatron import resolve_load
+
+    ck = run.checkpoint
+    if ck.load is None:
         return None
+    root = resolve_load(ck.load, None if run.model is None else run.model.vocab_size,
+                        not (ck.no_load_optim or ck.finetune), groups.rank)
     newer = non_persistent.newer_checkpoint(run, groups.rank, copy_layout(run, len(chunks)))
     if isinstance(newer, dict):
         return _load_rank_copy(run, chunks, newer)
     folder = newer or files.find_checkpoint(root, run.checkpoint.ckpt_step)[1]
     if folder is None:
-        if run.checkpoint.finetune:
-            raise ValueError(f"--finetune: no checkpoint in --load {root} "
-                             f"({files.TRACKER} missing)")
+        for flag, wanted in (("--finetune", run.checkpoint.finetune),
+                             ("--exit-on-missing-checkpoint",
+                              run.checkpoint.exit_on_missing_checkpoint)):
+            if wanted:
+                raise ValueError(f"{flag}: no checkpoint in --load {root} "
+                                 f"({files.TRACKER} missing)")
         return None
     meta = files.read_metadata(folder)  # the same file for every rank: all fail alike
     fmt = save_load.checkpoint_format(meta)
