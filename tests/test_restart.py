@@ -170,7 +170,7 @@ def test_max_restarts_reaches_torchrun_and_a_missing_load_is_noted():
     assert plan.notes == ()
     req, plan = _plan("--save", "ck", restarts=0)
     assert not any("restarts" in a for a in torchrun_argv(plan, plan.nodes[0], req, "python"))
-    _, plan = _plan("--save", "ck")
+    _, plan = _plan("--save=ck")
     assert plan.notes == ("--max_restarts 1: the script has --save but no --load, so a "
                           "restart trains from scratch; give --load the same folder as --save",)
     with pytest.raises(LaunchError, match=r"^--max_restarts -1: give how many times"):

@@ -280,8 +280,10 @@ def make_plan(req: LaunchRequest, machine: Machine) -> LaunchPlan:
 def _restart_notes(req: LaunchRequest) -> List[str]:
     """A restart resumes only what the script loads: Megatron's --save without --load
     would start the job again from scratch."""
-    args = req.script_args
-    if req.max_restarts and "--save" in args and "--load" not in args:
+    def given(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in req.script_args)
+
+    if req.max_restarts and given("--save") and not given("--load"):
         return [f"--max_restarts {req.max_restarts}: the script has --save but no --load, so "
                 f"a restart trains from scratch; give --load the same folder as --save"]
     return []
