@@ -128,6 +128,7 @@ SAMPLES = {"model": "gpt2-124m", "position_embedding_type": "rope", "normalizati
            "hierarchical_context_parallel_sizes": [1, 1]}  # A x P = cp 1
 NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layers 1",
          "hierarchical_context_parallel_sizes": "--cp-comm-type a2a+p2p",
+         "delay_wgrad_compute": "--pipeline-schedule zb-h1",
          "no_position_embedding": "--position-embedding-type rope",
          "recompute_granularity": "--recompute-method uniform --recompute-num-layers 1",
          "recompute_num_layers": "--recompute-granularity full --recompute-method uniform",

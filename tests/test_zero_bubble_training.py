@@ -186,3 +186,22 @@ def test_zb_h1_trains_the_one_rank_moe_model_at_pp2_ep2(tmp_path):
     for mine, want in zip(moe_losses(four), moe_losses(one)):
         assert all(abs(mine[k] - want[k]) <= TOL for k in want), (mine, want)
     assert max(_relative(got[n], ref[n]) for n in ref) <= TOL
+
+
+def test_delay_wgrad_compute_is_accepted_with_zero_bubble_and_refused_with_1f1b():
+    """Megatron-Core's --delay-wgrad-compute: what zb-h1/zbv always do (accepted, no further
+    effect); 1f1b and interleaved compute weight grads in the backward (one line)."""
+    from gigatron.training.config.arguments import build_run_config, parse_flags
+
+    pp2 = GPT + ["--pipeline-model-parallel-size", "2", "--delay-wgrad-compute"]
+    for flags in (ZB_H1, ZBV + ["--num-layers-per-virtual-pipeline-stage", "1"]):
+        run = build_run_config(parse_flags(pp2 + flags, "pretrain_gpt.py"), 2, None)
+        assert run.parallel.delay_wgrad_compute
+    for flags, name in (([], "1f1b"), (["--num-layers-per-virtual-pipeline-stage", "1"],
+                                       "1f1b"),
+                        (["--pipeline-schedule", "interleaved",
+                          "--num-layers-per-virtual-pipeline-stage", "1"], "interleaved")):
+        problems = _problems(pp2 + flags, 2)
+        assert (f"--delay-wgrad-compute needs a schedule that runs weight gradients apart: use "
+                f"--pipeline-schedule zb-h1 or zbv (--pipeline-schedule {name} computes them "
+                f"in the backward)") in problems, problems

@@ -50,6 +50,11 @@ class ParallelConfig:
         "zbv (zero bubble V: 2 chunks per stage in a V, set by "
         "--num-layers-per-virtual-pipeline-stage, untied embeddings)",
         "--pipeline-schedule", choices=("1f1b", "interleaved", "zb-h1", "zbv"))
+    delay_wgrad_compute: bool = setting(
+        False, "accepted with --pipeline-schedule zb-h1 or zbv, which always delay the "
+        "weight-gradient computation to its own step W (Megatron-Core's split backward): no "
+        "further effect; refused with 1f1b and interleaved, which compute weight gradients "
+        "in the backward", "--delay-wgrad-compute")
     decoder_first_pipeline_num_layers: Optional[int] = setting(
         None, "layers of the first pipeline stage (the rest split evenly)",
         "--decoder-first-pipeline-num-layers")

@@ -155,6 +155,10 @@ def check_train(s: "Settings", parallel: ParallelConfig, model: Optional["Transf
                 tied_embeddings=not model.untie_embeddings_and_output_weights,
                 zero_stage=s.precision.zero_stage or 0):
             p.add(line)
+    if parallel.delay_wgrad_compute and parallel.pipeline_schedule not in ("zb-h1", "zbv"):
+        p.add(f"--delay-wgrad-compute needs a schedule that runs weight gradients apart: use "
+              f"--pipeline-schedule zb-h1 or zbv (--pipeline-schedule "
+              f"{parallel.pipeline_schedule} computes them in the backward)")
 
 
 def check_optimizer(s: "Settings", p: Problems) -> None:
