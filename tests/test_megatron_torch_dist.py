@@ -143,3 +143,56 @@ def test_megatron_checkpoint_names_what_it_refuses(tmp_path):
     (tmp_path / "iter_0000001" / ".metadata").write_bytes(b"")
     with pytest.raises(ConversionError, match="common.pt cannot be read"):
         read_torch_dist(str(tmp_path))
+
+
+def test_use_checkpoint_args_takes_the_model_shape_from_each_format(tmp_path):
+    """Megatron's rule: sizes given on the command line stay, the other shape flags are the
+    checkpoint's even when given; the legacy torch format, torch_dist's common.pt and a
+    gigatron checkpoint all answer."""
+    import argparse
+
+    from test_megatron_import import GPT_LIKE, _reference, _write_layout
+
+    from gigatron.training.config.arguments import parse_flags
+
+    args = megatron_args(tp=2, vocab_size=100, **GPT_LIKE)
+    config, state = _reference(args)
+    _write_layout(str(tmp_path / "torch"), args, state, config)
+    torch_dist = tmp_path / "torch_dist" / "iter_0000003"
+    torch_dist.mkdir(parents=True)
+    torch.save({"args": argparse.Namespace(**{**vars(args), "ckpt_format": "torch_dist"}),
+                "iteration": 3}, torch_dist / "common.pt")
+    (torch_dist / ".metadata").write_bytes(b"")
+    (tmp_path / "torch_dist" / "latest_checkpointed_iteration.txt").write_text("3")
+    megatron_to_gigatron(str(tmp_path / "torch"), str(tmp_path / "gigatron"))
+    expected = parse_flags(model_flags(config))
+    for root in ("torch", "torch_dist", "gigatron"):
+        flags = parse_flags(["--use-checkpoint-args", "--load", str(tmp_path / root),
+                             "--num-layers", "2", "--normalization", "RMSNorm", "--swiglu"])
+        assert flags.num_layers == 2, root  # a size given on the command line stays
+        for dest in ("hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
+                     "normalization", "swiglu", "position_embedding_type",
+                     "untie_embeddings_and_output_weights", "disable_bias_linear",
+                     "group_query_attention", "seq_length", "max_position_embeddings"):
+            assert getattr(flags, dest) == getattr(expected, dest), (root, dest)
+    assert parse_flags(["--use-checkpoint-args", "--load", str(tmp_path / "none")]) \
+        .num_layers is None  # no checkpoint: the flags as given (Megatron)
+
+
+def _exit_code_and_error(rank, world, argv):
+    import contextlib
+    import io
+
+    from gigatron.training.run import pretrain
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = pretrain.main(argv)
+    return code, err.getvalue()
+
+
+def test_exit_on_missing_checkpoint_stops_instead_of_training_from_scratch(tmp_path):
+    flags = model_flags(config_from_megatron_args(megatron_args())) + RUN + [
+        "--load", str(tmp_path / "empty"), "--exit-on-missing-checkpoint"]
+    [(code, err)] = run_on_ranks(_exit_code_and_error, 1, flags, timeout=120)
+    assert code != 0 and "--exit-on-missing-checkpoint: no checkpoint in --load" in err

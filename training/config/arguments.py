@@ -57,6 +57,10 @@ def parse_flags(argv: Optional[Sequence[str]] = None,
                                                              load_deepspeed_config)
 
     flags = make_parser(prog).parse_args(argv)
+    if flags.use_checkpoint_args and flags.load is not None:
+        from gigatron.training.checkpoint.checkpoint_args import apply_checkpoint_args
+
+        apply_checkpoint_args(flags, given_dests(argv, prog))
     if flags.deepspeed_config is not None:
         ds = load_deepspeed_config(flags.deepspeed_config)
         try:
