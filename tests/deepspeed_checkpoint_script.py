@@ -9,7 +9,8 @@ continues CONTINUE steps (the oracle). Rank 0 then writes DeepSpeed's universal 
 UNIVERSAL_CASE with deepspeed.checkpoint.ds_to_universal (one worker, in-process).
 gigatron: for every case and every source world size, gigatron.initialize builds the same
 engine (same config, any world size), engine.load_checkpoint reads DeepSpeed's folder and
-continues CONTINUE steps; the universal folder loads with the same engine.
+continues CONTINUE steps; the universal folder loads with the same engine (the 1-rank save's
+by its tag, the 2-rank save's as "checkpoint": {"load_universal": true} finds it).
 
 The global batch is the same at every world size: step s is CHUNKS micro-batches of
 MICRO_BATCH samples, chunk c a function of (s, c) only, and rank r's micro-batch m is chunk
@@ -22,7 +23,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -80,11 +81,12 @@ def train(engine: Any, first: int, steps: int, rank: int, world: int, dtype: tor
     return losses
 
 
-def build(initialize: Any, stage: int, precision: str, world: int) -> Any:
+def build(initialize: Any, stage: int, precision: str, world: int,
+          extra: Optional[Dict[str, Any]] = None) -> Any:
     torch.manual_seed(1234)
     model = SmallNet()
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(),
-                                 config=config(stage, precision, world))
+                                 config=merge(config(stage, precision, world), extra or {}))
     return engine
 
 
@@ -192,12 +194,13 @@ def run_gigatron(out_dir: str, rank: int, world: int, sources: List[int]) -> Dic
 
     results = {}
     for source in sources:
-        for case, (stage, precision) in CASES.items():
-            tags = [None] + ([UNIVERSAL_TAG] if case == UNIVERSAL_CASE else [])
-            for tag in tags:
-                name = f"{case}@{source}" + ("-universal" if tag else "")
-                results[name] = continue_from(gigatron.initialize, out_dir, case, source, world,
-                                              rank, tag=tag)
+        for case in CASES:
+            results[f"{case}@{source}"] = continue_from(gigatron.initialize, out_dir, case,
+                                                        source, world, rank)
+        # the universal folder: by its tag, and as "load_universal" finds it (latest_universal)
+        results[f"{UNIVERSAL_CASE}@{source}-universal"] = continue_from(
+            gigatron.initialize, out_dir, UNIVERSAL_CASE, source, world, rank,
+            **({"tag": UNIVERSAL_TAG} if source == 1 else {"load_universal": True}))
     folder_case, source = "z1", sources[0]
     results["z1-no-optimizer"] = continue_from(gigatron.initialize, out_dir, folder_case,
                                                source, world, rank, load_optimizer=False)
@@ -207,16 +210,18 @@ def run_gigatron(out_dir: str, rank: int, world: int, sources: List[int]) -> Dic
 
 
 def continue_from(initialize: Any, out_dir: str, case: str, source: int, world: int,
-                  rank: int, tag: Any = None, load_optimizer: bool = True, load: bool = True
-                  ) -> Dict[str, Any]:
+                  rank: int, tag: Any = None, load_optimizer: bool = True, load: bool = True,
+                  load_universal: bool = False) -> Dict[str, Any]:
     """Load DeepSpeed's checkpoint of `case` saved on `source` ranks; train CONTINUE steps."""
     stage, precision = CASES[case]
-    engine = build(initialize, stage, precision, world)
+    extra = {"checkpoint": {"load_universal": True}} if load_universal else {}
+    engine = build(initialize, stage, precision, world, extra)
     if load:
         path, client = engine.load_checkpoint(os.path.join(out_dir, f"ds{source}", case),
                                               tag=tag, load_optimizer_states=load_optimizer)
         assert path is not None and client.get("case") == case, (path, client)
         assert client.get("samples_seen") == 24 and engine.global_steps == SAVE_AT
+        assert path.endswith(UNIVERSAL_TAG) == bool(tag or load_universal), path
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     return {"losses": train(engine, SAVE_AT, CONTINUE, rank, world, dtype)}
 

@@ -21,7 +21,8 @@ still load); load_lr_scheduler_states=False keeps this engine's scheduler;
 load_module_only=True loads the weights and buffers only. Per-rank checkpoints written
 before still load (checkpoint_legacy.py; the format is read from metadata.json), and so do
 the real DeepSpeed's own tags and universal checkpoints (ds_format.py; told apart by their
-mp_rank_00_model_states.pt).
+mp_rank_00_model_states.pt; with "checkpoint": {"load_universal": true} the tag that
+`latest_universal` names).
 
 Both calls are collective: a rank that does not call them makes every caller fail within
 the collective timeout.
@@ -110,7 +111,7 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str], strict: bool,
     require_every_rank(engine.ctx, "load_checkpoint",
                        engine.next_checkpoint_call("load_checkpoint"))
     if tag is None:
-        latest = os.path.join(load_dir, LATEST)
+        latest = os.path.join(load_dir, _latest_file(engine, load_dir))
         if not os.path.isfile(latest):
             if engine.global_rank == 0:
                 print(f"[gigatron] no checkpoint to load: {latest} does not exist", flush=True)
@@ -133,6 +134,15 @@ def load(engine: "Engine", load_dir: str, tag: Optional[str], strict: bool,
     if not module_only:
         _restore_progress(engine, common, load_scheduler)
     return folder, common.get("client_state", {})
+
+
+def _latest_file(engine: "Engine", load_dir: str) -> str:
+    """`latest`, or with DeepSpeed's checkpoint.load_universal the tag ds_to_universal wrote
+    (`latest_universal`) where there is one."""
+    universal = os.path.join(load_dir, ds_reader.LATEST_UNIVERSAL)
+    if engine.config.checkpoint.get("load_universal") and os.path.isfile(universal):
+        return ds_reader.LATEST_UNIVERSAL
+    return LATEST
 
 
 def _read(engine: "Engine", folder: str, meta: Dict[str, Any], strict: bool,

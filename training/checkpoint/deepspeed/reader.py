@@ -28,6 +28,7 @@ from gigatron.training.checkpoint.deepspeed import zero_shards
 from gigatron.training.checkpoint.deepspeed.zero_shards import Tensors
 
 LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"  # written by ds_to_universal next to `latest`
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 UNIVERSAL = "zero"
 _LAYER = re.compile(r"layer_(\d+)-model_00-model_states\.pt$")
