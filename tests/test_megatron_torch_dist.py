@@ -7,18 +7,21 @@ torch_dist (tests/megatron_torch_dist_writer.py) and trains 2 more. gigatron con
 checkpoint (`gigatron convert megatron-to-gigatron`), and
 
 * its model's logits equal Megatron-Core's at the save (fp32, 1e-5);
-* `pretrain_gpt.py --load` of the converted checkpoint (forked ranks, in process) resumes at
+* `pretrain_gpt.py --load` of the converted checkpoint (forked ranks, in process), and of
+  Megatron's root itself (converted on the fly into its gigatron/ folder), resumes at
   iteration 2 with the consumed samples, lr schedule, Adam moments and step count Megatron
   saved, and its losses of iterations 3 and 4 equal Megatron-Core's own continuation
   (1e-5). Iteration 4's loss depends on the moments: started afresh (--no-load-optim) it
   differs from Megatron's by 1.3e-2 (measured at 1 rank; with the moments the losses are
-  equal to the last bit), far beyond the tolerance.
+  equal to the last bit), far beyond the tolerance;
+* with --finetune it starts at iteration 1 on batch 0 with the loss of Megatron's logits.
 
 Covered: 1 rank with the distributed optimizer (`fully_reshardable`), tp 2 on 2 ranks with
 the non-distributed optimizer (gigatron continues at tp 2). Megatron's default distributed
 optimizer format (`dp_reshardable`, its gradient buckets) is refused with the fix.
-Not covered: pipeline parallelism (Megatron-Core's pipeline schedules need CUDA streams on
-the CPU; the torch_dist tensors are global whatever pp saved them), bf16 masters.
+Not covered: a pipeline-parallel save (not tried: it needs Megatron-Core's pipeline
+schedule on CPU ranks; the reader relies on dist_checkpointing storing global, layer-stacked
+tensors whatever pp saved them), bf16/fp16 masters, mixture-of-experts (refused).
 """
 import json
 import os
@@ -107,6 +110,22 @@ def test_one_rank_distributed_optimizer_checkpoint_continues_with_megatron_losse
     config = megatron_to_gigatron(str(tmp_path / "full"), converted)
     assert config.vocab_size == 128 and config.num_query_groups == 2
     _continue_in_gigatron(tmp_path, flags, megatron, converted, 1)
+
+    # pretrain_gpt.py --load of Megatron's own root: converted on the fly, the same losses
+    metrics = str(tmp_path / "direct.jsonl")
+    assert run_on_ranks(_pretrain, 1, flags + ["--load", str(tmp_path / "full"),
+                                               "--metrics-file", metrics]) == [0]
+    assert _losses(metrics) == dict(zip(range(SAVE_AFTER + 1, ITERS + 1),
+                                        megatron["losses"][SAVE_AFTER:]))
+    # --finetune: Megatron's weights from iteration 0 on batch 0 (its loss from the logits)
+    batch = _batches(flags)[0]
+    expected = torch.nn.functional.cross_entropy(megatron["logits"].flatten(0, 1),
+                                                 batch["labels"].flatten()).item()
+    metrics = str(tmp_path / "finetune.jsonl")
+    assert run_on_ranks(_pretrain, 1, flags + [
+        "--load", str(tmp_path / "full"), "--finetune", "--train-iters", "1",
+        "--metrics-file", metrics]) == [0]
+    assert _losses(metrics) == pytest.approx({1: expected}, abs=1e-5)
 
     with pytest.raises(ConversionError, match="dp_reshardable.*--no-load-optim") as err:
         megatron_to_gigatron(str(tmp_path / "buckets"), str(tmp_path / "refused"))
