@@ -4,7 +4,8 @@ Gradients are accumulated and reduced over data parallelism in one dtype, Megatr
 (megatron/training/arguments.py, DistributedDataParallelConfig.grad_reduce_in_fp32): --fp16 in
 fp16 unless --accumulate-allreduce-grads-in-fp32, --bf16 in fp32 unless --grad-reduce-in-bf16.
 Checked on the flags' typed fields, the built ZeRO grad buffers, the dtype on the wire of a
-forked dp2 run (ZeRO 1: grads are reduce-scattered), and `gigatron plan`'s grad bytes.
+forked dp2 run (ZeRO 1: grads are reduce-scattered), and `gigatron plan`'s grad bytes; a
+--deepspeed-config's data_types.grad_accum_dtype "fp32" keeps --fp16's grads in fp32.
 
 The dp2 runs train TinyLM (tests/zero_models.py) 3 SGD steps (momentum 0.9, no clipping, no
 weight decay: the update is linear in the gradient, so a wrong average or unscale shows,
@@ -20,6 +21,8 @@ Tolerance: 3 x the parameters' machine epsilon (2.9e-3 fp16, 2.3e-2 bf16).
 --attention-softmax-in-fp32: the unfused attention's torch softmax runs in fp32 with it (and
 with --apply-query-key-layer-scaling, as in Megatron), in the bf16 scores' dtype without it.
 """
+import json
+
 import pytest
 import torch
 
@@ -154,3 +157,25 @@ def test_attention_softmax_in_fp32_sets_the_unfused_softmax_dtype(flags, fp32_so
     out = attention(q, k, v).view(8, 2, 12).transpose(0, 1)  # [heads, s, d]
     assert torch.equal(out, torch.bmm(want, heads[2]))
     assert not torch.equal(out, torch.bmm(other, heads[2]))
+
+
+@pytest.mark.parametrize("data_types, reduced_in", [(None, "fp16"), ("fp32", "fp32")])
+def test_deepspeed_configs_grad_accum_dtype_fp32_keeps_fp16_grads_in_fp32(
+        tmp_path, data_types, reduced_in):
+    config = {"fp16": {"enabled": True, "loss_scale": 1024}}
+    if data_types:
+        config["data_types"] = {"grad_accum_dtype": data_types}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    flags = [f for f in TINY if f not in ("--loss-scale", "1024")]
+    run = build_run_config(parse_flags(flags + ["--deepspeed-config", str(path)]), 1)
+    assert run.zero.grad_reduce_dtype == reduced_in
+
+
+def test_grad_reduce_in_bf16_against_a_deepspeed_config_accumulating_in_fp32(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True},
+                                "data_types": {"grad_accum_dtype": "fp32"}}))
+    with pytest.raises(ValueError, match='--grad-reduce-in-bf16 conflicts with '
+                                         'data_types.grad_accum_dtype: "fp32"'):
+        parse_flags(TINY + ["--bf16", "--grad-reduce-in-bf16", "--deepspeed-config", str(path)])

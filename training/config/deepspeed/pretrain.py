@@ -311,9 +311,23 @@ def apply_deepspeed_config(ds: Mapping, flags: argparse.Namespace,
             problems.append(f"{flag_name(dest)}{shown} on the command line conflicts with "
                             f"{key}: {json.dumps(raw)} in the DeepSpeed config: drop one or "
                             f"make them agree")
+    _grad_accum_fp32(ds, out, problems)
     if problems:
         raise ConfigError(problems)
     return out
+
+
+def _grad_accum_fp32(ds: Mapping, flags: argparse.Namespace, problems: List[str]) -> None:
+    """data_types.grad_accum_dtype "fp32" (the one value accepted): gradients accumulate and
+    are reduced in fp32, i.e. --accumulate-allreduce-grads-in-fp32 (Megatron's --bf16 default
+    already; under --fp16 it must be set, else they would be fp16)."""
+    section = ds.get("data_types")
+    if not (isinstance(section, dict) and section.get("grad_accum_dtype") == "fp32"):
+        return
+    if flags.bf16 and flags.grad_reduce_in_bf16:
+        problems.append('--grad-reduce-in-bf16 conflicts with data_types.grad_accum_dtype: '
+                        '"fp32" in the DeepSpeed config: drop one')
+    flags.accumulate_allreduce_grads_in_fp32 = True
 
 
 def deepspeed_config_notes(flags: Mapping[str, Any]) -> List[str]:
