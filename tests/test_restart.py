@@ -56,6 +56,7 @@ def _train_losses(metrics_path):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """{iteration: loss} of the run that nothing interrupts (2 forked ranks, dp 2)."""
+    import gigatron.training.run.pretrain  # noqa: F401 -- the forked ranks share the import
     folder = tmp_path_factory.mktemp("uninterrupted")
     metrics = str(folder / "m.jsonl")
     results = _program_on(2, FLAGS + ["--save", str(folder / "ckpt"), "--metrics-file",
