@@ -267,7 +267,8 @@ class ProcessGroups:
         inner, outer = self.topology.hierarchical_cp_groups(sizes)
         self._create(dist, "cp-a2a", inner, backend)
         self._create(dist, "cp-p2p", outer, backend)
-        register_subgroups(self._groups["cp"], self._groups["cp-a2a"], self._groups["cp-p2p"])
+        register_subgroups(*(cast("Group", self._groups[name])
+                             for name in ("cp", "cp-a2a", "cp-p2p")))
 
     def __getitem__(self, name: str):
         if name not in self._groups:
