@@ -114,6 +114,17 @@ MORE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
      "DeepSpeed's inference engine and CPU/fused Adam are not used: --optimizer-cpu-offload "
      "steps the optimizer on the host"),
     (("--profile_steps",), "use --profile with --profile-step-start/--profile-step-end"),
+    (("--save-params-interval", "--save-activations-interval", "--save-tokens-per-expert",
+      "--save-wgrads-interval", "--save-dgrads-interval"),
+     "Megatron's tensor dumps are not provided (--save writes checkpoints every "
+     "--save-interval)"),
+    (("--save-retain-interval",), "gigatron never deletes checkpoints"),
+    (("--pretrained-checkpoint",), "use --load with --finetune"),
+    (("--load-tag",), "use --ckpt-step (the iteration to load)"),
+    (("--no-load-lr-state",),
+     "use --override-opt_param-scheduler (the flags' schedule, not the checkpoint's)"),
+    (("--universal-checkpoint",),
+     "gigatron's torch_dist checkpoints load into any layout without conversion"),
     (("--onnx-safe",), "ONNX export is not part of gigatron"),
     (("--no-yarn-", "--disable-mamba"), "not implemented (YaRN RoPE and Mamba are not)"),
 )
