@@ -111,8 +111,9 @@ def _refuse_other_formats(folder: str) -> None:
     names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
     if "common.pt" in names or any(n.endswith(".distcp") for n in names):
         raise ConversionError(
-            f"{folder} is a Megatron torch_dist checkpoint, not the torch format: convert it "
-            f"with Megatron-LM (--ckpt-convert-format torch --ckpt-convert-save DIR) first")
+            f"{folder} is a Megatron torch_dist checkpoint, not the torch format: read it "
+            f"with gigatron.models.megatron.torch_dist.read_torch_dist (`gigatron convert "
+            f"megatron-to-gigatron` tells the formats apart)")
     raise ConversionError(f"{folder} holds no mp_rank_* folders: not a Megatron-LM torch "
                           f"checkpoint")
 
