@@ -6,7 +6,9 @@
 deepspeed: for every case of CASES (ZeRO stage, precision), real DeepSpeed trains the MLP of
 tests/deepspeed_parity_script.py for SAVE_AT steps, saves to OUT_DIR/ds<world>/<case>, then
 continues CONTINUE steps (the oracle). Rank 0 then writes DeepSpeed's universal checkpoint of
-UNIVERSAL_CASE with deepspeed.checkpoint.ds_to_universal (one worker, in-process).
+UNIVERSAL_CASE with deepspeed.checkpoint.ds_to_universal (one worker, in-process). The 2-rank
+run also saves OUT_DIR/megatron: a model named like Megatron-DeepSpeed's GPT, with its
+Megatron args in client_state (what `gigatron convert deepspeed-to-gigatron` reads).
 gigatron: for every case and every source world size, gigatron.initialize builds the same
 engine (same config, any world size), engine.load_checkpoint reads DeepSpeed's folder and
 continues CONTINUE steps; the universal folder loads with the same engine (the 1-rank save's
@@ -15,7 +17,9 @@ by its tag, the 2-rank save's as "checkpoint": {"load_universal": true} finds it
 The global batch is the same at every world size: step s is CHUNKS micro-batches of
 MICRO_BATCH samples, chunk c a function of (s, c) only, and rank r's micro-batch m is chunk
 m * world + r; so a step's mean loss over all chunks is the same run on 1 or 2 ranks. Each
-rank writes OUT_DIR/rank<r>.json: {case: {"losses": [per step: [chunk, loss] ...]}}.
+rank writes OUT_DIR/<framework><world>.rank<r>.json: {case: {"losses": [per step: [chunk,
+loss] ...]}} (gigatron's cases are named <case>@<source world>), then exits as the parity
+script does (exit_before_interpreter_finalization).
 """
 from __future__ import annotations
 
