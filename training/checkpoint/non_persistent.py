@@ -10,8 +10,8 @@ Kinds (--non-persistent-ckpt-type):
   --load/non_persistent); once the new one is published, older ones are deleted.
 - local, in_memory: each rank keeps its own state (training/checkpoint/rank_copies.py).
 
-A persistent save that finishes makes older non-persistent checkpoints useless: they are
-deleted then (so the normal end of training, which saves, leaves none in host memory).
+A persistent save that finishes makes non-persistent checkpoints of its iteration or older
+useless: they are deleted then (so the normal end of training, which saves, leaves none in host memory).
 """
 from __future__ import annotations
 
@@ -66,14 +66,14 @@ def _keep_global(root: str, rank: int, iteration: int) -> None:
 
 def drop_older(ck: CheckpointConfig, root: str, rank: int, iteration: int) -> None:
     """After the persistent checkpoint of `iteration` is published: delete this rank's
-    share of the non-persistent checkpoints older than it (never loaded any more)."""
+    share of the non-persistent checkpoints not newer than it (never loaded any more)."""
     kind = ck.non_persistent_ckpt_type
     if kind in rank_copies.KINDS:
-        rank_copies.remove_copies(copies_dir(ck, root), rank, older_than=iteration)
+        rank_copies.remove_copies(copies_dir(ck, root), rank, up_to=iteration)
     elif kind == "global" and rank == 0:
         folder = global_dir(ck, root)
         tracked = _tracked(folder)
-        if tracked is not None and tracked < iteration:
+        if tracked is not None and tracked <= iteration:
             os.remove(os.path.join(folder, files.TRACKER))  # first: it never names a gap
             shutil.rmtree(files.iteration_dir(folder, tracked), ignore_errors=True)
 

@@ -97,9 +97,9 @@ def _write(path: str, data: memoryview, meta: Dict[str, Any], crc: int) -> None:
 
 
 def remove_copies(job: str, holder: int, keep: Optional[int] = None,
-                  older_than: Optional[int] = None) -> None:
+                  up_to: Optional[int] = None) -> None:
     """Delete rank `holder`'s files but those of iteration `keep` (or those of iterations
-    below `older_than`); an emptied folder goes too."""
+    up to `up_to`); an emptied folder goes too."""
     held = os.path.dirname(copy_path(job, holder, 0, 0))
     for name in sorted(os.listdir(held)) if os.path.isdir(held) else []:
         match = _NAME.match(name.replace(".part", "").replace(".json", ".pt"))
@@ -107,7 +107,7 @@ def remove_copies(job: str, holder: int, keep: Optional[int] = None,
             continue
         iteration = int(match.group(2))
         if (keep is not None and iteration != keep) or \
-                (older_than is not None and iteration < older_than) or name.endswith(".part"):
+                (up_to is not None and iteration <= up_to) or name.endswith(".part"):
             try:
                 os.remove(os.path.join(held, name))
             except FileNotFoundError:
