@@ -10,8 +10,9 @@ import time
 import pytest
 
 from gigatron.training.observe.straggler import format_line, rank_step_ms, report
-from gigatron.training.run import loop, pretrain  # imported before the ranks fork: once
+from gigatron.training.run import loop, pretrain
 from multirank import run_on_ranks
+from test_stuck_data_loader import imported_before_forking  # noqa: F401 (autouse fixture)
 
 
 def test_the_k_slowest_and_fastest_ranks_in_order():

@@ -23,10 +23,19 @@ import torch
 
 from gigatron.parallel.activity import WAITING_FOR_DATA, Activity, activity
 from gigatron.parallel.watchdog import EXIT_CODE, Watchdog, data_loader_stuck, process_state
-from gigatron.training.run import loop, pretrain  # imported before the ranks fork: once, not 4x
+from gigatron.training.run import pretrain
 from gigatron.training.run.builders import waited_for
 from multirank import RankError, run_on_ranks
 from test_watchdog import DictStore
+
+
+@pytest.fixture(scope="module", autouse=True)
+def imported_before_forking():
+    """The forked ranks inherit the program's modules and torch's lazily imported compiler
+    (AdamW's constructor imports torch._dynamo: seconds in every fresh process)."""
+    import gigatron.training.run.loop  # noqa: F401
+
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 def test_the_wait_for_a_batch_is_a_phase_with_its_clock_and_is_undone_after():
