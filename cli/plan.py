@@ -44,6 +44,12 @@ def plan_parser() -> argparse.ArgumentParser:
                         help="override the per-device bandwidth inside a node (GB/s)")
     parser.add_argument("--inter-node-bandwidth", type=float, default=None,
                         help="override the per-device network bandwidth (GB/s)")
+    parser.add_argument("--assume-overlap", action="append", default=[],
+                        choices=("tp-comm", "param-gather"),
+                        help="model one of Megatron-Core's overlaps that gigatron does not run "
+                             "(tp-comm: --tp-comm-overlap; param-gather: the distributed "
+                             "optimizer's --overlap-param-gather), to compare with a "
+                             "Megatron-Core run; repeat for both")
     parser.add_argument("--search", action="store_true",
                         help="rank every valid layout (tp, pp, dp, ZeRO stage, recompute, "
                              "micro-batch) for this model and GPU count")
@@ -124,11 +130,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hw = _hardware(opts, run.logging.peak_tflops)
         if opts.search:
             assert run.train.global_batch_size is not None
-            ranked, refused = search(flags, world, run.train.global_batch_size, tokenizer, hw)
+            ranked, refused = search(flags, world, run.train.global_batch_size, tokenizer, hw,
+                                     frozenset(opts.assume_overlap))
             text = json.dumps(report.search_dict(ranked, refused), indent=1) if opts.json \
                 else report.describe_search(ranked, refused, opts.top)
         else:
-            plan = plan_run(run, hw)
+            plan = plan_run(run, hw, frozenset(opts.assume_overlap))
             text = json.dumps(report.plan_dict(plan), indent=1) if opts.json \
                 else report.describe(plan)
     except ValueError as err:

@@ -136,16 +136,16 @@ def test_search_includes_cp_where_the_sequence_splits_in_2cp_chunks():
                            for r in with_cp)
 
 
-GOLDEN = {  # sha256 of `gigatron plan` output from the planner before cp (commit 65ed26e)
-    "tp2_pp2_dp2": "55253b919d99dc1e23d9d127ef083ca7e6c9b75480e0baa22f10f428d2fb6e53",
-    "tp2_pp2_dp2_json": "2f153e38df769e0ac3dbfb99f07652dd78faf4374af20f43cd80129d2c0a4ded",
-    "zero3_full_recompute": "bb66e81e4a9ae4616487d99fbfa456a3c93c8ee932a9f58bef97101109d14fba",
+GOLDEN = {  # sha256 of `gigatron plan` output of plans without cp (issue 32's model)
+    "tp2_pp2_dp2": "7cf8a7051cbc820e5e93ade10b23d706198866478b6b4537f91d3259ec7161be",
+    "tp2_pp2_dp2_json": "a058b30a7911a8a9e1442b2a18cefd89b2413823ead78d7ef2f0de794786b017",
+    "zero3_full_recompute": "b4dc32f725f46ee56e1f89f1c30718b93f89c0efa3ade10007ff1d70e84014df",
     "zero3_full_recompute_json":
-        "b744dd66aba77a6c682cbc7c03b714479ecaa7c21baeacae36be9c0a8bf8d0cf",
-    "gpt3_175b": "64692dbe3e4daf26b9cc90f095a3929dc0561b23e47f61354d12c489142dae3e",
-    "gpt3_175b_json": "47e9a5b87bb3b4c4b2d59915630fb90494ee29e48ebd43d7b7ad216d0f372451",
-    "moe": "e22958bbc9fcef7619cd9dc712d413964a3863079c1f65d11ae14cbad0d10a7a",
-    "moe_json": "b06244dbc340c6bb466bacf71c1b1d9240a12fa8520935dd49dfa5f9d5ada783",
+        "d321f0629e46f5377fe65a7842ed1cee9d0e2023879775e90d000d1e8529418d",
+    "gpt3_175b": "f9842b0e2f74e062cf89bce356a848c4dbca7f5e78f6edc6cd0c05f584a79b50",
+    "gpt3_175b_json": "5e4cf59946af48a159a80d23ba56ae1ea2d520fe7ab6ac6d1142dfac62a385e9",
+    "moe": "b2dd62f942a2248ff4a603d8e097107d418d91ccfe2675634c6c785ec751e80d",
+    "moe_json": "a23f62f6fe1db6feed7bc48a7a01d731c3ce5655aab3113462dfbe5917031949",
 }
 CASES = {
     "tp2_pp2_dp2": ["--gpu", "a100-80gb", "--num-gpus", "8", "--tensor-model-parallel-size",

@@ -26,9 +26,10 @@ Sources (retrieved for this table):
   H100 96 GB HBM2e: torchtitan's GPUs (pytorch/torchtitan benchmarks/
         llama3_h100_202412_torchtitan.md: Grand Teton hosts, 96 GB HBM2e at 2.4 TB/s, NVLink
         within a host, 400 Gb/s RDMA per GPU, 500 W power limit). Its peak is not published
-        ("between SXM and NVL", ibid.): the SXM figure, as torchtitan's own MFU uses; memory
-        six 16 GiB stacks less the 80 GB card's 0.4 GiB reserve. No device name matches it:
-        `--gpu h100-hbm2e`.
+        ("between SXM and NVL", ibid.): the NVL's 835 (the same 132-SM die rated for its
+        lower power), the bound torchtitan states, chosen while comparing with torchtitan's
+        Table 1 (training/plan/published.py). Memory: six 16 GiB stacks less the 80 GB
+        card's 0.4 GiB reserve. No device name matches it: `--gpu h100-hbm2e`.
   H200: NVIDIA H200 Tensor Core GPU datasheet (989 TFLOP/s bf16 dense, 67 fp32, 141 GB HBM3e
         4.8 TB/s, NVLink 900 GB/s); memory 139.80 GiB as torch reported it on the H200 of
         the GPU session (docs/PERFORMANCE.md, "One H200").
@@ -90,7 +91,7 @@ HARDWARE: Tuple[Hardware, ...] = (
     Hardware("h100-nvl", "NVIDIA H100 NVL", ("H100", "NVL"), _p(835.0, 60.0), 93.6, 3900,
              64, 50),
     Hardware("h100-hbm2e", "NVIDIA H100 SXM 96GB HBM2e, 500 W (Grand Teton)", (),
-             _p(989.4, 66.9), 95.6, 2400, 450, 50),
+             _p(835.0, 60.0), 95.6, 2400, 450, 50),
     Hardware("h100-sxm", "NVIDIA H100 SXM 80GB", ("H100",), _p(989.4, 66.9), 79.6, 3350, 450,
              50),
     Hardware("b200", "NVIDIA B200", ("B200",), _p(2250.0, 75.0), 179.0, 8000, 900, 50),

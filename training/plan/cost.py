@@ -32,12 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
 from gigatron.models.moe.config_checks import moe_layer_pattern
-from gigatron.parallel.pipeline.simulate import simulate_step
 from gigatron.parallel.zero.accounting import zero_comm_bytes_formula
 from gigatron.training.observe.flops import flops_per_token
 from gigatron.training.observe.devices import Hardware
@@ -45,6 +44,7 @@ from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.plan import context
 from gigatron.training.plan.experts import MoELayerCost, moe_layer_cost
 from gigatron.training.plan.memory import attention_kernel, expert_data_parallel_size
+from gigatron.training.plan.schedules import simulate_step
 
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
@@ -53,12 +53,24 @@ if TYPE_CHECKING:
 GEMM_EFFICIENCY = 0.75
 """Fraction of the dense tensor-core peak a transformer's large GEMMs sustain (cuBLAS on
 A100/H100 reaches 70-85% on the shapes of a multi-billion-parameter layer)."""
-MEMORY_EFFICIENCY = 0.7
+MEMORY_EFFICIENCY = 0.57
 """Fraction of HBM bandwidth the element-wise kernels sustain (fused Megatron kernels on
 A100 reach 70-90% of the datasheet's bandwidth)."""
+ATTENTION_EFFICIENCY = 0.69
+"""Fraction of the dense peak a fused (flash) attention kernel sustains, its FLOPs counted
+without the causal mask's skipping (4 s^2 a d per layer forward, as `_layer_flops`):
+measured on the H200 session (docs/PERFORMANCE.md, "One H200"): cuDNN SDPA took 28.8 ms of
+the GPT 1.3B step (24 layers, micro-batch 8, seq 2048: 1.98e13 such FLOPs), 687 TFLOP/s of
+989.4. The unfused softmax path keeps GEMM_EFFICIENCY and its own bytes."""
 NETWORK_EFFICIENCY = 0.7
 """Fraction of a link's datasheet bandwidth NCCL's ring collectives and p2p sends sustain
 (nccl-tests' bus bandwidth: ~230 of 300 GB/s NVLink on DGX A100, ~20 of 25 GB/s HDR)."""
+
+OVERLAPS = ("tp-comm", "param-gather")
+"""Megatron-Core overlaps a plan may assume (`gigatron plan --assume-overlap`) to compare
+with Megatron-Core's runs; gigatron runs neither: tp-comm (--tp-comm-overlap: each tp
+all-gather/reduce-scatter pipelined with its GEMM) and param-gather (--overlap-param-gather:
+the distributed optimizer's all-gather hidden behind the next step's first forward)."""
 
 OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 40, "adam": 40, "sgd": 20}
 """Bytes one optimizer step reads and writes per fp32 master element: Adam moves master,
@@ -150,6 +162,19 @@ def _link(extent: int, gpus_per_node: int, hw: Hardware) -> float:
     return hw.intra_node_gbps if extent <= gpus_per_node else hw.inter_node_gbps
 
 
+def _group_link(size: int, stride: int, hw: Hardware) -> float:
+    """Per-device bandwidth of a collective (reduce-scatter, all-gather, all-reduce) over
+    `size` ranks `stride` apart (tp-cp-dp-pp order): NVLink within a node; across nodes,
+    NCCL's channels spread the ring's node crossings over the NICs of the group's ranks on
+    each node (k of them: k x the NIC), up to NVLink. (A point-to-point ring, cp's p2p,
+    crosses on one rank's NIC: `_link`.)"""
+    assert hw.intra_node_gbps is not None and hw.inter_node_gbps is not None
+    if size * stride <= hw.gpus_per_node:
+        return hw.intra_node_gbps
+    per_node = max(1, min(size, hw.gpus_per_node // stride))
+    return min(hw.intra_node_gbps, per_node * hw.inter_node_gbps)
+
+
 @lru_cache(maxsize=4096)
 def _schedule(pp: int, m: int, v: int, forward: float, backward: float,
               schedule: str = "1f1b") -> Tuple[float, float]:
@@ -179,10 +204,12 @@ def _moe_layers(run: "RunConfig", partition: PipelinePartition, r: int) -> int:
 
 def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
               stage_parameters: Sequence[int], on_gpu: bool,
-              stage_expert_parameters: Sequence[int] = ()) -> StepCost:
+              stage_expert_parameters: Sequence[int] = (),
+              assume: FrozenSet[str] = frozenset()) -> StepCost:
     """Predicted step time of `run` on `hw`: every stage's micro-batch times, the slowest
     one run through the schedule simulator (`stage_parameters[r]`: parameters on one rank
-    of stage r, `stage_expert_parameters[r]` the routed experts' among them)."""
+    of stage r, `stage_expert_parameters[r]` the routed experts' among them; `assume`:
+    Megatron-Core's overlaps gigatron does not run, `OVERLAPS`)."""
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.micro_batch_size is not None and hw.hbm_gbps is not None
     peak = hw.peak(_dtype_name(c)) or hw.peak("fp32") or 1.0
@@ -192,7 +219,9 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     sp = p.sequence_parallel and p.tp > 1
     fl, by = _layer_flops(c, tokens, p.tp), _layer_bytes(c, tokens, p.tp, sp, on_gpu, cp)
     dense_fwd = fl["dense"] / flop_rate + by["dense"] / byte_rate
-    core_fwd = fl["core"] / flop_rate + by["core"] / byte_rate
+    flash = cp > 1 or attention_kernel(c, on_gpu) == "flash"
+    core_fwd = fl["core"] / (flop_rate if not flash else
+                             peak * 1e12 * ATTENTION_EFFICIENCY) + by["core"] / byte_rate
     vocab = c.padded_vocab_size(p.tp) / p.tp
     logits_fwd = 2.0 * tokens * c.hidden_size * vocab / flop_rate + \
         tokens * vocab * (width + 4) / byte_rate
@@ -206,8 +235,12 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
         p2p = tokens * c.hidden_size * width / (p.tp if sp else 1) / \
             (pp_link * 1e9 * NETWORK_EFFICIENCY)
     cp_traffic = _context_traffic(run, hw, tokens, core_fwd)
-    layer_fwd = dense_fwd + core_fwd + collectives_fwd * one_collective + cp_traffic["fwd_s"]
-    layer_bwd = 2 * (dense_fwd + core_fwd) + collectives_bwd * one_collective + \
+    tp_fwd, tp_bwd = collectives_fwd * one_collective, collectives_bwd * one_collective
+    if "tp-comm" in assume:  # each collective pipelined with the GEMM beside it
+        gemm = fl["dense"] / flop_rate
+        tp_fwd, tp_bwd = max(0.0, tp_fwd - gemm), max(0.0, tp_bwd - 2 * gemm)
+    layer_fwd = dense_fwd + core_fwd + tp_fwd + cp_traffic["fwd_s"]
+    layer_bwd = 2 * (dense_fwd + core_fwd) + tp_bwd + \
         {"full": dense_fwd + core_fwd, "selective": core_fwd}.get(recompute, 0.0) + \
         cp_traffic["bwd_s"]
     moe = _moe(run, hw, tokens)
@@ -234,8 +267,9 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     m = t.num_microbatches
     makespan, bubble = _schedule(p.pp, m, v, forward / v, backward / v, p.pipeline_schedule)
     heaviest = max(range(len(stage_parameters)), key=stage_parameters.__getitem__)
-    dp_cost = _dp_cost(run, stage_parameters[heaviest], hw, m, backward, byte_rate,
-                       stage_expert_parameters[heaviest] if stage_expert_parameters else 0)
+    dp_cost = _dp_cost(run, stage_parameters[heaviest], hw, m, (forward, backward),
+                       byte_rate, stage_expert_parameters[heaviest]
+                       if stage_expert_parameters else 0, "param-gather" in assume)
     layers = sum(len(partition.layer_range(slowest, k)) for k in range(v))
     collectives: float = layers * (collectives_fwd + collectives_bwd)
     gemm = layers * (3 * (fl["dense"] + fl["core"]) + {
@@ -284,10 +318,14 @@ def _context_traffic(run: "RunConfig", hw: Hardware, tokens: int, core_forward: 
 
 
 def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: int,
-             backward: float, byte_rate: float, expert_parameters: int = 0
-             ) -> Dict[str, float]:
+             micro_batch: Tuple[float, float], byte_rate: float, expert_parameters: int = 0,
+             gather_overlap: bool = False) -> Dict[str, float]:
     """Data-parallel traffic of one rank, the part left exposed, and the optimizer step
-    (routed experts' parameters over the expert-data-parallel group, the rest over dp)."""
+    (routed experts' parameters over the expert-data-parallel group, the rest over dp;
+    `micro_batch`: one micro-batch's forward and backward; `gather_overlap`: ZeRO-1/2's
+    parameter all-gather hidden behind the next step's first forward, as Megatron-Core's
+    --overlap-param-gather)."""
+    forward, backward = micro_batch
     c, p, z = run.model, run.parallel, run.zero
     assert c is not None
     param_bytes, grad_bytes = _width(c), z.reduce_dtype.itemsize
@@ -298,7 +336,7 @@ def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: 
             p.tp, shards, p.ep, p.etp or p.tp)))
     grads = gather = stage3 = shard = total = 0.0
     for count, size in groups:  # each group's ranks lie within the stage's tp x cp x dp ranks
-        link = _link(p.tp * shards, hw.gpus_per_node, hw) if size > 1 else 1.0
+        link = _group_link(size, p.tp * shards // size, hw) if size > 1 else 1.0
         rate = link * 1e9 * NETWORK_EFFICIENCY
         share = count * (size - 1) / size if size > 1 else 0.0
         grads += (2 if z.zero_stage == 0 else 1) * share * grad_bytes / rate
@@ -309,8 +347,9 @@ def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: 
         total += zero_comm_bytes_formula(count, size, z.zero_stage, grad_bytes, param_bytes) \
             if size > 1 else 0.0
     hidden = backward if z.overlap_comm else 0.0
-    exposed = max(0.0, grads - hidden) + gather + max(0.0, stage3 - num_microbatches *
-                                                      backward)
+    exposed = max(0.0, grads - hidden) + max(0.0, gather - (forward if gather_overlap
+                                                           else 0.0)) + \
+        max(0.0, stage3 - num_microbatches * backward)
     per_element = OPTIMIZER_BYTES_PER_ELEMENT.get(z.optimizer, 40)
     optimizer = shard * per_element / byte_rate
     if z.offload_optimizer == "cpu":  # the step runs in host memory; grads and params cross

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from gigatron.parallel.pipeline.partition import PipelinePartition
-from gigatron.parallel.pipeline.schedules import build_schedule
+from gigatron.training.plan.schedules import rank_schedule
 from gigatron.parallel.pipeline.simulate import peak_in_flight
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.parallel.zero.layout import group_sizes, plan_buckets
@@ -378,8 +378,8 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
                                    [pattern[i] for i in partition.layer_range(pp_rank, k)])
                  for k in range(partition.virtual_chunks)]
     held, in_flight = peak_in_flight(
-        build_schedule(pp_rank, partition.pp_size, num_microbatches, partition.virtual_chunks,
-                       schedule=schedule), [bytes_ for bytes_, _ in per_chunk])
+        rank_schedule(pp_rank, partition.pp_size, num_microbatches, partition.virtual_chunks,
+                      schedule), [bytes_ for bytes_, _ in per_chunk])
     transient = max(t for _, t in per_chunk)
     if any(partition.post_process(pp_rank, k) for k in range(partition.virtual_chunks)):
         # the loss's backward: the fp32 gradient of the logits beside the saved softmax

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import FrozenSet, List
 
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.config.run_config import RunConfig
@@ -69,8 +69,9 @@ def context_of(run: RunConfig) -> ContextLayout:
     return ContextLayout(run.parallel.context_parallel_size, run.parallel.cp_comm_type)
 
 
-def plan_run(run: RunConfig, hw: Hardware) -> Plan:
-    """Memory of every pipeline stage and the step's cost for `run` on `hw` devices."""
+def plan_run(run: RunConfig, hw: Hardware, assume: FrozenSet[str] = frozenset()) -> Plan:
+    """Memory of every pipeline stage and the step's cost for `run` on `hw` devices
+    (`assume`: Megatron-Core overlaps to model, cost.OVERLAPS)."""
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.micro_batch_size is not None
     on_gpu = hw.key != "cpu"
@@ -79,5 +80,5 @@ def plan_run(run: RunConfig, hw: Hardware) -> Plan:
                          t.num_microbatches, on_gpu, p.ep, p.etp, context_of(run),
                          p.pipeline_schedule)
     cost = step_cost(run, hw, partition, [m.parameters for m in stages], on_gpu,
-                     [m.expert_parameters for m in stages])
+                     [m.expert_parameters for m in stages], assume)
     return Plan(run, hw, stages, cost, throughput(run, cost, hw))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, FrozenSet, Iterator, List, Optional, Tuple
 
 from gigatron.training.observe.devices import Hardware
 from gigatron.training.plan.memory import GIB
@@ -133,7 +133,7 @@ def _flags_for(flags: argparse.Namespace, layout: Layout,
 
 def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
              global_batch_size: int, tokenizer: Optional["Tokenizer"],
-             hw: Hardware) -> Candidate:
+             hw: Hardware, assume: FrozenSet[str] = frozenset()) -> Candidate:
     """Validate `layout` as the run would (`tokenizer`: the flags' own, built once for every
     layout), plan it and say whether it fits."""
     from gigatron.training.config.arguments import build_run_config
@@ -144,7 +144,7 @@ def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
     except ValueError as err:
         lines = getattr(err, "problems", str(err).splitlines())
         return Candidate(layout, reason="; ".join(lines))
-    plan = plan_run(run, hw)
+    plan = plan_run(run, hw, assume)
     if not plan.fits:
         worst = max(plan.stages, key=lambda m: m.peak)
         return Candidate(layout, plan, reason=(
@@ -172,15 +172,17 @@ def _model_sizes(flags: argparse.Namespace) -> Tuple[int, Optional[int], int, bo
 
 
 def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
-           tokenizer: Optional["Tokenizer"],
-           hw: Hardware) -> Tuple[List[Candidate], List[Candidate]]:
-    """(layouts that fit, fastest first; layouts refused, each with its reason)."""
+           tokenizer: Optional["Tokenizer"], hw: Hardware,
+           assume: FrozenSet[str] = frozenset()) -> Tuple[List[Candidate], List[Candidate]]:
+    """(layouts that fit, fastest first; layouts refused, each with its reason; `assume`:
+    cost.OVERLAPS to model)."""
     ranked: List[Candidate] = []
     refused: List[Candidate] = []
     num_layers, num_experts, seq_length, tied = _model_sizes(flags)
     for layout in layouts(world_size, num_layers, hw.gpus_per_node, num_experts,
                           flags.expert_tensor_parallel_size, seq_length, tied):
-        candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw)
+        candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw,
+                             assume)
         (refused if candidate.reason else ranked).append(candidate)
     ranked.sort(key=lambda c: c.plan.cost.step if c.plan else 0.0)
     return ranked, refused
