@@ -346,10 +346,10 @@ class ZeroOptimizer:
 
     def _master_grad(self, g: FlatGroup, pieces: List[torch.Tensor]) -> torch.Tensor:
         """The gradient the optimizer steps `g.master` with, from the fp32 `pieces` of its
-        grad shard. Offloaded masters get it copied
-        piece by piece into one host buffer kept across steps (pinned where the grads are on
-        a GPU): no device-side concatenation and no fresh 4 bytes per parameter of pageable
-        host memory each step (a GPT 6.7B step on an H200 took 20 s with them)."""
+        grad shard. Offloaded masters get it copied piece by piece into one host buffer kept
+        across steps (pinned where the grads are on a GPU): no device-side concatenation and
+        no fresh 4 bytes per parameter of pageable host memory each step (a GPT 6.7B step on
+        an H200 took 20 s with them)."""
         if pieces[0].device == g.master.device:
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         host = self._host_grads.get(id(g))
