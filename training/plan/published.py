@@ -91,9 +91,7 @@ def torchtitan_sac_bytes(c: "TransformerConfig") -> float:
 
 def allocated_bytes(row: PublishedRun, plan: "Plan") -> float:
     """The plan's peak for `row`'s run: with torchtitan's SAC, each in-flight layer keeps
-    `torchtitan_sac_bytes` per token instead of Megatron's selective recomputation's
-    (its recomputed matmuls, wk, wo and w3, cost what Megatron's recomputed attention does
-    within a few percent, so the step time is the plan's)."""
+    `torchtitan_sac_bytes` per token instead of Megatron's selective recomputation's."""
     if not row.torchtitan_sac:
         return plan.peak_bytes
     from gigatron.training.plan.memory import activation_terms
@@ -171,9 +169,38 @@ def predict(row: PublishedRun) -> "Plan":
     return plan_run(run, hardware(row.gpu), frozenset(row.assume))
 
 
+def sac_recompute_seconds(plan: "Plan") -> float:
+    """What torchtitan's SAC recomputes beyond Megatron's selective recomputation (the
+    plan's), per step: wk, wo and w3 instead of the core attention, and every layer's
+    element-wise kernels once more (their forward bytes)."""
+    from gigatron.training.plan import cost
+
+    c, p, t = plan.run.model, plan.run.parallel, plan.run.train
+    assert c is not None and t.micro_batch_size is not None
+    peak = plan.hardware.peak("bf16") or 1.0
+    tokens = c.seq_length * t.micro_batch_size
+    h, kv = c.hidden_size, c.num_query_groups * c.head_dim
+    matmuls = 2.0 * tokens * h * (kv + h + c.ffn_hidden_size) / (peak * 1e12 *
+                                                                  cost.GEMM_EFFICIENCY)
+    attention = cost._layer_flops(c, tokens, 1)["core"] / (peak * 1e12 *
+                                                          cost.ATTENTION_EFFICIENCY)
+    assert plan.hardware.hbm_gbps is not None
+    elementwise = cost._layer_bytes(c, tokens, 1, False, True)["dense"] / (
+        plan.hardware.hbm_gbps * 1e9 * cost.MEMORY_EFFICIENCY)
+    return t.num_microbatches * c.num_layers // p.pp * (matmuls - attention + elementwise)
+
+
+def predicted_tokens_per_gpu(row: PublishedRun, plan: "Plan") -> float:
+    """The plan's tokens/s per GPU for `row`'s run (torchtitan's SAC: its own recompute)."""
+    if not row.torchtitan_sac:
+        return plan.rates.tokens_per_s / row.gpus
+    step = plan.cost.step + sac_recompute_seconds(plan)
+    return plan.rates.tokens_per_s * plan.cost.step / step / row.gpus
+
+
 def errors(row: PublishedRun, plan: "Plan") -> Tuple[float, Optional[float]]:
     """(relative error of tokens/s per GPU, of memory or None) of `plan` against `row`."""
-    tokens = plan.rates.tokens_per_s / row.gpus
+    tokens = predicted_tokens_per_gpu(row, plan)
     memory = None if row.memory_gib is None else \
         predicted_memory(row, plan) / 2 ** 30 / row.memory_gib - 1
     return tokens / row.tokens_per_s_per_gpu - 1, memory
@@ -191,7 +218,7 @@ def comparison_table(rows: Tuple[PublishedRun, ...] = ROWS) -> str:
         memory = "-" if row.memory_gib is None else f"{row.memory_gib}"
         lines.append(
             f"| {row.label} ({row.note}) | {row.gpus} {row.gpu} | tp{p.tp} pp{p.pp} dp{p.dp} "
-            f"| {row.tokens_per_s_per_gpu:,.0f} | {plan.rates.tokens_per_s / row.gpus:,.0f} "
+            f"| {row.tokens_per_s_per_gpu:,.0f} | {predicted_tokens_per_gpu(row, plan):,.0f} "
             f"| {tokens_error:+.1%} | {memory} | "
             f"{predicted_memory(row, plan) / 2 ** 30:.1f} | "
             f"{'-' if memory_error is None else f'{memory_error:+.1%}'} | "
