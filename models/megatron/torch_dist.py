@@ -195,10 +195,8 @@ def sharding_type(common: Dict[str, Any]) -> str:
     return found[0] if found else ""
 
 
-def read_optimizer(folder: str, common: Dict[str, Any], optim: Dict[str, torch.Tensor],
-                   config: TransformerConfig, padded: int) -> MegatronOptimizerState:
-    """The per-parameter optimizer state under gigatron's names (`optim`: the checkpoint's
-    optimizer tensors by key)."""
+def check_optimizer_format(common: Dict[str, Any], folder: str) -> None:
+    """Refuse the distributed optimizer's bucket-space formats (before reading anything)."""
     kind = sharding_type(common)
     require(kind not in ("dp_reshardable", "dp_zero_gather_scatter",
                          "fully_sharded_bucket_space"),
@@ -206,6 +204,13 @@ def read_optimizer(folder: str, common: Dict[str, Any], optim: Dict[str, torch.T
             f"buckets, tied to the saving run's layout): resave it from Megatron-LM with "
             f"--dist-ckpt-optim-fully-reshardable, or add --no-load-optim to take the weights "
             f"and start the optimizer afresh")
+
+
+def read_optimizer(folder: str, common: Dict[str, Any], optim: Dict[str, torch.Tensor],
+                   config: TransformerConfig, padded: int) -> MegatronOptimizerState:
+    """The per-parameter optimizer state under gigatron's names (`optim`: the checkpoint's
+    optimizer tensors by key)."""
+    kind = sharding_type(common)
     by_state: Dict[str, StateDict] = {}
     for key, tensor in optim.items():
         match = _OPTIMIZER.match(key)
@@ -234,12 +239,13 @@ def read_torch_dist(load: str, vocab_size: Optional[int] = None, with_optimizer:
     args = common["args"]
     config = config_from_megatron_args(args, vocab_size)
     _, padded = vocab_sizes(args, vocab_size)
+    if with_optimizer:
+        check_optimizer_format(common, folder)
     tensors = _read_tensors(folder, lambda k: not k.startswith("rng_state") and (
-        with_optimizer or not _OPTIMIZER.match(k)))
+        with_optimizer or not k.startswith(("optimizer.", "chained_"))))
     _refuse_unsupported_keys(list(tensors), folder)
-    optim = {k: tensors.pop(k) for k in list(tensors) if _OPTIMIZER.match(k)}
-    for key in [k for k in tensors if k.startswith(("optimizer.", "chained_"))]:
-        optim[key] = tensors.pop(key)  # bucket-space state: named by read_optimizer
+    optim = {k: tensors.pop(k) for k in list(tensors) if k.startswith(("optimizer.",
+                                                                        "chained_"))}
     model = _to_gigatron(tensors, config, padded)
     config.params_dtype = model["embedding.word_embeddings.weight"].dtype
     optimizer = None
