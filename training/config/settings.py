@@ -199,7 +199,8 @@ class PrecisionSettings:
     accumulate_allreduce_grads_in_fp32: bool = setting(
         False, "accumulate and reduce gradients in fp32 (the grad buffers and the "
         "data-parallel reduction); Megatron's defaults without it: --fp16 in fp16, --bf16 in "
-        "fp32 (unless --grad-reduce-in-bf16)", "--accumulate-allreduce-grads-in-fp32")
+        "fp32 (unless --grad-reduce-in-bf16); a --deepspeed-config's data_types."
+        "grad_accum_dtype \"fp32\" sets it", "--accumulate-allreduce-grads-in-fp32")
     attention_softmax_in_fp32: bool = setting(
         False, "the unfused attention's softmax in fp32 under --fp16/--bf16 (without it: in "
         "the model's dtype, as Megatron's torch softmax); torch's scaled_dot_product_attention "
