@@ -53,9 +53,9 @@ def _recorded_failures(folders: Sequence[Optional[str]], log_dir: Optional[str]
 
 
 def _run_once(commands: Sequence[Command], env: Dict[str, str]
-              ) -> Tuple[Optional[int], Optional[subprocess.Popen]]:
-    """Start the commands and wait: (None, None) when all succeed, else (index of the first
-    that failed, its process) once the others are stopped; KeyboardInterrupt stops them."""
+              ) -> Optional[Tuple[int, subprocess.Popen]]:
+    """Start the commands and wait: None when all succeed, else (index of the first that
+    failed, its process) once the others are stopped; KeyboardInterrupt stops them."""
     processes = [subprocess.Popen(list(c.argv), env={**env, **dict(c.env)},
                                   start_new_session=True) for c in commands]
     try:
@@ -69,7 +69,7 @@ def _run_once(commands: Sequence[Command], env: Dict[str, str]
         _stop(processes)
         raise
     if not failed:
-        return None, None
+        return None
     _stop(processes)
     return failed[0], processes[failed[0]]
 
@@ -91,12 +91,13 @@ def run_commands(commands: Sequence[Command], log_dir: Optional[str],
             for old in glob.glob(os.path.join(error_dir, "rank*.error.json")):
                 os.remove(old)  # the previous attempt's records
             try:
-                index, process = _run_once(commands, env)
+                failed = _run_once(commands, env)
             except KeyboardInterrupt:
                 print(f"{PROG}: interrupted; the workers were stopped", file=sys.stderr)
                 return 130
-            if process is None:
+            if failed is None:
                 return 0
+            index, process = failed
             failures = _recorded_failures([error_dir, log_dir], log_dir) if ranks_report \
                 else []
             code = process.returncode
