@@ -66,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resume_flag(save: str) -> str:
+    """'' when the written checkpoint holds an optimizer state (a run resumes from it), else
+    ' --finetune' (weights only: the run starts at iteration 0)."""
+    from gigatron.training.checkpoint import folders
+
+    _, folder = folders.find_checkpoint(save)
+    return "" if folder and folders.read_metadata(folder).get("has_optimizer") else \
+        " --finetune"
+
+
 def _run(args: argparse.Namespace) -> str:
     """Do the conversion; returns the line to print."""
     from gigatron.training.checkpoint import convert
@@ -94,7 +104,7 @@ def _run(args: argparse.Namespace) -> str:
     flags = convert.model_flags(config)
     line = (f"wrote {args.save}: {config.num_layers} layers, hidden {config.hidden_size}, "
             f"vocab {config.vocab_size}\nmodel flags for pretrain_gpt.py --load "
-            f"{args.save} --finetune: {' '.join(flags)}")
+            f"{args.save}{_resume_flag(args.save)}: {' '.join(flags)}")
     missing = convert.unexpressed_fields(
         config, convert.config_from_flags(convert.parse_model_flags(flags)))
     if missing:
