@@ -84,23 +84,13 @@ def _check_plan_options(opts: argparse.Namespace) -> None:
         raise ConfigError(problems)
 
 
-def _fill_training_only(flags: argparse.Namespace, search: bool) -> None:
-    """A plan trains nothing: the settings only training reads (iterations, learning rate,
-    data) get `gigatron generate`'s stand-ins where not given; the micro-batch size stays
-    required unless --search varies it."""
-    from gigatron.training.run.from_checkpoint import DATA_SOURCES, fill_training_only
-
-    fill_training_only(vars(flags), skip=() if search else ("micro_batch_size",))
-    if not any(getattr(flags, name) for name in DATA_SOURCES):
-        flags.mock_data = True
-
-
 def configure(argv: Sequence[str]) -> Tuple[argparse.Namespace, argparse.Namespace,
                                              "RunConfig", Optional["Tokenizer"], int]:
     """(plan options, pretrain flags, validated RunConfig, its tokenizer, world size):
     pretrain_gpt's own parse and validation, with the world size from --num-gpus."""
     from gigatron.training.config.arguments import build_run, parse_flags, with_other_problems
     from gigatron.training.config.table import ParseProblems, build_settings
+    from gigatron.training.plan.planner import fill_plan_flags
 
     opts, rest = plan_parser().parse_known_args(list(argv))
     _check_plan_options(opts)
@@ -108,7 +98,7 @@ def configure(argv: Sequence[str]) -> Tuple[argparse.Namespace, argparse.Namespa
         flags = parse_flags(rest, PROG)
     except ParseProblems as err:
         raise with_other_problems(err, opts.num_gpus or 1) from None
-    _fill_training_only(flags, opts.search)
+    fill_plan_flags(flags, opts.search)
     settings = build_settings(flags)
     world = opts.num_gpus or settings.parallel.tp * settings.parallel.pp
     run, tokenizer = build_run(settings, world)

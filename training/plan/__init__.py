@@ -6,7 +6,11 @@ memory.py    model state as ZeRO lays it out (exact) and activations (Korthikant
 cost.py      FLOPs, compute, tp/pp/dp communication, the bubble from the schedule simulator
 experts.py   an MoE layer beyond a dense one: router/expert matmuls, the token exchange
 context.py   context parallelism: the cp attention's tensors and traffic per comm type
+allocator.py what the caching allocator reserves and the device holds beyond the tensors
 planner.py   one layout's plan; search.py: every layout ranked; report.py: text and JSON
+schedules.py the pipeline schedules a plan reads, built once per shape
 sc21.py      the Megatron-LM SC21 table and the plan's prediction of it
-docs/PLAN.md explains the model, its three constants and its sources.
+published.py published H100/H200 runs (torchtitan, Megatron-Core, our H200) and the plan's
+             predictions of them
+docs/PLAN.md explains the model, its constants and their sources.
 """

@@ -2,7 +2,8 @@
 
 Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
 
-  GEMM time         matmul FLOPs / (peak x GEMM_EFFICIENCY)
+  GEMM time         matmul FLOPs / (peak x GEMM_EFFICIENCY); a flash attention's core
+                    at ATTENTION_EFFICIENCY
   memory time       bytes the element-wise kernels (norms, bias-dropout-add, GeLU/SwiGLU,
                     softmax and dropout of attention, RoPE) read and write / (HBM bandwidth x
                     MEMORY_EFFICIENCY); backward moves twice the forward's bytes
@@ -10,7 +11,8 @@ Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
   communication     reduce-scatter under sequence parallelism: the same bytes), two more when
                     full recomputation reruns the forward; ring cost 2(t-1)/t x bytes over the
                     node's link (NVLink) x NETWORK_EFFICIENCY. Not overlapped: the layers wait
-                    on them, as Megatron's did in 2021.
+                    on them, as Megatron's did in 2021 (`assume` "tp-comm": Megatron-Core's
+                    --tp-comm-overlap, each hidden behind the GEMM beside it).
   pipeline p2p      the activation sent forward and its gradient sent back, over the link
                     between stages (inter-node once tp x dp fills a node)
   context-parallel  the attention's key/value exchange (context.py) over the link the tp x cp
@@ -22,11 +24,13 @@ backward times (so the bubble is the schedule's own, (p-1)/m for 1F1B, (p-1)/3m 
 with B = W = half the backward), then the
 data-parallel gradient reduction that the last backward did not hide (buckets are reduced
 from backward hooks when overlap_comm is on; ZeRO-1/2's parameter all-gather after the step
-is exposed), then the optimizer step (memory-bound). An MoE layer (experts.py) adds its
-matmuls, bytes and token exchange in its MLP's place; expert state is reduced over the
-expert-data-parallel group. Three efficiency constants, named
-below, are the model's only free numbers; they are the same for every device, model and
-layout (docs/PLAN.md: their values and why).
+is exposed, unless `assume` "param-gather"), then the optimizer step (memory-bound). A
+collective over nodes gets the NICs of the group's ranks on each node (`_group_link`). An
+MoE layer (experts.py) adds its matmuls, bytes and token exchange in its MLP's place;
+expert state is reduced over the expert-data-parallel group. Four efficiency constants,
+named below, are the model's only free numbers; they are the same for every device, model and
+layout (docs/PLAN.md: their values and why; docs/PERFORMANCE.md: published runs beside
+the predictions, training/plan/published.py).
 """
 from __future__ import annotations
 
@@ -54,8 +58,10 @@ GEMM_EFFICIENCY = 0.75
 """Fraction of the dense tensor-core peak a transformer's large GEMMs sustain (cuBLAS on
 A100/H100 reaches 70-85% on the shapes of a multi-billion-parameter layer)."""
 MEMORY_EFFICIENCY = 0.57
-"""Fraction of HBM bandwidth the element-wise kernels sustain (fused Megatron kernels on
-A100 reach 70-90% of the datasheet's bandwidth)."""
+"""Fraction of HBM bandwidth the element-wise kernels sustain over the bytes `_layer_bytes`
+counts: measured on the H200 session (docs/PERFORMANCE.md, "One H200"): its norm, residual,
+GeLU, bias-grad, grad-accumulation and grad-norm kernels took 39 ms for the 106 GB the plan
+counts for them (2.7 of 4.8 TB/s; a plain copy reached 4.25)."""
 ATTENTION_EFFICIENCY = 0.69
 """Fraction of the dense peak a fused (flash) attention kernel sustains, its FLOPs counted
 without the causal mask's skipping (4 s^2 a d per layer forward, as `_layer_flops`):
@@ -361,7 +367,8 @@ def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: 
 
 
 def throughput(run: "RunConfig", cost: StepCost, hw: Hardware) -> Throughput:
-    """Rates of the predicted step: PaLM-convention model FLOPs (training/observe/flops.py) for MFU."""
+    """Rates of the predicted step: PaLM-convention model FLOPs (training/observe/flops.py)
+    for MFU."""
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.global_batch_size is not None
     tokens = t.global_batch_size * c.seq_length

@@ -1,6 +1,7 @@
 """One layout's plan: a validated RunConfig and a device in, memory per stage and step time out."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import FrozenSet, List
 
@@ -55,6 +56,17 @@ class Plan:
     def fits(self) -> bool:
         """Whether the device's whole use (`device_bytes`) fits its memory."""
         return self.device_bytes <= self.capacity_bytes
+
+
+def fill_plan_flags(flags: argparse.Namespace, search: bool) -> None:
+    """A plan trains nothing: the settings only training reads (iterations, learning rate,
+    data) get `gigatron generate`'s stand-ins where not given; the micro-batch size stays
+    required unless --search varies it."""
+    from gigatron.training.run.from_checkpoint import DATA_SOURCES, fill_training_only
+
+    fill_training_only(vars(flags), skip=() if search else ("micro_batch_size",))
+    if not any(getattr(flags, name) for name in DATA_SOURCES):
+        flags.mock_data = True
 
 
 def partition_of(run: RunConfig) -> PipelinePartition:

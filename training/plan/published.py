@@ -161,11 +161,14 @@ ROWS: Tuple[PublishedRun, ...] = (
 
 def predict(row: PublishedRun) -> "Plan":
     """The plan of `row`'s run on its published hardware (no training flags needed)."""
-    from gigatron.cli.plan import configure
+    from gigatron.training.config.arguments import build_run, parse_flags
+    from gigatron.training.config.table import build_settings
     from gigatron.training.observe.devices import hardware
-    from gigatron.training.plan.planner import plan_run
+    from gigatron.training.plan.planner import fill_plan_flags, plan_run
 
-    _, _, run, _, _ = configure(["--num-gpus", str(row.gpus), *row.flags])
+    flags = parse_flags(list(row.flags), "gigatron plan")
+    fill_plan_flags(flags, search=False)
+    run, _ = build_run(build_settings(flags), row.gpus)
     return plan_run(run, hardware(row.gpu), frozenset(row.assume))
 
 
