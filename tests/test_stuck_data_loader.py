@@ -135,10 +135,12 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --mock-data --vocab-size 128 "
          "--log-interval 1 --eval-iters 0 --no-progress --make-vocab-size-divisible-by 8 "
          "--train-iters 1000 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-         f"--num-workers 2 --distributed-timeout-minutes {TIMEOUT_MINUTES}").split()
+         f"--distributed-timeout-minutes {TIMEOUT_MINUTES}").split()
 
 
-def _train_until_rank_2_workers_stop(rank, world, stalled_file):
+def _train_until_rank_2_data_stalls(rank, world, workers, stalled_file):
+    """Rank 2's third batch never comes: with workers, the worker making it stops itself
+    (as `kill -STOP`); without, the training process's own read blocks for good."""
     from gigatron.data import samplers
 
     # a forked test rank is daemonic, and daemonic processes may not start the loader's
@@ -147,49 +149,64 @@ def _train_until_rank_2_workers_stop(rank, world, stalled_file):
     if rank == 2:
         collate, made = samplers.collate_samples, [0]
 
-        def stop_on_the_third_batch(samples):
-            made[0] += 1  # counted per worker process (each has its own copy)
-            if torch.utils.data.get_worker_info() is not None and made[0] == 3:
+        def stall_on_the_third_batch(samples):
+            made[0] += 1  # counted per process (each worker has its own copy)
+            if made[0] == 3:
                 with open(f"{stalled_file}.{os.getpid()}", "w") as f:
                     f.write(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGSTOP)  # as `kill -STOP` of the worker
+                if workers:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                threading.Event().wait()  # a read that never returns
             return collate(samples)
 
-        samplers.collate_samples = stop_on_the_third_batch
-    return pretrain.main(FLAGS)
+        samplers.collate_samples = stall_on_the_third_batch
+    return pretrain.main(FLAGS + ["--num-workers", str(workers)])
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads worker states from /proc")
-def test_stopped_data_loader_workers_of_rank_2_are_named_and_end_the_job(tmp_path, capfd):
-    stalled = tmp_path / "stalled"
+def _stalled_job(tmp_path, capfd, workers):
+    """Run the job; (rank 2's verdict line, the pids of the processes that stalled)."""
     with pytest.raises(RankError) as err:
-        run_on_ranks(_train_until_rank_2_workers_stop, 4, str(stalled), timeout=90)
+        run_on_ranks(_train_until_rank_2_data_stalls, 4, workers, str(tmp_path / "stalled"),
+                     timeout=90)
     ended = time.time()
     report, stderr = str(err.value), capfd.readouterr().err
     assert f"died with exit code {EXIT_CODE}" in report, report
+    # with workers, the one that owed the next batch stopped; the other one, if it has not
+    # reached its own third batch yet, idles (it waits for the main process to take its
+    # batches)
     stops = list(tmp_path.glob("stalled.*"))
-    # the worker that owed the next batch stopped; the other one idles (it has made its
-    # batches ahead and waits for the main process to take them)
-    assert len(stops) == 1, (stops, stderr[-3000:])
-    stopped_at, stopped = float(stops[0].read_text()), int(stops[0].name.split(".")[1])
+    assert 1 <= len(stops) <= max(workers, 1), (stops, stderr[-3000:])
+    stalled_at = min(float(p.read_text()) for p in stops)
+    stalled = {int(p.name.split(".")[1]) for p in stops}
     timeout_s = 60 * TIMEOUT_MINUTES
-    print(f"job ended {ended - stopped_at:.1f} s after rank 2's worker stopped "
-          f"(timeout {timeout_s:.0f} s)")
-    assert ended - stopped_at < timeout_s + 5, ended - stopped_at
-    line = next((line for line in stderr.splitlines() if "waits for its data loader" in line),
-                stderr[-3000:])
+    print(f"--num-workers {workers}: the job ended {ended - stalled_at:.1f} s after rank 2's "
+          f"data stalled (timeout {timeout_s:.0f} s)")
+    assert ended - stalled_at < timeout_s + 5, ended - stalled_at
+    assert stderr.count("waits for its data loader for") == 1  # one report, not one per rank
+    assert "every peer still beats" not in stderr and "stopped answering" not in stderr
+    line = next(line for line in stderr.splitlines() if "waits for its data loader" in line)
     # the rank names itself once the wait passes the timeout, or the first peer whose
     # collective timed out names it from its heartbeat (a fraction of a second older)
     waited = re.match(r"gigatron: error: rank 2 waits for its data loader for (\d+) s in "
                       r"iteration \d+: ", line)
     assert waited is not None and 1 <= int(waited[1]) <= timeout_s + 5, line
+    return line, stalled
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads worker states from /proc")
+def test_stopped_data_loader_workers_of_rank_2_are_named_and_end_the_job(tmp_path, capfd):
+    line, stopped = _stalled_job(tmp_path, capfd, workers=2)
     named = re.search(r"worker pids (\d+) \((\w+)\), (\d+) \((\w+)\) not answering", line)
     assert named is not None, line
     states = {int(named[1]): named[2], int(named[3]): named[4]}
-    assert states.pop(stopped) == "stopped" and list(states.values()) != ["stopped"], line
-    pids = [stopped, *states]
-    assert stderr.count("waits for its data loader for") == 1  # one report, not one per rank
-    assert "every peer still beats" not in stderr and "stopped answering" not in stderr
-    for pid in pids:  # rank 2 ended its stopped workers: nothing is left behind
+    assert {pid for pid, state in states.items() if state == "stopped"} == stopped, line
+    for pid in states:  # rank 2 ended its workers: nothing is left behind
         assert not os.path.exists(f"/proc/{pid}") or \
             open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX", pid
+
+
+def test_with_no_workers_a_read_of_rank_2_that_never_returns_is_named(tmp_path, capfd):
+    line, _ = _stalled_job(tmp_path, capfd, workers=0)
+    assert line.endswith(": no worker processes (--num-workers 0), and the training "
+                         "process's own read of the dataset has not returned. Every rank is "
+                         "ending (--distributed-timeout-minutes sets the wait)"), line
