@@ -143,3 +143,28 @@ def train_and_save(rank: int, world_size: int, args: Any, batches: List[Dict[str
         losses.append(loss.item())
     parallel_state.destroy_model_parallel()
     return {"losses": losses, "logits": logits} if rank == 0 else None
+
+
+def save_weights(rank: int, world_size: int, args: Any, root: str, tokens: torch.Tensor
+                 ) -> Optional[torch.Tensor]:
+    """On one forked rank: this rank's random chunk saved as Megatron-LM saves torch_dist
+    (weights only, as with --no-save-optim); the full logits on the last stage's tp rank 0."""
+    megatron_reference.init_parallel(args)
+    optimizer_shims()
+    chunk = megatron_reference.build_chunk(args, None)
+    chunk.eval()
+    megatron_reference.randomize([chunk], seed=7)
+    folder = os.path.join(root, "iter_0000005")
+    if dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": 5,
+                             "model": chunk.sharded_state_dict()}, folder)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("5")
+    logits = megatron_reference.forward_logits([chunk], tokens, args)
+    keep = logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+    parallel_state.destroy_model_parallel()
+    return logits if keep else None

@@ -17,11 +17,11 @@ checkpoint (`gigatron convert megatron-to-gigatron`), and
 * with --finetune it starts at iteration 1 on batch 0 with the loss of Megatron's logits.
 
 Covered: 1 rank with the distributed optimizer (`fully_reshardable`), tp 2 on 2 ranks with
-the non-distributed optimizer (gigatron continues at tp 2). Megatron's default distributed
-optimizer format (`dp_reshardable`, its gradient buckets) is refused with the fix.
-Not covered: a pipeline-parallel save (not tried: it needs Megatron-Core's pipeline
-schedule on CPU ranks; the reader relies on dist_checkpointing storing global, layer-stacked
-tensors whatever pp saved them), bf16/fp16 masters, mixture-of-experts (refused).
+the non-distributed optimizer (gigatron continues at tp 2), and the weights of a pp 2 save
+(GPT-style, tied embeddings: logits equal Megatron-Core's pipelined forward). Megatron's
+default distributed optimizer format (`dp_reshardable`, its gradient buckets) is refused
+with the fix. Not covered: training under pp (Megatron-Core's pipeline schedule on CPU ranks
+was not tried), bf16/fp16 masters, mixture-of-experts (refused).
 """
 import json
 import os
@@ -215,3 +215,22 @@ def test_exit_on_missing_checkpoint_stops_instead_of_training_from_scratch(tmp_p
         "--load", str(tmp_path / "empty"), "--exit-on-missing-checkpoint"]
     [(code, err)] = run_on_ranks(_exit_code_and_error, 1, flags, timeout=120)
     assert code != 0 and "--exit-on-missing-checkpoint: no checkpoint in --load" in err
+
+
+def test_pp2_gpt_checkpoint_weights_import_with_megatron_logits(tmp_path):
+    """A pipeline-parallel save (pp 2; GPT-style: LayerNorm with biases, learned positions,
+    tied embeddings, whose last-stage copy is not a separate tensor) reads as one model."""
+    import megatron_torch_dist_writer
+    from test_megatron_import import GPT_LIKE, _gigatron_logits
+
+    args = megatron_args(pp=2, **GPT_LIKE)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = run_on_ranks(megatron_torch_dist_writer.save_weights, 2, args,
+                           str(tmp_path / "meg"), tokens, timeout=120)
+    theirs = next(r for r in results if r is not None)
+    from gigatron.models.megatron.torch_dist import read_torch_dist
+
+    checkpoint = read_torch_dist(str(tmp_path / "meg"))
+    assert checkpoint.optimizer is None and checkpoint.iteration == 5
+    ours = _gigatron_logits(checkpoint.config, checkpoint.model, tokens)
+    torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, rtol=0, atol=1e-5)
