@@ -188,3 +188,12 @@ def test_a_killed_rank_is_named_before_the_peer_whose_collective_failed_after(tm
     failures = [describe_failure(0, 1, str(error_file), None),
                 describe_failure(1, -signal.SIGKILL, None, None, when=13)]
     assert [f.rank for f in first_failures(failures)] == [1, 0]
+
+
+def test_with_per_rank_logs_a_rank_the_agent_stopped_is_not_taken_for_the_failure(tmp_path):
+    from gigatron.parallel.launcher.failures import describe_failure, first_failures
+
+    (tmp_path / "rank0.log").write_text("iteration 9\n")  # rank 1 died before any line
+    failures = [describe_failure(0, -signal.SIGTERM, None, str(tmp_path), when=12),
+                describe_failure(1, -signal.SIGKILL, None, str(tmp_path), when=12)]
+    assert [f.rank for f in first_failures(failures)] == [1]

@@ -77,10 +77,13 @@ def describe_failure(rank: int, exitcode: int, error_file: Optional[str],
 
 def first_failures(failures: Sequence[RankFailure]) -> List[RankFailure]:
     """The ranks that failed on their own, earliest first: not those the agent stopped
-    (SIGTERM, no error recorded) because another had failed. A rank killed by a signal
-    comes before ranks that raised: their collectives fail because it died, and the agent
-    times its death in whole seconds only."""
-    own = [f for f in failures if f.exitcode != -signal.SIGTERM or f.lines]
+    (SIGTERM, no error recorded: the tail of their log does not count) because another had
+    failed. A rank killed by a signal comes before ranks that raised: their collectives
+    fail because it died, and the agent times its death in whole seconds only."""
+    def stopped(f: RankFailure) -> bool:
+        return f.exitcode == -signal.SIGTERM and f.message == exit_message(f.exitcode)
+
+    own = [f for f in failures if not stopped(f)]
     return sorted(own or failures, key=lambda f: (f.exitcode >= 0, f.when, f.rank))
 
 

@@ -88,8 +88,9 @@ def run_commands(commands: Sequence[Command], log_dir: Optional[str],
             env[ERROR_DIR_ENV] = error_dir
         for attempt in range(max_restarts + 1):
             env[RESTART_COUNT_ENV] = str(attempt)
-            for old in glob.glob(os.path.join(error_dir, "rank*.error.json")):
-                os.remove(old)  # the previous attempt's records
+            for folder in [f for f in (error_dir, log_dir) if f and attempt]:
+                for old in glob.glob(os.path.join(folder, "rank*.error.json")):
+                    os.remove(old)  # the previous attempt's records
             try:
                 failed = _run_once(commands, env)
             except KeyboardInterrupt:

@@ -31,7 +31,7 @@ import traceback
 from types import TracebackType
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from gigatron.parallel.world import read_launch_env
+from gigatron.parallel.world import read_launch_env, restart_count
 
 ERROR_DIR_ENV = "GIGATRON_LAUNCH_ERROR_DIR"
 
@@ -77,11 +77,16 @@ def parse_worker_args(argv: Sequence[str]) -> Tuple[bool, Optional[str], List[st
     return no_local_rank, log_dir, args
 
 
-def _redirect_output(path: str) -> None:
+def _redirect_output(path: str, restart: int = 0) -> None:
+    """This rank's output to `path`: a new log, or after a restart the same one continued
+    (the failed attempt's lines stay readable above the restart)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    fresh = os.O_TRUNC if restart == 0 else 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | fresh | os.O_APPEND, 0o644)
+    if restart:
+        os.write(fd, f"---- gigatron launch: restart {restart} ----\n".encode())
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -207,7 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     rank = os.environ["RANK"]
     if log_dir:
-        _redirect_output(os.path.join(log_dir, f"rank{rank}.log"))
+        _redirect_output(os.path.join(log_dir, f"rank{rank}.log"), restart_count())
     if not (no_local_rank or command):
         args = [f"--local_rank={os.environ['LOCAL_RANK']}", *args]
     return run_script(found, args, _error_paths(rank, log_dir))
