@@ -40,7 +40,10 @@ from deepspeed_parity_script import (IN, MICRO_BATCH, OUT, SmallNet,  # noqa: E4
 SAVE_AT, CONTINUE = 3, 3
 CHUNKS = 2  # micro-batches per step over all ranks: accumulation 2 on one rank, 1 on two
 CASES = {"z0": (0, "fp32"), "z1": (1, "fp32"), "z2": (2, "fp32"), "z3": (3, "fp32"),
-         "z0-bf16": (0, "bf16"), "z1-bf16": (1, "bf16"), "z3-bf16": (3, "bf16")}
+         "z0-bf16": (0, "bf16"), "z1-bf16": (1, "bf16"), "z3-bf16": (3, "bf16"),
+         "z2-fp16": (2, "fp16")}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INITIAL_SCALE_POWER = 8  # fp16: the scale doubles every 2 clean steps, so the saved one is not it
 UNIVERSAL_CASE = "z2"
 UNIVERSAL_TAG = f"global_step{SAVE_AT}_universal"
 
@@ -59,6 +62,9 @@ def config(stage: int, precision: str, world: int) -> Dict[str, Any]:
            "zero_optimization": {"stage": stage}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": INITIAL_SCALE_POWER,
+                       "loss_scale_window": 2}
     return cfg
 
 
@@ -99,13 +105,15 @@ def run_deepspeed(out_dir: str, rank: int, world: int) -> Dict[str, Any]:
 
     results = {}
     for case, (stage, precision) in CASES.items():
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        dtype = DTYPES[precision]
         engine = build(deepspeed.initialize, stage, precision, world)
         before = train(engine, 0, SAVE_AT, rank, world, dtype)
         engine.save_checkpoint(os.path.join(out_dir, f"ds{world}", case),
                                client_state={"case": case, "samples_seen": 24})
+        scale = getattr(engine.optimizer, "cur_scale", None)
         after = train(engine, SAVE_AT, CONTINUE, rank, world, dtype)
-        results[case] = {"before": before, "losses": after}
+        results[case] = {"before": before, "losses": after,
+                         "loss_scale": None if scale is None else float(scale)}
         engine.destroy()
     if world == 2:
         save_megatron_deepspeed_gpt(deepspeed.initialize, os.path.join(out_dir, "megatron"))
@@ -226,8 +234,9 @@ def continue_from(initialize: Any, out_dir: str, case: str, source: int, world: 
         assert path is not None and client.get("case") == case, (path, client)
         assert client.get("samples_seen") == 24 and engine.global_steps == SAVE_AT
         assert path.endswith(UNIVERSAL_TAG) == bool(tag or load_universal), path
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    return {"losses": train(engine, SAVE_AT, CONTINUE, rank, world, dtype)}
+    scale = float(engine.loss_scale)
+    return {"losses": train(engine, SAVE_AT, CONTINUE, rank, world, DTYPES[precision]),
+            "loss_scale": scale}
 
 
 def main() -> None:

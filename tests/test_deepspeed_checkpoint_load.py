@@ -1,7 +1,8 @@
 """Checkpoints the real DeepSpeed wrote continue in gigatron's engine as in DeepSpeed itself.
 
 tests/deepspeed_checkpoint_script.py: DeepSpeed 0.19.8 trains a small MLP for 3 steps on 1
-and on 2 gloo ranks at ZeRO 0, 1, 2, 3 in fp32 and at ZeRO 0, 1, 3 in bf16, saves
+and on 2 gloo ranks at ZeRO 0, 1, 2, 3 in fp32, at ZeRO 0, 1, 3 in bf16 and at ZeRO 2 in fp16
+(dynamic loss scale), saves
 (`engine.save_checkpoint`, client_state included), and continues 3 steps: the oracle. Rank 0
 also converts the ZeRO 2 tag with DeepSpeed's `ds_to_universal`. Then gigatron's engine, on 1
 and on 2 ranks, loads every tag of both world sizes (and the universal folder) and
@@ -38,6 +39,7 @@ WORLDS = (1, 2)
 LAUNCH_TIMEOUT_S = 400  # both launches of a framework together, on a loaded 2-core box
 FP32_TOLERANCE = 1e-5  # relative, per step's mean loss
 BF16_TOLERANCE = 2 ** -8  # one bf16 ulp of the loss (DeepSpeed's and ours both round to it)
+TOLERANCES = {"fp32": FP32_TOLERANCE, "bf16": BF16_TOLERANCE, "fp16": 2 ** -10}
 
 
 def launch(framework: str, world: int, out_dir: str) -> List:
@@ -121,7 +123,7 @@ def test_gigatron_continues_deepspeed_checkpoint_with_deepspeeds_losses(runs, ca
                                                                          loader):
     oracle = step_means([rank[case]["losses"] for rank in runs["deepspeed"][source]])
     ours = step_means([rank[f"{case}@{source}"]["losses"] for rank in runs["gigatron"][loader]])
-    tolerance = BF16_TOLERANCE if case.endswith("bf16") else FP32_TOLERANCE
+    tolerance = TOLERANCES[script.CASES[case][1]]
     assert relative(ours, oracle) <= tolerance, (
         f"{case} saved by DeepSpeed on {source} rank(s), continued by gigatron on {loader}: "
         f"{ours} vs DeepSpeed's {oracle}")
@@ -134,6 +136,16 @@ def test_universal_checkpoint_continues_with_deepspeeds_losses(runs, source, loa
     ours = step_means([rank[f"{case}@{source}-universal"]["losses"]
                        for rank in runs["gigatron"][loader]])
     assert relative(ours, oracle) <= FP32_TOLERANCE, (ours, oracle)
+
+
+@pytest.mark.parametrize("source,loader", [(s, w) for s in WORLDS for w in WORLDS])
+def test_fp16_loss_scale_carries_over(runs, source, loader):
+    """The dynamic loss scale DeepSpeed saved (grown from 2^8 over the clean steps) is the
+    one the loaded engine starts from."""
+    saved = runs["deepspeed"][source][0]["z2-fp16"]["loss_scale"]
+    assert saved > 2 ** script.INITIAL_SCALE_POWER
+    for rank in runs["gigatron"][loader]:
+        assert rank[f"z2-fp16@{source}"]["loss_scale"] == saved
 
 
 @pytest.mark.parametrize("loader", WORLDS)
