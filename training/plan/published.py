@@ -25,8 +25,9 @@ Sources (read from the repositories at the commits named):
               GPT 1.3B, micro-batch 8, seq 2048, dropout 0; max_memory_allocated), before
               the fused Adam and q/k/v-split fixes listed there.
   Megatron-Bridge's performance summary (NVIDIA-NeMo/Megatron-Bridge docs/performance-
-  summary*.md at 067f987d) has no dense bf16 H100 row (its H100 Llama rows are FP8), and its
-  one bf16 H100 row is GPT-OSS 120B, a model the zoo lacks: none of it is used.
+  summary*.md at 067f987d) has no dense bf16 H100 row (its H100 Llama rows are FP8 through
+  Transformer Engine, which gigatron emulates on bf16 GEMMs: not comparable), and its one
+  bf16 H100 row is GPT-OSS 120B, a model the zoo lacks: none of it is used.
 
 Held out: rows with `held_out=True` (every other Megatron-Core row, and torchtitan's 128-GPU
 Table 3) were not looked at while cost.py's efficiency curves were chosen; they are checked
