@@ -161,15 +161,22 @@ def test_lost_optimizer_state_or_lost_checkpoint_is_told_apart(runs, loader):
         assert (first <= FP32_TOLERANCE) == (variant == "z1-no-optimizer"), (variant, first)
 
 
-def test_a_missing_rank_file_is_one_line_naming_the_rank(runs, tmp_path):
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_missing_or_damaged_rank_file_is_one_line_naming_it(runs, tmp_path, damage):
     """A tag whose save did not finish on every rank is refused before anything loads."""
     from gigatron.training.checkpoint.deepspeed import reader
 
     tag = tmp_path / "z2"
     shutil.copytree(os.path.join(runs["folder"], "ds2", "z2", f"global_step{script.SAVE_AT}"),
                     tag)
-    os.remove(tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    with pytest.raises(ValueError, match=r"lacks the ZeRO optimizer files of dp ranks \[1\]"):
+    path = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if damage == "missing":
+        os.remove(path)
+        expected = r"lacks the ZeRO optimizer files of dp ranks \[1\]"
+    else:
+        path.write_bytes(path.read_bytes()[:1000])
+        expected = r"zero_pp_rank_1_mp_rank_00_optim_states.pt cannot be read .*truncated"
+    with pytest.raises(ValueError, match=expected):
         reader.read(str(tag))
 
 

@@ -139,7 +139,7 @@ def _layer_files(folder: str) -> Tensors:
     for path in sorted(glob.glob(os.path.join(folder, "layer_*-model_00-model_states.pt"))):
         match = _LAYER.search(os.path.basename(path))
         if match:
-            layer = torch.load(path, map_location="cpu", weights_only=False)
+            layer = zero_shards.load_file(path)
             out.update({f"{int(match.group(1))}.{k}": v for k, v in layer.items()})
     return out
 
@@ -166,8 +166,7 @@ def _read_universal(folder: str, model_states: Dict[str, Any], module: Tensors, 
             continue
         for file in sorted(os.listdir(param_dir)):
             key = file[:-len(".pt")]
-            value = torch.load(os.path.join(param_dir, file), map_location="cpu",
-                               weights_only=False)
+            value = zero_shards.load_file(os.path.join(param_dir, file))
             if key == "step":
                 ckpt.scalars["step"] = value.item() if isinstance(value, torch.Tensor) else value
             elif key == "fp32":
@@ -176,7 +175,7 @@ def _read_universal(folder: str, model_states: Dict[str, Any], module: Tensors, 
                 ckpt.states.setdefault(key, {})[name] = value["param"].float()
     common = os.path.join(root, "optimizer_state.pt")
     if os.path.isfile(common):
-        saved = torch.load(common, map_location="cpu", weights_only=False)
+        saved = zero_shards.load_file(common)
         ckpt.param_groups = [{k: v for k, v in g.items() if k != "params"}
                              for g in saved.get("param_groups", [])]
     if with_optimizer and not ckpt.states:

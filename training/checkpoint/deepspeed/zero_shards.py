@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import pickle
 import re
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -65,11 +66,20 @@ def _check_ranks(folder: str, ranks: List[int], world: int) -> None:
                          f"save did not finish on every rank; load an earlier tag")
 
 
+def load_file(path: str) -> Any:
+    """One torch file of the checkpoint; a damaged one is a ValueError naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as err:
+        reason = str(err).splitlines()[0].split(". ")[0]
+        raise ValueError(f"{path} cannot be read ({reason}): the file is truncated or "
+                         f"damaged; load an earlier tag") from None
+
+
 def merge_zero(folder: str, param_shapes: Shapes, with_states: bool) -> MergedZero:
     """Read every rank's optimizer file of a ZeRO 1-3 checkpoint and merge them."""
     files = optimizer_files(folder)
-    shards = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-              for f in files]
+    shards = [load_file(f)["optimizer_state_dict"] for f in files]
     stage = int(shards[0].get("zero_stage", 1))  # the bf16 optimizer (ZeRO 1) names none
     count = shards[0].get("partition_count", len(files))  # ZeRO 1/2: one per group
     _check_ranks(folder, list(range(len(files))),
