@@ -99,3 +99,26 @@ def test_search_recommends_pipeline_parallel_for_gpt3_175b_on_512_gpus():
                             1536, tokenizer, hw) for pp in (1, 8))
     assert piped.plan is not None and piped.reason is None
     assert flat.reason is not None and flat.reason.startswith("out of memory")
+
+
+def test_memory_is_reported_allocated_reserved_and_on_the_device():
+    from gigatron.training.plan import allocator
+
+    gib = 2 ** 30
+    reserved = allocator.reserved_bytes(10 * gib)
+    assert reserved == pytest.approx(10 * gib * (1 + allocator.FRAGMENTATION) + gib / 16)
+    # tp 2, pp 1, dp 4: two NCCL communicators beside the context
+    assert allocator.device_bytes(10 * gib, (2, 1, 4), True) == pytest.approx(
+        reserved + (allocator.NON_PYTORCH_GIB + 2 * allocator.NCCL_GIB_PER_GROUP) * gib)
+    assert allocator.device_bytes(10 * gib, (2, 1, 4), False) == 10 * gib  # the CPU
+
+
+def test_collectives_across_nodes_use_the_nics_of_the_groups_ranks_per_node():
+    from gigatron.training.observe.devices import hardware
+    from gigatron.training.plan.cost import _group_link
+
+    h100 = hardware("h100-sxm")  # NVLink 450 GB/s, one 50 GB/s NIC per GPU, 8 per node
+    assert _group_link(8, 1, h100) == 450  # within a node
+    assert _group_link(48, 1, h100) == 400  # 8 ranks per node: 8 NICs
+    assert _group_link(48, 4, h100) == 100  # tp 4: 2 of the group's ranks per node
+    assert _group_link(48, 8, h100) == 50  # tp 8: one per node
