@@ -27,8 +27,8 @@ def plan_parser() -> argparse.ArgumentParser:
                     "does). docs/PLAN.md: the model, its constants and sources.",
         epilog="example: gigatron plan --gpu h100-sxm --num-gpus 512 --model gpt3-175b "
                "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 8 "
-               "--micro-batch-size 1 --global-batch-size 1536 --bf16 --lr 1e-4 "
-               "--train-iters 1 --mock-data")
+               "--micro-batch-size 1 --global-batch-size 1536 --bf16 (settings only "
+               "training reads, e.g. --lr, --train-iters, data, need not be given)")
     parser.add_argument("--gpu", default="h100-sxm",
                         help=f"device type, a row of the hardware table: "
                              f"{', '.join(PLAN_KEYS)}")
