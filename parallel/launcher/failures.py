@@ -105,12 +105,12 @@ def format_report(failures: Sequence[RankFailure], stopped_others: bool = True) 
 
 
 
-def restart_line(failures: Sequence[RankFailure], restart: int, restarts: int,
-                 progress: Mapping[str, int]) -> str:
-    """The one line of a restart: which rank failed and why, the count, what it costs."""
-    first = first_failures(failures)[0]
-    return (f"{PROG}: rank {first.rank} failed ({first.message}); restart {restart} of "
-            f"{restarts} from the latest checkpoint: {iterations_lost(progress)}")
+def restart_line(failed: str, restart: int, restarts: int, progress: Mapping[str, int]
+                 ) -> str:
+    """The one line of a restart: what failed (a report's first line), the count, and the
+    iterations it costs."""
+    return (f"{failed}; restart {restart} of {restarts} from the latest checkpoint: "
+            f"{iterations_lost(progress)}")
 
 
 def gave_up_line(restarts: int) -> str:

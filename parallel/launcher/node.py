@@ -104,7 +104,8 @@ def run_node(torchrun_args: Sequence[str]) -> int:
                 if restarts:
                     print(gave_up_line(restarts), file=sys.stderr)
                 return code
-            print(restart_line(failures, attempt + 1, restarts, read_progress(progress_dir)),
+            failed = format_report(failures, stopped_others=False).splitlines()[0]
+            print(restart_line(failed, attempt + 1, restarts, read_progress(progress_dir)),
                   file=sys.stderr)
     return 1  # not reached: the last attempt returns
 

@@ -20,8 +20,8 @@ from gigatron.parallel.world import RESTART_COUNT_ENV
 
 from .commands import Command
 from .failures import (PROG, RankFailure, describe_failure, exit_message, format_report,
-                       gave_up_line)
-from .progress import PROGRESS_DIR_ENV, iterations_lost, read_progress
+                       gave_up_line, restart_line)
+from .progress import PROGRESS_DIR_ENV, read_progress
 from .worker import ERROR_DIR_ENV
 
 STOP_GRACE_SECONDS = 5.0
@@ -106,9 +106,8 @@ def run_commands(commands: Sequence[Command], log_dir: Optional[str],
                 f"{PROG}: {commands[index].what}: {exit_message(code)}" + (
                     "; the other commands were stopped" if len(commands) > 1 else "")
             if attempt < max_restarts:
-                print(f"{what.splitlines()[0]}; restart {attempt + 1} of {max_restarts} from "
-                      f"the latest checkpoint: {iterations_lost(read_progress(error_dir))}",
-                      file=sys.stderr)
+                print(restart_line(what.splitlines()[0], attempt + 1, max_restarts,
+                                   read_progress(error_dir)), file=sys.stderr)
                 continue
             print(what, file=sys.stderr)
             if max_restarts:
