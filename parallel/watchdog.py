@@ -260,7 +260,7 @@ class Watchdog:
                     return "a hung rank was named"
                 time.sleep(self.interval_s)
             after = self._all_beats()
-            if self._name_data_wait(after):
+            if self._await_data_verdict(after) or self._name_data_wait(self._all_beats()):
                 return "a rank waiting for its data loader was named"
         except Exception as err:
             return (f"the rendezvous store is unreachable too ({err}): without torchrun's "
@@ -269,13 +269,31 @@ class Watchdog:
             self._kill(after[rank].get("pid"), after[rank].get("host"))
         return describe_peers(before, after, self.rank)
 
+    def _await_data_verdict(self, beats: Dict[int, Dict[str, Any]]) -> bool:
+        """A peer waiting for its data loader names itself once its wait passes the timeout
+        (this rank's collective may have started before that wait and timed out first): give
+        it that long and two beats, while it still waits."""
+        deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s
+        while time.monotonic() < deadline:
+            waits = [b["phase_s"] for r, b in beats.items() if r != self.rank and
+                     b.get("status") == "running" and b.get("phase") == WAITING_FOR_DATA]
+            if not waits or max(waits) > self.timeout_s + 2 * self.interval_s:
+                return False  # none waits, or its own verdict is overdue: a starved thread
+            if self.check() is not None:
+                return True
+            time.sleep(self.interval_s)
+            beats = self._all_beats()
+        return False
+
     def _name_data_wait(self, beats: Dict[int, Dict[str, Any]]) -> bool:
-        """A peer still waiting for its data loader when this rank's collective timed out is
-        the cause, even if its own verdict has not come yet (a starved thread, a later
-        start): post it on its behalf and act on it."""
+        """A peer that has waited for its data loader for most of the timeout when this
+        rank's collective failed is the cause, even if its own verdict has not come yet (a
+        starved thread, a later start): post it on its behalf and act on it. (A short wait
+        is any rank's ordinary next batch, and says nothing.)"""
         for rank, beat in sorted(beats.items()):
             if rank != self.rank and beat.get("status") == "running" and \
-                    beat.get("phase") == WAITING_FOR_DATA:
+                    beat.get("phase") == WAITING_FOR_DATA and \
+                    beat["phase_s"] >= self.timeout_s / 2:
                 self._post(self._data_wait_verdict(rank, beat["phase_s"], beat["waiting_on"],
                                                    beat.get("iteration"), beat.get("host")))
                 return self.check() is not None

@@ -94,11 +94,11 @@ def test_a_read_that_never_returns_with_no_workers_is_named_by_the_ranks_own_wat
 
 
 def test_a_peer_whose_collective_timed_out_names_the_rank_still_waiting_for_data():
-    """The waiting rank's own verdict may come late (a starved thread): the first peer whose
-    collective timed out posts it from the heartbeat, and only the waiting rank, which owns
-    the workers, ends them."""
+    """The waiting rank names itself once its wait passes the timeout; a peer whose
+    collective failed first waits for that, and if it does not come (a starved thread)
+    posts it from the heartbeat; only the waiting rank, which owns the workers, ends them."""
     store, verdicts = DictStore(), []
-    dogs = _watchdogs(store, 3, 60, verdicts)
+    dogs = _watchdogs(store, 3, 1.0, verdicts)
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     os.kill(worker.pid, signal.SIGSTOP)
     try:
@@ -106,8 +106,14 @@ def test_a_peer_whose_collective_timed_out_names_the_rank_still_waiting_for_data
             time.sleep(0.01)
         for d in dogs:
             d._publish("running")
+        dogs[1]._publish("done")  # (no verdict on rank 1, whose beats this test does not move)
         beat = json.loads(store.data["p/2"])
-        beat.update(phase=WAITING_FOR_DATA, phase_s=42.4, waiting_on=[worker.pid], iteration=8)
+        beat.update(phase=WAITING_FOR_DATA, phase_s=0.1, waiting_on=[worker.pid], iteration=8)
+        store.set("p/2", json.dumps(beat))  # a short wait is any rank's next batch: no cause
+        started = time.monotonic()
+        assert "data loader" not in dogs[0].explain_failure(0.05) and not verdicts
+        assert time.monotonic() - started > 0.9  # it gave rank 2 the time to name itself
+        beat.update(phase_s=1.6)  # past the timeout and two beats: its verdict is overdue
         store.set("p/2", json.dumps(beat))
         assert dogs[0].explain_failure(0.05) == "a rank waiting for its data loader was named"
         assert worker.poll() is None  # not rank 0's to end
@@ -116,7 +122,7 @@ def test_a_peer_whose_collective_timed_out_names_the_rank_still_waiting_for_data
     finally:
         worker.kill()
         worker.wait()
-    message = (f"rank 2 waits for its data loader for 42 s in iteration 8: worker pid "
+    message = (f"rank 2 waits for its data loader for 2 s in iteration 8: worker pid "
                f"{worker.pid} (stopped) not answering. ")
     assert verdicts[0][:2] == (0, True) and verdicts[0][2].startswith(message), verdicts
     assert verdicts[1][:2] == (2, False)
