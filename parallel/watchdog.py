@@ -13,8 +13,9 @@ A peer whose beats have not moved for `timeout` seconds is hung: the watcher pos
 naming it (and SIGKILLs it when it runs on the same host: a stopped process ignores the
 launcher's SIGTERM), and every rank's thread, reading the verdict, ends its process non-zero
 (only the watcher prints the verdict), so the launcher ends the job. Ages are measured on
-the watcher's own monotonic clock, so clock skew between hosts does not matter. A rank that finishes (or fails with an error of
-its own) says so in its last beat and is never called hung.
+the watcher's own monotonic clock, so clock skew between hosts does not matter. A rank that
+finishes (or fails with an error of its own) says so in its last beat and is never called
+hung.
 
 A rank whose data loader has not delivered a batch for `timeout` seconds is named by its own
 watchdog thread (its process still runs, only its worker processes, or its own read with
@@ -34,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 from gigatron.parallel.activity import WAITING_FOR_DATA, activity
 
@@ -250,8 +251,9 @@ class Watchdog:
 
     def explain_failure(self, wait_s: float) -> str:
         """After a collective failed on this rank: wait up to `wait_s` (at least two beats)
-        for a verdict on a hung rank (acting on it ends this process); else name the peers
-        that stopped beating meanwhile (exited or killed) or that failed themselves."""
+        for a verdict on a hung rank (acting on it ends this process), longer for a peer
+        that waits for its data loader; else name the peers that stopped beating meanwhile
+        (exited or killed) or that failed themselves."""
         try:
             before = self._all_beats()
             deadline = time.monotonic() + wait_s
@@ -260,7 +262,9 @@ class Watchdog:
                     return "a hung rank was named"
                 time.sleep(self.interval_s)
             after = self._all_beats()
-            if self._await_data_verdict(after) or self._name_data_wait(self._all_beats()):
+            live = set(after) - set(silent_peers(before, after, self.rank))
+            if self._await_data_verdict(after, live) or \
+                    self._name_data_wait(self._all_beats(), live):
                 return "a rank waiting for its data loader was named"
         except Exception as err:
             return (f"the rendezvous store is unreachable too ({err}): without torchrun's "
@@ -269,14 +273,14 @@ class Watchdog:
             self._kill(after[rank].get("pid"), after[rank].get("host"))
         return describe_peers(before, after, self.rank)
 
-    def _await_data_verdict(self, beats: Dict[int, Dict[str, Any]]) -> bool:
-        """A peer waiting for its data loader names itself once its wait passes the timeout
-        (this rank's collective may have started before that wait and timed out first): give
-        it that long and two beats, while it still waits."""
+    def _await_data_verdict(self, beats: Dict[int, Dict[str, Any]], live: Set[int]) -> bool:
+        """A (`live`: still beating) peer waiting for its data loader names itself once its
+        wait passes the timeout (this rank's collective may have started before that wait and
+        timed out first): give it that long and two beats, while it still waits."""
         deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s
         while time.monotonic() < deadline:
-            waits = [b["phase_s"] for r, b in beats.items() if r != self.rank and
-                     b.get("status") == "running" and b.get("phase") == WAITING_FOR_DATA]
+            waits = [b["phase_s"] for r, b in beats.items() if r != self.rank and r in live
+                     and b.get("status") == "running" and b.get("phase") == WAITING_FOR_DATA]
             if not waits or max(waits) > self.timeout_s + 2 * self.interval_s:
                 return False  # none waits, or its own verdict is overdue: a starved thread
             if self.check() is not None:
@@ -285,13 +289,13 @@ class Watchdog:
             beats = self._all_beats()
         return False
 
-    def _name_data_wait(self, beats: Dict[int, Dict[str, Any]]) -> bool:
+    def _name_data_wait(self, beats: Dict[int, Dict[str, Any]], live: Set[int]) -> bool:
         """A peer that has waited for its data loader for most of the timeout when this
         rank's collective failed is the cause, even if its own verdict has not come yet (a
         starved thread, a later start): post it on its behalf and act on it. (A short wait
         is any rank's ordinary next batch, and says nothing.)"""
         for rank, beat in sorted(beats.items()):
-            if rank != self.rank and beat.get("status") == "running" and \
+            if rank != self.rank and rank in live and beat.get("status") == "running" and \
                     beat.get("phase") == WAITING_FOR_DATA and \
                     beat["phase_s"] >= self.timeout_s / 2:
                 self._post(self._data_wait_verdict(rank, beat["phase_s"], beat["waiting_on"],

@@ -109,13 +109,14 @@ def test_a_peer_whose_collective_timed_out_names_the_rank_still_waiting_for_data
         dogs[1]._publish("done")  # (no verdict on rank 1, whose beats this test does not move)
         beat = json.loads(store.data["p/2"])
         beat.update(phase=WAITING_FOR_DATA, phase_s=0.1, waiting_on=[worker.pid], iteration=8)
-        store.set("p/2", json.dumps(beat))  # a short wait is any rank's next batch: no cause
+        beating = _keep_beating(store, "p/2", beat)  # rank 2 lives: its beats move
         started = time.monotonic()
+        # a short wait is any rank's next batch: no cause, but rank 2 may name itself soon
         assert "data loader" not in dogs[0].explain_failure(0.05) and not verdicts
-        assert time.monotonic() - started > 0.9  # it gave rank 2 the time to name itself
-        beat.update(phase_s=1.6)  # past the timeout and two beats: its verdict is overdue
-        store.set("p/2", json.dumps(beat))
+        assert time.monotonic() - started > 0.9  # it gave rank 2 the time to do so
+        beat["phase_s"] = 1.6  # past the timeout and two beats: its verdict is overdue
         assert dogs[0].explain_failure(0.05) == "a rank waiting for its data loader was named"
+        beating.set()
         assert worker.poll() is None  # not rank 0's to end
         dogs[2].check()
         assert worker.wait(timeout=5) == -signal.SIGKILL
@@ -126,6 +127,20 @@ def test_a_peer_whose_collective_timed_out_names_the_rank_still_waiting_for_data
                f"{worker.pid} (stopped) not answering. ")
     assert verdicts[0][:2] == (0, True) and verdicts[0][2].startswith(message), verdicts
     assert verdicts[1][:2] == (2, False)
+
+
+def _keep_beating(store, key, beat):
+    """A thread that republishes `beat` (as it changes) with a moving counter; set the
+    returned event to stop it."""
+    stop = threading.Event()
+
+    def run():
+        while not stop.wait(0.005):
+            beat["beat"] += 1
+            store.set(key, json.dumps(beat))
+
+    threading.Thread(target=run, daemon=True).start()
+    return stop
 
 
 def _watchdogs(store, n, timeout, verdicts):
