@@ -143,7 +143,7 @@ FAMILY_REASONS: Dict[str, str] = {
     "experimental": "experimental Megatron-Core features are not implemented",
     "Transformer-Engine": _TE, "retro": "Retro is not part of gigatron",
     "sft": "supervised fine-tuning is not part of gigatron",
-    "In-process restart": _CLUSTER, "ft_package": _CLUSTER, "straggler": _CLUSTER,
+    "In-process restart": _CLUSTER, "ft_package": _CLUSTER,
     "workload inspector": _CLUSTER, "opentelemetry": _CLUSTER, "one logger": _CLUSTER,
     "autoresume": _CLUSTER, "msc": _CLUSTER, "fault injector": _CLUSTER,
     "rerun engine": _CLUSTER, "distillation": "distillation is not part of gigatron",
