@@ -5,8 +5,8 @@ a model of a few hundred MB of state, saving every iteration: a persistent torch
 checkpoint (--save-interval 1), or a global / local / in_memory non-persistent one
 (--non-persistent-save-interval 1; its run ends with one persistent save, not counted).
 Each save's time is the loop's own "checkpoint" event (the call to save until the files are
-published, all ranks agreed); the table shows the median over the run's saves and the bytes
-one persistent checkpoint holds (in_memory keeps each rank's state twice: own and peer).
+published, all ranks agreed); the table shows the median over the run's saves and the MiB
+one checkpoint keeps on disk or in memory (in_memory: every rank's state twice, own + peer).
 
     python bench/bench_checkpoint_save.py                          # 2 ranks, ~29M params
     python bench/bench_checkpoint_save.py --hidden-size 256 --iters 3 --json out.json
@@ -48,13 +48,24 @@ def _kind_flags(kind: str, work: str, shm: str) -> List[str]:
                     shm if kind == "in_memory" else os.path.join(work, "local_disk")]
 
 
-def _train(rank: int, world: int, argv: List[str]) -> int:
-    """pretrain_gpt's main on this rank (its console output discarded)."""
+def _train(rank: int, world: int, argv: List[str], kept: str, last: int,
+           size_file: str) -> int:
+    """pretrain_gpt's main on this rank (its console output discarded); rank 0 writes the
+    bytes under `kept` before the last iteration into `size_file` (the final persistent
+    save then deletes the non-persistent checkpoints)."""
     import contextlib
     import io
 
-    from gigatron.training.run import pretrain
+    from gigatron.training.run import loop, pretrain
 
+    real_step = loop.train_step
+
+    def step(s: Any, batches: Any, progress: Any) -> Any:
+        if rank == 0 and progress.iteration == last - 1:
+            with open(size_file, "w") as f:
+                f.write(str(_bytes_under(kept)))
+        return real_step(s, batches, progress)
+    loop.train_step = step
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return pretrain.main(argv)
 
@@ -68,22 +79,21 @@ def measure(kind: str, args: argparse.Namespace, work: str, shm: str) -> Dict[st
     """Median save seconds of `kind` and the bytes its newest checkpoint holds."""
     metrics = os.path.join(work, f"{kind}.jsonl")
     argv = _flags(args) + _kind_flags(kind, work, shm) + ["--metrics-file", metrics]
-    codes = run_on_ranks(_train, args.ranks, argv, timeout=1800)
+    kept = {"persistent": os.path.join(work, kind), "global": os.path.join(work, kind,
+            "non_persistent"), "local": os.path.join(work, "local_disk"), "in_memory": shm}[kind]
+    size_file = os.path.join(work, f"{kind}.bytes")
+    codes = run_on_ranks(_train, args.ranks, argv, kept, args.iters, size_file, timeout=1800)
     assert codes == [0] * args.ranks, codes
     with open(metrics) as f:
         saves = [r for r in map(json.loads, f) if r.get("type") == "checkpoint"]
     persistent = kind == "persistent"
     times = [r["seconds"] for r in saves if persistent or r["iteration"] < args.iters]
+    with open(size_file) as f:
+        kept_mb = int(f.read()) / 2 ** 20
+    if kind == "persistent":  # every persistent checkpoint is kept: one of them
+        kept_mb /= args.iters - 1
     return {"kind": kind, "saves": len(times), "median_s": statistics.median(times),
-            "min_s": min(times)}
-
-
-def _checkpoint_mb(work: str) -> float:
-    """The size of one persistent checkpoint (the newest of the persistent run; the
-    non-persistent ones are gone once their run's final persistent save is published)."""
-    folder = os.path.join(work, "persistent")
-    newest = sorted(d for d in os.listdir(folder) if d.startswith("iter_"))[-1]
-    return _bytes_under(os.path.join(folder, newest)) / 2 ** 20
+            "min_s": min(times), "kept_mb": kept_mb}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -104,20 +114,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         for kind in KINDS:
             rows.append(measure(kind, args, work, shm))
             print(json.dumps(rows[-1]), flush=True)
-        size = _checkpoint_mb(work)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     base = rows[0]["median_s"]
-    print(f"\none checkpoint: {size:.0f} MB (in_memory keeps it twice: own + peer copy)\n"
-          f"| kind | saves | median s | min s | vs --save |\n|---|---|---|---|---|")
+    print("\n| kind | saves | median s | min s | median vs --save | MiB kept |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['saves']} | {r['median_s']:.3f} | {r['min_s']:.3f} | "
-              f"{r['median_s'] / base:.2f}x |")
+              f"{r['median_s'] / base:.2f}x | {r['kept_mb']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"checkpoint_mb": size, "rows": rows}, f, indent=1)
+            json.dump(rows, f, indent=1)
     return 0
 
 

@@ -37,7 +37,7 @@ import socket
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -83,16 +83,41 @@ def peer_ranks(hosts: List[str]) -> List[int]:
     return peers
 
 
-def _write(path: str, data: memoryview, meta: Dict[str, Any], crc: int) -> None:
-    """Write `data` and its sidecar (with the data's `crc`) so that the file counts only
-    once complete."""
+class _CrcWriter(io.RawIOBase):
+    """A write-only file object that takes the CRC32 of the bytes on their way to `file`."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        super().__init__()
+        self._file, self.crc = file, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        self._file.write(view)
+        self.crc = zlib.crc32(view, self.crc)
+        return view.nbytes
+
+
+def _write(path: str, meta: Dict[str, Any], state: Optional[Dict[str, Any]] = None,
+           data: Optional[memoryview] = None, crc: int = 0) -> None:
+    """Write `state` (serialised straight into the file, its CRC32 taken on the way) or
+    `data` (of CRC32 `crc`), then its sidecar, so that the file counts only once complete.
+    No fsync: these checkpoints outlive a process, not the node's kernel (a file torn by a
+    kernel crash fails its CRC)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     part = f"{path}.part"
     with open(part, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    atomic_write_text(_sidecar(path), json.dumps({**meta, "crc32": crc, "bytes": len(data)}))
+        if state is not None:
+            writer = _CrcWriter(f)
+            torch.save(state, cast(BinaryIO, writer))
+            crc = writer.crc
+        else:
+            assert data is not None
+            f.write(data)
+        size = f.tell()
+    atomic_write_text(_sidecar(path), json.dumps({**meta, "crc32": crc, "bytes": size}))
     os.replace(part, path)
 
 
@@ -142,23 +167,25 @@ class RankCopies:
         in_memory, its peer's copy); a failure on any rank raises on every rank and leaves
         the previous checkpoint."""
         iteration = int(meta["iteration"])
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getbuffer()
-        crc = zlib.crc32(data)
         failure: Optional[BaseException] = None
         path = copy_path(job, rank, rank, iteration)
-        try:
-            _write(path, data, {**meta, "owner": rank}, crc)
-        except OSError as err:
-            failure = err
-        if self.kind == "in_memory" and world > 1:
-            group, peers = self._peer_setup(world)
-            for owner, (received, owner_crc) in _send_to_peer(data, crc, peers, rank,
-                                                              group).items():
+        if self.kind == "local":  # serialised straight into the file
+            try:
+                _write(path, {**meta, "owner": rank}, state=state)
+            except OSError as err:
+                failure = err
+        else:  # serialised once: the bytes go to the file and to the peer
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            data = buffer.getbuffer()
+            received = {rank: (data, zlib.crc32(data))}
+            if world > 1:
+                group, peers = self._peer_setup(world)
+                received.update(_send_to_peer(data, received[rank][1], peers, rank, group))
+            for owner, (payload, crc) in received.items():
                 try:
-                    _write(copy_path(job, rank, owner, iteration), received,
-                           {**meta, "owner": owner}, owner_crc)
+                    _write(copy_path(job, rank, owner, iteration), {**meta, "owner": owner},
+                           data=payload, crc=crc)
                 except OSError as err:
                     failure = failure or err
         if failure is not None:
