@@ -16,11 +16,11 @@ checkpoint (`gigatron convert megatron-to-gigatron`), and
   equal to the last bit), far beyond the tolerance;
 * with --finetune it starts at iteration 1 on batch 0 with the loss of Megatron's logits.
 
-Covered: 1 rank with the distributed optimizer (`fully_reshardable`), tp 2 on 2 ranks with
-the non-distributed optimizer (gigatron continues at tp 2), and the weights of a pp 2 save
-(GPT-style, tied embeddings: logits equal Megatron-Core's pipelined forward). Megatron's
-default distributed optimizer format (`dp_reshardable`, its gradient buckets) is refused
-with the fix. Not covered: training under pp (Megatron-Core's pipeline schedule on CPU ranks
+Covered: 1 rank with the distributed optimizer in both its formats (`fully_reshardable`:
+per parameter; `dp_reshardable`, Megatron-LM's default: its gradient buckets), tp 2 on 2
+ranks with the non-distributed optimizer (gigatron continues at tp 2), and the weights of a
+pp 2 save (GPT-style, tied embeddings: logits equal Megatron-Core's pipelined forward).
+Not covered: training under pp (Megatron-Core's pipeline schedule on CPU ranks
 was not tried), bf16/fp16 masters, mixture-of-experts (refused).
 """
 import json
@@ -127,9 +127,11 @@ def test_one_rank_distributed_optimizer_checkpoint_continues_with_megatron_losse
         "--metrics-file", metrics]) == [0]
     assert _losses(metrics) == pytest.approx({1: expected}, abs=1e-5)
 
-    with pytest.raises(ConversionError, match="dp_reshardable.*--no-load-optim") as err:
-        megatron_to_gigatron(str(tmp_path / "buckets"), str(tmp_path / "refused"))
-    assert "\n" not in str(err.value)
+    # Megatron's default format of the distributed optimizer: its gradient buckets
+    buckets = str(tmp_path / "from_buckets")
+    megatron_to_gigatron(str(tmp_path / "buckets"), buckets)
+    (tmp_path / "metrics.jsonl").unlink()
+    _continue_in_gigatron(tmp_path, flags, megatron, buckets, 1)
     megatron_to_gigatron(str(tmp_path / "buckets"), str(tmp_path / "weights"),
                          with_optimizer=False)
     _, weights = load_model(str(tmp_path / "weights"))
@@ -154,6 +156,15 @@ def test_megatron_checkpoint_names_what_it_refuses(tmp_path):
     assert split["decoder.layers.2.mlp.linear_fc2.weight"].tolist() == [4., 5.]
     with pytest.raises(ConversionError, match="stacks 3 layers, the args say num_layers=4"):
         unstack_layers(stacked, 4)
+    from gigatron.models.megatron.buckets import unflatten_buckets
+
+    params = [("a", (3,)), ("b", (2, 2))]  # reversed: b at 0..4, a at 64..67 (64-aligned)
+    flat = unflatten_buckets([torch.arange(67.)], params, "here")
+    assert flat["a"].tolist() == [64., 65., 66.] and flat["b"].flatten().tolist() == [0, 1, 2, 3]
+    assert unflatten_buckets([torch.arange(4.), torch.arange(3.)], params, "")["a"].tolist() \
+        == [0., 1., 2.]  # a bucket ends where its last parameter ends
+    with pytest.raises(ConversionError, match="fill 4 of bucket 0's 66 elements"):
+        unflatten_buckets([torch.arange(66.)], params[1:], "here")
     with pytest.raises(ConversionError, match="no Megatron torch_dist checkpoint"):
         read_torch_dist(str(tmp_path))
     os.makedirs(tmp_path / "iter_0000001")

@@ -22,8 +22,9 @@ Optimizer: per-parameter formats (`optimizer.state.<exp_avg|exp_avg_sq|param|fp3
 <model key>`: the distributed optimizer's `fully_reshardable` and the older
 `fully_sharded_model_space`, and the non-distributed optimizer) map like the weights. The
 distributed optimizer's `dp_reshardable` format (Megatron-LM's default unless
---dist-ckpt-optim-fully-reshardable) stores its gradient-buffer buckets, tied to the saving
-run's dp and bucket layout: refused with the fix. Mixture-of-experts models are refused.
+--dist-ckpt-optim-fully-reshardable) stores its gradient-buffer buckets: cut back into
+parameters by buckets.py. The deprecated bucket formats (`dp_zero_gather_scatter`,
+`fully_sharded_bucket_space`) and mixture-of-experts models are refused.
 """
 from __future__ import annotations
 
@@ -131,6 +132,23 @@ def _read_tensors(folder: str, wanted: Any) -> Dict[str, torch.Tensor]:
     return state
 
 
+def read_objects(folder: str, prefix: str) -> Dict[str, Any]:
+    """The pickled objects (ShardedObjects) whose key starts with `prefix`."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    reader = dcp.FileSystemReader(folder)
+    state: Dict[str, Any] = {k: io.BytesIO() for k, md in
+                             reader.read_metadata().state_dict_metadata.items()
+                             if isinstance(md, BytesStorageMetadata) and k.startswith(prefix)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+    return state
+
+
 def unstack_layers(state: StateDict, num_layers: int) -> StateDict:
     """Megatron-Core's layer-stacked `decoder.layers.<name>` [layers, ...] -> one tensor per
     `decoder.layers.<i>.<name>`."""
@@ -174,6 +192,9 @@ def optimizer_step(common: Dict[str, Any], folder: str) -> int:
                 steps.add(int(state["common_step"]))
             for value in node.values():
                 walk(value)
+        elif isinstance(node, list):  # a ShardedObject's value
+            for value in node:
+                walk(value)
     walk(common.get("optimizer"))
     require(len(steps) == 1, f"{folder}/{COMMON_FILE}: the optimizer's param groups hold "
             f"step counts {sorted(steps) or 'none'}, one expected: add --no-load-optim to "
@@ -196,30 +217,40 @@ def sharding_type(common: Dict[str, Any]) -> str:
 
 
 def check_optimizer_format(common: Dict[str, Any], folder: str) -> None:
-    """Refuse the distributed optimizer's bucket-space formats (before reading anything)."""
+    """Refuse the distributed optimizer's deprecated formats (before reading anything)."""
     kind = sharding_type(common)
-    require(kind not in ("dp_reshardable", "dp_zero_gather_scatter",
-                         "fully_sharded_bucket_space"),
-            f"{folder}: the distributed optimizer's state is saved as {kind!r} (its gradient "
-            f"buckets, tied to the saving run's layout): resave it from Megatron-LM with "
+    require(kind not in ("dp_zero_gather_scatter", "fully_sharded_bucket_space"),
+            f"{folder}: the distributed optimizer's state is saved as {kind!r} (a deprecated "
+            f"format, tied to the saving run's layout): resave it from Megatron-LM with "
             f"--dist-ckpt-optim-fully-reshardable, or add --no-load-optim to take the weights "
             f"and start the optimizer afresh")
 
 
 def read_optimizer(folder: str, common: Dict[str, Any], optim: Dict[str, torch.Tensor],
-                   config: TransformerConfig, padded: int) -> MegatronOptimizerState:
-    """The per-parameter optimizer state under gigatron's names (`optim`: the checkpoint's
-    optimizer tensors by key)."""
+                   config: TransformerConfig, padded: int,
+                   model_shapes: Dict[str, Tuple[int, ...]]) -> MegatronOptimizerState:
+    """The optimizer state under gigatron's names (`optim`: the checkpoint's optimizer
+    tensors by key; `model_shapes`: its model tensors' global shapes, in its order)."""
     kind = sharding_type(common)
-    by_state: Dict[str, StateDict] = {}
-    for key, tensor in optim.items():
-        match = _OPTIMIZER.match(key)
-        if match:
-            name = MASTER if match.group(1) in _MASTER_NAMES else match.group(1)
-            by_state.setdefault(name, {})[match.group(2)] = tensor
-    require(bool(by_state), f"{folder} holds no per-parameter optimizer state "
-            f"(optimizer.state.*): add --no-load-optim to take the weights only")
-    mapped = {name: _to_gigatron(state, config, padded) for name, state in by_state.items()}
+    if kind == "dp_reshardable":
+        from gigatron.models.megatron.buckets import bucket_states
+
+        mapped = bucket_states(optim, model_shapes, common["args"], config, padded, folder)
+        # its param groups (with the step count) are objects beside the buckets
+        common = {**common, "optimizer": {"common": common.get("optimizer"), **read_objects(
+            folder, "optimizer.distributed.")}}
+    else:
+        by_state: Dict[str, StateDict] = {}
+        for key, tensor in optim.items():
+            match = _OPTIMIZER.match(key)
+            if match:
+                name = MASTER if match.group(1) in _MASTER_NAMES else match.group(1)
+                by_state.setdefault(name, {})[match.group(2)] = tensor
+        mapped = {name: _to_gigatron(state, config, padded) for name, state in
+                  by_state.items()}
+    mapped = {MASTER if k in _MASTER_NAMES else k: v for k, v in mapped.items()}
+    require(bool(mapped), f"{folder} holds no optimizer state a parameter's tensors can be "
+            f"told from: add --no-load-optim to take the weights only")
     masters = mapped.pop(MASTER, {})
     return MegatronOptimizerState({k: mapped[k] for k in sorted(mapped)},
                                   {k: v.float() for k, v in masters.items()},
@@ -246,11 +277,12 @@ def read_torch_dist(load: str, vocab_size: Optional[int] = None, with_optimizer:
     _refuse_unsupported_keys(list(tensors), folder)
     optim = {k: tensors.pop(k) for k in list(tensors) if k.startswith(("optimizer.",
                                                                         "chained_"))}
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     model = _to_gigatron(tensors, config, padded)
     config.params_dtype = model["embedding.word_embeddings.weight"].dtype
     optimizer = None
     if with_optimizer and (optim or common.get("optimizer")):
-        optimizer = read_optimizer(folder, common, optim, config, padded)
+        optimizer = read_optimizer(folder, common, optim, config, padded, shapes)
     iteration = 0 if os.path.basename(os.path.normpath(folder)) == "release" else \
         int(common.get("iteration") or 0)
     return TorchDistCheckpoint(folder, args, iteration, config, model, optimizer,
