@@ -18,7 +18,8 @@ checkpoint (`gigatron convert megatron-to-gigatron`), and
 
 Covered: 1 rank with the distributed optimizer in both its formats (`fully_reshardable`:
 per parameter; `dp_reshardable`, Megatron-LM's default: its gradient buckets), tp 2 on 2
-ranks with the non-distributed optimizer (gigatron continues at tp 2), and the weights of a
+ranks with the non-distributed optimizer and with the distributed one's buckets (gigatron
+continues at tp 2), and the weights of a
 pp 2 save (GPT-style, tied embeddings: logits equal Megatron-Core's pipelined forward).
 Not covered: training under pp (Megatron-Core's pipeline schedule on CPU ranks
 was not tried), bf16/fp16 masters, mixture-of-experts (refused).
@@ -139,8 +140,12 @@ def test_one_rank_distributed_optimizer_checkpoint_continues_with_megatron_losse
     assert all(torch.equal(weights[k], full[k]) for k in full)
 
 
-def test_tp2_checkpoint_of_the_plain_optimizer_continues_at_tp2_with_megatron_losses(tmp_path):
-    flags, megatron = _megatron_run(tmp_path, 2, False, {"meg": None})
+@pytest.mark.parametrize("distributed, sharding_type", [(False, None),
+                                                         (True, "dp_reshardable")],
+                         ids=["plain_optimizer", "distributed_optimizer_buckets"])
+def test_tp2_checkpoint_continues_at_tp2_with_megatron_losses(tmp_path, distributed,
+                                                              sharding_type):
+    flags, megatron = _megatron_run(tmp_path, 2, distributed, {"meg": sharding_type})
     converted = str(tmp_path / "gig")
     megatron_to_gigatron(str(tmp_path / "meg"), converted)
     _continue_in_gigatron(tmp_path, flags, megatron, converted, 2,
