@@ -19,7 +19,7 @@ checkpoint (`gigatron convert megatron-to-gigatron`), and
 Covered: 1 rank with the distributed optimizer in both its formats (`fully_reshardable`:
 per parameter; `dp_reshardable`, Megatron-LM's default: its gradient buckets), tp 2 on 2
 ranks with the non-distributed optimizer and with the distributed one's buckets (gigatron
-continues at tp 2), and the weights of a
+continues at tp 2), dp 2 with the buckets sharded over dp, and the weights of a
 pp 2 save (GPT-style, tied embeddings: logits equal Megatron-Core's pipelined forward).
 Not covered: training under pp (Megatron-Core's pipeline schedule on CPU ranks
 was not tried), bf16/fp16 masters, mixture-of-experts (refused).
@@ -71,14 +71,16 @@ def _losses(path):
         return {r["iteration"]: r["lm loss"] for r in map(json.loads, f) if r["type"] == "train"}
 
 
-def _megatron_run(tmp_path, tp, distributed, saves):
-    """Megatron-Core trains and saves; returns (gigatron's run flags, Megatron's result)."""
+def _megatron_run(tmp_path, tp, distributed, saves, dp=1):
+    """Megatron-Core trains and saves; returns (gigatron's run flags, Megatron's result).
+    With dp > 1 every dp rank trains on the whole batch: the averaged gradients, and so the
+    losses, are the one-rank run's, while the distributed optimizer shards its state."""
     import megatron_torch_dist_writer
 
     args = megatron_args(tp=tp)  # vocabulary: Megatron's padded 128 rows, all tokens
     flags = model_flags(config_from_megatron_args(args)) + RUN
     batches = _batches(flags)
-    results = run_on_ranks(megatron_torch_dist_writer.train_and_save, tp, args, batches,
+    results = run_on_ranks(megatron_torch_dist_writer.train_and_save, tp * dp, args, batches,
                            {str(tmp_path / name): kind for name, kind in saves.items()},
                            SAVE_AFTER, distributed, timeout=180)
     return flags, dict(results[0], tokens=batches[0]["tokens"])
@@ -140,16 +142,18 @@ def test_one_rank_distributed_optimizer_checkpoint_continues_with_megatron_losse
     assert all(torch.equal(weights[k], full[k]) for k in full)
 
 
-@pytest.mark.parametrize("distributed, sharding_type", [(False, None),
-                                                         (True, "dp_reshardable")],
-                         ids=["plain_optimizer", "distributed_optimizer_buckets"])
-def test_tp2_checkpoint_continues_at_tp2_with_megatron_losses(tmp_path, distributed,
-                                                              sharding_type):
-    flags, megatron = _megatron_run(tmp_path, 2, distributed, {"meg": sharding_type})
+@pytest.mark.parametrize("tp, dp, distributed, sharding_type", [
+    (2, 1, False, None), (2, 1, True, "dp_reshardable"), (1, 2, True, "dp_reshardable")],
+    ids=["tp2_plain_optimizer", "tp2_distributed_optimizer_buckets",
+         "dp2_distributed_optimizer_buckets"])
+def test_two_rank_checkpoint_continues_with_megatron_losses(tmp_path, tp, dp, distributed,
+                                                            sharding_type):
+    """Saved on 2 ranks; gigatron continues at tp 2 (the tp saves) or on 1 rank."""
+    flags, megatron = _megatron_run(tmp_path, tp, distributed, {"meg": sharding_type}, dp)
     converted = str(tmp_path / "gig")
     megatron_to_gigatron(str(tmp_path / "meg"), converted)
-    _continue_in_gigatron(tmp_path, flags, megatron, converted, 2,
-                          ["--tensor-model-parallel-size", "2"])
+    _continue_in_gigatron(tmp_path, flags, megatron, converted, tp,
+                          ["--tensor-model-parallel-size", str(tp)])
 
 
 def test_megatron_checkpoint_names_what_it_refuses(tmp_path):
