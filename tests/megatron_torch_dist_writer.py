@@ -147,8 +147,10 @@ def train_and_save(rank: int, world_size: int, args: Any, batches: List[Dict[str
 
 def save_weights(rank: int, world_size: int, args: Any, root: str, tokens: torch.Tensor
                  ) -> Optional[torch.Tensor]:
-    """On one forked rank: this rank's random chunk saved as Megatron-LM saves torch_dist
-    (weights only, as with --no-save-optim); the full logits on the last stage's tp rank 0."""
+    """On one forked rank: this rank's random chunk saved as Megatron-LM saves torch_dist,
+    with its distributed optimizer's state (dp_reshardable) after a step of zero gradients
+    (no weight decay: the fp32 mains stay the weights); the full logits on the last stage's
+    tp rank 0."""
     megatron_reference.init_parallel(args)
     optimizer_shims()
     chunk = megatron_reference.build_chunk(args, None)
@@ -158,8 +160,19 @@ def save_weights(rank: int, world_size: int, args: Any, root: str, tokens: torch
     if dist.get_rank() == 0:
         os.makedirs(folder, exist_ok=True)
     dist.barrier()
+    model = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), chunk)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=LR, weight_decay=0.0, use_distributed_optimizer=True,
+        params_dtype=torch.float32), [model])
+    for inner in optimizer.chained_optimizers:  # a step of zero gradients: states exist
+        inner._init_optimizer_states_with_dummy_values()
+    model_state = chunk.sharded_state_dict()
     dist_checkpointing.save({"args": args, "checkpoint_version": 3.0, "iteration": 5,
-                             "model": chunk.sharded_state_dict()}, folder)
+                             "model": model_state,
+                             "optimizer": optimizer.sharded_state_dict(
+                                 model_state, metadata={"distrib_optim_sharding_type":
+                                                        "dp_reshardable"})}, folder)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:

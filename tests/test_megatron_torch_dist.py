@@ -19,8 +19,9 @@ checkpoint (`gigatron convert megatron-to-gigatron`), and
 Covered: 1 rank with the distributed optimizer in both its formats (`fully_reshardable`:
 per parameter; `dp_reshardable`, Megatron-LM's default: its gradient buckets), tp 2 on 2
 ranks with the non-distributed optimizer and with the distributed one's buckets (gigatron
-continues at tp 2), dp 2 with the buckets sharded over dp, and the weights of a
-pp 2 save (GPT-style, tied embeddings: logits equal Megatron-Core's pipelined forward).
+continues at tp 2), dp 2 with the buckets sharded over dp, and a pp 2 save (GPT-style,
+tied embeddings: logits equal Megatron-Core's pipelined forward; the buckets' fp32 mains
+equal the weights after a step of zero gradients).
 Not covered: training under pp (Megatron-Core's pipeline schedule on CPU ranks
 was not tried), bf16/fp16 masters, mixture-of-experts (refused).
 """
@@ -237,9 +238,11 @@ def test_exit_on_missing_checkpoint_stops_instead_of_training_from_scratch(tmp_p
     assert code != 0 and "--exit-on-missing-checkpoint: no checkpoint in --load" in err
 
 
-def test_pp2_gpt_checkpoint_weights_import_with_megatron_logits(tmp_path):
+def test_pp2_gpt_checkpoint_imports_with_megatron_logits_and_its_optimizer_buckets(tmp_path):
     """A pipeline-parallel save (pp 2; GPT-style: LayerNorm with biases, learned positions,
-    tied embeddings, whose last-stage copy is not a separate tensor) reads as one model."""
+    tied embeddings, whose last-stage copy is not a separate tensor but a parameter in a
+    bucket of its own) reads as one model, and the fp32 mains cut out of each stage's
+    dp_reshardable buckets are exactly the weights (a misplaced parameter would not be)."""
     import megatron_torch_dist_writer
     from test_megatron_import import GPT_LIKE, _gigatron_logits
 
@@ -251,6 +254,10 @@ def test_pp2_gpt_checkpoint_weights_import_with_megatron_logits(tmp_path):
     from gigatron.models.megatron.torch_dist import read_torch_dist
 
     checkpoint = read_torch_dist(str(tmp_path / "meg"))
-    assert checkpoint.optimizer is None and checkpoint.iteration == 5
+    assert checkpoint.iteration == 5
+    # the distributed optimizer's buckets (not stepped): its fp32 mains are the weights
+    masters = checkpoint.optimizer.masters
+    assert masters.keys() == checkpoint.model.keys()
+    assert all(torch.equal(masters[k], checkpoint.model[k]) for k in masters)
     ours = _gigatron_logits(checkpoint.config, checkpoint.model, tokens)
     torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, rtol=0, atol=1e-5)
