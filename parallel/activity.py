@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Sequence, Tuple, TypeVar
+
+T = TypeVar("T")
 
 WAITING_FOR_DATA = "waiting for its data loader"
 
@@ -65,3 +67,19 @@ class Activity:
 
 
 activity = Activity()  # process-wide, like comm.stats
+
+
+def waited_for(loader: Iterable[T]) -> Iterator[T]:
+    """The loader's batches, each wait for one marked in `activity` with the pids of the
+    loader's worker processes: the watchdog names a rank whose loader stops delivering."""
+    batches = iter(loader)
+    # torch keeps a multi-process iterator's worker processes in `_workers` (none with
+    # num_workers=0, where the training process reads the samples itself)
+    pids = [w.pid for w in getattr(batches, "_workers", ())]
+    while True:
+        with activity.waiting(WAITING_FOR_DATA, pids):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+        yield batch

@@ -17,14 +17,15 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
+import numpy as np
 import pytest
 import torch
 
-from gigatron.parallel.activity import WAITING_FOR_DATA, Activity, activity
+from gigatron.parallel.activity import WAITING_FOR_DATA, Activity, activity, waited_for
 from gigatron.parallel.watchdog import EXIT_CODE, Watchdog, data_loader_stuck, process_state
 from gigatron.training.run import pretrain
-from gigatron.training.run.builders import waited_for
 from multirank import RankError, run_on_ranks
 from test_watchdog import DictStore
 
@@ -52,6 +53,36 @@ def test_the_verdict_names_the_rank_the_wait_and_each_worker_state():
     assert text.startswith(f"rank 2 waits for its data loader for 60 s in iteration 7: worker "
                            f"pids {os.getpid()} (running), {2 ** 22 + 1} not answering. "), text
     assert "--num-workers 0" in data_loader_stuck(0, 5, [])
+
+
+class _PhaseSeen(torch.utils.data.Dataset):
+    """Four samples `make(i)`; records the reading process's phase at every read."""
+
+    def __init__(self, make):
+        self.make, self.seen = make, []
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        self.seen.append(activity.phase)
+        return self.make(i)
+
+
+def test_pretraining_and_engine_loaders_mark_their_reads_as_waits_for_data():
+    from gigatron.data.samplers import build_pretraining_data_loader
+    from gigatron.engine.deepspeed.data_loader import EngineDataLoader
+    from gigatron.training.run.builders import _to_executor
+
+    activity.at(1, "train step")
+    engine = _PhaseSeen(lambda i: torch.tensor([i]))
+    assert len(list(EngineDataLoader(engine, 2, rank=0, world_size=1))) == 2
+    samples = _PhaseSeen(lambda i: {"tokens": np.zeros(2, dtype=np.int64)})
+    pipeline = types.SimpleNamespace(needs_inputs=False, needs_labels=False)
+    loader = build_pretraining_data_loader(samples, 0, 2, 0, 1)
+    assert len(list(_to_executor(loader, torch.device("cpu"), pipeline))) == 2
+    assert engine.seen == samples.seen == [WAITING_FOR_DATA] * 4
+    assert activity.phase == "train step"
 
 
 class _Blocking:

@@ -12,6 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
+from gigatron.parallel.activity import waited_for
+
 
 class EngineDataLoader:
     """Micro-batches of this rank's share of `dataset`; a new shuffle every pass."""
@@ -36,7 +38,7 @@ class EngineDataLoader:
     def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self.epoch)
         self.epoch += 1
-        return iter(self.loader)
+        return waited_for(self.loader)  # a stuck loader is named (parallel/watchdog.py)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch}

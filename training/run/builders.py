@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from gigatron.parallel.activity import waited_for
 from gigatron.parallel.pipeline.executor import PipelineExecutor
 from gigatron.parallel.pipeline.interfaces import GradSync
 from gigatron.parallel.pipeline.schedules import Instruction
@@ -278,23 +279,6 @@ def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
             out["labels"] = batch["labels"].to(device)
             out["loss_mask"] = batch["loss_mask"].to(device)
         yield out if cp == 1 else context_parallel_shard(out, cp, cp_rank)
-
-
-def waited_for(loader: Iterable[dict]) -> Iterator[dict]:
-    """The loader's batches, each wait for one marked in `activity` with the pids of the
-    loader's worker processes: the watchdog names a rank whose loader stops delivering."""
-    from gigatron.parallel.activity import WAITING_FOR_DATA, activity
-
-    batches = iter(loader)
-    # torch keeps a multi-process iterator's worker processes in `_workers` (none with
-    # --num-workers 0, where the training process reads the samples itself)
-    pids = [w.pid for w in getattr(batches, "_workers", ())]
-    while True:
-        with activity.waiting(WAITING_FOR_DATA, pids):
-            batch = next(batches, None)
-        if batch is None:
-            return
-        yield batch
 
 
 def context_parallel_shard(batch: Dict[str, torch.Tensor], cp: int,
