@@ -135,6 +135,7 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
          "num_query_groups": "--group-query-attention",
          "group_query_attention": "--num-query-groups 2", "loss_scale": "--fp16",
          "save_interval": "--save d", "finetune": "--load d", "ckpt_step": "--load d",
+         "use_checkpoint_args": "--load d",
          "optimizer_cpu_offload":
          "--zero-stage 1", "sequence_parallel": "--tensor-model-parallel-size 2",
          "num_layers_per_virtual_pipeline_stage": "--pipeline-model-parallel-size 2",

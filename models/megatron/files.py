@@ -65,7 +65,7 @@ class _Unpickler(pickle.Unpickler):
             return type(name, (_Placeholder,), {"__module__": module})
 
 
-class _LenientPickle:
+class LenientPickle:
     """A pickle module for torch.load whose Unpickler tolerates missing Megatron classes."""
 
     Unpickler = _Unpickler
@@ -123,7 +123,7 @@ def load_rank_file(path: str) -> Dict[str, Any]:
     require(os.path.isfile(path), f"{path} is missing: the checkpoint is incomplete")
     try:
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True,
-                          pickle_module=_LenientPickle)
+                          pickle_module=LenientPickle)
     except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
         raise ConversionError(f"{path} cannot be read ({str(err).splitlines()[0]}): the file "
                               f"is truncated or not a torch checkpoint") from None

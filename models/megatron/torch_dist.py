@@ -41,7 +41,7 @@ import torch
 from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError, StateDict, require
 from gigatron.models.megatron.args import config_from_megatron_args, vocab_sizes
-from gigatron.models.megatron.files import read_tracker, TRACKER
+from gigatron.models.megatron.files import LenientPickle, read_tracker, TRACKER
 from gigatron.models.megatron.legacy import megatron_state_dict
 
 COMMON_FILE = "common.pt"
@@ -98,18 +98,20 @@ def find_torch_dist(load: str) -> Optional[str]:
 def read_common(folder: str) -> Dict[str, Any]:
     """common.pt: the args, iteration, scheduler and optimizer param groups (a pickle:
     load only checkpoints you trust)."""
-    from gigatron.models.megatron.files import _LenientPickle
-
     path = os.path.join(folder, COMMON_FILE)
     try:
         common = torch.load(path, map_location="cpu", weights_only=False,
-                            pickle_module=_LenientPickle)
+                            pickle_module=LenientPickle)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
-        raise ConversionError(f"{path} cannot be read ({str(err).splitlines()[0]}): the file "
-                              f"is truncated or not a torch checkpoint") from None
+        raise ConversionError(f"{path} cannot be read ({_first_line(err)}): the file is "
+                              f"truncated or not a torch checkpoint") from None
     require(isinstance(common.get("args"), argparse.Namespace), f"{path} holds no 'args': "
             f"the model's shape cannot be known")
     return common
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0]
 
 
 def _read_tensors(folder: str, wanted: Any) -> Dict[str, torch.Tensor]:
@@ -122,7 +124,8 @@ def _read_tensors(folder: str, wanted: Any) -> Dict[str, torch.Tensor]:
         entries = reader.read_metadata().state_dict_metadata
     except Exception as err:  # pickle, EOF, OS errors: the file is damaged
         raise ConversionError(f"{os.path.join(folder, DCP_METADATA)} cannot be read "
-                              f"({str(err).splitlines()[0]})") from None
+                              f"({_first_line(err)}): the file is truncated or damaged") \
+            from None
     state = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for k, md in entries.items()
              if isinstance(md, TensorStorageMetadata) and wanted(k)}
