@@ -22,6 +22,8 @@ local query-sized tensor; keys/values enter attention at the query heads) per la
               and the reduce-scatter of their gradients: (cp-1) x 2X each
                                                               -> all_gather, reduce_scatter
   a2a         q, k, v and the output, forward and backward: 2 x 4X x (cp-1)/cp -> all_to_all
+  a2a+p2p     (--comm-types a2a+p2p: A = 2, P = cp/2) a2a's over A: 2 x 4X x (A-1)/A, and the
+              ring's over P on the head-split tensors (also X each)     -> all_to_all, send
 
     python bench/bench_context_parallel.py                        # 8k..32k tokens (slow)
     python bench/bench_context_parallel.py --seq-lengths 1024 --cp 1 2 --layers 1
@@ -45,7 +47,8 @@ from multirank import run_on_ranks  # noqa: E402
 
 from gigatron.models.config import TransformerConfig  # noqa: E402
 
-COMM_TYPES = ("p2p", "all_gather", "a2a")
+COMM_TYPES = ("p2p", "all_gather", "a2a")  # the default rows (gigatron plan models each)
+HIERARCHICAL = "a2a+p2p"  # on request: A = 2 (a2a), P = cp / 2 (p2p ring)
 TOLERANCE = 0.15  # activation ratio cp1 / cp against cp (issue 28: within 15%)
 
 
@@ -69,6 +72,11 @@ def comm_bytes_formula(comm_type: str, cp: int, batch: int, seq_length: int, hea
         return {"send": (cp - 1) * 2 * x + (cp - 1) * 2 * x + cp * 2 * x}
     if comm_type == "all_gather":
         return {"all_gather": 2 * (cp - 1) * 2 * x, "reduce_scatter": (cp - 1) * 2 * x}
+    if comm_type == HIERARCHICAL:
+        inner, outer = 2, cp // 2
+        ring = comm_bytes_formula("p2p", outer, batch, seq_length * outer // cp, heads,
+                                  head_dim, layers, width)
+        return {"all_to_all": 2 * 4 * x * (inner - 1) // inner, **ring}
     return {"all_to_all": 2 * 4 * x * (cp - 1) // cp}
 
 
@@ -112,6 +120,10 @@ def _one_rank(rank: int, cp: int, config: TransformerConfig, comm_type: str,
 
     torch.set_num_threads(1)
     group = dist.group.WORLD if cp > 1 else None
+    if comm_type == HIERARCHICAL:
+        from gigatron.parallel.topology import ProcessGroups, Topology
+
+        group = ProcessGroups(Topology(cp=cp), rank, hierarchical_cp=(2, cp // 2)).cp_group
     model = GPTModel(config, cp_group=group, cp_comm_type=comm_type).train()
     ids = torch.randint(0, config.vocab_size, (batch, config.seq_length),
                         generator=torch.Generator().manual_seed(0))
@@ -192,7 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seq-lengths", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--comm-types", nargs="+", default=list(COMM_TYPES),
-                        choices=COMM_TYPES)
+                        choices=COMM_TYPES + (HIERARCHICAL,))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--out", default=None, help="folder for bench_context_parallel.json")

@@ -54,3 +54,16 @@ def test_bench_reports_a_formula_off_by_one_hop(bench, rows):
     assert "cp 2 p2p: sent" in line
     table = bench.table(rows)
     assert "| 512 | 4 | p2p |" in table and "| 512 | 1 | - |" in table
+
+
+def test_a2a_p2p_bytes_equal_the_formula_and_activations_fall_as_one_over_cp(bench):
+    """--comm-types a2a+p2p (A = 2, P = cp/2): at cp4, a2a's 2 x 4X x 1/2 and the ring's
+    (1 + 1 + 2) x 2X over P = 2, measured against parallel/comm's counters."""
+    x4 = 512 // 4 * 4 * 16 * 4
+    assert bench.comm_bytes_formula("a2a+p2p", 4, 1, 512, 4, 16, 1) == {
+        "all_to_all": 4 * x4, "send": 8 * x4}
+    config = bench.tiny_config(512, layers=1)
+    rows = bench.with_ratios([bench.measure(1, config, "p2p"),
+                              bench.measure(4, config, "a2a+p2p")])
+    assert rows[1]["measured_bytes"] == rows[1]["formula_bytes"], rows[1]
+    assert abs(rows[1]["ratio"] / 4 - 1) < 0.15, rows[1]
