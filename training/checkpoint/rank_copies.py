@@ -10,10 +10,10 @@ every rank's state in the memory of a peer rank on the next node).
 <job> is a hash of the --save folder when saving and of --load when loading: a restart runs
 the same command, so it finds the files of its own job and of no other.
 
-Save (collective; the state is never gathered): each rank serialises its state once and
-writes it under a temporary name, renamed into place after its sidecar is written (a file
-counts only once renamed: a crash never leaves a half-written newest); in_memory then sends
-the bytes to its peer, which writes them the same way. All ranks report success (one
+Save (collective; the state is never gathered): each rank serialises its state once (local:
+straight into the file) and writes it under a temporary name, renamed into place after its
+sidecar is written (a file counts only once renamed: a crash never leaves a half-written
+newest); in_memory also sends the bytes to its peer, which writes them the same way. All ranks report success (one
 all-gather of a flag) and only then delete their older files, so a crash during a save
 leaves every rank's previous checkpoint.
 
