@@ -8,8 +8,8 @@ Megatron-Core's _ParamAndGradBuffer: the rank's parameters in reverse registrati
 each starting at a multiple of 64 elements, a bucket closed where its saved length ends.
 Rebuilt here from the model's global shapes and the saved args, and checked against every
 bucket's saved length: each rank's local tensors are then merged over tp as the legacy
-format's shards are (legacy.py). Dense models with one buffer per rank (one parameter
-dtype), no virtual pipeline, layers split evenly over pp; anything else is refused.
+format's shards are (legacy.py). One buffer per parameter dtype (the dtype in its key),
+dense models, no virtual pipeline, layers split evenly over pp; anything else is refused.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from gigatron.models.hf_common import StateDict, require
 from gigatron.models.megatron.legacy import megatron_state_dict
 
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
-                     r"dtype_\(.*\)\.bucket_idx_(\d+)\.([A-Za-z0-9_]+)$")
+                     r"dtype_\((torch\.\w+), torch\.\w+\)\.bucket_idx_(\d+)\.(\w+)$")
 _COLUMN = ("word_embeddings.weight", "linear_qkv.weight", "linear_qkv.bias",
            "linear_fc1.weight", "linear_fc1.bias", "output_layer.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
@@ -39,26 +39,29 @@ def local_shape(name: str, shape: Tuple[int, ...], tp: int) -> Tuple[int, ...]:
     return shape
 
 
-def rank_parameters(model_shapes: Dict[str, Tuple[int, ...]], num_layers: int, pp: int,
-                    pp_rank: int, tied: bool) -> List[Tuple[str, Tuple[int, ...]]]:
-    """(chunk-local name, global shape) of a pipeline rank's parameters in Megatron-Core's
-    registration order (`model_shapes`: the checkpoint's global tensors, layer-stacked,
-    in the order Megatron-Core's sharded state dict lists them)."""
+Shape = Tuple[int, ...]
+Tensors = Dict[str, Tuple[Shape, torch.dtype]]  # global key -> (global shape, dtype)
+
+
+def rank_parameters(model: Tensors, num_layers: int, pp: int, pp_rank: int, tied: bool
+                    ) -> List[Tuple[str, Tuple[Shape, torch.dtype]]]:
+    """(chunk-local name, (global shape, dtype)) of a pipeline rank's parameters in
+    Megatron-Core's registration order (`model`: the checkpoint's global tensors,
+    layer-stacked, in the order Megatron-Core's sharded state dict lists them)."""
     per_stage = num_layers // pp
-    inner = [(k[len("decoder.layers."):], s[1:]) for k, s in model_shapes.items()
+    inner = [(k[len("decoder.layers."):], (s[1:], d)) for k, (s, d) in model.items()
              if k.startswith("decoder.layers.")]
-    out: List[Tuple[str, Tuple[int, ...]]] = []
+    out: List[Tuple[str, Tuple[Shape, torch.dtype]]] = []
     if pp_rank == 0:
-        out += [(k, s) for k, s in model_shapes.items() if k.startswith("embedding.")]
+        out += [(k, v) for k, v in model.items() if k.startswith("embedding.")]
     out += [(f"decoder.layers.{i}.{name}", shape) for i in range(per_stage)
             for name, shape in inner]
     if pp_rank == pp - 1:
-        out += [(k, s) for k, s in model_shapes.items()
-                if k.startswith("decoder.final_layernorm")]
-        if "output_layer.weight" in model_shapes:
-            out.append(("output_layer.weight", model_shapes["output_layer.weight"]))
+        out += [(k, v) for k, v in model.items() if k.startswith("decoder.final_layernorm")]
+        if "output_layer.weight" in model:
+            out.append(("output_layer.weight", model["output_layer.weight"]))
         elif tied and pp > 1:  # the last stage's copy of the embedding is a parameter too
-            out.append(("output_layer.weight", model_shapes["embedding.word_embeddings.weight"]))
+            out.append(("output_layer.weight", model["embedding.word_embeddings.weight"]))
     return out
 
 
@@ -84,36 +87,59 @@ def unflatten_buckets(buckets: List[torch.Tensor], params: List[Tuple[str, Tuple
     return out
 
 
-def bucket_states(optim: Dict[str, torch.Tensor], model_shapes: Dict[str, Tuple[int, ...]],
-                  args: object, config: TransformerConfig, padded: int, folder: str
-                  ) -> Dict[str, StateDict]:
-    """state name ('exp_avg', 'exp_avg_sq', 'param') -> gigatron's single-device state dict."""
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    found: Dict[str, Dict[int, Dict[int, torch.Tensor]]] = {}
+Buffers = Dict[Tuple[int, str], Dict[int, torch.Tensor]]  # (gbuf, param dtype) -> buckets
+
+
+def _found_buckets(optim: Dict[str, torch.Tensor]) -> Dict[str, Dict[int, Buffers]]:
+    """state -> model-parallel rank -> (buffer, its parameters' dtype) -> bucket -> tensor."""
+    found: Dict[str, Dict[int, Buffers]] = {}
     for key, tensor in optim.items():
         match = _BUCKET.match(key)
         if match:
-            group, gbuf, bucket, state = match.groups()
-            require(gbuf == "0", f"{folder}: {key}: more than one gradient buffer per rank "
-                    f"(mixed parameter dtypes or experts) is not supported")
-            found.setdefault(state, {}).setdefault(int(group), {})[int(bucket)] = tensor
+            group, gbuf, dtype, bucket, state = match.groups()
+            found.setdefault(state, {}).setdefault(int(group), {}).setdefault(
+                (int(gbuf), dtype), {})[int(bucket)] = tensor
+    return found
+
+
+def _rank_state(buffers: Buffers, params: List[Tuple[str, Tuple[Shape, torch.dtype]]],
+                where: str) -> StateDict:
+    """A rank's parameters out of its buffers: one buffer per parameter dtype."""
+    dtypes = [dtype for _, dtype in buffers]
+    require(len(set(dtypes)) == len(dtypes), f"{where}: two gradient buffers of "
+            f"{dtypes}: expert buffers (mixture of experts) are not supported")
+    out: StateDict = {}
+    for (_, dtype), by_bucket in sorted(buffers.items()):
+        mine = [(name, shape) for name, (shape, d) in params if str(d) == dtype]
+        out.update(unflatten_buckets([by_bucket[i] for i in sorted(by_bucket)], mine,
+                                     f"{where} ({dtype} buffer)"))
+    missing = [name for name, _ in params if name not in out]
+    require(not missing, f"{where}: no gradient buffer holds {', '.join(missing[:3])}")
+    return out
+
+
+def bucket_states(optim: Dict[str, torch.Tensor], model: Tensors, args: object,
+                  config: TransformerConfig, padded: int, folder: str
+                  ) -> Dict[str, StateDict]:
+    """state name ('exp_avg', 'exp_avg_sq', 'param') -> gigatron's single-device state dict
+    (`model`: the checkpoint's model tensors, global key -> (shape, dtype), in its order)."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     require(vp == 1 and config.num_layers % pp == 0, f"{folder}: the dp_reshardable "
             f"optimizer state is read for an even split of layers without a virtual "
             f"pipeline only: add --no-load-optim to take the weights")
     tied = not config.untie_embeddings_and_output_weights
     out: Dict[str, StateDict] = {}
-    for state, groups in found.items():
+    for state, groups in _found_buckets(optim).items():
         require(sorted(groups) == list(range(tp * pp)), f"{folder}: {state} is saved for "
                 f"model-parallel ranks {sorted(groups)}, tp x pp = {tp * pp} expected")
         models = {}
-        for group, by_bucket in groups.items():
+        for group, buffers in groups.items():
             tp_rank, pp_rank = group % tp, group // tp
-            params = [(name, local_shape(name, shape, tp)) for name, shape in
-                      rank_parameters(model_shapes, config.num_layers, pp, pp_rank, tied)]
-            buckets = [by_bucket[i] for i in sorted(by_bucket)]
-            models[(tp_rank, pp_rank)] = [unflatten_buckets(
-                buckets, params, f"{folder} {state} of tp rank {tp_rank}, pp rank {pp_rank}")]
+            params = [(name, (local_shape(name, shape, tp), dtype)) for name, (shape, dtype)
+                      in rank_parameters(model, config.num_layers, pp, pp_rank, tied)]
+            models[(tp_rank, pp_rank)] = [_rank_state(
+                buffers, params, f"{folder} {state} of tp rank {tp_rank}, pp rank {pp_rank}")]
         out[state] = megatron_state_dict(models, tp, pp, config, padded)
     return out

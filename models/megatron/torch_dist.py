@@ -231,14 +231,15 @@ def check_optimizer_format(common: Dict[str, Any], folder: str) -> None:
 
 def read_optimizer(folder: str, common: Dict[str, Any], optim: Dict[str, torch.Tensor],
                    config: TransformerConfig, padded: int,
-                   model_shapes: Dict[str, Tuple[int, ...]]) -> MegatronOptimizerState:
+                   model: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
+                   ) -> MegatronOptimizerState:
     """The optimizer state under gigatron's names (`optim`: the checkpoint's optimizer
-    tensors by key; `model_shapes`: its model tensors' global shapes, in its order)."""
+    tensors by key; `model`: its model tensors' global shapes and dtypes, in its order)."""
     kind = sharding_type(common)
     if kind == "dp_reshardable":
         from gigatron.models.megatron.buckets import bucket_states
 
-        mapped = bucket_states(optim, model_shapes, common["args"], config, padded, folder)
+        mapped = bucket_states(optim, model, common["args"], config, padded, folder)
         # its param groups (with the step count) are objects beside the buckets
         common = {**common, "optimizer": {"common": common.get("optimizer"), **read_objects(
             folder, "optimizer.distributed.")}}
@@ -280,7 +281,7 @@ def read_torch_dist(load: str, vocab_size: Optional[int] = None, with_optimizer:
     _refuse_unsupported_keys(list(tensors), folder)
     optim = {k: tensors.pop(k) for k in list(tensors) if k.startswith(("optimizer.",
                                                                         "chained_"))}
-    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
     model = _to_gigatron(tensors, config, padded)
     config.params_dtype = model["embedding.word_embeddings.weight"].dtype
     optimizer = None
