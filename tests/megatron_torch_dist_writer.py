@@ -164,7 +164,7 @@ def save_weights(rank: int, world_size: int, args: Any, root: str, tokens: torch
         use_distributed_optimizer=True, grad_reduce_in_fp32=True), chunk)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=LR, weight_decay=0.0, use_distributed_optimizer=True,
-        params_dtype=torch.float32), [model])
+        bf16=args.bf16, params_dtype=args.params_dtype), [model])
     for inner in optimizer.chained_optimizers:  # a step of zero gradients: states exist
         inner._init_optimizer_states_with_dummy_values()
     model_state = chunk.sharded_state_dict()

@@ -22,8 +22,10 @@ ranks with the non-distributed optimizer and with the distributed one's buckets 
 continues at tp 2), dp 2 with the buckets sharded over dp, and a pp 2 save (GPT-style,
 tied embeddings: logits equal Megatron-Core's pipelined forward; the buckets' fp32 mains
 equal the weights after a step of zero gradients).
-Not covered: training under pp (Megatron-Core's pipeline schedule on CPU ranks
-was not tried), bf16/fp16 masters, mixture-of-experts (refused).
+A bf16 save's fp32 mains are read from its two dtype buffers (no training: Megatron-Core's
+bf16 model here keeps fp32 norms, unlike Megatron-LM's Float16Module, so its losses are not
+gigatron's bf16 ones). Not covered: training under pp (Megatron-Core's pipeline schedule on
+CPU ranks was not tried), bf16 continuation losses, fp16, mixture-of-experts (refused).
 """
 import json
 import os
@@ -261,3 +263,27 @@ def test_pp2_gpt_checkpoint_imports_with_megatron_logits_and_its_optimizer_bucke
     assert all(torch.equal(masters[k], checkpoint.model[k]) for k in masters)
     ours = _gigatron_logits(checkpoint.config, checkpoint.model, tokens)
     torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, rtol=0, atol=1e-5)
+
+
+def test_bf16_checkpoint_reads_its_fp32_mains_from_each_dtype_buffer(tmp_path):
+    """A bf16 model whose norms stay fp32 (Megatron-Core's torch norms built without
+    Float16Module) has two gradient buffers, one per parameter dtype: the fp32 mains cut
+    from them are the weights (bf16 ones exactly representable in fp32), in fp32."""
+    import megatron_torch_dist_writer
+    from gigatron.models.megatron.torch_dist import read_torch_dist
+
+    args = megatron_args(params_dtype=torch.bfloat16, bf16=True)
+    run_on_ranks(megatron_torch_dist_writer.save_weights, 1, args, str(tmp_path / "meg"),
+                 torch.zeros(2, 16, dtype=torch.long), timeout=120)
+    checkpoint = read_torch_dist(str(tmp_path / "meg"))
+    model, masters = checkpoint.model, checkpoint.optimizer.masters
+    assert {t.dtype for t in model.values()} == {torch.bfloat16, torch.float32}
+    assert all(masters[k].dtype == torch.float32 and torch.equal(masters[k], model[k].float())
+               for k in model)
+    converted = str(tmp_path / "gig")
+    megatron_to_gigatron(str(tmp_path / "meg"), converted)
+    from gigatron.training.checkpoint.torch_dist.save_load import entries
+
+    saved = entries(os.path.join(converted, "iter_0000005"))
+    assert saved["optimizer.master.decoder.layers.0.mlp.linear_fc1.weight"].properties.dtype \
+        == torch.float32
