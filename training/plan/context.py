@@ -12,17 +12,26 @@ the query heads: models/transformer.py repeats a GQA model's before the call):
               backward gathers them again)
   a2a         the head-split q, k, v and output (4 w ad) and two int64 sequence orders
               (16 s per layer)
+  a2a+p2p     as a2a, the orders over the inner group's A x s/cp tokens (16 A s/cp per layer)
 Communication per layer and micro-batch, per rank, X = tokens/cp x ad x w (the bench checks
 each against parallel/comm's counters):
   p2p         forward (cp-1) 2X, backward (cp-1) 2X + cp 2X; overlapped with the blocks
   all_gather  forward (cp-1) 2X (all-gather), backward (cp-1) 2X gathered again and
               (cp-1) 2X reduce-scattered
   a2a         forward and backward 4X (cp-1)/cp each (all-to-all)
+  a2a+p2p     a2a's over the inner group of A (4X (A-1)/A each way, on the link A x tp
+              ranks span) and p2p's over the P = cp/A outer groups (the head-split tensors are
+              X too; on the link the whole tp x cp span), its hops overlapped as the ring's
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import TYPE_CHECKING, List, Tuple
+
+if TYPE_CHECKING:
+    from gigatron.training.config.run_config import ParallelConfig
+
+HIERARCHICAL = "a2a+p2p"
 
 
 @dataclass(frozen=True)
@@ -31,9 +40,26 @@ class ContextLayout:
 
     cp: int = 1
     comm_type: str = "p2p"
+    a2a_size: int = 1  # a2a+p2p: A, the inner group's size (P = cp / A)
 
 
 NONE = ContextLayout()
+
+
+def layout_of(parallel: "ParallelConfig") -> ContextLayout:
+    """The run's context parallelism as the plan models it."""
+    sizes = parallel.hierarchical_context_parallel_sizes
+    a2a = sizes[0] if parallel.cp_comm_type == HIERARCHICAL and sizes else 1
+    return ContextLayout(parallel.context_parallel_size, parallel.cp_comm_type, a2a)
+
+
+def parts(layout: ContextLayout) -> List[Tuple[str, int, int]]:
+    """(comm type, group size, cp ranks the group spans) of each part of the attention's
+    traffic: one, or a2a+p2p's all-to-all within A ranks and ring across the P groups."""
+    if layout.comm_type != HIERARCHICAL:
+        return [(layout.comm_type, layout.cp, layout.cp)]
+    a2a = layout.a2a_size
+    return [("a2a", a2a, a2a), ("p2p", layout.cp // a2a, layout.cp)]
 
 
 def attention_held(layout: ContextLayout, q_storage: float, w: int, ad: float,
@@ -42,29 +68,31 @@ def attention_held(layout: ContextLayout, q_storage: float, w: int, ad: float,
     top of the log-sum-exp; `q_storage`: the local queries' storage per token."""
     if layout.comm_type in ("p2p", "all_gather"):
         return q_storage + 2 * w * ad, 0.0
+    if layout.comm_type == HIERARCHICAL:  # the orders index the inner group's tokens
+        return 4 * w * ad, 16.0 * seq_length * layout.a2a_size / layout.cp
     return 4 * w * ad, 16.0 * seq_length
 
 
-def layer_bytes(layout: ContextLayout, local_tokens: float, ad: float, w: int
+def layer_bytes(comm_type: str, group: int, local_tokens: float, ad: float, w: int
                 ) -> Tuple[float, float]:
-    """(forward, backward) bytes one rank sends for one layer's attention, one micro-batch."""
-    cp = layout.cp
-    if cp == 1:
+    """(forward, backward) bytes one rank sends for one layer's attention, one micro-batch,
+    in a `comm_type` group of `group` ranks (one of `parts`)."""
+    if group == 1:
         return 0.0, 0.0
     x = local_tokens * ad * w
-    if layout.comm_type == "p2p":
-        return (cp - 1) * 2 * x, (cp - 1) * 2 * x + cp * 2 * x
-    if layout.comm_type == "all_gather":
-        return (cp - 1) * 2 * x, 2 * (cp - 1) * 2 * x
-    return 4 * x * (cp - 1) / cp, 4 * x * (cp - 1) / cp
+    if comm_type == "p2p":
+        return (group - 1) * 2 * x, (group - 1) * 2 * x + group * 2 * x
+    if comm_type == "all_gather":
+        return (group - 1) * 2 * x, 2 * (group - 1) * 2 * x
+    return 4 * x * (group - 1) / group, 4 * x * (group - 1) / group
 
 
-def layer_time(layout: ContextLayout, forward_bytes: float, backward_bytes: float,
+def layer_time(comm_type: str, forward_bytes: float, backward_bytes: float,
                rate: float, core_forward: float) -> Tuple[float, float]:
     """(forward, backward) seconds the layer waits on cp traffic at `rate` bytes/s: the
     ring's hops hide behind its blocks' compute (core_forward, twice that backward); the
     collectives of all_gather and a2a are not overlapped."""
     forward, backward = forward_bytes / rate, backward_bytes / rate
-    if layout.comm_type == "p2p":
+    if comm_type == "p2p":
         return max(0.0, forward - core_forward), max(0.0, backward - 2 * core_forward)
     return forward, backward

@@ -16,8 +16,9 @@ Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
   pipeline p2p      the activation sent forward and its gradient sent back, over the link
                     between stages (inter-node once tp x dp fills a node)
   context-parallel  the attention's key/value exchange (context.py) over the link the tp x cp
-  communication     ranks span; the ring's hops hide behind its blocks' compute, all_gather's
-                    and a2a's collectives do not. Each cp rank computes s/cp tokens.
+  communication     ranks span (a2a+p2p: its all-to-all over the tp x A ranks' link); the
+                    ring's hops hide behind its blocks' compute, all_gather's and a2a's
+                    collectives do not. Each cp rank computes s/cp tokens.
 
 The step is the project's schedule simulator run with the slowest stage's forward and
 backward times (so the bubble is the schedule's own, (p-1)/m for 1F1B, (p-1)/3m for zb-h1
@@ -308,18 +309,21 @@ def _context_traffic(run: "RunConfig", hw: Hardware, tokens: int, core_forward: 
     selective: the core attention) runs the forward's exchange again in the backward."""
     c, p = run.model, run.parallel
     assert c is not None
-    layout = context.ContextLayout(p.context_parallel_size, p.cp_comm_type)
+    layout = context.layout_of(p)
     out = dict.fromkeys(("fwd_s", "bwd_s", "bytes", "step_s", "exposed_s"), 0.0)
     if layout.cp == 1:
         return out
-    fwd_b, bwd_b = context.layer_bytes(layout, tokens, c.num_attention_heads * c.head_dim /
-                                       p.tp, _width(c))
-    rate = _link(p.tp * layout.cp, hw.gpus_per_node, hw) * 1e9 * NETWORK_EFFICIENCY
-    fwd_s, bwd_s = context.layer_time(layout, fwd_b, bwd_b, rate, core_forward)
     again = 1 if c.recompute_granularity in ("full", "selective") else 0
-    out.update(fwd_s=fwd_s, bwd_s=bwd_s + again * fwd_s, bytes=(1 + again) * fwd_b + bwd_b,
-               step_s=((1 + again) * fwd_b + bwd_b) / rate,
-               exposed_s=(1 + again) * fwd_s + bwd_s)
+    for comm_type, group, span in context.parts(layout):  # a2a+p2p: a2a within A, ring over P
+        fwd_b, bwd_b = context.layer_bytes(comm_type, group, tokens, c.num_attention_heads *
+                                           c.head_dim / p.tp, _width(c))
+        rate = _link(p.tp * span, hw.gpus_per_node, hw) * 1e9 * NETWORK_EFFICIENCY
+        fwd_s, bwd_s = context.layer_time(comm_type, fwd_b, bwd_b, rate, core_forward)
+        out["fwd_s"] += fwd_s
+        out["bwd_s"] += bwd_s + again * fwd_s
+        out["bytes"] += (1 + again) * fwd_b + bwd_b
+        out["step_s"] += ((1 + again) * fwd_b + bwd_b) / rate
+        out["exposed_s"] += (1 + again) * fwd_s + bwd_s
     return out
 
 

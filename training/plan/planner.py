@@ -8,7 +8,7 @@ from typing import FrozenSet, List
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.config.run_config import RunConfig
 from gigatron.training.plan.allocator import device_bytes, reserved_bytes
-from gigatron.training.plan.context import ContextLayout
+from gigatron.training.plan.context import ContextLayout, layout_of
 from gigatron.training.plan.cost import StepCost, Throughput, step_cost, throughput
 from gigatron.training.observe.devices import Hardware
 from gigatron.training.plan.memory import GIB, StageMemory, plan_memory
@@ -78,7 +78,7 @@ def partition_of(run: RunConfig) -> PipelinePartition:
 
 def context_of(run: RunConfig) -> ContextLayout:
     """The run's context parallelism as the plan models it."""
-    return ContextLayout(run.parallel.context_parallel_size, run.parallel.cp_comm_type)
+    return layout_of(run.parallel)
 
 
 def plan_run(run: RunConfig, hw: Hardware, assume: FrozenSet[str] = frozenset()) -> Plan:
