@@ -8,7 +8,11 @@
   parallel/comm's counters), the time is taken on the link the tp x cp ranks span, the ring's
   hops hide behind the attention and the collectives do not; parameters per rank do not change
   with cp and ZeRO shards over dp x cp.
-- `--search` tries cp (sequence divisible by 2 x cp only).
+- a2a+p2p (A x P = cp): activations and bytes equal the bench's (--comm-types a2a+p2p, A = 2)
+  measured and formula values; the all-to-all takes the tp x A ranks' link, the ring the
+  tp x cp ranks' and hides behind the blocks as p2p's does.
+- `--search` tries cp (sequence divisible by 2 x cp only); a2a+p2p only when the flags ask
+  for it with --hierarchical-context-parallel-sizes A P: every cp > 1 then as A x cp/A.
 - Plans without cp are byte-identical to those before cp existed (sha256 of text and JSON
   taken from the pre-cp planner for four layouts, MoE included).
 """
@@ -52,12 +56,21 @@ def _cp(cp, comm_type="p2p"):
     return ["--context-parallel-size", str(cp), "--cp-comm-type", comm_type]
 
 
-def test_predicted_activations_equal_the_bench_and_fall_as_it_does():
+def _bench():
     sys.path.insert(0, BENCH_DIR)
     try:
         import bench_context_parallel as bench
     finally:
         sys.path.remove(BENCH_DIR)
+    return bench
+
+
+def _hierarchical(a2a, ring):
+    return ["--hierarchical-context-parallel-sizes", str(a2a), str(ring)]
+
+
+def test_predicted_activations_equal_the_bench_and_fall_as_it_does():
+    bench = _bench()
     rows = bench.run([512], [1, 2, 4], bench.COMM_TYPES, layers=1, batch=1)
     assert len(rows) == 7
     planned = {}
@@ -97,6 +110,37 @@ def test_cp_bytes_per_step_equal_the_formula_on_the_link_the_cp_group_spans(comm
     assert slow["cp_communication_s"] == pytest.approx(step["cp_bytes"] / inter)
 
 
+def test_a2a_p2p_activations_and_bytes_equal_the_bench_not_a2a_over_the_whole_group():
+    """cp 4 as 2 x 2 on the bench's model: the orders index 2 x 128 tokens, not a2a's 512
+    (4 KiB less), and the bytes are a2a's over 2 ranks plus the ring's over 2."""
+    bench = _bench()
+    row = bench.measure(4, bench.tiny_config(512, 1), "a2a+p2p")
+    assert row["measured_bytes"] == row["formula_bytes"]
+    argv = ["--gpu", "cpu", "--num-gpus", "4"] + _cp(4, "a2a+p2p") + _hierarchical(2, 2)
+    doc = _plan(argv + BENCH)
+    assert doc["stages"][0]["bytes"]["activations"] == row["activation_bytes"]
+    assert doc["step"]["cp_bytes"] == sum(row["formula_bytes"].values())
+    assert doc["layout"]["hierarchical_context_parallel_sizes"] == [2, 2]
+    whole = _plan(["--gpu", "cpu", "--num-gpus", "4"] + _cp(4, "a2a") + BENCH)
+    assert whole["stages"][0]["bytes"]["activations"] != row["activation_bytes"]
+    assert whole["step"]["cp_bytes"] != doc["step"]["cp_bytes"]
+
+
+def test_a2a_p2p_all_to_all_on_the_inner_link_and_the_ring_across_nodes():
+    """cp 4 as 2 x 2, 2 GPUs per node: the all-to-all stays in the node, the ring crosses."""
+    bench = _bench()
+    argv = ["--gpu", "h100-sxm", "--num-gpus", "4"] + _cp(4, "a2a+p2p") + _hierarchical(2, 2)
+    doc = _plan(argv + ["--gpus-per-node", "2"] + CP_SMALL)
+    formula = bench.comm_bytes_formula("a2a+p2p", 4, 1, 512, 8, 32, 4, width=2)
+    step, m = doc["step"], 16  # micro-batches per step
+    assert step["cp_bytes"] == m * (formula["all_to_all"] + formula["send"])
+    intra, inter = (doc["gpu"][k] * 1e9 * NETWORK_EFFICIENCY
+                    for k in ("intra_node_gbps", "inter_node_gbps"))
+    a2a_s = m * formula["all_to_all"] / intra
+    assert step["cp_communication_s"] == pytest.approx(a2a_s + m * formula["send"] / inter)
+    assert a2a_s <= step["cp_exposed_s"] < step["cp_communication_s"]
+
+
 def test_parameters_unchanged_and_zero_shards_over_dp_times_cp():
     def stage(num_gpus, cp):
         argv = ["--gpu", "h100-sxm", "--num-gpus", str(num_gpus), "--zero-stage", "2"]
@@ -129,6 +173,12 @@ def test_search_includes_cp_where_the_sequence_splits_in_2cp_chunks():
     text = _plan_output(["--search", "--top", "500", "--gpu", "h100-sxm", "--num-gpus", "4"]
                         + CP_SMALL)
     assert " cp=2 " in text and " cp=4 " in text
+    assert all(p["layout"].get("cp_comm_type", "p2p") == "p2p" for p in doc["ranked"])
+    asked = _plan(["--search", "--gpu", "h100-sxm", "--num-gpus", "4"] + _cp(4, "a2a+p2p") +
+                  _hierarchical(2, 2) + CP_SMALL)["ranked"]
+    sizes = {(p["layout"].get("cp", 1), p["layout"].get("cp_comm_type"),
+              tuple(p["layout"].get("hierarchical_context_parallel_sizes", ()))) for p in asked}
+    assert sizes == {(1, None, ()), (2, "a2a+p2p", (2, 1)), (4, "a2a+p2p", (2, 2))}
     # with attention dropout (the default 0.1) the run's validation refuses every cp layout
     refused = _plan(["--search", "--gpu", "h100-sxm", "--num-gpus", "4"] + SMALL)["refused"]
     with_cp = [r for r in refused if r["layout"].get("cp", 1) > 1]

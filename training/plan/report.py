@@ -49,7 +49,9 @@ def _context_layout(plan: Plan) -> Dict[str, Any]:
     p = plan.run.parallel
     if p.context_parallel_size == 1:
         return {}
-    return {"cp": p.context_parallel_size, "cp_comm_type": p.cp_comm_type}
+    sizes = p.hierarchical_context_parallel_sizes if p.cp_comm_type == "a2a+p2p" else None
+    return {"cp": p.context_parallel_size, "cp_comm_type": p.cp_comm_type,
+            **({"hierarchical_context_parallel_sizes": list(sizes)} if sizes else {})}
 
 
 def _expert_layout(plan: Plan) -> Dict[str, Any]:
@@ -143,7 +145,9 @@ def _gib(x: float) -> str:
 
 def _context_sizes(plan: Plan) -> str:
     lay = _context_layout(plan)
-    return f" cp={lay['cp']} ({lay['cp_comm_type']})" if lay else ""
+    sizes = "x".join(map(str, lay.get("hierarchical_context_parallel_sizes", [])))
+    return f" cp={lay['cp']} ({lay['cp_comm_type']}{' ' + sizes if sizes else ''})" if lay \
+        else ""
 
 
 def _expert_sizes(plan: Plan) -> str:

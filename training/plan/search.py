@@ -123,6 +123,12 @@ def _flags_for(flags: argparse.Namespace, layout: Layout,
         granularity, method, num
     out.sequence_parallel = layout.tp > 1
     out.context_parallel_size = layout.cp
+    sizes = getattr(flags, "hierarchical_context_parallel_sizes", None)
+    if flags.cp_comm_type == "a2a+p2p" and sizes:  # the given a2a size A, the ring over cp/A
+        if layout.cp == 1:
+            out.cp_comm_type, out.hierarchical_context_parallel_sizes = "p2p", None
+        elif layout.cp % sizes[0] == 0:  # else refused: A x P must be cp
+            out.hierarchical_context_parallel_sizes = [sizes[0], layout.cp // sizes[0]]
     out.pipeline_schedule = layout.schedule
     out.num_layers_per_virtual_pipeline_stage = layout.virtual_stage_layers
     out.gradient_accumulation_steps = None
