@@ -4,7 +4,9 @@ happened: `gigatron launch --max_restarts N` end to end (issue 30), and `torchru
 
 The uninterrupted baseline runs on forked ranks (cheap); the restarted run goes through the
 launcher: rank 1 SIGKILLs itself as it starts iteration 10 of 16 on the first attempt
-(GIGATRON_KILL_RANK_AT), checkpoints every 5 iterations.
+(GIGATRON_KILL_RANK_AT), with persistent checkpoints every 5 iterations and in-memory
+non-persistent ones every 2 (a tmpfs-like folder of the test), so the restart must resume
+from the in-memory checkpoint of iteration 8, newer than the persistent one of 5.
 """
 import json
 import os
@@ -77,20 +79,25 @@ def _console_losses(text):
 def test_kill_9_at_iteration_10_restarts_and_logs_the_uninterrupted_losses(
         tmp_path, uninterrupted):
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    memory = tmp_path / "shm"
+    memory.mkdir()
     proc = _launch(tmp_path, "--max_restarts", "1", "gigatron", "pretrain", *FLAGS,
                    "--save", ckpt, "--load", ckpt, "--metrics-file", metrics,
+                   "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type",
+                   "in_memory", "--non-persistent-local-ckpt-dir", str(memory),
                    env={"GIGATRON_KILL_RANK_AT": "1:10"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     restart = [line for line in proc.stderr.splitlines() if "restart" in line]
     assert restart == ["gigatron launch: rank 1 failed (killed by SIGKILL); restart 1 of 1 "
-                       "from the latest checkpoint: 4 iterations lost (last logged iteration "
-                       "9, checkpoint at iteration 5)"], proc.stderr[-3000:]
+                       "from the latest checkpoint: 1 iteration lost (last logged iteration "
+                       "9, checkpoint at iteration 8)"], proc.stderr[-3000:]
+    assert "in_memory non-persistent) (iteration 8," in proc.stdout, proc.stdout[-3000:]
     console = _console_losses(proc.stdout)
-    # iterations 1-9, then the restart from iteration 5's checkpoint: 6-16
-    assert [i for i, _ in console] == list(range(1, 10)) + list(range(6, 17)), proc.stdout
+    # iterations 1-9, then the restart from iteration 8's in-memory checkpoint: 9-16
+    assert [i for i, _ in console] == list(range(1, 10)) + list(range(9, 17)), proc.stdout
     for iteration, loss in console:  # the console prints 7 significant digits
         assert loss == pytest.approx(uninterrupted[iteration], rel=1e-6, abs=0), iteration
-    # the metrics file keeps full precision; the resume dropped the lines after iteration 5
+    # the metrics file keeps full precision; the resume dropped the lines after iteration 8
     assert _train_losses(metrics) == sorted(uninterrupted.items())
     assert "loaded checkpoint" in proc.stdout
 
