@@ -43,7 +43,9 @@ CASES = {"z0": (0, "fp32"), "z1": (1, "fp32"), "z2": (2, "fp32"), "z3": (3, "fp3
          "z0-bf16": (0, "bf16"), "z1-bf16": (1, "bf16"), "z3-bf16": (3, "bf16"),
          "z2-fp16": (2, "fp16")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-INITIAL_SCALE_POWER = 8  # fp16: the scale doubles every 2 clean steps, so the saved one is not it
+# fp16: with a window of 2 DeepSpeed doubles the scale at its 3rd step (saved: 2^9, not the
+# initial one) and at its 5th, the 2nd continued step (Megatron's rule: the 2nd, 4th, 6th)
+INITIAL_SCALE_POWER = 8
 UNIVERSAL_CASE = "z2"
 UNIVERSAL_TAG = f"global_step{SAVE_AT}_universal"
 
@@ -76,9 +78,10 @@ def chunk_data(step: int, chunk: int, dtype: torch.dtype) -> List[torch.Tensor]:
 
 
 def train(engine: Any, first: int, steps: int, rank: int, world: int, dtype: torch.dtype
-          ) -> List[List[Tuple[int, float]]]:
-    """Steps first..first+steps-1; per step, this rank's (chunk, loss) pairs."""
-    losses = []
+          ) -> Tuple[List[List[Tuple[int, float]]], List[Optional[float]]]:
+    """Steps first..first+steps-1; per step, this rank's (chunk, loss) pairs, and the loss
+    scale after each step (None without fp16's dynamic scale)."""
+    losses, scales = [], []
     for step in range(first, first + steps):
         mine = []
         for m in range(CHUNKS // world):
@@ -88,7 +91,17 @@ def train(engine: Any, first: int, steps: int, rank: int, world: int, dtype: tor
             engine.step()
             mine.append((chunk, loss.float().item()))
         losses.append(mine)
-    return losses
+        scales.append(loss_scale(engine))
+    return losses, scales
+
+
+def loss_scale(engine: Any) -> Optional[float]:
+    """The engine's fp16 loss scale now (DeepSpeed's ZeRO optimizer's cur_scale, gigatron's
+    engine.loss_scale); None in fp32/bf16."""
+    if hasattr(engine, "zero"):  # gigatron's engine
+        return float(engine.loss_scale) if engine.zero.scaler.dynamic else None
+    scale = getattr(engine.optimizer, "cur_scale", None)
+    return None if scale is None else float(scale)
 
 
 def build(initialize: Any, stage: int, precision: str, world: int,
@@ -107,13 +120,13 @@ def run_deepspeed(out_dir: str, rank: int, world: int) -> Dict[str, Any]:
     for case, (stage, precision) in CASES.items():
         dtype = DTYPES[precision]
         engine = build(deepspeed.initialize, stage, precision, world)
-        before = train(engine, 0, SAVE_AT, rank, world, dtype)
+        before, _ = train(engine, 0, SAVE_AT, rank, world, dtype)
         engine.save_checkpoint(os.path.join(out_dir, f"ds{world}", case),
                                client_state={"case": case, "samples_seen": 24})
-        scale = getattr(engine.optimizer, "cur_scale", None)
-        after = train(engine, SAVE_AT, CONTINUE, rank, world, dtype)
-        results[case] = {"before": before, "losses": after,
-                         "loss_scale": None if scale is None else float(scale)}
+        scale = loss_scale(engine)
+        after, scales = train(engine, SAVE_AT, CONTINUE, rank, world, dtype)
+        results[case] = {"before": before, "losses": after, "loss_scale": scale,
+                         "scales": scales}
         engine.destroy()
     if world == 2:
         save_megatron_deepspeed_gpt(deepspeed.initialize, os.path.join(out_dir, "megatron"))
@@ -235,8 +248,8 @@ def continue_from(initialize: Any, out_dir: str, case: str, source: int, world: 
         assert client.get("samples_seen") == 24 and engine.global_steps == SAVE_AT
         assert path.endswith(UNIVERSAL_TAG) == bool(tag or load_universal), path
     scale = float(engine.loss_scale)
-    return {"losses": train(engine, SAVE_AT, CONTINUE, rank, world, DTYPES[precision]),
-            "loss_scale": scale}
+    losses, scales = train(engine, SAVE_AT, CONTINUE, rank, world, DTYPES[precision])
+    return {"losses": losses, "loss_scale": scale, "scales": scales}
 
 
 def main() -> None:

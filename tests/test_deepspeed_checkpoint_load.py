@@ -139,13 +139,17 @@ def test_universal_checkpoint_continues_with_deepspeeds_losses(runs, source, loa
 
 
 @pytest.mark.parametrize("source,loader", [(s, w) for s in WORLDS for w in WORLDS])
-def test_fp16_loss_scale_carries_over(runs, source, loader):
+def test_fp16_loss_scale_carries_over_and_grows_at_deepspeeds_step(runs, source, loader):
     """The dynamic loss scale DeepSpeed saved (grown from 2^8 over the clean steps) is the
-    one the loaded engine starts from."""
+    one the loaded engine starts from, and it grows again at the continued step DeepSpeed's
+    own grows at (the 2nd: DeepSpeed's rule; Megatron's would grow at the 1st and 3rd)."""
     saved = runs["deepspeed"][source][0]["z2-fp16"]["loss_scale"]
     assert saved > 2 ** script.INITIAL_SCALE_POWER
+    oracle = runs["deepspeed"][source][0]["z2-fp16"]["scales"]
+    assert oracle == [saved, 2 * saved, 2 * saved], oracle  # one growth inside the steps
     for rank in runs["gigatron"][loader]:
         assert rank[f"z2-fp16@{source}"]["loss_scale"] == saved
+        assert rank[f"z2-fp16@{source}"]["scales"] == oracle
 
 
 @pytest.mark.parametrize("loader", WORLDS)

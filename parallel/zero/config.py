@@ -6,6 +6,8 @@ from typing import Any, List, Mapping, Optional
 
 import torch
 
+from gigatron.parallel.zero.loss_scaler import RULES
+
 _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OPTIMIZERS = ("adamw", "adam", "sgd")
 
@@ -50,6 +52,9 @@ class ZeroConfig:
     consecutive_hysteresis: bool = False
     """Refill the hysteresis budget on every clean step (DeepSpeed, default off)."""
     min_loss_scale: float = 1.0
+    loss_scale_rule: str = "megatron"
+    """When the dynamic scale grows back: 'megatron' (Megatron-Core's, pretrain_gpt.py) or
+    'deepspeed' (DeepSpeed's, one clean step later; gigatron.initialize): loss_scaler.py."""
 
     offload_optimizer: str = "none"
     """'cpu': fp32 master weights and optimizer state live (pinned on CUDA) in host memory
@@ -113,6 +118,9 @@ def zero_problems(values: Mapping[str, Any],
         (v["loss_scale_window"] >= 1,
          f"{n('loss_scale_window')} must be >= 1, got {v['loss_scale_window']!r}"),
         (v["hysteresis"] >= 1, f"{n('hysteresis')} must be >= 1, got {v['hysteresis']!r}"),
+        (v["loss_scale_rule"] in RULES,
+         f"{n('loss_scale_rule')} must be one of {', '.join(RULES)}, got "
+         f"{v['loss_scale_rule']!r}"),
         (v["min_loss_scale"] > 0,
          f"{n('min_loss_scale')} must be > 0, got {v['min_loss_scale']!r}"),
     ]

@@ -182,7 +182,8 @@ class ZeroOptimizer:
         if c.loss_scale > 0:
             return LossScaler(c.loss_scale)
         return DynamicLossScaler(c.initial_scale_power, c.loss_scale_window, c.hysteresis,
-                                 c.min_loss_scale, c.consecutive_hysteresis)
+                                 c.min_loss_scale, c.consecutive_hysteresis,
+                                 rule=c.loss_scale_rule)
 
     def _units(self, model: nn.Module) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
         """Stage-3 gather units holding only the parameters ZeRO manages."""

@@ -158,6 +158,7 @@ def _zero(ds: Mapping, values: Dict[str, Any], optimizer: Optional[OptimizerSpec
               initial_scale_power=int(round(math.log2(values["initial_loss_scale"]))),
               loss_scale_window=values["loss_scale_window"], hysteresis=values["hysteresis"],
               consecutive_hysteresis=bool(values["consecutive_hysteresis"]),
+              loss_scale_rule="deepspeed",
               min_loss_scale=values["min_loss_scale"], offload_optimizer=_offload(ds, info, p),
               grad_reduce_dtype=_reduce_dtype(ds, values, p), **_optimizer_fields(optimizer))
     problems = zero_problems(kw, _ZERO_KEYS)
