@@ -9,8 +9,8 @@
 pair as DeepSpeed's: inputs feed the first stage, labels the loss on the last (middle
 stages read nothing); without `data_iter` they come from the loader built over
 `training_data` (each data-parallel replica its share, repeated pass after pass). It runs
-the schedule pretrain_gpt runs (1F1B, interleaved 1F1B with virtual_stages > 1, or zb-h1 with
-PipelineModule(schedule="zb-h1")) through
+the schedule pretrain_gpt runs (1F1B, interleaved 1F1B with virtual_stages > 1, or zb-h1 or
+zbv with PipelineModule(schedule=...); under zbv's V the loss is on the first stage) through
 `gigatron.parallel.pipeline.PipelineExecutor`, with ZeRO (stages 0-2) as its grad sync,
 then the optimizer and lr scheduler step; it returns the step's mean loss over its
 micro-batches and data-parallel replicas on every rank, as DeepSpeed's does.
@@ -33,7 +33,8 @@ from gigatron.engine.pipe.specs import preserved_rng
 from gigatron.parallel import comm, timeline
 from gigatron.parallel.pipeline.executor import Payload, PipelineExecutor
 from gigatron.parallel.pipeline.schedules import (Instruction, ScheduleNames, build_schedule,
-                                                  check_num_microbatches, placement_of)
+                                                  check_num_microbatches, placement_of,
+                                                  stage_position)
 from gigatron.parallel.pipeline.shaped_p2p import ShapedP2P, discover_shapes
 from gigatron.parallel.zero import ZeroOptimizer
 
@@ -54,6 +55,9 @@ class PipelineEngine(Engine):
         super().__init__(module, zero, config, ctx, lr_scheduler, training_dataloader)
         self.pipe = module
         self.num_stages, self.stage_id = module.num_stages, module.stage_id
+        last = module.num_stages * module.virtual_stages - 1  # the virtual stage with the loss
+        self._holds_loss = stage_position(last, self.num_stages,
+                                          module.placement)[0] == self.stage_id
         self.micro_batches = config.gradient_accumulation_steps
         _check_microbatches(self.micro_batches, module, "gradient_accumulation_steps")
         groups = module.groups
@@ -110,8 +114,8 @@ class PipelineEngine(Engine):
                    bcast_loss: bool = True,
                    num_micro_batches: Optional[int] = None) -> Optional[torch.Tensor]:
         """Forward only over num_micro_batches (default gradient_accumulation_steps)
-        micro-batches: their mean loss, on every rank (`bcast_loss=False`: on the last stage
-        only, None elsewhere)."""
+        micro-batches: their mean loss, on every rank (`bcast_loss=False`: on the stage with
+        the loss only, the last, or the first under zbv; None elsewhere)."""
         if return_logits or not compute_loss or reduce_output != "avg":
             raise ValueError("eval_batch returns the mean loss only: return_logits=True, "
                              "compute_loss=False and reduce_output other than 'avg' are not "
@@ -129,7 +133,7 @@ class PipelineEngine(Engine):
             self.module.train(was_training)
         if bcast_loss:
             return self._mean_over_ranks(losses)
-        return self._mean_over_replicas(losses) if self.is_last_stage() else None
+        return self._mean_over_replicas(losses) if self._holds_loss else None
 
     def _schedule(self, num_microbatches: int, forward_only: bool) -> List[Instruction]:
         key = (num_microbatches, forward_only)
@@ -145,7 +149,7 @@ class PipelineEngine(Engine):
     def _read(self, data_iter: Optional[Iterator[Any]], n: int, caller: str,
               default: bool = True) -> List[Dict[str, Any]]:
         """n micro-batches in the executor's keys; middle stages read nothing."""
-        if not (self.is_first_stage() or self.is_last_stage()):
+        if not (self.is_first_stage() or self._holds_loss):
             return [{} for _ in range(n)]
         if data_iter is None and default:
             data_iter = self._default_iterator()
@@ -178,7 +182,7 @@ class PipelineEngine(Engine):
         batch: Dict[str, Any] = {}
         if self.is_first_stage():
             batch["input_ids"] = _to_device(inputs, self.device, self.dtype)
-        if self.is_last_stage():
+        if self._holds_loss:
             batch["labels"] = _to_device(labels, self.device, None)
         return batch
 
@@ -188,7 +192,7 @@ class PipelineEngine(Engine):
             return
         first = batches[0].get("input_ids") if self.is_first_stage() else None
         discover_shapes(self.p2p, self._dry_forward, first, self.stage_id, self.pipe.pp_ranks,
-                        self.pipe.virtual_stages)
+                        self.pipe.virtual_stages, self.pipe.placement)
         self._shapes_known = True
 
     def _dry_forward(self, chunk: int, inputs: Payload) -> Payload:

@@ -19,7 +19,10 @@ the data-parallel size is world / (tp x pp); constructing one joins the process 
 gigatron's addition: `virtual_stages=v` cuts the list into num_stages x v stages; rank r
 runs stages r, r + num_stages, ... and the engine runs Megatron's interleaved 1F1B
 schedule (a smaller bubble; gradient_accumulation_steps must be a multiple of num_stages);
-`schedule="zb-h1"` runs the zero-bubble H1 schedule (split_backward.py).
+`schedule="zb-h1"` runs the zero-bubble H1 schedule, `schedule="zbv"` the zero-bubble V
+schedule on 2 x num_stages chunks placed in a V (rank r: chunks r and 2 num_stages-1-r;
+split_backward.py). Layers keep their global index as their name, so checkpoints do not
+depend on the placement.
 With `seed_layers=True` each layer is built under seed base_seed + its index (a tied
 module: its first layer's index), so the initial model is the same for every layout.
 """
@@ -36,11 +39,13 @@ from torch.utils.checkpoint import checkpoint
 from gigatron.engine.deepspeed.distributed import init_distributed
 from gigatron.engine.pipe.specs import (LayerSpec, TiedLayerSpec, check_layers, display_name,
                                         set_random_seed, trainable_parameter_count, type_name)
-from gigatron.engine.pipe.split_backward import check_schedule, split_linear_backward
+from gigatron.engine.pipe.split_backward import (ZERO_BUBBLE, check_schedule, check_v_ties,
+                                                 split_linear_backward)
 from gigatron.engine.pipe.stage import PipelineStage
 from gigatron.parallel import comm
 from gigatron.engine.pipe.partition_method import (describe_partition, partition_by_method,
                                                         stage_of_layer, tied_stages)
+from gigatron.parallel.pipeline.schedules import placement_of, stage_position, virtual_stage
 from gigatron.parallel.tensor.init import mark_shared_embedding
 from gigatron.parallel.topology import ProcessGroups, Topology
 from gigatron.training.checkpoint.torch_dist.state import mark_saved_elsewhere
@@ -96,8 +101,8 @@ class PipelineModule(nn.Module):
                  schedule: str = "1f1b") -> None:
         super().__init__()
         specs = check_layers(layers)
-        check_schedule(schedule, virtual_stages)
-        self.schedule = schedule
+        chunks = check_schedule(schedule, virtual_stages)
+        self.schedule, self.placement = schedule, placement_of(schedule)
         _check_options(activation_checkpoint_interval, checkpointable_layers, dynamic_shape)
         ctx = init_distributed()
         self._topo = resolve_topology(num_stages, topology, ctx.world_size, virtual_stages)
@@ -107,7 +112,7 @@ class PipelineModule(nn.Module):
         self.global_rank, self.device = ctx.rank, ctx.device
         coords = self._topo.coords(ctx.rank)
         self.num_stages, self.stage_id, self.virtual_stages = (self._topo.pp, coords["pp"],
-                                                               virtual_stages)
+                                                               chunks)
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval
@@ -116,19 +121,21 @@ class PipelineModule(nn.Module):
         counts = [trainable_parameter_count(layer) for layer in specs]
         self.parts = partition_by_method(partition_method, counts,
                                          [type_name(layer) for layer in specs],
-                                         self.num_stages * virtual_stages)
+                                         self.num_stages * chunks)
         keys = [layer.key if isinstance(layer, TiedLayerSpec) else None for layer in specs]
         self.tied_stage_map = tied_stages(keys, self.parts)
+        check_v_ties(schedule, self.tied_stage_map)
         _check_shared_objects(specs, self.parts)
         if ctx.rank == 0:
             self._print_partition(specs, counts, partition_method)
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: Dict[str, List[str]] = {}
-        self._stages = [self._build_stage(specs, c * self.num_stages + self.stage_id)
-                        for c in range(virtual_stages)]
+        self._stages = [self._build_stage(specs, virtual_stage(self.stage_id, c,
+                                                               self.num_stages, self.placement))
+                        for c in range(chunks)]
         self.to(ctx.device)
         self._tie_across_stages()
-        if schedule == "zb-h1":
+        if schedule in ZERO_BUBBLE:
             split_linear_backward(self._stages + [self.tied_modules])
 
     # -- DeepSpeed's accessors --------------------------------------------------------------
@@ -141,7 +148,8 @@ class PipelineModule(nn.Module):
 
     def stage_owner(self, layer_idx: int) -> int:
         """The pipeline stage (rank coordinate) that builds layer `layer_idx`."""
-        return stage_of_layer(self.parts, layer_idx) % self.num_stages
+        return stage_position(stage_of_layer(self.parts, layer_idx), self.num_stages,
+                              self.placement)[0]
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages
@@ -255,7 +263,7 @@ class PipelineModule(nn.Module):
               f"{sum(counts):,} trainable parameters, loss: "
               f"{loss if self.loss_fn is not None else 'the last layer'}):\n"
               + describe_partition(self.parts, [display_name(s) for s in specs], counts,
-                                   self.num_stages), flush=True)
+                                   self.num_stages, self.placement), flush=True)
 
 
 def _attribute(module: nn.Module, name: str, key: str) -> nn.Parameter:

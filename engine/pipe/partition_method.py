@@ -23,6 +23,8 @@ import itertools
 import re
 from typing import Dict, List, Optional, Sequence
 
+from gigatron.parallel.pipeline.schedules import stage_position
+
 METHODS = ("parameters", "uniform", "type:<regex>")
 
 
@@ -114,14 +116,15 @@ def stage_of_layer(parts: Sequence[int], layer: int) -> int:
 
 
 def describe_partition(parts: Sequence[int], names: Sequence[str], param_counts: Sequence[int],
-                       pp_size: int) -> str:
-    """One block per virtual stage: where it runs, its layers and parameter counts."""
+                       pp_size: int, placement: str = "loop") -> str:
+    """One block per virtual stage: where it runs (`placement`: schedules.placement_of), its
+    layers and parameter counts."""
     lines = []
     virtual = (len(parts) - 1) // pp_size
     for stage in range(len(parts) - 1):
         start, stop = parts[stage], parts[stage + 1]
-        where = f"pipeline stage {stage % pp_size}" + (
-            f", chunk {stage // pp_size}" if virtual > 1 else "")
+        rank, chunk = stage_position(stage, pp_size, placement)
+        where = f"pipeline stage {rank}" + (f", chunk {chunk}" if virtual > 1 else "")
         total = sum(param_counts[start:stop])
         lines.append(f"stage {stage} ({where}): layers {start}-{stop - 1}, "
                      f"{total:,} parameters")

@@ -1,31 +1,36 @@
-"""The zero-bubble schedules for a PipelineModule: `PipelineModule(schedule="zb-h1")`.
+"""The zero-bubble schedules for a PipelineModule: `PipelineModule(schedule="zb-h1"|"zbv")`.
 
 DeepSpeed's PipelineEngine has one schedule (1F1B) and no config key to choose another, and
 gigatron refuses the DeepSpeed JSON's "pipeline" section (pipeline settings are
 PipelineModule arguments), so the schedule is an argument of the module, beside
-`virtual_stages`: "1f1b" (1F1B, or interleaved 1F1B with virtual_stages > 1) or "zb-h1".
+`virtual_stages`: "1f1b" (1F1B, or interleaved 1F1B with virtual_stages > 1), "zb-h1" or
+"zbv".
 
 zb-h1 splits each backward into B (input gradients, what the previous stage waits for) and
 W (weight gradients, placed in the bubbles). A user's layers are plain torch modules, so the
-split is given to the weights that `torch.nn.Linear` holds: each Linear of a zb-h1 stage
+split is given to the weights that `torch.nn.Linear` holds: each Linear of a zero-bubble stage
 becomes a `SplitBackwardLinear` (same parameters, state-dict names and isinstance), whose
 forward is `parallel/tensor/wgrad.deferrable_linear`; under the executor's deferral its
 weight gradient waits for W. Other layers compute their weight gradients in B, as before,
 which is exact, only less of the bubble filled.
 
-zbv needs the V placement of the layer list (stage r holding stages r and 2p-1-r) and is
-not offered here yet: one line says so.
+zbv cuts the layer list into 2 x num_stages chunks (by the module's partition_method) and
+places them in a V: stage i holds chunk i and chunk 2p-1-i, so the first and the last chunk
+land on rank 0 as two chunks. A TiedLayerSpec used on both is refused, as pretrain_gpt.py's
+--pipeline-schedule zbv refuses tied embeddings: the two chunks' backwards would each
+accumulate the shared weight's gradient, which the data-parallel buckets count once.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Dict, Iterable, List
 
 import torch
 from torch import nn
 
 from gigatron.parallel.tensor.wgrad import deferrable_linear
 
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = ("1f1b", "zb-h1", "zbv")
+ZERO_BUBBLE = ("zb-h1", "zbv")
 
 
 class SplitBackwardLinear(nn.Linear):
@@ -35,12 +40,8 @@ class SplitBackwardLinear(nn.Linear):
         return deferrable_linear(input, self.weight, self.bias)
 
 
-def check_schedule(schedule: str, virtual_stages: int) -> None:
-    """One line when a PipelineModule cannot run `schedule`."""
-    if schedule == "zbv":
-        raise ValueError("PipelineModule(schedule='zbv') is not supported: its V placement "
-                         "of the layers is not built for PipelineModule; use schedule="
-                         "'zb-h1' (or pretrain_gpt.py's --pipeline-schedule zbv)")
+def check_schedule(schedule: str, virtual_stages: int) -> int:
+    """One line when a PipelineModule cannot run `schedule`; else its chunks per stage."""
     if schedule not in SCHEDULES:
         raise ValueError(f"PipelineModule(schedule={schedule!r}): choose one of "
                          f"{', '.join(SCHEDULES)}")
@@ -48,6 +49,21 @@ def check_schedule(schedule: str, virtual_stages: int) -> None:
         raise ValueError(f"PipelineModule(schedule='zb-h1') runs one stage per rank: drop "
                          f"virtual_stages={virtual_stages} (or use schedule='1f1b' for the "
                          f"interleaved schedule)")
+    if schedule == "zbv" and virtual_stages not in (1, 2):
+        raise ValueError(f"PipelineModule(schedule='zbv') places 2 chunks per stage in a V: "
+                         f"drop virtual_stages={virtual_stages} (or set it to 2)")
+    return 2 if schedule == "zbv" else virtual_stages
+
+
+def check_v_ties(schedule: str, tied_stage_map: Dict[str, List[int]]) -> None:
+    """One line when zbv's V would put a tied module's uses in two chunks of one rank."""
+    tied = sorted(key for key, stages in tied_stage_map.items() if len(stages) > 1)
+    if schedule == "zbv" and tied:
+        raise ValueError(f"PipelineModule(schedule='zbv') puts the first and the last stage on "
+                         f"rank 0 as two chunks, and TiedLayerSpec {tied[0]!r} is used on both, "
+                         f"which is not supported (as pretrain_gpt.py's --pipeline-schedule zbv "
+                         f"needs --untie-embeddings-and-output-weights): give the output layer "
+                         f"its own weight (a LayerSpec) or use schedule='zb-h1'")
 
 
 def split_linear_backward(modules: Iterable[nn.Module]) -> int:

@@ -23,6 +23,7 @@ from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 
 from .executor import MessageKey, Payload, as_tensors
+from .schedules import stage_position
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
@@ -175,17 +176,19 @@ class ShapedP2P:
 
 def discover_shapes(p2p: ShapedP2P, run_stage: Callable[[int, Payload], Payload],
                     first_input: Optional[Payload], pp_rank: int, pp_ranks: Sequence[int],
-                    num_chunks: int) -> Dict[int, PayloadSpec]:
+                    num_chunks: int, placement: str = "loop") -> Dict[int, PayloadSpec]:
     """The shape handshake: virtual stages 0, 1, ... run forward in turn on one micro-batch
     (`run_stage(chunk, input)`; `first_input` on the first stage) and pass their output on;
-    fills and returns `p2p.specs` for the boundaries this rank sends or receives across."""
+    fills and returns `p2p.specs` for the boundaries this rank sends or receives across
+    (`placement`: where the stages sit, schedules.placement_of)."""
     pp_size = len(pp_ranks)
     held: Optional[Payload] = first_input
     for stage in range(num_chunks * pp_size - 1):
-        owner, receiver = stage % pp_size, (stage + 1) % pp_size
+        (owner, chunk), (receiver, _) = (stage_position(s, pp_size, placement)
+                                         for s in (stage, stage + 1))
         if owner == pp_rank:
             assert held is not None, "the handshake reached a stage without its input"
-            output = run_stage(stage // pp_size, held)
+            output = run_stage(chunk, held)
             p2p.specs[stage] = PayloadSpec.of(output, f"pipeline stage {stage}'s output")
             held = output
             if receiver != pp_rank:
