@@ -125,8 +125,9 @@ REFUSED: Dict[str, str] = {  # section -> why
     "sparse_attention": "DeepSpeed's sparse attention kernels are not available: drop the "
                         "section (the model keeps dense attention)",
     "pipeline": "pipeline settings are gigatron.pipe.PipelineModule arguments (num_stages, "
-                "partition_method, activation_checkpoint_interval): drop the section and pass "
-                "a PipelineModule to gigatron.initialize",
+                "partition_method, activation_checkpoint_interval, virtual_stages, schedule="
+                "'1f1b'|'zb-h1'|'zbv'): drop the section and pass a PipelineModule to "
+                "gigatron.initialize",
     "compression_training": "DeepSpeed's compression library is not implemented",
     "weight_quantization": "weight quantization is not implemented",
     "tensor_parallel": "automatic tensor parallelism is not implemented",
