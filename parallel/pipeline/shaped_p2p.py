@@ -184,8 +184,8 @@ def discover_shapes(p2p: ShapedP2P, run_stage: Callable[[int, Payload], Payload]
     pp_size = len(pp_ranks)
     held: Optional[Payload] = first_input
     for stage in range(num_chunks * pp_size - 1):
-        (owner, chunk), (receiver, _) = (stage_position(s, pp_size, placement)
-                                         for s in (stage, stage + 1))
+        owner, chunk = stage_position(stage, pp_size, placement)
+        receiver = stage_position(stage + 1, pp_size, placement)[0]
         if owner == pp_rank:
             assert held is not None, "the handshake reached a stage without its input"
             output = run_stage(chunk, held)
