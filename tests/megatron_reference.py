@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 from typing import Any, Dict, List, Optional
 
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                    get_gpt_layer_local_spec)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_layout import megatron_args  # noqa: F401  (the tests build args through here)
@@ -35,13 +37,27 @@ def cpu_shims() -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker.fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None  # its router GEMM names TE's without transformer_engine
 
 
 def init_parallel(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size)
     cpu_shims()
+
+
+def _moe_fields(args: argparse.Namespace) -> Dict[str, Any]:
+    """The --moe-* args, copied by name as core_transformer_config_from_args does."""
+    if not args.num_experts:
+        return {}
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return {"num_moe_experts": args.num_experts,
+            "expert_model_parallel_size": args.expert_model_parallel_size,
+            **{k: v for k, v in vars(args).items() if k.startswith("moe_") and k in names}}
 
 
 def core_config(args: argparse.Namespace) -> TransformerConfig:
@@ -63,7 +79,8 @@ def core_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         pipeline_dtype=args.params_dtype, params_dtype=args.params_dtype,
-        use_cpu_initialization=True, init_method_std=args.init_method_std)
+        use_cpu_initialization=True, init_method_std=args.init_method_std,
+        **_moe_fields(args))
 
 
 def build_chunk(args: argparse.Namespace, vp_stage: Optional[int]) -> GPTModel:
@@ -71,9 +88,15 @@ def build_chunk(args: argparse.Namespace, vp_stage: Optional[int]) -> GPTModel:
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
     chunk = vp_stage or 0
+    config = core_config(args)
+    if args.num_experts:  # gpt_builder's MoE spec: --moe-layer-freq's dense and MoE layers
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=args.normalization, vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization,
+                                        qk_layernorm=args.qk_layernorm)
     return GPTModel(
-        core_config(args), get_gpt_layer_local_spec(normalization=args.normalization,
-                                              qk_layernorm=args.qk_layernorm),
+        config, spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pp_rank == 0 and chunk == 0,
         post_process=pp_rank == pp - 1 and chunk == vp - 1,
@@ -87,15 +110,19 @@ def build_chunk(args: argparse.Namespace, vp_stage: Optional[int]) -> GPTModel:
 
 def randomize(chunks: List[GPTModel], seed: int) -> None:
     """Random values everywhere (norms and biases too, so a swap shows): tp-sharded
-    parameters differ per tp rank, replicated ones are equal on every tp rank."""
+    parameters differ per tp rank, routed experts per ep rank, replicated ones are equal on
+    every tp rank."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
     with torch.no_grad():
         for v, chunk in enumerate(chunks):
             for i, (name, p) in enumerate(chunk.named_parameters()):
                 sharded = getattr(p, "tensor_model_parallel", False)
+                expert = not getattr(p, "allreduce", True)  # routed experts: per ep rank
                 g = torch.Generator().manual_seed(
-                    seed + 1000 * (v * 64 + pp_rank) + i + (100000 * tp_rank if sharded else 0))
+                    seed + 1000 * (v * 64 + pp_rank) + i + (100000 * tp_rank if sharded else 0)
+                    + (10000000 * ep_rank if expert else 0))
                 noise = torch.randn(p.shape, generator=g)
                 p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
     for chunk in chunks:  # a tied output layer on the last stage starts as the embedding

@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Tuple
 
 from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError
+from gigatron.models.megatron.moe import moe_config_fields
 
 # (args attribute, value that gigatron cannot run, what it is)
 _UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
@@ -46,8 +47,6 @@ def unsupported(args: argparse.Namespace) -> List[str]:
     out = [f"{name}={getattr(args, name)!r} ({what})" for name, bad, what in _UNSUPPORTED
            if getattr(args, name, None) not in (None, False, 0)
            and (bad == "any" or getattr(args, name) == bad)]
-    if _get(args, "num_experts", default=0):
-        out.append(f"num_experts={args.num_experts} (mixture of experts)")
     kind = _position_type(args)
     if kind not in _POSITION_TYPES:
         out.append(f"position_embedding_type={kind!r} (supported: {', '.join(_POSITION_TYPES)})")
@@ -143,7 +142,8 @@ def config_from_megatron_args(args: argparse.Namespace, vocab_size: Optional[int
                 _get(args, "untie_embeddings_and_output_weights", default=False)),
             hidden_dropout=float(_get(args, "hidden_dropout", default=0.1)),
             attention_dropout=float(_get(args, "attention_dropout", default=0.1)),
-            init_method_std=float(_get(args, "init_method_std", default=0.02)))
+            init_method_std=float(_get(args, "init_method_std", default=0.02)),
+            **moe_config_fields(args))
     except ValueError as err:
         raise ConversionError(f"the saved args do not make a valid model: "
                               f"{str(err).replace(chr(10), '; ')}") from None

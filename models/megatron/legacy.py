@@ -28,6 +28,7 @@ from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError, StateDict, pad_vocab, require
 from gigatron.models.megatron.args import config_from_megatron_args, vocab_sizes
 from gigatron.models.megatron.files import read_checkpoint
+from gigatron.models.megatron.moe import moe_layer_names
 
 # names inside a layer: Megatron-Core (local or transformer_engine spec) -> gigatron
 _LAYER_NAMES = {
@@ -43,7 +44,7 @@ _LAYER_NAMES = {
         "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
         "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
         "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-        "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")},
+        "mlp.linear_fc2.weight", "mlp.linear_fc2.bias", *moe_layer_names())},
 }
 _MODEL_NAMES = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
                 "decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
@@ -69,7 +70,8 @@ def gigatron_name(name: str, offset: int) -> Optional[str]:
             return f"decoder.layers.{offset + int(match.group(1))}.{inner}"
     elif name in _MODEL_NAMES:
         return name
-    hint = (" (mixture of experts is not supported)" if ".experts." in name or ".router." in name
+    hint = (" (mixture of experts is read from torch_dist checkpoints only: resave with "
+            "--ckpt-format torch_dist)" if ".experts." in name
             else " (legacy, pre-Megatron-Core model: not supported)"
             if name.startswith("language_model.") else "")
     raise ConversionError(f"Megatron parameter {name} is not understood{hint}")
@@ -195,6 +197,9 @@ def read_megatron(load: str, vocab_size: Optional[int] = None
     the tokenizer's vocabulary, to drop Megatron's padding rows (default: the saved
     --vocab-size, else every padded row stays a token, as Megatron's softmax sees them)."""
     checkpoint = read_checkpoint(load)
+    experts = getattr(checkpoint.args, "num_experts", None)
+    require(not experts, f"{checkpoint.folder}: num_experts={experts} (mixture of experts) is "
+            f"read from torch_dist checkpoints only: resave with --ckpt-format torch_dist")
     config = config_from_megatron_args(checkpoint.args, vocab_size)
     state = megatron_state_dict(checkpoint.models, checkpoint.tp, checkpoint.pp, config,
                                 vocab_sizes(checkpoint.args, vocab_size)[1])

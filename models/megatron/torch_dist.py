@@ -24,7 +24,7 @@ Optimizer: per-parameter formats (`optimizer.state.<exp_avg|exp_avg_sq|param|fp3
 distributed optimizer's `dp_reshardable` format (Megatron-LM's default unless
 --dist-ckpt-optim-fully-reshardable) stores its gradient-buffer buckets: cut back into
 parameters by buckets.py. The deprecated bucket formats (`dp_zero_gather_scatter`,
-`fully_sharded_bucket_space`) and mixture-of-experts models are refused.
+`fully_sharded_bucket_space`) are refused. Mixture-of-experts layers: moe.py.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from gigatron.models.hf_common import ConversionError, StateDict, require
 from gigatron.models.megatron.args import config_from_megatron_args, vocab_sizes
 from gigatron.models.megatron.files import LenientPickle, read_tracker, TRACKER
 from gigatron.models.megatron.legacy import megatron_state_dict
+from gigatron.models.megatron.moe import experts_to_gigatron
 
 COMMON_FILE = "common.pt"
 DCP_METADATA = ".metadata"
@@ -168,15 +169,9 @@ def unstack_layers(state: StateDict, num_layers: int) -> StateDict:
     return out
 
 
-def _refuse_unsupported_keys(keys: List[str], folder: str) -> None:
-    experts = [k for k in keys if ".experts." in k or ".router." in k]
-    require(not experts, f"{folder}: {experts[0] if experts else ''} -- mixture-of-experts "
-            f"torch_dist checkpoints are not supported (dense GPT/Llama models only)")
-
-
 def _to_gigatron(state: StateDict, config: TransformerConfig, padded: int) -> StateDict:
     """Megatron-Core global tensors -> gigatron's single-device state dict (names, padding)."""
-    layers = unstack_layers(state, config.num_layers)
+    layers = experts_to_gigatron(unstack_layers(state, config.num_layers))
     return megatron_state_dict({(0, 0): [layers]}, 1, 1, config, padded)
 
 
@@ -278,7 +273,6 @@ def read_torch_dist(load: str, vocab_size: Optional[int] = None, with_optimizer:
         check_optimizer_format(common, folder)
     tensors = _read_tensors(folder, lambda k: not k.startswith("rng_state") and (
         with_optimizer or not k.startswith(("optimizer.", "chained_"))))
-    _refuse_unsupported_keys(list(tensors), folder)
     optim = {k: tensors.pop(k) for k in list(tensors) if k.startswith(("optimizer.",
                                                                         "chained_"))}
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
