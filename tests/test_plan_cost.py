@@ -7,7 +7,7 @@ import pytest
 from gigatron.parallel.pipeline.schedules import build_schedule
 from gigatron.parallel.pipeline.simulate import bubble_overhead, peak_in_flight
 from gigatron.training.plan import cost
-from gigatron.training.plan.sc21 import TABLE_1, predict
+from gigatron.training.plan.sc21 import TABLE_1, megatron_sc21_flops, predict
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (8, 16), (8, 64), (5, 7)])
@@ -29,7 +29,7 @@ def test_first_stage_holds_megatrons_in_flight_count(p, m, v):
 
 def test_sc21_flop_formula_matches_the_papers_own_numbers():
     # 1T row: 502 PFLOP/s aggregate at 163 TFLOP/s per GPU on 3072 GPUs (Table 1)
-    flops = cost.megatron_sc21_flops(3072, 2048, 128, 25600, 51200)
+    flops = megatron_sc21_flops(3072, 2048, 128, 25600, 51200)
     assert flops == pytest.approx(96 * 3072 * 2048 * 128 * 25600 ** 2 *
                                   (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
 

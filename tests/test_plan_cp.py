@@ -186,16 +186,16 @@ def test_search_includes_cp_where_the_sequence_splits_in_2cp_chunks():
                            for r in with_cp)
 
 
-GOLDEN = {  # sha256 of `gigatron plan` output of plans without cp (issue 32's model)
-    "tp2_pp2_dp2": "7cf8a7051cbc820e5e93ade10b23d706198866478b6b4537f91d3259ec7161be",
-    "tp2_pp2_dp2_json": "a058b30a7911a8a9e1442b2a18cefd89b2413823ead78d7ef2f0de794786b017",
-    "zero3_full_recompute": "b4dc32f725f46ee56e1f89f1c30718b93f89c0efa3ade10007ff1d70e84014df",
+GOLDEN = {  # sha256 of `gigatron plan` output of plans without cp (issue 32: GEMM waves)
+    "tp2_pp2_dp2": "b41aed2ed6b09ecd7caa217c59ff974c9a7f2ba7d5b7d003aaa49d971bd0bb56",
+    "tp2_pp2_dp2_json": "0484a9a258728d516d34c725663f331652f53784481387336f9788f0654adefe",
+    "zero3_full_recompute": "9462972df7e715a1a44b8b4f2d7c1de8ab53f22a9551d4342b7f3eca36aba1ca",
     "zero3_full_recompute_json":
-        "d321f0629e46f5377fe65a7842ed1cee9d0e2023879775e90d000d1e8529418d",
-    "gpt3_175b": "f9842b0e2f74e062cf89bce356a848c4dbca7f5e78f6edc6cd0c05f584a79b50",
-    "gpt3_175b_json": "5e4cf59946af48a159a80d23ba56ae1ea2d520fe7ab6ac6d1142dfac62a385e9",
-    "moe": "b2dd62f942a2248ff4a603d8e097107d418d91ccfe2675634c6c785ec751e80d",
-    "moe_json": "a23f62f6fe1db6feed7bc48a7a01d731c3ce5655aab3113462dfbe5917031949",
+        "5094adbdbd044af774c452233ec6ba4b9691214a239b945246f011cc83c2756b",
+    "gpt3_175b": "5d7bcab1cb9db7b730f7656108339e1c33ff0468a1347d97317fe27ef9931c9c",
+    "gpt3_175b_json": "be6869ce1e13ebf5b50c533556c5c6a32a9aef2882a1856a3a8ae738c580be8c",
+    "moe": "e16da343ca3a1f60093e51cf8bc070253dcfc49c6c86c7a5d79028cefaed111a",
+    "moe_json": "dfbbc24f3f9c3a745ba5a97f175de0ead8c7f6a914d947824036d1e1d14f87d2",
 }
 CASES = {
     "tp2_pp2_dp2": ["--gpu", "a100-80gb", "--num-gpus", "8", "--tensor-model-parallel-size",

@@ -53,7 +53,9 @@ def test_plan_of_each_schedule_bubble_and_in_flight(capsys):
     one, two = base["stages"][1]["bytes"]["activations"], h1["stages"][1]["bytes"]["activations"]
     assert two == pytest.approx(one * 4 / 3)
     assert h1["step"]["bubble"] < base["step"]["bubble"] / 2
-    assert v["step"]["bubble"] < base["step"]["bubble"] / 4
+    # ZBV below ZB-H1 (a quarter of 1F1B's at F:B = 1:2; this tiny model's backward is
+    # nearer 3F: gemm.py's 48 backward kernels' gaps against 16 forward)
+    assert v["step"]["bubble"] < min(h1["step"]["bubble"], base["step"]["bubble"] / 3)
     assert h1["step"]["pipeline_s"] < base["step"]["pipeline_s"]
 
 

@@ -35,6 +35,16 @@ Sources (retrieved for this table):
         the GPU session (docs/PERFORMANCE.md, "One H200").
   B200: NVIDIA DGX B200 / HGX B200 datasheets (2.25 PFLOP/s bf16 dense per GPU, 1,440 GB for
         8 GPUs = 180 GB HBM3e at 8 TB/s, NVLink 5 1.8 TB/s; 8x ConnectX-7 400 Gb/s).
+  SMs: the same datasheets and NVIDIA's architecture whitepapers (A100 108 of the GA100's
+        128; H100 SXM/NVL 132, PCIe 114; H200 132, as the H200 session's device query
+        showed; B200 148).
+  matmul_tflops: the measured maximum achievable bf16 matmul (a well-quantised large shape,
+        median of repeats), where one is known: H200 794.9, the H200 session's ceiling
+        (bench/ceilings.py, 8192^3; docs/PERFORMANCE.md, "One H200"); H100 SXM 792.1 and
+        A100 SXM 267.9 from stas00/ml-engineering compute/accelerator/README.md, "Maximum
+        Achievable Matmul FLOPS comparison table" (mamf-finder.py, CUDA 12.1; the A100 80
+        GB's figure for the 40 GB, the same SMs and clocks). The planner's full-wave GEMM
+        rate (training/plan/cost.py); without one, cost.GEMM_EFFICIENCY of the peak.
   Others (for MFU at run time; no interconnect figures): L40S, L4, A10G, A10, V100 and
         RTX 4090 datasheets.
   cpu:  NOT a datasheet: a nominal host (1 TFLOP/s, 50 GB/s DRAM, gloo over shared memory
@@ -62,6 +72,8 @@ class Hardware:
     intra_node_gbps: Optional[float] = None
     inter_node_gbps: Optional[float] = None
     gpus_per_node: int = 8
+    sms: Optional[int] = None  # streaming multiprocessors: the waves of a GEMM's tiles
+    matmul_tflops: Optional[float] = None  # measured bf16 matmul ceiling (see the docstring)
 
     def peak(self, dtype_name: str) -> Optional[float]:
         """Dense peak TFLOP/s for 'bf16' | 'fp16' | 'fp32' (None if the device lacks it)."""
@@ -85,20 +97,22 @@ def _p(bf16: Optional[float], fp32: float, fp16: Optional[float] = None) -> Dict
 
 # First match wins when a device name is looked up: specific names before general ones.
 HARDWARE: Tuple[Hardware, ...] = (
-    Hardware("h200", "NVIDIA H200 SXM", ("H200",), _p(989.4, 66.9), 139.8, 4800, 450, 50),
+    Hardware("h200", "NVIDIA H200 SXM", ("H200",), _p(989.4, 66.9), 139.8, 4800, 450, 50,
+             sms=132, matmul_tflops=794.9),
     Hardware("h100-pcie", "NVIDIA H100 PCIe", ("H100", "PCIe"), _p(756.0, 51.2), 79.6, 2000,
-             64, 50),
+             64, 50, sms=114),
     Hardware("h100-nvl", "NVIDIA H100 NVL", ("H100", "NVL"), _p(835.0, 60.0), 93.6, 3900,
-             64, 50),
+             64, 50, sms=132),
     Hardware("h100-hbm2e", "NVIDIA H100 SXM 96GB HBM2e, 500 W (Grand Teton)", (),
-             _p(835.0, 60.0), 95.6, 2400, 450, 50),
+             _p(835.0, 60.0), 95.6, 2400, 450, 50, sms=132),
     Hardware("h100-sxm", "NVIDIA H100 SXM 80GB", ("H100",), _p(989.4, 66.9), 79.6, 3350, 450,
-             50),
-    Hardware("b200", "NVIDIA B200", ("B200",), _p(2250.0, 75.0), 179.0, 8000, 900, 50),
+             50, sms=132, matmul_tflops=792.1),
+    Hardware("b200", "NVIDIA B200", ("B200",), _p(2250.0, 75.0), 179.0, 8000, 900, 50,
+             sms=148),
     Hardware("a100-80gb", "NVIDIA A100 SXM 80GB", ("A100", "80GB"), _p(312.0, 19.5), 80, 2039,
-             300, 25),
+             300, 25, sms=108, matmul_tflops=267.9),
     Hardware("a100-40gb", "NVIDIA A100 SXM 40GB", ("A100",), _p(312.0, 19.5), 40, 1555, 300,
-             25),
+             25, sms=108, matmul_tflops=267.9),
     Hardware("l40s", "NVIDIA L40S", ("L40S",), _p(362.1, 91.6), 48, 864),
     Hardware("l4", "NVIDIA L4", ("L4",), _p(121.0, 30.3), 24, 300),
     Hardware("a10g", "NVIDIA A10G", ("A10G",), _p(70.0, 31.2), 24, 600),
@@ -135,10 +149,11 @@ def with_overrides(row: Hardware, overrides: Mapping[str, Optional[float]]) -> H
     if "peak_tflops" in given:
         peak = float(given.pop("peak_tflops"))
         given["peak_tflops"] = {dtype: peak for dtype in ("bf16", "fp16", "fp32")}
+        given["matmul_tflops"] = None  # the measured ceiling was the datasheet device's
     if "gpus_per_node" in given:
         given["gpus_per_node"] = int(given["gpus_per_node"])
-    unknown = set(given) - {"peak_tflops", "memory_gib", "hbm_gbps", "intra_node_gbps",
-                            "inter_node_gbps", "gpus_per_node"}
+    unknown = set(given) - {"peak_tflops", "matmul_tflops", "memory_gib", "hbm_gbps",
+                            "intra_node_gbps", "inter_node_gbps", "gpus_per_node"}
     if unknown:
         raise ValueError(f"unknown hardware fields {sorted(unknown)}")
     return replace(row, **given)

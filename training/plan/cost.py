@@ -2,8 +2,11 @@
 
 Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
 
-  GEMM time         matmul FLOPs / (peak x GEMM_EFFICIENCY); a flash attention's core
-                    at ATTENTION_EFFICIENCY
+  GEMM time         each linear's three GEMMs at the device's measured matmul ceiling
+                    (`gemm_rate`) times their tile and wave quantisation on its SMs, plus the
+                    idle gap before each of a layer's kernels (gemm.py); the logits' GEMMs
+                    likewise, the cross-entropy at CROSS_ENTROPY_BYTES per logit; a flash
+                    attention's core at ATTENTION_EFFICIENCY
   memory time       bytes the element-wise kernels (norms, bias-dropout-add, GeLU/SwiGLU,
                     softmax and dropout of attention, RoPE) read and write / (HBM bandwidth x
                     MEMORY_EFFICIENCY); backward moves twice the forward's bytes
@@ -28,10 +31,10 @@ from backward hooks when overlap_comm is on; ZeRO-1/2's parameter all-gather aft
 is exposed, unless `assume` "param-gather"), then the optimizer step (memory-bound). A
 collective over nodes gets the NICs of the group's ranks on each node (`_group_link`). An
 MoE layer (experts.py) adds its matmuls, bytes and token exchange in its MLP's place;
-expert state is reduced over the expert-data-parallel group. Four efficiency constants,
-named below, are the model's only free numbers; they are the same for every device, model and
-layout (docs/PLAN.md: their values and why; docs/PERFORMANCE.md: published runs beside
-the predictions, training/plan/published.py).
+expert state is reduced over the expert-data-parallel group. The efficiency constants
+named below and in gemm.py are measurements (the H200 session's; devices.py's matmul
+ceilings), the same for every model and layout (docs/PLAN.md: their values and why;
+docs/PERFORMANCE.md: published runs beside the predictions, training/plan/published.py).
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ from gigatron.parallel.zero.accounting import zero_comm_bytes_formula
 from gigatron.training.observe.flops import flops_per_token
 from gigatron.training.observe.devices import Hardware
 from gigatron.parallel.pipeline.partition import PipelinePartition
-from gigatron.training.plan import context
+from gigatron.training.plan import context, gemm
 from gigatron.training.plan.experts import MoELayerCost, moe_layer_cost
 from gigatron.training.plan.memory import attention_kernel, expert_data_parallel_size
 from gigatron.training.plan.schedules import simulate_step
@@ -55,9 +58,17 @@ if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
     from gigatron.training.config.run_config import RunConfig
 
-GEMM_EFFICIENCY = 0.75
-"""Fraction of the dense tensor-core peak a transformer's large GEMMs sustain (cuBLAS on
-A100/H100 reaches 70-85% on the shapes of a multi-billion-parameter layer)."""
+GEMM_EFFICIENCY = 0.80
+"""Fraction of the dense peak a GEMM's full waves sustain on a device without a measured
+matmul ceiling (devices.py's matmul_tflops; gemm.py adds each shape's tile and wave
+quantisation): the H200 session's matmuls ran at 769 TFLOP/s (0.777 of 989.4) in the GPT
+1.3B step, whose GEMMs quantise to 0.975 on 132 SMs (0.797); its 8192^3 ceiling was 0.803,
+the H100 SXM's published one 0.801."""
+CROSS_ENTROPY_BYTES = (49, 18)
+"""Bytes per logit element the vocab-parallel cross-entropy moves, forward and backward, at
+MEMORY_EFFICIENCY of HBM (the fp32 copy, max, subtract, exp, sum, divide; the gradient's
+scale and bf16 copy): the H200 session's trace, 14.9 ms forward and 5.4 ms backward over
+16384 x 50304 logits (bench/trace_ops.py on trace_gpt3-1.3b.json.gz)."""
 MEMORY_EFFICIENCY = 0.57
 """Fraction of HBM bandwidth the element-wise kernels sustain over the bytes `_layer_bytes`
 counts: measured on the H200 session (docs/PERFORMANCE.md, "One H200"): its norm, residual,
@@ -115,6 +126,14 @@ class Throughput:
     model_tflops_per_gpu: float
     hardware_tflops_per_gpu: float  # what the GPUs execute (recomputation counted)
     mfu: float
+
+
+def gemm_rate(hw: Hardware, dtype_name: str) -> float:
+    """FLOP/s of a GEMM's full waves: the device's measured matmul ceiling for 16-bit
+    (devices.py), else GEMM_EFFICIENCY of the dense peak."""
+    if hw.matmul_tflops is not None and dtype_name in ("bf16", "fp16"):
+        return hw.matmul_tflops * 1e12
+    return (hw.peak(dtype_name) or hw.peak("fp32") or 1.0) * 1e12 * GEMM_EFFICIENCY
 
 
 def _layer_flops(c: "TransformerConfig", tokens: int, tp: int) -> Dict[str, float]:
@@ -220,18 +239,24 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.micro_batch_size is not None and hw.hbm_gbps is not None
     peak = hw.peak(_dtype_name(c)) or hw.peak("fp32") or 1.0
-    flop_rate, byte_rate = peak * 1e12 * GEMM_EFFICIENCY, hw.hbm_gbps * 1e9 * MEMORY_EFFICIENCY
+    flop_rate, byte_rate = gemm_rate(hw, _dtype_name(c)), hw.hbm_gbps * 1e9 * MEMORY_EFFICIENCY
     cp = p.context_parallel_size  # each cp rank computes s/cp tokens of a micro-batch
     tokens, width = c.seq_length * t.micro_batch_size // cp, _width(c)
     sp = p.sequence_parallel and p.tp > 1
     fl, by = _layer_flops(c, tokens, p.tp), _layer_bytes(c, tokens, p.tp, sp, on_gpu, cp)
-    dense_fwd = fl["dense"] / flop_rate + by["dense"] / byte_rate
+    gemm_fwd, gemm_bwd = gemm.linears_seconds(gemm.layer_shapes(c, p.tp), tokens, flop_rate,
+                                              hw.sms)
+    dense_fwd = gemm_fwd + by["dense"] / byte_rate + gemm.KERNELS_FORWARD * gemm.KERNEL_GAP_S
+    dense_bwd = gemm_bwd + 2 * by["dense"] / byte_rate + \
+        gemm.KERNELS_BACKWARD * gemm.KERNEL_GAP_S
     flash = cp > 1 or attention_kernel(c, on_gpu) == "flash"
     core_fwd = fl["core"] / (flop_rate if not flash else
                              peak * 1e12 * ATTENTION_EFFICIENCY) + by["core"] / byte_rate
-    vocab = c.padded_vocab_size(p.tp) / p.tp
-    logits_fwd = 2.0 * tokens * c.hidden_size * vocab / flop_rate + \
-        tokens * vocab * (width + 4) / byte_rate
+    vocab = c.padded_vocab_size(p.tp) // p.tp
+    logits_fwd, logits_bwd = gemm.linears_seconds(((c.hidden_size, vocab),), tokens,
+                                                  flop_rate, hw.sms)
+    logits_fwd += tokens * vocab * CROSS_ENTROPY_BYTES[0] / byte_rate
+    logits_bwd += tokens * vocab * CROSS_ENTROPY_BYTES[1] / byte_rate
     one_collective = _all_reduce_time(tokens * c.hidden_size * width, p.tp,
                                       _link(p.tp, hw.gpus_per_node, hw))
     recompute = c.recompute_granularity or ""
@@ -244,10 +269,9 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     cp_traffic = _context_traffic(run, hw, tokens, core_fwd)
     tp_fwd, tp_bwd = collectives_fwd * one_collective, collectives_bwd * one_collective
     if "tp-comm" in assume:  # each collective pipelined with the GEMM beside it
-        gemm = fl["dense"] / flop_rate
-        tp_fwd, tp_bwd = max(0.0, tp_fwd - gemm), max(0.0, tp_bwd - 2 * gemm)
+        tp_fwd, tp_bwd = max(0.0, tp_fwd - gemm_fwd), max(0.0, tp_bwd - gemm_bwd)
     layer_fwd = dense_fwd + core_fwd + tp_fwd + cp_traffic["fwd_s"]
-    layer_bwd = 2 * (dense_fwd + core_fwd) + tp_bwd + \
+    layer_bwd = dense_bwd + 2 * core_fwd + tp_bwd + \
         {"full": dense_fwd + core_fwd, "selective": core_fwd}.get(recompute, 0.0) + \
         cp_traffic["bwd_s"]
     moe = _moe(run, hw, tokens)
@@ -265,7 +289,7 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
         layers = sum(len(partition.layer_range(r, k)) for k in range(v))
         last = partition.post_process(r, v - 1)
         f = layers * layer_fwd + (logits_fwd if last else 0.0) + v * p2p
-        b = layers * layer_bwd + (2 * logits_fwd if last else 0.0) + v * p2p
+        b = layers * layer_bwd + (logits_bwd if last else 0.0) + v * p2p
         if moe is not None:
             f, b = f + _moe_layers(run, partition, r) * moe_fwd, \
                 b + _moe_layers(run, partition, r) * moe_bwd
@@ -279,7 +303,7 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
                        if stage_expert_parameters else 0, "param-gather" in assume)
     layers = sum(len(partition.layer_range(slowest, k)) for k in range(v))
     collectives: float = layers * (collectives_fwd + collectives_bwd)
-    gemm = layers * (3 * (fl["dense"] + fl["core"]) + {
+    executed = layers * (3 * (fl["dense"] + fl["core"]) + {
         "full": fl["dense"] + fl["core"], "selective": fl["core"]}.get(recompute, 0.0)) + \
         (3 * 2.0 * tokens * c.hidden_size * vocab if partition.post_process(slowest, v - 1)
          else 0.0)
@@ -287,7 +311,7 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     if moe is not None:
         moe_layers = _moe_layers(run, partition, slowest)
         collectives += moe_layers * moe.tp_collectives * (2 + 2 * full)
-        gemm += moe_layers * (3 + full) * moe.flops
+        executed += moe_layers * (3 + full) * moe.flops
         expert_s = m * moe_layers * (moe.exchange_forward_s * (1 + full) +
                                      moe.exchange_backward_s)
         expert_bytes = m * moe_layers * (moe.exchange_forward_bytes * (1 + full) +
@@ -296,7 +320,7 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     return StepCost(forward, backward, collectives * one_collective, makespan, bubble,
                     dp_cost["total"], dp_cost["exposed"], dp_cost["optimizer"],
                     makespan + dp_cost["exposed"] + dp_cost["optimizer"], tp_bytes,
-                    dp_cost["bytes"], m * gemm, expert_s, expert_bytes,
+                    dp_cost["bytes"], m * executed, expert_s, expert_bytes,
                     m * layers * cp_traffic["step_s"], m * layers * cp_traffic["exposed_s"],
                     m * layers * cp_traffic["bytes"])
 
@@ -356,8 +380,10 @@ def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: 
         shard += count / (size if z.zero_stage >= 1 else 1)
         total += zero_comm_bytes_formula(count, size, z.zero_stage, grad_bytes, param_bytes) \
             if size > 1 else 0.0
+    # the last bucket's grads exist only when the backward ends: its reduction never hides
+    last = min(1.0, z.reduce_bucket_size / max(1, parameters))
     hidden = backward if z.overlap_comm else 0.0
-    exposed = max(0.0, grads - hidden) + max(0.0, gather - (forward if gather_overlap
+    exposed = max(grads * last, grads - hidden) + max(0.0, gather - (forward if gather_overlap
                                                            else 0.0)) + \
         max(0.0, stage3 - num_microbatches * backward)
     per_element = OPTIMIZER_BYTES_PER_ELEMENT.get(z.optimizer, 40)
@@ -380,20 +406,3 @@ def throughput(run: "RunConfig", cost: StepCost, hw: Hardware) -> Throughput:
     peak = hw.peak(_dtype_name(c)) or hw.peak("fp32") or 1.0
     hardware_flops = cost.gemm_flops / cost.step / 1e12
     return Throughput(tokens / cost.step, model, hardware_flops, model / peak)
-
-
-def megatron_sc21_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """FLOPs of one iteration as Narayanan et al. 2021 count them (eq. 3, full activation
-    recomputation included): 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))."""
-    return 96.0 * batch * seq * layers * hidden ** 2 * (
-        1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
-
-
-def sc21_tflops_per_gpu(run: "RunConfig", cost: StepCost, vocab: Optional[int] = None
-                        ) -> float:
-    """Achieved TFLOP/s per GPU counted as the SC21 paper counts them."""
-    c, t = run.model, run.train
-    assert c is not None and t.global_batch_size is not None
-    flops = megatron_sc21_flops(t.global_batch_size, c.seq_length, c.num_layers,
-                                c.hidden_size, vocab or c.vocab_size)
-    return flops / cost.step / run.parallel.world_size / 1e12

@@ -134,6 +134,7 @@ def _megatron(billions: float, heads: int, hidden: int, layers: int, tp: int, pp
              "--micro-batch-size", "1", "--global-batch-size", str(batch), "--bf16",
              "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
              str(pp), "--use-distributed-optimizer", "--overlap-grad-reduce",
+             "--ddp-bucket-size", str(max(40_000_000, 1_000_000 * 48)),
              "--overlap-param-gather") + (("--sequence-parallel",) if tp > 1 else ())
     tokens = tflops * 1e12 / megatron_flops_per_token(layers, hidden, 4096, 131072)
     return PublishedRun(MEGATRON, f"GPT {billions}B", "h100-sxm", gpus, flags, tokens,
@@ -189,8 +190,8 @@ def sac_recompute_seconds(plan: "Plan") -> float:
     peak = plan.hardware.peak("bf16") or 1.0
     tokens = c.seq_length * t.micro_batch_size
     h, kv = c.hidden_size, c.num_query_groups * c.head_dim
-    matmuls = 2.0 * tokens * h * (kv + h + c.ffn_hidden_size) / (peak * 1e12 *
-                                                                  cost.GEMM_EFFICIENCY)
+    matmuls = 2.0 * tokens * h * (kv + h + c.ffn_hidden_size) / cost.gemm_rate(
+        plan.hardware, "bf16")
     attention = cost._layer_flops(c, tokens, 1)["core"] / (peak * 1e12 *
                                                           cost.ATTENTION_EFFICIENCY)
     assert plan.hardware.hbm_gbps is not None

@@ -5,7 +5,7 @@ Megatron-LM" (SC21, arXiv 2104.04473), Table 1: GPT models of 1.7B to 1T paramet
 to 3072 A100 80 GB GPUs (Selene: DGX A100 nodes, 8 HDR 200 Gb/s NICs each); every model has
 vocabulary 51,200 and sequence length 2,048, trains in 16-bit precision with full activation
 recomputation, and the achieved TFLOP/s per GPU count FLOPs with the paper's formula
-(`cost.megatron_sc21_flops`, recomputation included).
+(`megatron_sc21_flops`, recomputation included).
 
 The table does not give the micro-batch size or the schedule; the flags below use micro-batch
 1 and the non-interleaved 1F1B schedule (Megatron's defaults of its GPT-3 175B example) for
@@ -15,9 +15,11 @@ no distributed optimizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 if TYPE_CHECKING:
+    from gigatron.training.config.run_config import RunConfig
+    from gigatron.training.plan.cost import StepCost
     from gigatron.training.plan.planner import Plan
 
 
@@ -63,10 +65,26 @@ TABLE_1: Tuple[SC21Row, ...] = (
 )
 
 
+def megatron_sc21_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of one iteration as Narayanan et al. 2021 count them (eq. 3, full activation
+    recomputation included): 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))."""
+    return 96.0 * batch * seq * layers * hidden ** 2 * (
+        1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def sc21_tflops_per_gpu(run: "RunConfig", cost: "StepCost", vocab: Optional[int] = None
+                        ) -> float:
+    """Achieved TFLOP/s per GPU counted as the SC21 paper counts them."""
+    c, t = run.model, run.train
+    assert c is not None and t.global_batch_size is not None
+    flops = megatron_sc21_flops(t.global_batch_size, c.seq_length, c.num_layers,
+                                c.hidden_size, vocab or c.vocab_size)
+    return flops / cost.step / run.parallel.world_size / 1e12
+
+
 def predict(row: SC21Row, gpu: str = "a100-80gb") -> Tuple["Plan", float]:
     """(the plan of this row's run, its predicted TFLOP/s per GPU as the paper counts)."""
     from gigatron.training.config.arguments import build_run_config, parse_flags
-    from gigatron.training.plan.cost import sc21_tflops_per_gpu
     from gigatron.training.observe.devices import hardware
     from gigatron.training.plan.planner import plan_run
 

@@ -1,0 +1,84 @@
+"""A GEMM's time from its shape: tile and wave quantisation over the GPU's SMs, and the idle
+gap the GPU leaves between two kernels (issue 32).
+
+cuBLAS computes an M x N output in tiles, one tile per SM at a time; a GEMM whose tiles do
+not fill the last wave leaves SMs idle, and a partial tile at the edge computes padding
+(NVIDIA, "Matrix Multiplication Background User's Guide", sections "Tile quantization" and
+"Wave quantization"). The fraction of the SMs' time that does useful work is
+
+    useful tiles / (waves x SMs),  useful tiles = M N / (tile_m tile_n),
+    waves = ceil(ceil(M / tile_m) ceil(N / tile_n) / SMs)
+
+with the tile cuBLAS's heuristic picks for the shape; the model takes the best-quantised of
+`TILES`. The mainloop of a full wave runs at cost.GEMM_EFFICIENCY of the peak. A linear
+layer runs three GEMMs per micro-batch (forward tokens x n; dgrad tokens x k; wgrad k x n),
+each quantised on its own output.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional, Tuple
+
+if TYPE_CHECKING:
+    from gigatron.models.config import TransformerConfig
+
+TILES: Tuple[Tuple[int, int], ...] = ((128, 256), (256, 128), (192, 192), (128, 128))
+"""Output tiles cuBLAS runs: 128x256, 256x128 and 192x192 are the nvjet_sm90 kernels of the
+H200 session's trace (bench/results/2026-11-26-h200/trace_gpt3-1.3b.json.gz: every one of
+its 339 GEMMs; persistent, one CTA per SM: grid 132); 128x128 is the Ampere tile of NVIDIA's
+guide (above). Taking the best of them is optimistic where cuBLAS's heuristic is not."""
+
+KERNEL_GAP_S = 2.3e-6
+"""Idle GPU time between two consecutive kernels of a layer (launch latency the queue does
+not hide, the next kernel's ramp-up): the H200 session's trace, one layer of GPT 1.3B at
+micro-batch 8: 37 us over 16 forward kernels, 110 us over 48 backward ones (2.3 us each)."""
+KERNELS_FORWARD = 16
+"""Kernels of one layer's forward (the same trace: norms, q/k/v, flash attention, output
+projection, bias-dropout-add, fc1, GeLU, fc2, and their copies)."""
+KERNELS_BACKWARD = 48
+"""Kernels of one layer's backward (the same trace: each GEMM's dgrad and wgrad, bias
+gradients, the norms', attention's and activation's backward, gradient accumulation)."""
+
+
+def wave_efficiency(m: int, n: int, sms: Optional[int]) -> float:
+    """Useful fraction of the SMs' time for an m x n output (1.0 when the SM count is
+    unknown): the best-quantised tile of `TILES`."""
+    if not sms or m <= 0 or n <= 0:
+        return 1.0
+    best = 0.0
+    for tile_m, tile_n in TILES:
+        tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+        waves = math.ceil(tiles / sms)
+        best = max(best, m * n / (tile_m * tile_n) / (waves * sms))
+    return best
+
+
+def linear_efficiency(tokens: int, k: int, n: int, sms: Optional[int]
+                      ) -> Tuple[float, float]:
+    """(forward, backward) wave efficiency of a linear layer y = x W, x: tokens x k, W: k x n
+    (the backward's dgrad tokens x k and wgrad k x n outputs, equal FLOPs each)."""
+    forward = wave_efficiency(tokens, n, sms)
+    dgrad, wgrad = wave_efficiency(tokens, k, sms), wave_efficiency(k, n, sms)
+    return forward, 2.0 / (1.0 / dgrad + 1.0 / wgrad)
+
+
+def linears_seconds(shapes: Tuple[Tuple[int, int], ...], tokens: int, flop_rate: float,
+                    sms: Optional[int]) -> Tuple[float, float]:
+    """(forward, backward) seconds of linear layers of (k, n) each over `tokens` rows at
+    `flop_rate` FLOP/s for a full wave."""
+    forward = backward = 0.0
+    for k, n in shapes:
+        flops = 2.0 * tokens * k * n
+        fwd_eff, bwd_eff = linear_efficiency(tokens, k, n, sms)
+        forward += flops / (flop_rate * fwd_eff)
+        backward += 2 * flops / (flop_rate * bwd_eff)
+    return forward, backward
+
+
+def layer_shapes(c: "TransformerConfig", tp: int) -> Tuple[Tuple[int, int], ...]:
+    """(k, n) of one layer's linears on one tp rank: q/k/v, output projection, fc1, fc2
+    (their FLOPs are cost._layer_flops's dense count)."""
+    h, a, g, d, ffn = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim, \
+        c.ffn_hidden_size
+    fc1 = 2 * ffn if c.activation == "swiglu" else ffn
+    return ((h, g * (a // g + 2) * d // tp), (a * d // tp, h), (h, fc1 // tp), (ffn // tp, h))
