@@ -4,6 +4,7 @@ training/observe/devices.py  the one table of device figures (also the training 
 parameters.py  each stage's parameters, read from GPTModel built on meta at the layout's tp
 memory.py    model state as ZeRO lays it out (exact) and activations (Korthikanti et al.)
 cost.py      FLOPs, compute, tp/pp/dp communication, the bubble from the schedule simulator
+gemm.py      a GEMM's time from its shape: tile and wave quantisation on the SMs, kernel gaps
 experts.py   an MoE layer beyond a dense one: router/expert matmuls, the token exchange
 context.py   context parallelism: the cp attention's tensors and traffic per comm type
 allocator.py what the caching allocator reserves and the device holds beyond the tensors
