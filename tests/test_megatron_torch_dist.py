@@ -302,8 +302,8 @@ def test_moe_checkpoint_continues_with_megatron_losses(tmp_path, ep, shared):
     """A mixture-of-experts save (on 1 rank, or ep 2 on 2 ranks with a shared expert: each
     rank its 2 experts, the router and the rest replicated) continues on one rank: logits at
     the save and the losses of iterations 3 and 4 equal Megatron-Core's."""
-    flags, megatron = _megatron_run(tmp_path, 1, True, {"meg": "fully_reshardable"}, ep,
-                                    expert_model_parallel_size=ep,
+    saves = {"meg": "fully_reshardable", "buckets": "dp_reshardable"}
+    flags, megatron = _megatron_run(tmp_path, 1, True, saves, ep, expert_model_parallel_size=ep,
                                     moe_shared_expert_intermediate_size=shared, **MOE)
     converted = str(tmp_path / "gig")
     config = megatron_to_gigatron(str(tmp_path / "meg"), converted)
@@ -314,3 +314,12 @@ def test_moe_checkpoint_continues_with_megatron_losses(tmp_path, ep, shared):
     assert "decoder.layers.1.mlp.linear_fc1.weight" in state  # the dense layer
     assert ("decoder.layers.0.mlp.shared_experts.linear_fc1.weight" in state) == bool(shared)
     _continue_in_gigatron(tmp_path, flags, megatron, converted, 1)
+    # the distributed optimizer's buckets are refused for MoE; its weights are read
+    with pytest.raises(ConversionError, match="mixture-of-experts model's distributed "
+                       "optimizer state is saved as 'dp_reshardable'.*--no-load-optim"):
+        megatron_to_gigatron(str(tmp_path / "buckets"), str(tmp_path / "refused"))
+    megatron_to_gigatron(str(tmp_path / "buckets"), str(tmp_path / "weights"),
+                         with_optimizer=False)
+    _, weights = load_model(str(tmp_path / "weights"))
+    assert weights.keys() == state.keys()
+    assert all(torch.equal(weights[k], state[k]) for k in state)

@@ -24,7 +24,8 @@ Optimizer: per-parameter formats (`optimizer.state.<exp_avg|exp_avg_sq|param|fp3
 distributed optimizer's `dp_reshardable` format (Megatron-LM's default unless
 --dist-ckpt-optim-fully-reshardable) stores its gradient-buffer buckets: cut back into
 parameters by buckets.py. The deprecated bucket formats (`dp_zero_gather_scatter`,
-`fully_sharded_bucket_space`) are refused. Mixture-of-experts layers: moe.py.
+`fully_sharded_bucket_space`) are refused, and so is dp_reshardable for a mixture of
+experts (its expert-parallel buffers are not rebuilt). Mixture-of-experts layers: moe.py.
 """
 from __future__ import annotations
 
@@ -222,6 +223,11 @@ def check_optimizer_format(common: Dict[str, Any], folder: str) -> None:
             f"format, tied to the saving run's layout): resave it from Megatron-LM with "
             f"--dist-ckpt-optim-fully-reshardable, or add --no-load-optim to take the weights "
             f"and start the optimizer afresh")
+    require(kind != "dp_reshardable" or not getattr(common["args"], "num_experts", None),
+            f"{folder}: a mixture-of-experts model's distributed optimizer state is saved as "
+            f"'dp_reshardable' (gradient buckets; expert buffers not read here): resave it "
+            f"from Megatron-LM with --dist-ckpt-optim-fully-reshardable, or add "
+            f"--no-load-optim to take the weights and start the optimizer afresh")
 
 
 def read_optimizer(folder: str, common: Dict[str, Any], optim: Dict[str, torch.Tensor],
