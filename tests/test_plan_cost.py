@@ -1,7 +1,7 @@
 """gigatron plan's speed model: the pipeline-bubble formulas exactly, and the Megatron-LM
 SC21 paper's weak-scaling table (Narayanan et al. 2021, Table 1: 1.7B to 1T parameters on
-32 to 3072 A100s) within +-15% per row, with the same three efficiency constants for every
-row (training/plan/cost.py)."""
+32 to 3072 A100s) within +-15% per row, with the same measured constants for every row
+(training/plan/cost.py, gemm.py; the A100's matmul ceiling and SMs from devices.py)."""
 import pytest
 
 from gigatron.parallel.pipeline.schedules import build_schedule

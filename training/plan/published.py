@@ -22,7 +22,9 @@ Sources (read from the repositories at the commits named):
               tp communication and p2p. Published: model TFLOP/s per GPU (Megatron's count,
               `megatron_flops_per_token`), converted here to tokens/s per GPU. The README
               does not state micro-batch (1 here), recomputation (none), the pipeline
-              schedule (1F1B here) or position embedding (Megatron's default, learned).
+              schedule (1F1B here) or position embedding (Megatron's default, learned);
+              the grad buckets are Megatron-Core's default for the distributed optimizer,
+              max(40M, 1M x dp) elements.
               gigatron runs neither the tp-communication nor the param-gather overlap: the
               rows are planned with `assume` (cost.OVERLAPS), which models them.
   H200_SESSION  gigatron itself, measured on one H200 (docs/PERFORMANCE.md, "One H200":
@@ -35,8 +37,9 @@ Sources (read from the repositories at the commits named):
 
 Held out: rows with `held_out=True` (every other Megatron-Core row, and torchtitan's 128-GPU
 Table 3) are checked in the same test with the same tolerances. No constant was fitted to
-a row, but the held-out rows were visible while the model's structure changed
-(docs/PERFORMANCE.md, "gigatron plan vs published H100/H200 runs", says what that is worth).
+a row, but the held-out rows were visible while the model's structure changed, the 7.1B
+one named as a miss before the GEMM-shape pass began (docs/PERFORMANCE.md, "gigatron plan vs
+published H100/H200 runs", says what that is worth).
 """
 from __future__ import annotations
 
