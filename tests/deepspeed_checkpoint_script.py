@@ -8,7 +8,9 @@ tests/deepspeed_parity_script.py for SAVE_AT steps, saves to OUT_DIR/ds<world>/<
 continues CONTINUE steps (the oracle). Rank 0 then writes DeepSpeed's universal checkpoint of
 UNIVERSAL_CASE with deepspeed.checkpoint.ds_to_universal (one worker, in-process). The 2-rank
 run also saves OUT_DIR/megatron: a model named like Megatron-DeepSpeed's GPT, with its
-Megatron args in client_state (what `gigatron convert deepspeed-to-gigatron` reads).
+Megatron args in client_state (what `gigatron convert deepspeed-to-gigatron` reads), and
+OUT_DIR/megatron-tp1 and OUT_DIR/megatron-tp2pp2: the same GPT weights at tp 1 and in the
+pipeline engine's tp 2 x pp 2 layout (megatron_deepspeed_writer.py).
 gigatron: for every case and every source world size, gigatron.initialize builds the same
 engine (same config, any world size), engine.load_checkpoint reads DeepSpeed's folder and
 continues CONTINUE steps; the universal folder loads with the same engine (the 1-rank save's
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import megatron_deepspeed_writer as writer  # noqa: E402
 from deepspeed_parity_script import (IN, MICRO_BATCH, OUT, SmallNet,  # noqa: E402
                                      exit_before_interpreter_finalization,
                                      leave_process_group, merge, write_results)
@@ -130,6 +133,9 @@ def run_deepspeed(out_dir: str, rank: int, world: int) -> Dict[str, Any]:
         engine.destroy()
     if world == 2:
         save_megatron_deepspeed_gpt(deepspeed.initialize, os.path.join(out_dir, "megatron"))
+        torch.manual_seed(6)
+        full = {k: torch.randn(*v) * 0.3 for k, v in megatron_deepspeed_shapes().items()}
+        writer.write_both(deepspeed.initialize, out_dir, full, MEGATRON_ARGS, 2)
     if rank == 0:
         write_universal(os.path.join(out_dir, f"ds{world}", UNIVERSAL_CASE))
     dist.barrier()

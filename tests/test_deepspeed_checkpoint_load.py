@@ -252,6 +252,75 @@ def test_megatron_deepspeed_gpt_converts_to_gigatron_names(runs, tmp_path):
     check_resumable(str(tmp_path), folder)
 
 
+def test_megatron_deepspeed_tp2_pp2_pipeline_save_converts_to_the_tp1_models_logits(runs,
+                                                                                    tmp_path):
+    """Megatron-DeepSpeed's pipeline-engine layout at tp 2 x pp 2 (ZeRO 1 over dp 2: four
+    model-parallel ranks' model states and optimizer files, per-layer files per tp rank;
+    tests/megatron_deepspeed_writer.py) converts to the model the same weights saved at tp 1
+    convert to: logits within 1e-5, Adam's moments equal."""
+    import torch
+
+    from gigatron.models.gpt import GPTModel
+    from gigatron.training.checkpoint import folders
+    from gigatron.training.checkpoint.convert import load_model
+    from gigatron.training.checkpoint.deepspeed.convert import deepspeed_to_gigatron
+    from gigatron.training.checkpoint.torch_dist import save_load
+    import megatron_deepspeed_writer as writer
+
+    tp1, pipe = (os.path.join(runs["folder"], n) for n in ("megatron-tp1", "megatron-tp2pp2"))
+    names = writer.saved_parts(pipe)
+    assert "mp_rank_03_model_states.pt" in names and "zero_pp_rank_1_mp_rank_03_optim_states.pt" \
+        in names and "layer_05-model_01-model_states.pt" in names, names
+    logits, moments = [], []
+    for source in (tp1, pipe):
+        out = str(tmp_path / os.path.basename(source))
+        deepspeed_to_gigatron(source, out)
+        config, state = load_model(out)
+        model = GPTModel(config)
+        model.load_state_dict(state)
+        tokens = torch.arange(32).reshape(2, 16) % config.vocab_size
+        logits.append(model(tokens).detach()[..., :config.vocab_size])  # padding is -inf
+        key = "optimizer.exp_avg.decoder.layers.1.self_attention.linear_qkv.weight"
+        folder = folders.find_checkpoint(out)[1]
+        moments.append(save_load.read(folder, {key: torch.empty(24, 8)})[key])
+    assert (logits[0] - logits[1]).abs().max() <= 1e-5 * logits[0].abs().max()
+    assert moments[0].abs().sum() > 0 and torch.equal(moments[0], moments[1])
+
+
+def test_a_plain_pipeline_save_reads_whole_and_a_tensor_parallel_one_is_refused(runs,
+                                                                                tmp_path):
+    """A plain PipelineModule's save (PipeDataParallelTopology: model-parallel rank = stage,
+    layer files without a tp rank), made here from tp rank 0's files of the tp2 x pp2 save,
+    reads as one checkpoint of both stages; the tp2 save itself is refused for plain modules
+    (no tp split is known) in one line naming the converter."""
+    import torch
+
+    from gigatron.training.checkpoint.deepspeed import reader
+    import megatron_deepspeed_writer as writer
+
+    pipe = os.path.join(runs["folder"], "megatron-tp2pp2", writer.TAG)
+    with pytest.raises(ValueError, match="no tensor-parallel split") as err:
+        reader.read(pipe)
+    assert "\n" not in str(err.value) and "deepspeed-to-gigatron" in str(err.value)
+    plain = tmp_path / writer.TAG
+    plain.mkdir()
+    for stage in range(writer.PP):
+        mp = f"mp_rank_{stage * writer.TP:02d}"
+        for name in os.listdir(pipe):
+            if mp in name:
+                shutil.copy(os.path.join(pipe, name),
+                            plain / name.replace(mp, f"mp_rank_{stage:02d}"))
+    for name in os.listdir(pipe):
+        if name.startswith("layer_") and "-model_00-" in name:
+            shutil.copy(os.path.join(pipe, name), plain / name.replace("-model_00-", "-"))
+    whole = reader.read(str(plain))
+    want = reader.read_tensor_parallel(pipe, True, writer.TP, writer.PP)[0]
+    assert sorted(whole.weights) == sorted(want.weights) and "4.bias" in whole.weights
+    for name, tensor in want.weights.items():
+        assert torch.equal(whole.weights[name], tensor), name
+        assert torch.equal(whole.states["exp_avg"][name], want.states["exp_avg"][name]), name
+
+
 def check_resumable(converted: str, source: str) -> None:
     """The converted checkpoint is one pretrain_gpt.py --load resumes: the saved iteration
     (client_state's), Adam's step and moments under gigatron's names."""

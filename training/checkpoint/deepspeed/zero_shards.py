@@ -3,8 +3,8 @@
 Facts of DeepSpeed 0.19's layout (runtime/engine.py `_save_zero_checkpoint`, its ZeRO
 optimizers' `state_dict`, utils/zero_to_fp32.py):
 
-- ZeRO 1/2 (and the bf16 optimizer): `[bf16_]zero_pp_rank_<R>_mp_rank_00_optim_states.pt`
-  per dp rank R holds, per param group, a flat fp32 partition
+- ZeRO 1/2 (and the bf16 optimizer): `[bf16_]zero_pp_rank_<R>_mp_rank_<M>_optim_states.pt`
+  per dp rank R (of model-parallel rank M: reader.py) holds, per param group, a flat fp32 partition
   (`single_partition_of_fp32_groups`) and the base optimizer's state of that partition
   (`base_optimizer_state`: exp_avg, exp_avg_sq shaped like it, a step count). The ranks'
   partitions, concatenated, are the group's parameters flattened in the order of
@@ -32,7 +32,7 @@ import torch
 
 Tensors = Dict[str, torch.Tensor]
 Shapes = List[Dict[str, torch.Size]]  # per param group, in the flattened order
-_RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 class MergedZero:
@@ -47,12 +47,13 @@ class MergedZero:
             loss_scale
 
 
-def optimizer_files(folder: str) -> List[str]:
-    """The ZeRO optimizer files of a tag folder, by dp rank (empty at ZeRO 0)."""
+def optimizer_files(folder: str, mp_rank: int = 0) -> List[str]:
+    """The ZeRO optimizer files of one model-parallel rank of a tag folder, by dp rank (empty
+    at ZeRO 0)."""
     found = {}
     for path in glob.glob(os.path.join(folder, "*_optim_states.pt")):
         match = _RANK.search(os.path.basename(path))
-        if match:
+        if match and int(match.group(2)) == mp_rank:
             found[int(match.group(1))] = path
     ranks = sorted(found)
     _check_ranks(folder, ranks, max(ranks, default=-1) + 1)
@@ -76,9 +77,11 @@ def load_file(path: str) -> Any:
                          f"damaged; load an earlier tag") from None
 
 
-def merge_zero(folder: str, param_shapes: Shapes, with_states: bool) -> MergedZero:
-    """Read every rank's optimizer file of a ZeRO 1-3 checkpoint and merge them."""
-    files = optimizer_files(folder)
+def merge_zero(folder: str, param_shapes: Shapes, with_states: bool,
+               mp_rank: int = 0) -> MergedZero:
+    """Read every dp rank's optimizer file of one model-parallel rank of a ZeRO 1-3
+    checkpoint and merge them."""
+    files = optimizer_files(folder, mp_rank)
     shards = [load_file(f)["optimizer_state_dict"] for f in files]
     stage = int(shards[0].get("zero_stage", 1))  # the bf16 optimizer (ZeRO 1) names none
     count = shards[0].get("partition_count", len(files))  # ZeRO 1/2: one per group
