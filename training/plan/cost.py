@@ -79,7 +79,7 @@ ATTENTION_EFFICIENCY = 0.69
 without the causal mask's skipping (4 s^2 a d per layer forward, as `_layer_flops`):
 measured on the H200 session (docs/PERFORMANCE.md, "One H200"): cuDNN SDPA took 28.8 ms of
 the GPT 1.3B step (24 layers, micro-batch 8, seq 2048: 1.98e13 such FLOPs), 687 TFLOP/s of
-989.4. The unfused softmax path keeps GEMM_EFFICIENCY and its own bytes."""
+989.4. The unfused softmax path runs at `gemm_rate` (unquantised) with its own bytes."""
 NETWORK_EFFICIENCY = 0.7
 """Fraction of a link's datasheet bandwidth NCCL's ring collectives and p2p sends sustain
 (nccl-tests' bus bandwidth: ~230 of 300 GB/s NVLink on DGX A100, ~20 of 25 GB/s HDR)."""

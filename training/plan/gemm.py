@@ -10,7 +10,7 @@ not fill the last wave leaves SMs idle, and a partial tile at the edge computes 
     waves = ceil(ceil(M / tile_m) ceil(N / tile_n) / SMs)
 
 with the tile cuBLAS's heuristic picks for the shape; the model takes the best-quantised of
-`TILES`. The mainloop of a full wave runs at cost.GEMM_EFFICIENCY of the peak. A linear
+`TILES`. A full wave runs at the device's matmul ceiling (cost.gemm_rate). A linear
 layer runs three GEMMs per micro-batch (forward tokens x n; dgrad tokens x k; wgrad k x n),
 each quantised on its own output.
 """
