@@ -46,13 +46,13 @@ def test_linear_backward_is_dgrad_and_wgrad_at_equal_flops(one_tile):
 
 def test_full_wave_rate_is_the_measured_matmul_ceiling():
     h100 = hardware("h100-sxm")
-    assert cost.gemm_rate(h100, "bf16") == pytest.approx(792.1e12)
-    assert cost.gemm_rate(h100, "fp32") == pytest.approx(66.9e12 * cost.GEMM_EFFICIENCY)
+    assert gemm.gemm_rate(h100, "bf16") == pytest.approx(792.1e12)
+    assert gemm.gemm_rate(h100, "fp32") == pytest.approx(66.9e12 * gemm.GEMM_EFFICIENCY)
     b200 = hardware("b200")  # no measured ceiling: the fallback fraction of the peak
-    assert cost.gemm_rate(b200, "bf16") == pytest.approx(2250e12 * cost.GEMM_EFFICIENCY)
+    assert gemm.gemm_rate(b200, "bf16") == pytest.approx(2250e12 * gemm.GEMM_EFFICIENCY)
     # a user's own peak: the datasheet device's ceiling no longer applies
     mine = with_overrides(h100, {"peak_tflops": 500.0})
-    assert cost.gemm_rate(mine, "bf16") == pytest.approx(500e12 * cost.GEMM_EFFICIENCY)
+    assert gemm.gemm_rate(mine, "bf16") == pytest.approx(500e12 * gemm.GEMM_EFFICIENCY)
 
 
 def test_cross_entropy_bytes_grow_the_step_by_the_logits_they_move():

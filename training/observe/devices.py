@@ -44,7 +44,7 @@ Sources (retrieved for this table):
         A100 SXM 267.9 from stas00/ml-engineering compute/accelerator/README.md, "Maximum
         Achievable Matmul FLOPS comparison table" (mamf-finder.py, CUDA 12.1; the A100 80
         GB's figure for the 40 GB, the same SMs and clocks). The planner's full-wave GEMM
-        rate (training/plan/cost.py); without one, cost.GEMM_EFFICIENCY of the peak.
+        rate (training/plan/gemm.py); without one, gemm.GEMM_EFFICIENCY of the peak.
   Others (for MFU at run time; no interconnect figures): L40S, L4, A10G, A10, V100 and
         RTX 4090 datasheets.
   cpu:  NOT a datasheet: a nominal host (1 TFLOP/s, 50 GB/s DRAM, gloo over shared memory

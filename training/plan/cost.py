@@ -3,8 +3,8 @@
 Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
 
   GEMM time         each linear's three GEMMs at the device's measured matmul ceiling
-                    (`gemm_rate`) times their tile and wave quantisation on its SMs, plus the
-                    idle gap before each of a layer's kernels (gemm.py); the logits' GEMMs
+                    (`gemm.gemm_rate`) times their tile and wave quantisation on its SMs,
+                    plus the idle gap before each of a layer's kernels; the logits' GEMMs
                     likewise, the cross-entropy at CROSS_ENTROPY_BYTES per logit; a flash
                     attention's core at ATTENTION_EFFICIENCY
   memory time       bytes the element-wise kernels (norms, bias-dropout-add, GeLU/SwiGLU,
@@ -58,12 +58,6 @@ if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
     from gigatron.training.config.run_config import RunConfig
 
-GEMM_EFFICIENCY = 0.80
-"""Fraction of the dense peak a GEMM's full waves sustain on a device without a measured
-matmul ceiling (devices.py's matmul_tflops; gemm.py adds each shape's tile and wave
-quantisation): the H200 session's matmuls ran at 769 TFLOP/s (0.777 of 989.4) in the GPT
-1.3B step, whose GEMMs quantise to 0.975 on 132 SMs (0.797); its 8192^3 ceiling was 0.803,
-the H100 SXM's published one 0.801."""
 CROSS_ENTROPY_BYTES = (49, 18)
 """Bytes per logit element the vocab-parallel cross-entropy moves, forward and backward, at
 MEMORY_EFFICIENCY of HBM (the fp32 copy, max, subtract, exp, sum, divide; the gradient's
@@ -79,7 +73,7 @@ ATTENTION_EFFICIENCY = 0.69
 without the causal mask's skipping (4 s^2 a d per layer forward, as `_layer_flops`):
 measured on the H200 session (docs/PERFORMANCE.md, "One H200"): cuDNN SDPA took 28.8 ms of
 the GPT 1.3B step (24 layers, micro-batch 8, seq 2048: 1.98e13 such FLOPs), 687 TFLOP/s of
-989.4. The unfused softmax path runs at `gemm_rate` (unquantised) with its own bytes."""
+989.4. The unfused softmax path runs at `gemm.gemm_rate` (unquantised) with its own bytes."""
 NETWORK_EFFICIENCY = 0.7
 """Fraction of a link's datasheet bandwidth NCCL's ring collectives and p2p sends sustain
 (nccl-tests' bus bandwidth: ~230 of 300 GB/s NVLink on DGX A100, ~20 of 25 GB/s HDR)."""
@@ -126,14 +120,6 @@ class Throughput:
     model_tflops_per_gpu: float
     hardware_tflops_per_gpu: float  # what the GPUs execute (recomputation counted)
     mfu: float
-
-
-def gemm_rate(hw: Hardware, dtype_name: str) -> float:
-    """FLOP/s of a GEMM's full waves: the device's measured matmul ceiling for 16-bit
-    (devices.py), else GEMM_EFFICIENCY of the dense peak."""
-    if hw.matmul_tflops is not None and dtype_name in ("bf16", "fp16"):
-        return hw.matmul_tflops * 1e12
-    return (hw.peak(dtype_name) or hw.peak("fp32") or 1.0) * 1e12 * GEMM_EFFICIENCY
 
 
 def _layer_flops(c: "TransformerConfig", tokens: int, tp: int) -> Dict[str, float]:
@@ -239,7 +225,8 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.micro_batch_size is not None and hw.hbm_gbps is not None
     peak = hw.peak(_dtype_name(c)) or hw.peak("fp32") or 1.0
-    flop_rate, byte_rate = gemm_rate(hw, _dtype_name(c)), hw.hbm_gbps * 1e9 * MEMORY_EFFICIENCY
+    flop_rate = gemm.gemm_rate(hw, _dtype_name(c))
+    byte_rate = hw.hbm_gbps * 1e9 * MEMORY_EFFICIENCY
     cp = p.context_parallel_size  # each cp rank computes s/cp tokens of a micro-batch
     tokens, width = c.seq_length * t.micro_batch_size // cp, _width(c)
     sp = p.sequence_parallel and p.tp > 1

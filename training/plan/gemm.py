@@ -10,7 +10,7 @@ not fill the last wave leaves SMs idle, and a partial tile at the edge computes 
     waves = ceil(ceil(M / tile_m) ceil(N / tile_n) / SMs)
 
 with the tile cuBLAS's heuristic picks for the shape; the model takes the best-quantised of
-`TILES`. A full wave runs at the device's matmul ceiling (cost.gemm_rate). A linear
+`TILES`. A full wave runs at the device's matmul ceiling (`gemm_rate`). A linear
 layer runs three GEMMs per micro-batch (forward tokens x n; dgrad tokens x k; wgrad k x n),
 each quantised on its own output.
 """
@@ -19,8 +19,17 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional, Tuple
 
+from gigatron.training.observe.devices import Hardware
+
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
+
+GEMM_EFFICIENCY = 0.80
+"""Fraction of the dense peak a GEMM's full waves sustain on a device without a measured
+matmul ceiling (devices.py's matmul_tflops; each shape's tile and wave quantisation
+comes on top): the H200 session's matmuls ran at 769 TFLOP/s (0.777 of 989.4) in the GPT
+1.3B step, whose GEMMs quantise to 0.975 on 132 SMs (0.797); its 8192^3 ceiling was 0.803,
+the H100 SXM's published one 0.801."""
 
 TILES: Tuple[Tuple[int, int], ...] = ((128, 256), (256, 128), (192, 192), (128, 128))
 """Output tiles cuBLAS runs: 128x256, 256x128 and 192x192 are the nvjet_sm90 kernels of the
@@ -82,3 +91,11 @@ def layer_shapes(c: "TransformerConfig", tp: int) -> Tuple[Tuple[int, int], ...]
         c.ffn_hidden_size
     fc1 = 2 * ffn if c.activation == "swiglu" else ffn
     return ((h, g * (a // g + 2) * d // tp), (a * d // tp, h), (h, fc1 // tp), (ffn // tp, h))
+
+
+def gemm_rate(hw: Hardware, dtype_name: str) -> float:
+    """FLOP/s of a GEMM's full waves: the device's measured matmul ceiling for 16-bit
+    (devices.py), else GEMM_EFFICIENCY of the dense peak."""
+    if hw.matmul_tflops is not None and dtype_name in ("bf16", "fp16"):
+        return hw.matmul_tflops * 1e12
+    return (hw.peak(dtype_name) or hw.peak("fp32") or 1.0) * 1e12 * GEMM_EFFICIENCY

@@ -186,14 +186,14 @@ def sac_recompute_seconds(plan: "Plan") -> float:
     """What torchtitan's SAC recomputes beyond Megatron's selective recomputation (the
     plan's), per step: wk, wo and w3 instead of the core attention, and every layer's
     element-wise kernels once more (their forward bytes)."""
-    from gigatron.training.plan import cost
+    from gigatron.training.plan import cost, gemm
 
     c, p, t = plan.run.model, plan.run.parallel, plan.run.train
     assert c is not None and t.micro_batch_size is not None
     peak = plan.hardware.peak("bf16") or 1.0
     tokens = c.seq_length * t.micro_batch_size
     h, kv = c.hidden_size, c.num_query_groups * c.head_dim
-    matmuls = 2.0 * tokens * h * (kv + h + c.ffn_hidden_size) / cost.gemm_rate(
+    matmuls = 2.0 * tokens * h * (kv + h + c.ffn_hidden_size) / gemm.gemm_rate(
         plan.hardware, "bf16")
     attention = cost._layer_flops(c, tokens, 1)["core"] / (peak * 1e12 *
                                                           cost.ATTENTION_EFFICIENCY)
