@@ -5,7 +5,12 @@ CPU run reaches; `cpu_shims` covers them for the (forked worker) process: RoPE m
 frequencies to torch.cuda.current_device() (made to answer 'cpu'), a tied embedding's
 first/last-stage sync calls Tensor.cuda() (made the identity), the default causal mask is
 built on 'cuda' (the forward passes an explicit mask instead), and attention dropout forks
-the CUDA RNG tracker (a no-op here: dropout is 0).
+the CUDA RNG tracker (a no-op here: dropout is 0); the MoE router's GEMM names
+transformer_engine's (made None: torch's). TorchDynamo is off: Megatron's jit_fuser would
+compile its fused functions in every worker (tests/test_megatron_import.py: 41-63 s with it,
+10-22 s without, on this 2-core box under load). MoE models use gpt_builder's block spec
+(--moe-layer-freq's dense and MoE layers), the allgather dispatcher (alltoall syncs CUDA
+streams) and SequentialMLP (grouped GEMM needs transformer_engine or grouped_gemm).
 
 The args Namespace holds what Megatron-LM's validate_args leaves in it for these flags, and
 the model is built as Megatron-LM's core_transformer_config_from_args and gpt_builder build it.
@@ -33,6 +38,7 @@ from megatron_layout import megatron_args  # noqa: F401  (the tests build args t
 
 def cpu_shims() -> None:
     """Let this worker process run Megatron-Core's forward on the CPU (see the docstring)."""
+    torch._dynamo.config.disable = True  # Megatron's jit_fuser compiles for seconds, per worker
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     tracker = tensor_parallel.get_cuda_rng_tracker()

@@ -37,7 +37,6 @@ LR, WEIGHT_DECAY = 1e-3, 0.1
 
 def optimizer_shims() -> None:
     """Megatron-Core's optimizer on the CPU (see the module doc); forked workers only."""
-    torch._dynamo.config.disable = True  # Megatron's jit_fuser compiles for seconds, once
     tensor_type = torch.Tensor.type
 
     def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
