@@ -185,6 +185,8 @@ class Watchdog:
             return None
         decided = json.loads(verdict)
         if decided["by"] == self.rank:
+            # say it first: once the hung rank dies, the agent stops this one within moments
+            _announce(decided["message"])
             self._kill(decided.get("pid"), decided.get("host"))
         if decided.get("workers_of") == self.rank:  # a stopped worker would outlive the job
             for worker in decided["workers"]:
@@ -359,10 +361,24 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+_announced: Set[str] = set()
+
+
+def _announce(message: str) -> None:
+    """Print the verdict (once) and leave it as this rank's error record for the launcher."""
+    if message in _announced:
+        return
+    _announced.add(message)
+    print(f"gigatron: error: {message}", file=sys.stderr, flush=True)
+    from gigatron.parallel.launcher.worker import record_verdict
+
+    record_verdict(message)
+
+
 def _end_process(message: str, reporter: bool) -> None:
     """End this rank now: its main thread may be blocked inside a collective for good."""
     if reporter:
-        print(f"gigatron: error: {message}", file=sys.stderr)
+        _announce(message)
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(EXIT_CODE)

@@ -204,3 +204,26 @@ def test_with_per_rank_logs_a_rank_the_agent_stopped_is_not_taken_for_the_failur
     failures = [describe_failure(0, -signal.SIGTERM, None, str(tmp_path), when=12),
                 describe_failure(1, -signal.SIGKILL, None, str(tmp_path), when=12)]
     assert [f.rank for f in first_failures(failures)] == [1]
+
+
+def test_after_a_hang_the_report_and_restart_line_name_the_watchdog_verdict(tmp_path,
+                                                                           monkeypatch):
+    """The watchdog's reporter leaves its verdict as its error record; the launcher leads
+    with it, not with the SIGKILL the watchdog sent the hung rank."""
+    from gigatron.parallel.launcher import worker
+    from gigatron.parallel.launcher.failures import (describe_failure, format_report,
+                                                     restart_line)
+
+    verdict = ("rank 1 (pid 4242 on node) stopped answering: no heartbeat for 6 s (stopped, "
+               "dead or frozen); its last heartbeat said: iteration 8. Every rank is ending")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(worker.ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.delenv(worker.LOG_DIR_ENV, raising=False)
+    worker.record_verdict(verdict)
+    failures = [describe_failure(0, 3, str(tmp_path / "rank0.error.json"), None),
+                describe_failure(1, -signal.SIGKILL, None, None, when=13)]
+    first = format_report(failures, stopped_others=False).splitlines()[0]
+    assert first == f"gigatron launch: {verdict}"
+    assert restart_line(first, 1, 1, {"logged": 9, "saved": 5}).startswith(
+        f"gigatron launch: {verdict}; restart 1 of 1 from the latest checkpoint: 4 iterations")

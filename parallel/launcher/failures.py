@@ -16,6 +16,7 @@ from .progress import iterations_lost
 PROG = "gigatron launch"
 TAIL_LINES = 6  # of a rank's log when it left no traceback
 TRACEBACK_LINES = 3  # the failing line and the exception: the rest is on stderr above
+VERDICT_PREFIX = "WatchdogVerdict: "  # a record worker.record_verdict left
 
 
 @dataclass
@@ -84,7 +85,14 @@ def first_failures(failures: Sequence[RankFailure]) -> List[RankFailure]:
         return f.exitcode == -signal.SIGTERM and f.message == exit_message(f.exitcode)
 
     own = [f for f in failures if not stopped(f)]
-    return sorted(own or failures, key=lambda f: (f.exitcode >= 0, f.when, f.rank))
+    return sorted(own or failures,
+                  key=lambda f: (not is_verdict(f), f.exitcode >= 0, f.when, f.rank))
+
+
+def is_verdict(failure: RankFailure) -> bool:
+    """The watchdog's verdict (a hung rank, a stuck data loader): the cause, ahead of the
+    SIGKILL it sent the hung rank and the collectives that failed meanwhile."""
+    return failure.message.startswith(VERDICT_PREFIX)
 
 
 def format_report(failures: Sequence[RankFailure], stopped_others: bool = True) -> str:
@@ -92,7 +100,8 @@ def format_report(failures: Sequence[RankFailure], stopped_others: bool = True) 
     failures = first_failures(failures)
     first = failures[0]
     others = sorted(f.rank for f in failures if f is not first)
-    head = f"{PROG}: rank {first.rank} failed ({first.message})"
+    head = f"{PROG}: rank {first.rank} failed ({first.message})" if not is_verdict(first) \
+        else f"{PROG}: {first.message[len(VERDICT_PREFIX):]}"
     if stopped_others:
         head += "; the other ranks were stopped"
     lines = [head] + [f"  | {line}" for line in first.lines]

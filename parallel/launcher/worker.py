@@ -34,6 +34,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from gigatron.parallel.world import read_launch_env, restart_count
 
 ERROR_DIR_ENV = "GIGATRON_LAUNCH_ERROR_DIR"
+LOG_DIR_ENV = "GIGATRON_LAUNCH_LOG_DIR"  # --log_dir, for error records written outside main
 
 
 def _first_int(env: Mapping[str, str], *names: str) -> Optional[int]:
@@ -167,10 +168,23 @@ def record_failure(error: BaseException, callstack: str, paths: Sequence[str]) -
 def _error_paths(rank: str, log_dir: Optional[str]) -> List[str]:
     paths = [os.environ["TORCHELASTIC_ERROR_FILE"]] if os.environ.get(
         "TORCHELASTIC_ERROR_FILE") else []
-    for folder in (log_dir, os.environ.get(ERROR_DIR_ENV)):
+    for folder in (log_dir, os.environ.get(ERROR_DIR_ENV), os.environ.get(LOG_DIR_ENV)):
         if folder:
             paths.append(os.path.join(folder, f"rank{rank}.error.json"))
-    return paths
+    return sorted(set(paths), key=paths.index)
+
+
+class WatchdogVerdict(RuntimeError):
+    """The watchdog ended the job: its verdict names the hung or stuck rank."""
+
+
+def record_verdict(message: str) -> None:
+    """Leave the watchdog's verdict as this rank's error record (where torch's agent and
+    `gigatron launch` read a failed rank's reason), so that the launcher's report and its
+    restart line name the hang, not the SIGKILL that ended the hung rank."""
+    rank = os.environ.get("RANK")
+    if rank is not None:
+        record_failure(WatchdogVerdict(message), "", _error_paths(rank, None))
 
 
 def run_script(script: Optional[str], args: Sequence[str], error_paths: Sequence[str]) -> int:
@@ -212,6 +226,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     rank = os.environ["RANK"]
     if log_dir:
+        os.environ[LOG_DIR_ENV] = log_dir
         _redirect_output(os.path.join(log_dir, f"rank{rank}.log"), restart_count())
     if not (no_local_rank or command):
         args = [f"--local_rank={os.environ['LOCAL_RANK']}", *args]
