@@ -24,8 +24,11 @@ tied embeddings: logits equal Megatron-Core's pipelined forward; the buckets' fp
 equal the weights after a step of zero gradients).
 A bf16 save's fp32 mains are read from its two dtype buffers (no training: Megatron-Core's
 bf16 model here keeps fp32 norms, unlike Megatron-LM's Float16Module, so its losses are not
-gigatron's bf16 ones). Not covered: training under pp (Megatron-Core's pipeline schedule on
-CPU ranks was not tried), bf16 continuation losses, fp16, mixture-of-experts (refused).
+gigatron's bf16 ones). Mixtures of experts (4 experts top-2, aux and z losses, a dense layer
+among MoE ones) saved on 1 rank and at ep 2 with a shared expert continue on one rank with
+Megatron-Core's logits and losses; their dp_reshardable buckets are refused. Not covered:
+training under pp (Megatron-Core's pipeline schedule on CPU ranks was not tried), bf16
+continuation losses, fp16, tp x ep MoE saves, grouped-GEMM experts.
 """
 import json
 import os
