@@ -26,9 +26,11 @@ A bf16 save's fp32 mains are read from its two dtype buffers (no training: Megat
 bf16 model here keeps fp32 norms, unlike Megatron-LM's Float16Module, so its losses are not
 gigatron's bf16 ones). Mixtures of experts (4 experts top-2, aux and z losses, a dense layer
 among MoE ones) saved on 1 rank and at ep 2 with a shared expert continue on one rank with
-Megatron-Core's logits and losses; their dp_reshardable buckets are refused. Not covered:
+Megatron-Core's logits and losses; their dp_reshardable buckets are refused; a tp 2 x ep 2
+save gives Megatron-Core's logits. Not covered:
 training under pp (Megatron-Core's pipeline schedule on CPU ranks was not tried), bf16
-continuation losses, fp16, tp x ep MoE saves, grouped-GEMM experts.
+continuation losses, fp16, training from a tp x ep MoE save (its logits are checked),
+grouped-GEMM experts.
 """
 import json
 import os
@@ -326,3 +328,25 @@ def test_moe_checkpoint_continues_with_megatron_losses(tmp_path, ep, shared):
     _, weights = load_model(str(tmp_path / "weights"))
     assert weights.keys() == state.keys()
     assert all(torch.equal(weights[k], state[k]) for k in state)
+
+
+def test_tp2_ep2_moe_checkpoint_gives_megatron_logits(tmp_path):
+    """Saved on 4 ranks at tp 2 x ep 2 (expert tp 2: each expert's fc1 split [gate_r; up_r]
+    over tp, a shared expert too): the weights give Megatron-Core's logits (fp32, 1e-5). Not
+    trained: Megatron-Core trains MoE under tp only with sequence parallelism, which its
+    torch norms (no Apex / transformer_engine here) refuse."""
+    import megatron_torch_dist_writer
+    from test_megatron_import import _gigatron_logits
+
+    from gigatron.models.megatron.torch_dist import read_torch_dist
+
+    args = megatron_args(tp=2, expert_model_parallel_size=2,
+                         moe_shared_expert_intermediate_size=16, **MOE)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = run_on_ranks(megatron_torch_dist_writer.save_weights, 4, args,
+                           str(tmp_path / "meg"), tokens, timeout=120)
+    theirs = next(r for r in results if r is not None)
+    checkpoint = read_torch_dist(str(tmp_path / "meg"), with_optimizer=False)
+    assert checkpoint.config.num_moe_experts == 4
+    ours = _gigatron_logits(checkpoint.config, checkpoint.model, tokens)
+    torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, rtol=0, atol=1e-5)
