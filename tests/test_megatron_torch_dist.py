@@ -34,6 +34,7 @@ grouped-GEMM experts.
 """
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -184,6 +185,12 @@ def test_megatron_checkpoint_names_what_it_refuses(tmp_path):
         unflatten_buckets([torch.arange(66.)], params[1:], "here")
     with pytest.raises(ConversionError, match="no Megatron torch_dist checkpoint"):
         read_torch_dist(str(tmp_path))
+    moe = megatron_args(**MOE, moe_latent_size=None, moe_router_force_load_balancing=False)
+    assert config_from_megatron_args(moe).moe_aux_loss_coeff == 0.1  # Megatron's defaults
+    for change, named in [(dict(moe_latent_size=8), "moe_latent_size=8 (experts in a latent"),
+                          (dict(moe_router_force_load_balancing=True), "forced (random)")]:
+        with pytest.raises(ConversionError, match=re.escape(named)):
+            config_from_megatron_args(megatron_args(**MOE, **change))
     os.makedirs(tmp_path / "iter_0000001")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     (tmp_path / "iter_0000001" / "common.pt").write_bytes(b"not a pickle")
