@@ -4,7 +4,8 @@ on forked gloo ranks, --mock-data) logs the one-rank run's LM loss at every iter
 ends with the one-rank run's full parameters (tp slices gathered).
 
 Layouts: cp2 under each --cp-comm-type (p2p, all_gather, a2a), cp4 (p2p), cp2 x tp2 with
---sequence-parallel, cp2 x dp2 with ZeRO 2, cp2 x pp2, cp2 x pp2 interleaved (4 layers, 2
+--sequence-parallel and GQA (2 key/value groups), cp2 x dp2 with ZeRO 2, cp2 x dp2 with ZeRO 3
+and full recomputation, cp2 x pp2, cp2 x pp2 interleaved (4 layers, 2
 virtual stages of 1 layer per pipeline rank), cp4 as a2a+p2p 2 x 2 (--hierarchical-context-
 parallel-sizes); RoPE everywhere but cp2 x pp2 1F1B, learned positions at cp2 and cp2 x pp2
 1F1B; --calculate-per-token-loss at cp2 x dp2 ZeRO 2 and cp4. --eod-mask-loss
@@ -28,6 +29,8 @@ Megatron-Core's RankGenerator, the live cp groups, `gigatron topology --cp`, and
 checks (one line each).
 """
 from __future__ import annotations
+
+import contextlib
 
 import itertools
 import json
@@ -65,6 +68,8 @@ LAYOUTS = {
     "cp4_p2p": (4, _cp(4)),
     "cp2_tp2_sp": (4, _cp(2) + "--tensor-model-parallel-size 2 --sequence-parallel".split()),
     "cp2_dp2_zero2": (4, _cp(2) + ["--zero-stage", "2"]),
+    "cp2_dp2_zero3_recompute": (4, _cp(2) + "--zero-stage 3 --recompute-granularity full "
+                                "--recompute-method uniform --recompute-num-layers 1".split()),
     "cp2_pp2": (4, _cp(2) + ["--pipeline-model-parallel-size", "2"]),
     "cp2_pp2_vp2": (4, _cp(2) + "--pipeline-model-parallel-size 2 "
                                 "--num-layers-per-virtual-pipeline-stage 1".split()),
@@ -72,11 +77,13 @@ LAYOUTS = {
                                                  "2", "2"]),
 }
 PER_TOKEN = ["--calculate-per-token-loss"]
+GQA = ("--group-query-attention", "--num-query-groups", "2")  # 1 key/value head per tp rank
 FOUR_LAYERS = ("--num-layers", "4")  # 2 virtual stages of 1 layer on each of 2 stages
 # (layout, positions, flags the one-rank reference shares)
 # cp2 x pp2 runs 1F1B with learned positions and interleaved (4 layers) with RoPE
-CASES = [(name, "rope", FOUR_LAYERS if "vp2" in name else ()) for name in LAYOUTS
-         if name != "cp2_pp2"] + [
+# cp2 x tp2 with sequence parallelism runs GQA
+CASES = [(name, "rope", FOUR_LAYERS if "vp2" in name else GQA if name == "cp2_tp2_sp" else ())
+         for name in LAYOUTS if name != "cp2_pp2"] + [
     ("cp2_p2p", "learned", ()), ("cp2_pp2", "learned", ()),
     ("cp2_dp2_zero2", "rope", tuple(PER_TOKEN)), ("cp4_p2p", "rope", tuple(PER_TOKEN))]
 
@@ -90,9 +97,11 @@ def _train_layout(rank, world, argv, metrics):
 
     def train(session, progress):
         result = real_train(session, progress)
-        captured["params"] = {
-            name: gather_full_parameter(param, session.groups.tp).detach().clone()
-            for chunk in session.chunks for name, param in chunk.named_parameters()}
+        with (session.zero.gathered_parameters() if session.zero.stage == 3  # ZeRO 3 shards
+              else contextlib.nullcontext()):
+            captured["params"] = {
+                name: gather_full_parameter(param, session.groups.tp).detach().clone()
+                for chunk in session.chunks for name, param in chunk.named_parameters()}
         return result
 
     loop.train = train
