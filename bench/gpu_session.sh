@@ -45,8 +45,8 @@ step() {
 ( python3 -m gigatron.ops --build > /tmp/build.log 2>&1; echo "build exit $?" >> /tmp/build.log ) &
 BUILD=$!
 step ceilings 20 40 python3 bench/ceilings.py
-step moe-cp-cuda-tests 30 60 python3 -m pytest -q -p no:cacheprovider tests/test_moe_cuda.py \
-  tests/test_cp_kernels_cuda.py
+step moe-cp-restart-cuda-tests 40 90 python3 -m pytest -q -p no:cacheprovider tests/test_moe_cuda.py \
+  tests/test_cp_kernels_cuda.py tests/test_restart_cuda.py
 wait $BUILD; tail -15 /tmp/build.log | tee -a "$LOG"
 # the offload capacity (CPU Adam, host memory) runs beside the correctness tests, which time
 # nothing; the timed benches start only after it ends (its step time is then approximate)
