@@ -60,7 +60,8 @@ def test_missing_tensorboard_stops_the_program_before_any_process_group(nothing_
     ("--context-parallel-size 2 --attention-dropout 0.1",
      r"--attention-dropout 0.1 with --context-parallel-size 2: attention dropout under context "
      r"parallelism is not supported"),
-    ("--cp-comm-type a2a+p2p", r"--cp-comm-type a2a\+p2p \(hierarchical"),
+    ("--cp-comm-type a2a+p2p",
+     r"--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes A P"),
     ("--no-pipeline-parallel --pipeline-model-parallel-size 2 --num-layers 2",
      r"--no-pipeline-parallel contradicts --pipeline-model-parallel-size 2"),
     ("--use-legacy-models", r"--use-legacy-models is not supported"),
