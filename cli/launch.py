@@ -190,9 +190,9 @@ def _start(req: "LaunchRequest", plan: "LaunchPlan", commands: List["Command"]) 
         raise LaunchError(script_not_found(req.script))
     if plan.launcher == "torchrun":
         if plan.local_node is None:
-            raise LaunchError(f"--launcher torchrun starts one node here: run it with "
-                              f"--node_rank K on each node K (--dry_run prints each node's "
-                              f"command), or use --launcher pdsh/ssh to start them all")
+            raise LaunchError("--launcher torchrun starts one node here: run it with "
+                              "--node_rank K on each node K (--dry_run prints each node's "
+                              "command), or use --launcher pdsh/ssh to start them all")
         os.environ.update(dict(commands[0].env))  # CUDA_VISIBLE_DEVICES, GIGATRON_TIMELINE
         return run_node(commands[0].argv[4:])  # after `python -u -m <node module>`
     missing = sorted({c.argv[0] for c in commands if shutil.which(c.argv[0]) is None})

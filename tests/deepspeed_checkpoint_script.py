@@ -26,7 +26,6 @@ script does (exit_before_interpreter_finalization).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple

@@ -1,7 +1,6 @@
 """The one config table: argparse, the DeepSpeed reader and docs/FLAGS.md come from it, and a
 command line or JSON with several mistakes gets every one of them reported at once."""
 import dataclasses
-import json
 import os
 import re
 

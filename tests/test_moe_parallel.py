@@ -17,7 +17,6 @@ moved only 8e-5: the parameters are the sharper check).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch

@@ -15,7 +15,6 @@ import re
 import signal
 import sys
 
-import pytest
 
 from gigatron.cli.launch import main as launch_main
 from gigatron.training.run import pretrain

@@ -6,7 +6,6 @@ import pytest
 
 from gigatron.parallel.pipeline.schedules import build_schedule
 from gigatron.parallel.pipeline.simulate import bubble_overhead, peak_in_flight
-from gigatron.training.plan import cost
 from gigatron.training.plan.sc21 import TABLE_1, megatron_sc21_flops, predict
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from multirank import run_on_ranks
 

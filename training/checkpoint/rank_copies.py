@@ -32,7 +32,6 @@ import io
 import json
 import os
 import re
-import shutil
 import socket
 import zlib
 from dataclasses import dataclass
