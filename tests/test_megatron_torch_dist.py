@@ -26,7 +26,7 @@ A bf16 save's fp32 mains are read from its two dtype buffers (no training: Megat
 bf16 model here keeps fp32 norms, unlike Megatron-LM's Float16Module, so its losses are not
 gigatron's bf16 ones). Mixtures of experts (4 experts top-2, aux and z losses, a dense layer
 among MoE ones) saved on 1 rank and at ep 2 with a shared expert continue on one rank with
-Megatron-Core's logits and losses; their dp_reshardable buckets are refused; a tp 2 x ep 2
+Megatron-Core's logits and losses; their dp_reshardable buckets give the same state; a tp 2 x ep 2
 save gives Megatron-Core's logits. Not covered:
 training under pp (Megatron-Core's pipeline schedule on CPU ranks was not tried), bf16
 continuation losses, fp16, training from a tp x ep MoE save (its logits are checked),
@@ -326,20 +326,25 @@ def test_moe_checkpoint_continues_with_megatron_losses(tmp_path, ep, shared):
     assert "decoder.layers.1.mlp.linear_fc1.weight" in state  # the dense layer
     assert ("decoder.layers.0.mlp.shared_experts.linear_fc1.weight" in state) == bool(shared)
     _continue_in_gigatron(tmp_path, flags, megatron, converted, 1)
-    # the distributed optimizer's buckets are refused for MoE; its weights are read
-    with pytest.raises(ConversionError, match="mixture-of-experts model's distributed "
-                       "optimizer state is saved as 'dp_reshardable'.*--no-load-optim"):
-        megatron_to_gigatron(str(tmp_path / "buckets"), str(tmp_path / "refused"))
-    megatron_to_gigatron(str(tmp_path / "buckets"), str(tmp_path / "weights"),
-                         with_optimizer=False)
-    _, weights = load_model(str(tmp_path / "weights"))
-    assert weights.keys() == state.keys()
-    assert all(torch.equal(weights[k], state[k]) for k in state)
+    # the distributed optimizer's buckets (at ep 2: a second, expert optimizer's, per ep
+    # rank): the same weights, Adam moments and fp32 mains, exactly, as the per-parameter save
+    from gigatron.models.megatron.torch_dist import read_torch_dist
+
+    full, buckets = read_torch_dist(str(tmp_path / "meg")), read_torch_dist(
+        str(tmp_path / "buckets"))
+    assert buckets.optimizer.step == full.optimizer.step == SAVE_AFTER
+    for name, ours in [("model", buckets.model), ("master", buckets.optimizer.masters),
+                       *buckets.optimizer.per_element.items()]:
+        theirs = full.model if name in ("model", "master") else \
+            full.optimizer.per_element[name]
+        assert ours.keys() == theirs.keys(), name
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
 
 
 def test_tp2_ep2_moe_checkpoint_gives_megatron_logits(tmp_path):
     """Saved on 4 ranks at tp 2 x ep 2 (expert tp 2: each expert's fc1 split [gate_r; up_r]
-    over tp, a shared expert too): the weights give Megatron-Core's logits (fp32, 1e-5). Not
+    over tp, a shared expert too): the weights give Megatron-Core's logits (fp32, 1e-5) and
+    the optimizer's buckets hold them as its fp32 mains. Not
     trained: Megatron-Core trains MoE under tp only with sequence parallelism, which its
     torch norms (no Apex / transformer_engine here) refuse."""
     import megatron_torch_dist_writer
@@ -353,7 +358,12 @@ def test_tp2_ep2_moe_checkpoint_gives_megatron_logits(tmp_path):
     results = run_on_ranks(megatron_torch_dist_writer.save_weights, 4, args,
                            str(tmp_path / "meg"), tokens, timeout=120)
     theirs = next(r for r in results if r is not None)
-    checkpoint = read_torch_dist(str(tmp_path / "meg"), with_optimizer=False)
+    checkpoint = read_torch_dist(str(tmp_path / "meg"))
     assert checkpoint.config.num_moe_experts == 4
+    # dp_reshardable after a step of zero gradients: the fp32 mains cut from the dense and
+    # the expert optimizer's buckets (per tp x ep rank) are the weights
+    masters = checkpoint.optimizer.masters
+    assert masters.keys() == checkpoint.model.keys()
+    assert all(torch.equal(masters[k], checkpoint.model[k]) for k in masters)
     ours = _gigatron_logits(checkpoint.config, checkpoint.model, tokens)
     torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, rtol=0, atol=1e-5)

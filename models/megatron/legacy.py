@@ -28,7 +28,7 @@ from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError, StateDict, pad_vocab, require
 from gigatron.models.megatron.args import config_from_megatron_args, vocab_sizes
 from gigatron.models.megatron.files import read_checkpoint
-from gigatron.models.megatron.moe import moe_layer_names
+from gigatron.models.megatron.moe import experts_to_gigatron, is_routed_expert, moe_layer_names
 
 # names inside a layer: Megatron-Core (local or transformer_engine spec) -> gigatron
 _LAYER_NAMES = {
@@ -66,6 +66,8 @@ def gigatron_name(name: str, offset: int) -> Optional[str]:
     match = _LAYER.match(name)
     if match:
         inner = _LAYER_NAMES.get(match.group(2))
+        if inner is None and is_routed_expert(match.group(2)):
+            inner = match.group(2)  # named by experts_to_gigatron once merged over tp
         if inner is not None:
             return f"decoder.layers.{offset + int(match.group(1))}.{inner}"
     elif name in _MODEL_NAMES:
@@ -167,7 +169,8 @@ def megatron_state_dict(models: Dict[Tuple[int, int], List[StateDict]], tp: int,
     for name, parts in shards.items():
         require(len(parts) == tp, f"{name} is saved {len(parts)} times, once per "
                 f"tensor-parallel rank expected ({tp})")
-    state = {name: merge_tensor_parallel(name, parts, config) for name, parts in shards.items()}
+    state = experts_to_gigatron({name: merge_tensor_parallel(name, parts, config)
+                                 for name, parts in shards.items()})
     if not config.untie_embeddings_and_output_weights:
         state.pop("output_layer.weight", None)  # the last stage's copy of the embedding
     for name in _VOCAB_NAMES:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -52,6 +52,11 @@ def moe_config_fields(args: argparse.Namespace) -> Dict[str, Any]:
     if fields.get("moe_token_dispatcher_type") not in _DISPATCHERS:
         fields.pop("moe_token_dispatcher_type", None)
     return fields
+
+
+def is_routed_expert(inner: str) -> bool:
+    """Whether a layer's tensor name is Megatron-Core's routed experts' (all, or one)."""
+    return _EXPERT.match("." + inner) is not None
 
 
 def experts_to_gigatron(state: StateDict) -> StateDict:
@@ -85,3 +90,30 @@ def moe_layer_names() -> List[str]:
     return ["mlp.router.weight", "mlp.router.expert_bias", "mlp.experts.weight1",
             "mlp.experts.weight2", "mlp.shared_experts.linear_fc1.weight",
             "mlp.shared_experts.linear_fc2.weight"]
+
+
+Entry = Tuple[str, Tuple[Tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
+
+
+def local_experts(layer: List[Entry], ep: int, ep_rank: int) -> List[Entry]:
+    """One layer's tensors with its stacked routed experts ([E, out, in]) replaced by
+    expert-parallel rank `ep_rank`'s experts one by one, fc1 then fc2 of each: Megatron-Core's
+    registration order (SequentialMLP's local_experts), named by global expert id."""
+    shapes = dict(layer)
+    out: List[Entry] = []
+    for name, (shape, dtype) in layer:
+        match = _EXPERT.match("." + name)
+        if match is None:
+            out.append((name, (shape, dtype)))
+            continue
+        require(match.group(2) is None, f"{name}: experts saved one tensor each (singleton "
+                f"local shards) are not laid out into buckets here: add --no-load-optim")
+        if match.group(3) == "2":
+            continue  # placed beside its fc1
+        fc2 = name.replace("linear_fc1", "linear_fc2")
+        count = shape[0] // ep
+        for e in range(ep_rank * count, (ep_rank + 1) * count):
+            for key, (full, kind) in ((name, (shape, dtype)), (fc2, shapes[fc2])):
+                out.append((key.replace("experts.experts.", f"experts.experts.{e}."),
+                            (full[1:], kind)))
+    return out

@@ -24,8 +24,7 @@ Optimizer: per-parameter formats (`optimizer.state.<exp_avg|exp_avg_sq|param|fp3
 distributed optimizer's `dp_reshardable` format (Megatron-LM's default unless
 --dist-ckpt-optim-fully-reshardable) stores its gradient-buffer buckets: cut back into
 parameters by buckets.py. The deprecated bucket formats (`dp_zero_gather_scatter`,
-`fully_sharded_bucket_space`) are refused, and so is dp_reshardable for a mixture of
-experts (its expert-parallel buffers are not rebuilt). Mixture-of-experts layers: moe.py.
+`fully_sharded_bucket_space`) are refused. Mixture-of-experts layers: moe.py.
 """
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ from gigatron.models.hf_common import ConversionError, StateDict, require
 from gigatron.models.megatron.args import config_from_megatron_args, vocab_sizes
 from gigatron.models.megatron.files import LenientPickle, read_tracker, TRACKER
 from gigatron.models.megatron.legacy import megatron_state_dict
-from gigatron.models.megatron.moe import experts_to_gigatron
 
 COMMON_FILE = "common.pt"
 DCP_METADATA = ".metadata"
@@ -137,8 +135,8 @@ def _read_tensors(folder: str, wanted: Any) -> Dict[str, torch.Tensor]:
     return state
 
 
-def read_objects(folder: str, prefix: str) -> Dict[str, Any]:
-    """The pickled objects (ShardedObjects) whose key starts with `prefix`."""
+def read_objects(folder: str, prefix: Tuple[str, ...]) -> Dict[str, Any]:
+    """The pickled objects (ShardedObjects) whose key starts with one of `prefix`."""
     import io
 
     import torch.distributed.checkpoint as dcp
@@ -172,7 +170,7 @@ def unstack_layers(state: StateDict, num_layers: int) -> StateDict:
 
 def _to_gigatron(state: StateDict, config: TransformerConfig, padded: int) -> StateDict:
     """Megatron-Core global tensors -> gigatron's single-device state dict (names, padding)."""
-    layers = experts_to_gigatron(unstack_layers(state, config.num_layers))
+    layers = unstack_layers(state, config.num_layers)
     return megatron_state_dict({(0, 0): [layers]}, 1, 1, config, padded)
 
 
@@ -223,11 +221,6 @@ def check_optimizer_format(common: Dict[str, Any], folder: str) -> None:
             f"format, tied to the saving run's layout): resave it from Megatron-LM with "
             f"--dist-ckpt-optim-fully-reshardable, or add --no-load-optim to take the weights "
             f"and start the optimizer afresh")
-    require(kind != "dp_reshardable" or not getattr(common["args"], "num_experts", None),
-            f"{folder}: a mixture-of-experts model's distributed optimizer state is saved as "
-            f"'dp_reshardable' (gradient buckets; expert buffers not read here): resave it "
-            f"from Megatron-LM with --dist-ckpt-optim-fully-reshardable, or add "
-            f"--no-load-optim to take the weights and start the optimizer afresh")
 
 
 def read_optimizer(folder: str, common: Dict[str, Any], optim: Dict[str, torch.Tensor],
@@ -243,7 +236,7 @@ def read_optimizer(folder: str, common: Dict[str, Any], optim: Dict[str, torch.T
         mapped = bucket_states(optim, model, common["args"], config, padded, folder)
         # its param groups (with the step count) are objects beside the buckets
         common = {**common, "optimizer": {"common": common.get("optimizer"), **read_objects(
-            folder, "optimizer.distributed.")}}
+            folder, ("optimizer.distributed.", "chained_"))}}
     else:
         by_state: Dict[str, StateDict] = {}
         for key, tensor in optim.items():
