@@ -113,6 +113,15 @@ class AcceptedSettings:
     nccl_communicator_config_path: Optional[str] = setting(
         None, _NCCL, "--nccl-communicator-config-path", metavar="PATH")
     create_all_gather_group: bool = setting(False, _NCCL, "--create-all-gather-group")
+    no_use_tokenizer_model_from_checkpoint_args: bool = setting(
+        False, "accepted: what it asks for is gigatron's behaviour -- --use-checkpoint-args "
+        "takes the model's shape from the checkpoint, never the tokenizer (give "
+        "--tokenizer-type and its files)", "--no-use-tokenizer-model-from-checkpoint-args",
+        "--disable-use-tokenizer-model-from-checkpoint-args")
+    verify_integrity: bool = setting(
+        False, "accepted: every gigatron checkpoint carries checksums that each load verifies "
+        "(a damaged file stops every rank in one line), with this flag or without",
+        "--verify-integrity")
     deepspeed_mpi: bool = setting(
         False, "accepted without effect: DeepSpeed's MPI discovery; gigatron reads the rank "
         "and world size from the launcher's environment, Open MPI's included",

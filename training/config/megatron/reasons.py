@@ -68,6 +68,13 @@ MORE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
      "weight-decay schedules and conditions are not implemented: --weight-decay is "
      "constant, on weights of 2 or more dimensions only"),
     (("--freeze-all-layers",), "freezing layers is not implemented"),
+    (("--use-mp-args-from-checkpoint-args",),
+     "not needed: gigatron's checkpoints load at any tensor/pipeline layout, so the layout "
+     "comes from --tensor-model-parallel-size / --pipeline-model-parallel-size, never from "
+     "the checkpoint"),
+    (("--override-ckpt-iteration",),
+     "rewinding a loaded checkpoint's iteration (Megatron's distillation replay) is not "
+     "implemented: --ckpt-step loads an older saved iteration"),
     (("--step-batch-size-schedule", "--decrease-batch-size-if-needed"),
      "batch-size schedules other than --rampup-batch-size are not implemented"),
     (("--check-weight-hash", "--gpu-sniff-test", "--train-sync-interval",
