@@ -85,11 +85,10 @@ def experts_to_gigatron(state: StateDict) -> StateDict:
 
 
 def moe_layer_names() -> List[str]:
-    """Names inside an MoE layer that Megatron-Core and gigatron share (after
-    experts_to_gigatron)."""
-    return ["mlp.router.weight", "mlp.router.expert_bias", "mlp.experts.weight1",
-            "mlp.experts.weight2", "mlp.shared_experts.linear_fc1.weight",
-            "mlp.shared_experts.linear_fc2.weight"]
+    """Names inside an MoE layer that Megatron-Core and gigatron share (the routed experts'
+    are renamed by experts_to_gigatron)."""
+    return ["mlp.router.weight", "mlp.router.expert_bias",
+            "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"]
 
 
 Entry = Tuple[str, Tuple[Tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
