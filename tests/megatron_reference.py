@@ -131,6 +131,10 @@ def randomize(chunks: List[GPTModel], seed: int) -> None:
                     + (10000000 * ep_rank if expert else 0))
                 noise = torch.randn(p.shape, generator=g)
                 p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
+            for i, (name, b) in enumerate(chunk.named_buffers()):
+                if name.endswith("expert_bias"):  # the router's (zeros until trained)
+                    g = torch.Generator().manual_seed(seed + 1000 * (v * 64 + pp_rank) + i)
+                    b.copy_(0.1 * torch.randn(b.shape, generator=g))
     for chunk in chunks:  # a tied output layer on the last stage starts as the embedding
         if chunk.share_embeddings_and_output_weights and chunk._is_in_embd_group():
             weight = chunk.shared_embedding_or_output_weight()

@@ -343,17 +343,18 @@ def test_moe_checkpoint_continues_with_megatron_losses(tmp_path, ep, shared):
 
 def test_tp2_ep2_moe_checkpoint_gives_megatron_logits(tmp_path):
     """Saved on 4 ranks at tp 2 x ep 2 (expert tp 2: each expert's fc1 split [gate_r; up_r]
-    over tp, a shared expert too): the weights give Megatron-Core's logits (fp32, 1e-5) and
-    the optimizer's buckets hold them as its fp32 mains. Not
-    trained: Megatron-Core trains MoE under tp only with sequence parallelism, which its
-    torch norms (no Apex / transformer_engine here) refuse."""
+    over tp, a shared expert too; sigmoid routing with a random expert bias): the weights give
+    Megatron-Core's logits (fp32, 1e-5) and the optimizer's buckets hold them as its fp32
+    mains. Not trained: Megatron-Core trains MoE under tp only with sequence parallelism,
+    which its torch norms (no Apex / transformer_engine here) refuse."""
     import megatron_torch_dist_writer
     from test_megatron_import import _gigatron_logits
 
     from gigatron.models.megatron.torch_dist import read_torch_dist
 
-    args = megatron_args(tp=2, expert_model_parallel_size=2,
-                         moe_shared_expert_intermediate_size=16, **MOE)
+    args = megatron_args(tp=2, expert_model_parallel_size=2, **{
+        **MOE, "moe_shared_expert_intermediate_size": 16, "moe_router_score_function":
+        "sigmoid", "moe_router_enable_expert_bias": True})
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
     results = run_on_ranks(megatron_torch_dist_writer.save_weights, 4, args,
                            str(tmp_path / "meg"), tokens, timeout=120)
@@ -362,8 +363,10 @@ def test_tp2_ep2_moe_checkpoint_gives_megatron_logits(tmp_path):
     assert checkpoint.config.num_moe_experts == 4
     # dp_reshardable after a step of zero gradients: the fp32 mains cut from the dense and
     # the expert optimizer's buckets (per tp x ep rank) are the weights
-    masters = checkpoint.optimizer.masters
-    assert masters.keys() == checkpoint.model.keys()
-    assert all(torch.equal(masters[k], checkpoint.model[k]) for k in masters)
+    masters, model = checkpoint.optimizer.masters, checkpoint.model
+    bias = "decoder.layers.0.mlp.router.expert_bias"  # a buffer: in no optimizer
+    assert masters.keys() == model.keys() - {k for k in model if k.endswith("expert_bias")}
+    assert all(torch.equal(masters[k], model[k]) for k in masters)
+    assert model[bias].abs().min() > 0
     ours = _gigatron_logits(checkpoint.config, checkpoint.model, tokens)
     torch.testing.assert_close(ours[..., :theirs.shape[-1]], theirs, rtol=0, atol=1e-5)

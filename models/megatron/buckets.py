@@ -30,7 +30,8 @@ from gigatron.models.megatron.legacy import megatron_state_dict
 from gigatron.models.megatron.moe import is_routed_expert, local_experts
 
 _BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
-                     r"gbuf_idx_(\d+)\.dtype_\((torch\.\w+), torch\.\w+\)\.bucket_idx_(\d+)\.(\w+)$")
+                     r"gbuf_idx_(\d+)\.dtype_\((torch\.\w+), torch\.\w+\)\."
+                     r"bucket_idx_(\d+)\.(\w+)$")
 _COLUMN = ("word_embeddings.weight", "linear_qkv.weight", "linear_qkv.bias",
            "linear_fc1.weight", "linear_fc1.bias", "output_layer.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
@@ -193,5 +194,5 @@ def bucket_states(optim: Dict[str, torch.Tensor], model: Tensors, args: object,
             where, params = _group_parameters(group, model, config, sizes)
             models.setdefault(where, [{}])[0].update(_rank_state(
                 buffers, params, f"{folder} {state} of optimizer {group[0]} rank {group[1]}"))
-        out[state] = megatron_state_dict(models, tp, pp, config, padded)
+        out[state] = megatron_state_dict(models, tp, pp, config, padded, buffers=False)
     return out

@@ -144,12 +144,14 @@ def merge_tensor_parallel(name: str, shards: Sequence[torch.Tensor],
     return shards[0]
 
 
-def expected_shapes(config: TransformerConfig) -> Dict[str, torch.Size]:
-    """Every parameter's shape in gigatron's single-device model (built on the meta device)."""
+def expected_shapes(config: TransformerConfig, buffers: bool = True) -> Dict[str, torch.Size]:
+    """Every tensor's shape in gigatron's single-device model (built on the meta device):
+    its state dict, or (`buffers` False: an optimizer's state) its parameters only."""
     from gigatron.models.gpt import GPTModel
 
-    return {k: v.shape for k, v in GPTModel(config, device=torch.device("meta"))
-            .state_dict().items()}
+    model = GPTModel(config, device=torch.device("meta"))
+    tensors = model.state_dict() if buffers else dict(model.named_parameters())
+    return {k: v.shape for k, v in tensors.items()}
 
 
 def _revocab(name: str, tensor: torch.Tensor, config: TransformerConfig,
@@ -161,8 +163,10 @@ def _revocab(name: str, tensor: torch.Tensor, config: TransformerConfig,
 
 
 def megatron_state_dict(models: Dict[Tuple[int, int], List[StateDict]], tp: int, pp: int,
-                        config: TransformerConfig, padded_vocab: int) -> StateDict:
-    """gigatron's single-device state dict of every rank's Megatron-Core model chunks."""
+                        config: TransformerConfig, padded_vocab: int, buffers: bool = True
+                        ) -> StateDict:
+    """gigatron's single-device state dict of every rank's Megatron-Core model chunks
+    (`buffers` False: of an optimizer's state, which has none for the model's buffers)."""
     shards, layers = collect_shards(models, tp, pp)
     require(layers == config.num_layers, f"the checkpoint holds {layers} layers, its args "
             f"say num_layers={config.num_layers}")
@@ -176,12 +180,12 @@ def megatron_state_dict(models: Dict[Tuple[int, int], List[StateDict]], tp: int,
     for name in _VOCAB_NAMES:
         if name in state:
             state[name] = _revocab(name, state[name], config, padded_vocab)
-    _check_against_model(state, config)
+    _check_against_model(state, config, buffers)
     return {k: v.contiguous() for k, v in state.items()}
 
 
-def _check_against_model(state: StateDict, config: TransformerConfig) -> None:
-    expected = expected_shapes(config)
+def _check_against_model(state: StateDict, config: TransformerConfig, buffers: bool) -> None:
+    expected = expected_shapes(config, buffers)
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
     wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(v)})" for k, v in expected.items()

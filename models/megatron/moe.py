@@ -36,6 +36,7 @@ _GIGATRON_WEIGHT = {"1": "experts.weight1", "2": "experts.weight2"}
 _DISPATCHERS = ("allgather", "alltoall")
 # Megatron-Core's router buffer of the current step's token counts: no weight
 _NOT_WEIGHTS = (".mlp.router.local_tokens_per_expert",)
+_BUFFERS = ("mlp.router.expert_bias", "mlp.router.local_tokens_per_expert")
 
 
 def moe_config_fields(args: argparse.Namespace) -> Dict[str, Any]:
@@ -102,6 +103,8 @@ def local_experts(layer: List[Entry], ep: int, ep_rank: int) -> List[Entry]:
     out: List[Entry] = []
     for name, (shape, dtype) in layer:
         match = _EXPERT.match("." + name)
+        if name.endswith(_BUFFERS):
+            continue  # in the model's state, in no gradient buffer
         if match is None:
             out.append((name, (shape, dtype)))
             continue

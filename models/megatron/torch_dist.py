@@ -168,10 +168,12 @@ def unstack_layers(state: StateDict, num_layers: int) -> StateDict:
     return out
 
 
-def _to_gigatron(state: StateDict, config: TransformerConfig, padded: int) -> StateDict:
-    """Megatron-Core global tensors -> gigatron's single-device state dict (names, padding)."""
+def _to_gigatron(state: StateDict, config: TransformerConfig, padded: int,
+                 buffers: bool = True) -> StateDict:
+    """Megatron-Core global tensors -> gigatron's single-device state dict (names, padding;
+    `buffers` False: an optimizer's state, none for the model's buffers)."""
     layers = unstack_layers(state, config.num_layers)
-    return megatron_state_dict({(0, 0): [layers]}, 1, 1, config, padded)
+    return megatron_state_dict({(0, 0): [layers]}, 1, 1, config, padded, buffers)
 
 
 def optimizer_step(common: Dict[str, Any], folder: str) -> int:
@@ -244,8 +246,8 @@ def read_optimizer(folder: str, common: Dict[str, Any], optim: Dict[str, torch.T
             if match:
                 name = MASTER if match.group(1) in _MASTER_NAMES else match.group(1)
                 by_state.setdefault(name, {})[match.group(2)] = tensor
-        mapped = {name: _to_gigatron(state, config, padded) for name, state in
-                  by_state.items()}
+        mapped = {name: _to_gigatron(state, config, padded, buffers=False)
+                  for name, state in by_state.items()}
     mapped = {MASTER if k in _MASTER_NAMES else k: v for k, v in mapped.items()}
     require(bool(mapped), f"{folder} holds no optimizer state a parameter's tensors can be "
             f"told from: add --no-load-optim to take the weights only")
