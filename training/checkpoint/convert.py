@@ -82,6 +82,8 @@ def model_flags(config: TransformerConfig) -> List[str]:
         argv.append("--apply-layernorm-1p")
     if config.qk_layernorm:
         argv.append("--qk-layernorm")
+    if config.attention_softmax_in_fp32:  # the library's default; the flag's is off
+        argv.append("--attention-softmax-in-fp32")
     if config.params_dtype != torch.float32:
         argv.append("--" + _DTYPE_NAMES[config.params_dtype])
     return [_num(a) for a in argv + _moe_flags(config)]
