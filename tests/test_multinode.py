@@ -3,23 +3,25 @@
 Two torchrun agents on this machine stand for two nodes (--nnodes 2 --rdzv-backend c10d, 2
 ranks each): they rendezvous and train one tp2 x pp2 job of 4 ranks. Each agent is torchrun
 itself, its command line parsed by torchrun's own parser and run by the same elastic agent,
-in a process forked from the test; only the entry point differs: `pretrain.main` instead of
-pretrain_gpt.py, so that the agent forks its workers (torchrun's --start-method fork) with
-torch and gigatron already imported (a fresh program per rank costs seconds of imports).
+in a fresh Python process (an agent forked from the test's long-lived, many-threaded process
+could hang on a lock a thread held at the fork); only the entry point differs:
+`pretrain.main` instead of pretrain_gpt.py, so that the agent forks its workers (torchrun's
+--start-method fork) with torch and gigatron already imported (a fresh program per rank
+costs seconds of imports).
 `gigatron launch --dry_run` over a hostfile of two local "nodes" prints the pdsh and ssh
 commands each node would run.
 """
-import multiprocessing as mp
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
+import time
 
 
 from gigatron.cli.launch import main as launch_main
-from gigatron.training.run import pretrain
 from multirank import free_port
-from test_stuck_data_loader import imported_before_forking  # noqa: F401 (autouse fixture)
 
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
          "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --mock-data "
@@ -28,50 +30,49 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--pipeline-model-parallel-size 2").split()
 
 
-def _agent(torchrun_argv, log_path):
-    """One node's torchrun agent (`torchrun ARGV` with pretrain.main for the program); its
-    own output goes to `log_path`."""
-    os.setsid()  # the test ends the agent and its workers as one process group
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, get_args_parser
-
-    try:
-        config, _, _ = config_from_args(get_args_parser().parse_args(torchrun_argv))
-        codes = elastic_launch(config, pretrain.main)(FLAGS)
-        code = 0 if set(codes.values()) == {0} else 1
-    except BaseException as err:  # ChildFailedError: the agent reported the rank's failure
-        print(f"agent failed: {err}", file=sys.stderr)
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+# one node's torchrun agent (`torchrun ARGV` with pretrain.main for the program)
+AGENT = """
+import json, sys
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser
+import torch
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its lazy imports, before the forks
+torchrun_argv, flags = json.loads(sys.argv[1])
+try:
+    config, _, _ = config_from_args(get_args_parser().parse_args(torchrun_argv))
+    codes = elastic_launch(config, pretrain.main)(flags)
+    sys.exit(0 if set(codes.values()) == {0} else 1)
+except Exception as err:  # ChildFailedError: the agent reported the rank's failure
+    sys.exit(f"agent failed: {err}")
+"""
+AGENT_TIMEOUT_S = 120  # a hung job fails the test within this bound, every agent killed
 
 
 def test_two_torchrun_agents_with_c10d_rendezvous_train_one_tp2_pp2_job(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
-    ctx = mp.get_context("fork")
     agents = []
     for node in range(2):  # each agent keeps its workers' output in its own --log-dir
         argv = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", endpoint, "--rdzv-id", "multinode-test", "--start-method",
                 "fork", "--redirects", "3", "--log-dir", str(tmp_path / f"node{node}"),
                 "pretrain_gpt.py"]
-        agents.append(ctx.Process(target=_agent, args=(argv, str(tmp_path / f"agent{node}"))))
-    for agent in agents:
-        agent.start()
+        with open(tmp_path / f"agent{node}", "w") as log:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-c", AGENT, json.dumps([argv, FLAGS])], stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + AGENT_TIMEOUT_S
     try:
         for agent in agents:
-            agent.join(timeout=120)  # a hung job fails here, bounded
+            agent.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
     finally:
         for agent in agents:
-            if agent.is_alive():
+            if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
-                agent.join()
+                agent.wait()
     agent_logs = [(tmp_path / f"agent{node}").read_text() for node in range(2)]
-    assert [a.exitcode for a in agents] == [0, 0], "\n".join(t[-3000:] for t in agent_logs)
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(t[-3000:] for t in agent_logs)
     # each agent ran two of the job's workers (local ranks 0 and 1) ...
     outputs = []
     for node in range(2):
