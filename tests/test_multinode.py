@@ -35,6 +35,7 @@ AGENT = """
 import json, sys
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
+from gigatron.training.run import pretrain
 import torch
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its lazy imports, before the forks
 torchrun_argv, flags = json.loads(sys.argv[1])
