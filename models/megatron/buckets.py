@@ -171,10 +171,10 @@ def bucket_states(optim: Dict[str, torch.Tensor], model: Tensors, args: object,
                   ) -> Dict[str, StateDict]:
     """state name ('exp_avg', 'exp_avg_sq', 'param') -> gigatron's single-device state dict
     (`model`: the checkpoint's model tensors, global key -> (shape, dtype), in its order)."""
-    sizes = tuple(int(getattr(args, name, 1) or 1) for name in (
+    tp, pp, ep = (int(getattr(args, name, 1) or 1) for name in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size",
         "expert_model_parallel_size"))
-    tp, pp, ep = sizes
+    sizes = (tp, pp, ep)
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     require(vp == 1 and config.num_layers % pp == 0, f"{folder}: the dp_reshardable "
             f"optimizer state is read for an even split of layers without a virtual "
