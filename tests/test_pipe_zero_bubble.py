@@ -124,10 +124,11 @@ def test_zbv_refuses_a_tied_module_on_its_first_and_last_stage():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"schedule": "zbv", "virtual_stages": 3}, "places 2 chunks per stage in a V: drop "
-                                               "virtual_stages=3"),
+    ({"schedule": "zbv", "virtual_stages": 3}, "zbv places exactly 2 chunks per stage in a V "
+                                               "(got 3 from virtual_stages=3)"),
     ({"schedule": "gpipe"}, "PipelineModule(schedule='gpipe'): choose one of 1f1b, zb-h1, zbv"),
-    ({"schedule": "zb-h1", "virtual_stages": 2}, "drop virtual_stages=2"),
+    ({"schedule": "zb-h1", "virtual_stages": 2}, "zb-h1 runs one chunk per stage (got 2 from "
+                                                 "virtual_stages=2): drop virtual_stages=2"),
 ])
 def test_bad_schedules_get_one_line_naming_the_argument(kwargs, message):
     from gigatron.engine.pipe.split_backward import check_schedule

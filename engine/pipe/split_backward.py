@@ -27,6 +27,7 @@ from typing import Dict, Iterable, List
 import torch
 from torch import nn
 
+from gigatron.parallel.pipeline.schedules import ScheduleNames, check_schedule_choice
 from gigatron.parallel.tensor.wgrad import deferrable_linear
 
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
@@ -41,18 +42,16 @@ class SplitBackwardLinear(nn.Linear):
 
 
 def check_schedule(schedule: str, virtual_stages: int) -> int:
-    """One line when a PipelineModule cannot run `schedule`; else its chunks per stage."""
+    """One line when a PipelineModule cannot run `schedule`; else its chunks per stage (the
+    chunk rules are the executor's own, `check_schedule_choice`, in the module's words)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"PipelineModule(schedule={schedule!r}): choose one of "
                          f"{', '.join(SCHEDULES)}")
-    if schedule == "zb-h1" and virtual_stages != 1:
-        raise ValueError(f"PipelineModule(schedule='zb-h1') runs one stage per rank: drop "
-                         f"virtual_stages={virtual_stages} (or use schedule='1f1b' for the "
-                         f"interleaved schedule)")
-    if schedule == "zbv" and virtual_stages not in (1, 2):
-        raise ValueError(f"PipelineModule(schedule='zbv') places 2 chunks per stage in a V: "
-                         f"drop virtual_stages={virtual_stages} (or set it to 2)")
-    return 2 if schedule == "zbv" else virtual_stages
+    chunks = 2 if schedule == "zbv" and virtual_stages == 1 else virtual_stages
+    if schedule in ZERO_BUBBLE:
+        check_schedule_choice(schedule, chunks, ScheduleNames(
+            schedule="PipelineModule(schedule=...)", virtual=f"virtual_stages={virtual_stages}"))
+    return chunks
 
 
 def check_v_ties(schedule: str, tied_stage_map: Dict[str, List[int]]) -> None:
