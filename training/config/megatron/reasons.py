@@ -24,7 +24,7 @@ MORE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
      "this pipeline layout or schedule option is not implemented: layers are split by "
      "--decoder-first/last-pipeline-num-layers and --num-layers-per-virtual-pipeline-stage "
      "and scheduled by --pipeline-schedule"),
-    (("--delay-wgrad-compute", "--defer-embedding-wgrad", "--wgrad-deferral-limit"),
+    (("--defer-embedding-wgrad", "--wgrad-deferral-limit"),
      "weight gradients are deferred by the zero-bubble schedules (--pipeline-schedule zb-h1 "
      "or zbv), not by a separate switch"),
     (("--cpu-offloading-", "--fine-grained-", "--offload-modules", "--min-offloaded-tensor",
