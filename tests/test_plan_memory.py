@@ -11,8 +11,8 @@ high point of the stage's schedule: after the forwards of the micro-batches its 
 has in flight (1F1B: p on the first stage), before any backward. The prediction must be
 within 10% of that (it is within 1% on these configurations).
 """
-import gc
-import weakref
+import os
+import sys
 
 import pytest
 import torch
@@ -27,6 +27,8 @@ from gigatron.parallel.pipeline.partition import partition_layers
 from gigatron.parallel.zero.param_groups import param_kind
 from gigatron.training.plan.memory import activation_terms, chunk_activations, stage_memory
 from gigatron.training.plan.parameters import stage_parameters
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --vocab-size 100 --make-vocab-size-divisible-by 8 "
@@ -110,33 +112,15 @@ def test_model_state_bytes_equal_measure_memory_on_every_rank(world, extra):
         assert planned == measured, f"rank {rank}: planned {planned}, measured {measured}"
 
 
-class _Held:
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-def _held_activation_bytes(models, forwards):
-    """Bytes of distinct storages autograd keeps after `forwards()` (see module doc)."""
-    params = {p.untyped_storage().data_ptr() for m in models for p in m.parameters()}
-    holders = []
-
-    def pack(t):
-        held = _Held(t)
-        holders.append(weakref.ref(held))
-        return held
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
-        outputs = forwards()
-    gc.collect()
-    storages = {}
-    for ref in holders:
-        held = ref()
-        if held is not None:
-            storage = held.tensor.untyped_storage()
-            if storage.data_ptr() not in params:
-                storages[storage.data_ptr()] = storage.nbytes()
-    del outputs
-    return sum(storages.values())
+def _held_activation_bytes(model, forward):
+    """Bytes of distinct storages autograd keeps after `forward()` (see module doc): the
+    measure bench/bench_context_parallel.py uses."""
+    sys.path.insert(0, BENCH_DIR)
+    try:
+        from bench_context_parallel import held_activation_bytes
+    finally:
+        sys.path.remove(BENCH_DIR)
+    return held_activation_bytes(model, forward)[0]
 
 
 CONFIGS = [
@@ -160,7 +144,7 @@ def test_activation_prediction_within_10_percent_of_what_autograd_keeps(kw):
                           max_position_embeddings=s, **kw)
     model = GPTModel(c).train()
     ids = torch.randint(0, vocab, (b, s))
-    measured = _held_activation_bytes([model], lambda: model(input_ids=ids, labels=ids))
+    measured = _held_activation_bytes(model, lambda: model(input_ids=ids, labels=ids))
     predicted, _ = chunk_activations(c, activation_terms(c, 1, on_gpu=False), layers,
                                      True, True, s * b)
     assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
@@ -177,5 +161,5 @@ def test_first_stage_of_1f1b_holds_pp_microbatches_within_10_percent():
     planned = stage_memory(run.model, part, 0, 1, 1, run.zero, 2, 4, on_gpu=False)
     assert planned.in_flight == [2]  # p micro-batches before the first backward
     ids = [torch.randint(0, 100, (2, 64)) for _ in range(2)]
-    measured = _held_activation_bytes([chunk], lambda: [chunk(input_ids=x) for x in ids])
+    measured = _held_activation_bytes(chunk, lambda: [chunk(input_ids=x) for x in ids])
     assert abs(planned.activations / measured - 1) < 0.10, (planned.activations, measured)
