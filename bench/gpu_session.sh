@@ -1,9 +1,8 @@
-#!/usr/bin/env bash
-# One device call that builds, checks and times everything issue 33 asks for, most important
-# first, each step under its own time limit inside a total budget (default 560 s), so that a
-# slow step costs only itself; the kernel build and the offload capacity run beside steps that
-# time nothing. Everything is logged to $OUT/session.log; the benches write
-# their JSON (and gigatron's profiler traces) under $OUT: at most 8 files come back.
+# One device call that builds, checks and times everything the GPU issues ask for (28, 30,
+# 32, 33), most important first, each step under its own time limit inside a total budget
+# (default 560 s), so that a slow step costs only itself; the kernel build runs beside steps
+# that need no fused kernel. Everything is logged to $OUT/session.log; the benches write
+# their JSON (and gigatron's profiler trace) under $OUT: at most 8 files come back.
 #
 #   bash bench/gpu_session.sh            # on the device machine, from the repository root
 #
@@ -41,27 +40,23 @@ step() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
   nproc; free -g | head -2; } 2>&1 | tee -a "$LOG"
 
-# the JIT kernel build runs on the CPU while the GPU measures its ceilings
+# the JIT kernel build runs on the CPU while the GPU measures its ceilings and runs the tests
+# that need no fused kernel
 ( python3 -m gigatron.ops --build > /tmp/build.log 2>&1; echo "build exit $?" >> /tmp/build.log ) &
 BUILD=$!
 step ceilings 20 40 python3 bench/ceilings.py
-step moe-cp-restart-cuda-tests 40 90 python3 -m pytest -q -p no:cacheprovider tests/test_moe_cuda.py \
-  tests/test_cp_kernels_cuda.py tests/test_restart_cuda.py
+# issues 28 (cp block kernels on CUDA) and 30 (torchrun restart over NCCL), MoE's grouped GEMM
+step moe-cp-restart-cuda-tests 40 150 python3 -m pytest -q -p no:cacheprovider \
+  tests/test_moe_cuda.py tests/test_cp_kernels_cuda.py tests/test_restart_cuda.py
+# issue 32: the planner's GEMM and attention model against this GPU, at the published shapes
+step plan-kernels 30 90 python3 bench/bench_plan_kernels.py --iters 10
 wait $BUILD; tail -15 /tmp/build.log | tee -a "$LOG"
-# the offload capacity (CPU Adam, host memory) runs beside the correctness tests, which time
-# nothing; the timed benches start only after it ends (its step time is then approximate)
-( timeout -k 5 230 python3 bench/bench_train_gpu.py --capacity --sizes gpt3-6.7b llama-8b \
-    --size-timeout 150 > /tmp/capacity.log 2>&1; echo "capacity exit $?" >> /tmp/capacity.log ) &
-CAPACITY=$!
 step cuda-tests 60 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py \
   tests/test_train_cuda.py tests/test_recompute.py tests/test_report.py tests/test_zero.py
-wait $CAPACITY; echo "=== capacity (beside the tests)" | tee -a "$LOG"
-tee -a "$LOG" < /tmp/capacity.log
-step bench-kernels 40 90 python3 bench/bench_kernels.py --iters 30
-step bench-moe 20 60 python3 bench/bench_moe.py --iters 10
+step bench-kernels 40 100 python3 bench/bench_kernels.py --iters 30 --sweep-norms
 mkdir -p "$OUT/gpt" "$OUT/llama"
-step train-gpt3-1.3b 100 170 python3 bench/bench_train_gpu.py --sizes gpt3-1.3b \
-  --micro-batches 8 4 --warmup 2 --iters 6 --out "$OUT/gpt"
-step train-llama-1b 80 170 python3 bench/bench_train_gpu.py --sizes llama-1b \
-  --micro-batches 8 4 --warmup 2 --iters 6 --out "$OUT/llama"
+step train-gpt3-1.3b 100 200 python3 bench/bench_train_gpu.py --sizes gpt3-1.3b \
+  --micro-batches 8 --paths gigatron plain megatron --warmup 2 --iters 6 --out "$OUT/gpt"
+step train-llama-1b 60 120 python3 bench/bench_train_gpu.py --sizes llama-1b \
+  --micro-batches 8 --paths gigatron --warmup 2 --iters 6 --no-profile --out "$OUT/llama"
 echo "=== session done at t=$((SECONDS - START)) s" | tee -a "$LOG"
