@@ -37,6 +37,11 @@ int num_sms(const at::Tensor& t) {
   return count;
 }
 
+void check_variant(int64_t variant) {
+  TORCH_CHECK(variant >= 0 && variant < gigatron::kNormVariants, "norm variant must be in [0, ",
+              gigatron::kNormVariants, "), got ", variant, " (csrc/norm_variants.cuh lists them)");
+}
+
 cudaStream_t stream_of(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
 }
@@ -95,9 +100,10 @@ at::Tensor softmax_backward(const at::Tensor& dy, const at::Tensor& y, double sc
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(const at::Tensor& x, const at::Tensor& weight,
                                                             const c10::optional<at::Tensor>& bias,
-                                                            double eps, bool rms) {
+                                                            double eps, bool rms, int64_t variant) {
   TORCH_CHECK(x.is_cuda() && x.dim() >= 1, "norm input must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(x.device());
+  check_variant(variant);
   const int64_t n = x.size(-1);
   TORCH_CHECK(weight.numel() == n, "norm weight has ", weight.numel(), " elements, hidden size is ", n);
   const at::Tensor xc = x.contiguous();
@@ -120,15 +126,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(const at::Tensor& x,
   p.n = checked_int(n, "hidden size");
   p.eps = static_cast<float>(eps);
   p.rms = rms;
+  p.variant = static_cast<int>(variant);
   check(gigatron::norm_forward(p, dtype_of(x), stream_of(x)), rms ? "RMSNorm forward" : "LayerNorm forward");
   return {y, mean, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(const at::Tensor& dy, const at::Tensor& x,
                                                              const at::Tensor& weight, const at::Tensor& mean,
-                                                             const at::Tensor& rstd, bool rms, bool has_bias) {
+                                                             const at::Tensor& rstd, bool rms, bool has_bias,
+                                                             int64_t variant) {
   TORCH_CHECK(dy.is_cuda() && dy.sizes() == x.sizes() && dy.dtype() == x.dtype(),
               "norm backward takes dy and x of the same CUDA shape and dtype");
+  check_variant(variant);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor dyc = dy.contiguous(), xc = x.contiguous();
   const at::Tensor w = weight.to(at::kFloat).contiguous();
@@ -155,6 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(const at::Tensor& d
   p.rows = rows;
   p.n = static_cast<int>(n);
   p.rms = rms;
+  p.variant = static_cast<int>(variant);
   check(gigatron::norm_backward(p, dtype, sms, stream_of(x)), rms ? "RMSNorm backward" : "LayerNorm backward");
   return {dx, dweight, dbias};
 }
@@ -165,6 +175,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gigatron fused kernels: scaled masked/causal softmax, LayerNorm, RMSNorm";
   m.def("softmax_forward", &softmax_forward, "scaled masked or causal softmax forward");
   m.def("softmax_backward", &softmax_backward, "scaled masked or causal softmax backward");
-  m.def("norm_forward", &norm_forward, "LayerNorm/RMSNorm forward -> (y, mean, rstd)");
-  m.def("norm_backward", &norm_backward, "LayerNorm/RMSNorm backward -> (dx, dweight, dbias)");
+  namespace py = pybind11;
+  m.def("norm_forward", &norm_forward, "LayerNorm/RMSNorm forward -> (y, mean, rstd)", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("rms"), py::arg("variant") = 0);
+  m.def("norm_backward", &norm_backward, "LayerNorm/RMSNorm backward -> (dx, dweight, dbias)", py::arg("dy"),
+        py::arg("x"), py::arg("weight"), py::arg("mean"), py::arg("rstd"), py::arg("rms"), py::arg("has_bias"),
+        py::arg("variant") = 0);
+  m.attr("norm_variants") = gigatron::kNormVariants;
 }

@@ -34,6 +34,10 @@ struct SoftmaxBackwardParams {
   bool causal;  // skip the strict upper triangle, known to be zero
 };
 
+// Launch variants of the norm kernels (timed side by side by bench_kernels.py --sweep-norms);
+// each computes the same result as variant 0. Out of range: cudaErrorInvalidValue.
+constexpr int kNormVariants = 10;
+
 // LayerNorm (rms = false) or RMSNorm (rms = true) over rows of length n. Weight and bias are
 // float32; mean (LayerNorm only) and rstd are float32 per row, saved for backward.
 struct NormForwardParams {
@@ -47,6 +51,7 @@ struct NormForwardParams {
   int n;
   float eps;
   bool rms;
+  int variant;  // launch variant, 0 .. kNormVariants - 1 (norm_variants.cuh); 0 = the default
 };
 
 // Backward: dx, and the float32 weight/bias grads reduced in two stages through
@@ -64,6 +69,7 @@ struct NormBackwardParams {
   int64_t rows;
   int n;
   bool rms;
+  int variant;  // launch variant, as for the forward
 };
 
 cudaError_t softmax_forward(const SoftmaxForwardParams& p, DType dtype, cudaStream_t stream);

@@ -28,4 +28,19 @@ inline int cached_threads(int n, int vec, int max_threads) {
   return threads <= max_threads ? threads : 0;
 }
 
+// Float32 weight (and bias, when present) 16-byte aligned, for float4 reads.
+inline bool weights_aligned(const float* weight, const float* bias) {
+  return aligned16(weight) && (bias == nullptr || aligned16(bias));
+}
+
+// A persistent grid for `kernel` at `threads` per block: every SM full, at most one block per row.
+template <typename Kernel>
+unsigned resident_grid(Kernel kernel, int threads, int64_t rows) {
+  int device = 0, sms = 1, per_sm = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+  return grid_for(std::min<int64_t>(rows, static_cast<int64_t>(sms) * std::max(per_sm, 1)));
+}
+
 }  // namespace gigatron

@@ -2,24 +2,43 @@
 // Rows up to blockDim * kCacheElems stay in registers; longer rows stream. Backward fuses
 // the weight/bias grads into the dx pass (per-block partials in registers, then a second
 // kernel sums the partials); streamed rows use a column kernel for the first stage instead.
+#include <type_traits>
+#include <utility>
+
 #include "common.cuh"
 #include "gigatron_kernels.h"
 #include "launch_utils.cuh"
+#include "norm_variants.cuh"
 
 namespace gigatron {
 namespace {
 
 constexpr int kColumnThreads = 256;
 
-template <typename T, int VEC, int K>
-__global__ void __launch_bounds__(1024) norm_forward_kernel(NormForwardParams p) {
+// F: variant flags (norm_variants.cuh); LB, MB: the launch bounds. Variant 0 is <K, 1024, 1, 0>.
+template <typename T, int VEC, int K, int LB = 1024, int MB = 0, int F = 0>
+__global__ void __launch_bounds__(LB, MB) norm_forward_kernel(NormForwardParams p) {
+  constexpr bool kVecW = (F & kVecWeight) != 0;
+  constexpr bool kRes = (F & kResident) != 0;
+  constexpr int KC = K > 0 ? K : 1;
   __shared__ float scratch[32];
   const int stride = blockDim.x * VEC;
   const float inv_n = 1.0f / p.n;
+  float w_res[kRes ? KC : 1][VEC], b_res[kRes ? KC : 1][VEC];
+  if constexpr (kRes) {
+#pragma unroll
+    for (int k = 0; k < KC; ++k) {
+      const int col = k * stride + threadIdx.x * VEC;
+      if (col < p.n) {
+        load_f32<VEC, kVecW>(p.weight + col, w_res[k]);
+        if (p.bias != nullptr) load_f32<VEC, kVecW>(p.bias + col, b_res[k]);
+      }
+    }
+  }
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.n;
     T* y = static_cast<T*>(p.y) + row * p.n;
-    float cache[K > 0 ? K : 1][VEC];
+    RowCache<T, VEC, KC, (F & kPacked) != 0> cache;
     float v[VEC];
     float s = 0.0f;
     if constexpr (K > 0) {
@@ -27,13 +46,13 @@ __global__ void __launch_bounds__(1024) norm_forward_kernel(NormForwardParams p)
       for (int k = 0; k < K; ++k) {
         const int col = k * stride + threadIdx.x * VEC;
         if (col < p.n) {
-          load_vec<T, VEC>(x + col, cache[k]);
+          cache.load(k, x + col);
         } else {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) cache[k][i] = 0.0f;
+          cache.zero(k);
         }
+        cache.get(k, v);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) s += p.rms ? cache[k][i] * cache[k][i] : cache[k][i];
+        for (int i = 0; i < VEC; ++i) s += p.rms ? v[i] * v[i] : v[i];
       }
     } else {
       for (int col = threadIdx.x * VEC; col < p.n; col += stride) {
@@ -55,9 +74,10 @@ __global__ void __launch_bounds__(1024) norm_forward_kernel(NormForwardParams p)
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           const int col = k * stride + threadIdx.x * VEC;
+          cache.get(k, v);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            const float d = col < p.n ? cache[k][i] - mean : 0.0f;
+            const float d = col < p.n ? v[i] - mean : 0.0f;
             var += d * d;
           }
         }
@@ -75,12 +95,19 @@ __global__ void __launch_bounds__(1024) norm_forward_kernel(NormForwardParams p)
       if (p.mean != nullptr) p.mean[row] = mean;
       p.rstd[row] = rstd;
     }
-    auto write = [&](int col, float (&in)[VEC]) {
-      float out[VEC];
+    auto write = [&](int k, int col, float (&in)[VEC]) {
+      float w[VEC], b[VEC], out[VEC];
+      if constexpr (kRes) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) w[i] = w_res[k][i], b[i] = b_res[k][i];
+      } else {
+        load_f32<VEC, kVecW>(p.weight + col, w);
+        if (p.bias != nullptr) load_f32<VEC, kVecW>(p.bias + col, b);
+      }
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        out[i] = (in[i] - mean) * rstd * p.weight[col + i];
-        if (p.bias != nullptr) out[i] += p.bias[col + i];
+        out[i] = (in[i] - mean) * rstd * w[i];
+        if (p.bias != nullptr) out[i] += b[i];
       }
       store_vec<T, VEC>(y + col, out);
     };
@@ -88,12 +115,13 @@ __global__ void __launch_bounds__(1024) norm_forward_kernel(NormForwardParams p)
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const int col = k * stride + threadIdx.x * VEC;
-        if (col < p.n) write(col, cache[k]);
+        cache.get(k, v);
+        if (col < p.n) write(k, col, v);
       }
     } else {
       for (int col = threadIdx.x * VEC; col < p.n; col += stride) {
         load_vec<T, VEC>(x + col, v);
-        write(col, v);
+        write(0, col, v);
       }
     }
   }
@@ -101,14 +129,34 @@ __global__ void __launch_bounds__(1024) norm_forward_kernel(NormForwardParams p)
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w (RMSNorm drops mean(g)).
 // With K > 0 each block is persistent over rows and accumulates dy * xhat and dy for its
-// columns in registers, written once as this block's partial row.
-template <typename T, int VEC, int K>
-__global__ void __launch_bounds__(512) norm_backward_kernel(NormBackwardParams p, int num_partials) {
+// columns in registers, written once as this block's partial row. Variant 0 is <K, 512, 1, 0>.
+template <typename T, int VEC, int K, int LB = 512, int MB = 0, int F = 0>
+__global__ void __launch_bounds__(LB, MB) norm_backward_kernel(NormBackwardParams p, int num_partials) {
+  constexpr bool kVecW = (F & kVecWeight) != 0;
+  constexpr bool kPack = (F & kPacked) != 0;
+  constexpr bool kRes = (F & kResident) != 0;
+  constexpr int KC = K > 0 ? K : 1;
   __shared__ float2 scratch[32];
   const int stride = blockDim.x * VEC;
   const float inv_n = 1.0f / p.n;
-  float acc_w[K > 0 ? K : 1][VEC] = {};
-  float acc_b[K > 0 ? K : 1][VEC] = {};
+  float acc_w[KC][VEC] = {};
+  float acc_b[KC][VEC] = {};
+  float w_res[kRes ? KC : 1][VEC];
+  if constexpr (kRes) {
+#pragma unroll
+    for (int k = 0; k < KC; ++k) {
+      const int col = k * stride + threadIdx.x * VEC;
+      if (col < p.n) load_f32<VEC, kVecW>(p.weight + col, w_res[k]);
+    }
+  }
+  auto weights = [&](int k, int col, float (&w)[VEC]) {
+    if constexpr (kRes) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) w[i] = w_res[k][i];
+    } else {
+      load_f32<VEC, kVecW>(p.weight + col, w);
+    }
+  };
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const int64_t offset = row * p.n;
     const T* x = static_cast<const T*>(p.x) + offset;
@@ -116,14 +164,16 @@ __global__ void __launch_bounds__(512) norm_backward_kernel(NormBackwardParams p
     T* dx = static_cast<T*>(p.dx) + offset;
     const float mean = p.rms ? 0.0f : p.mean[row];
     const float rstd = p.rstd[row];
-    float cx[K > 0 ? K : 1][VEC], cg[K > 0 ? K : 1][VEC];
+    RowCache<T, VEC, KC, kPack> cx, cg;
     float a[VEC], g[VEC];
     float s1 = 0.0f, s2 = 0.0f;
-    auto accumulate = [&](int col, float (&xv)[VEC], float (&gv)[VEC]) {
+    auto accumulate = [&](int k, int col, float (&xv)[VEC], float (&gv)[VEC]) {
+      float w[VEC];
+      weights(k, col, w);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         xv[i] = (xv[i] - mean) * rstd;  // xhat
-        const float gw = gv[i] * p.weight[col + i];
+        const float gw = gv[i] * w[i];
         s1 += gw;
         s2 += gw * xv[i];
       }
@@ -133,25 +183,32 @@ __global__ void __launch_bounds__(512) norm_backward_kernel(NormBackwardParams p
       for (int k = 0; k < K; ++k) {
         const int col = k * stride + threadIdx.x * VEC;
         if (col < p.n) {
-          load_vec<T, VEC>(x + col, cx[k]);
-          load_vec<T, VEC>(dy + col, cg[k]);
-          accumulate(col, cx[k], cg[k]);
+          cx.load(k, x + col);
+          cg.load(k, dy + col);
+          if constexpr (kPack) {
+            cx.get(k, a);
+            cg.get(k, g);
+            accumulate(k, col, a, g);
+          } else {
+            accumulate(k, col, cx.f[k], cg.f[k]);  // cx now holds xhat
+          }
         }
       }
     } else {
       for (int col = threadIdx.x * VEC; col < p.n; col += stride) {
         load_vec<T, VEC>(x + col, a);
         load_vec<T, VEC>(dy + col, g);
-        accumulate(col, a, g);
+        accumulate(0, col, a, g);
       }
     }
     const float2 sums = block_sum2(s1, s2, scratch);
     const float c1 = p.rms ? 0.0f : sums.x * inv_n;
     const float c2 = sums.y * inv_n;
-    auto write = [&](int col, const float (&xhat)[VEC], const float (&gv)[VEC]) {
-      float out[VEC];
+    auto write = [&](int k, int col, const float (&xhat)[VEC], const float (&gv)[VEC]) {
+      float w[VEC], out[VEC];
+      weights(k, col, w);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) out[i] = rstd * (gv[i] * p.weight[col + i] - c1 - xhat[i] * c2);
+      for (int i = 0; i < VEC; ++i) out[i] = rstd * (gv[i] * w[i] - c1 - xhat[i] * c2);
       store_vec<T, VEC>(dx + col, out);
     };
     if constexpr (K > 0) {
@@ -159,11 +216,20 @@ __global__ void __launch_bounds__(512) norm_backward_kernel(NormBackwardParams p
       for (int k = 0; k < K; ++k) {
         const int col = k * stride + threadIdx.x * VEC;
         if (col < p.n) {
-          write(col, cx[k], cg[k]);
+          if constexpr (kPack) {
+            cx.get(k, a);
+            cg.get(k, g);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) a[i] = (a[i] - mean) * rstd;
+          } else {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) a[i] = cx.f[k][i], g[i] = cg.f[k][i];
+          }
+          write(k, col, a, g);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {
-            acc_w[k][i] += cg[k][i] * cx[k][i];
-            acc_b[k][i] += cg[k][i];
+            acc_w[k][i] += g[i] * a[i];
+            acc_b[k][i] += g[i];
           }
         }
       }
@@ -173,7 +239,7 @@ __global__ void __launch_bounds__(512) norm_backward_kernel(NormBackwardParams p
         load_vec<T, VEC>(dy + col, g);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) a[i] = (a[i] - mean) * rstd;
-        write(col, a, g);
+        write(0, col, a, g);
       }
     }
   }
@@ -228,8 +294,32 @@ __global__ void norm_weight_grad_final_kernel(NormBackwardParams p, int count, i
   if (p.dbias != nullptr) p.dbias[col] = acc_b;
 }
 
+// Launches variant V (>= 1) of the cached forward; false where it does not apply to p.
+template <typename T, int VEC, int V>
+bool launch_forward_variant(const NormForwardParams& p, cudaStream_t stream) {
+  constexpr NormVariant v = kNormVariantTable[V];
+  const int threads = round_up_warp(ceil_div(ceil_div(p.n, VEC), v.chunks));
+  if (threads > v.bound || ((v.flags & kVecWeight) && !weights_aligned(p.weight, p.bias))) return false;
+  const auto kernel = norm_forward_kernel<T, VEC, v.chunks, v.bound, v.min_blocks, v.flags>;
+  const unsigned grid = (v.flags & kResident) ? resident_grid(kernel, threads, p.rows) : grid_for(p.rows);
+  kernel<<<grid, threads, 0, stream>>>(p);
+  return true;
+}
+
+template <typename T, int VEC, int... V>
+bool forward_variant(const NormForwardParams& p, cudaStream_t stream, std::integer_sequence<int, V...>) {
+  bool launched = false;
+  (void)((p.variant == V + 1 && (launched = launch_forward_variant<T, VEC, V + 1>(p, stream))) || ...);
+  return launched;
+}
+
 template <typename T, int VEC>
 void launch_forward(const NormForwardParams& p, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC > 1) {
+    if (p.variant > 0 && forward_variant<T, VEC>(p, stream, std::make_integer_sequence<int, kNormVariants - 1>())) {
+      return;
+    }
+  }
   const int threads = cached_threads(p.n, VEC, 1024);
   if (threads > 0) {
     norm_forward_kernel<T, VEC, cache_chunks(VEC)><<<grid_for(p.rows), threads, 0, stream>>>(p);
@@ -248,12 +338,37 @@ void forward_dtype(const NormForwardParams& p, cudaStream_t stream) {
   }
 }
 
+// Launches variant V (>= 1) of the cached backward over num_partials persistent blocks.
+template <typename T, int VEC, int V>
+bool launch_backward_variant(const NormBackwardParams& p, int num_partials, cudaStream_t stream) {
+  constexpr NormVariant v = kNormVariantTable[V];
+  const int threads = round_up_warp(ceil_div(ceil_div(p.n, VEC), v.chunks));
+  if (threads > v.bwd_bound || ((v.flags & kVecWeight) && !weights_aligned(p.weight, nullptr))) return false;
+  norm_backward_kernel<T, VEC, v.chunks, v.bwd_bound, v.bwd_min_blocks, v.flags><<<num_partials, threads, 0, stream>>>(p, num_partials);
+  return true;
+}
+
+template <typename T, int VEC, int... V>
+bool backward_variant(const NormBackwardParams& p, int num_partials, cudaStream_t stream,
+                      std::integer_sequence<int, V...>) {
+  bool launched = false;
+  (void)((p.variant == V + 1 && (launched = launch_backward_variant<T, VEC, V + 1>(p, num_partials, stream))) ||
+         ...);
+  return launched;
+}
+
 template <typename T, int VEC>
 void launch_backward(const NormBackwardParams& p, int num_sms, cudaStream_t stream) {
   const int num_partials = norm_backward_num_partials(p.rows, p.n, DType::kFloat32, num_sms);
   const int threads = cached_threads(p.n, VEC, 512);
   int count = num_partials;
-  if (threads > 0) {
+  bool launched = false;
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC > 1) {
+    launched = p.variant > 0 && backward_variant<T, VEC>(p, num_partials, stream,
+                                                          std::make_integer_sequence<int, kNormVariants - 1>());
+  }
+  if (launched) {
+  } else if (threads > 0) {
     norm_backward_kernel<T, VEC, cache_chunks(VEC)><<<num_partials, threads, 0, stream>>>(p, num_partials);
   } else {
     norm_backward_kernel<T, VEC, 0><<<grid_for(p.rows), 512, 0, stream>>>(p, num_partials);
@@ -278,6 +393,7 @@ void backward_dtype(const NormBackwardParams& p, int num_sms, cudaStream_t strea
 }  // namespace
 
 cudaError_t norm_forward(const NormForwardParams& p, DType dtype, cudaStream_t stream) {
+  if (p.variant < 0 || p.variant >= kNormVariants) return cudaErrorInvalidValue;
   if (p.rows == 0 || p.n == 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32: forward_dtype<float>(p, stream); break;
@@ -295,6 +411,7 @@ int norm_backward_num_partials(int64_t rows, int n, DType /*dtype*/, int num_sms
 }
 
 cudaError_t norm_backward(const NormBackwardParams& p, DType dtype, int num_sms, cudaStream_t stream) {
+  if (p.variant < 0 || p.variant >= kNormVariants) return cudaErrorInvalidValue;
   if (p.n == 0) return cudaSuccess;
   if (p.rows == 0) {
     cudaMemsetAsync(p.dweight, 0, sizeof(float) * p.n, stream);
