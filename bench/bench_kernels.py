@@ -1,12 +1,15 @@
 """Build, check and time gigatron's fused kernels against torch eager on one GPU.
 
     python bench/bench_kernels.py [--quick] [--json OUT.json]
+    python bench/bench_kernels.py --sweep-norms [--iters 30]   # time every norm launch variant
 
 Measures the device copy bandwidth (bytes read + written by a large device-to-device copy)
 as the ceiling, checks each kernel against an fp32 torch reference, then times forward and
 backward (median of CUDA-event timings, inputs rotated so the L2 cache does not serve them)
 for the kernel and for torch eager (F.layer_norm, F.rms_norm, masked_fill + softmax).
 Prints a markdown table: times, speed-up over torch, and achieved bandwidth as % of copy.
+--sweep-norms instead times each launch variant of the bf16 norm kernels (csrc/norm_variants.cuh)
+side by side; a variant whose output or grads miss the tolerance is reported WRONG, not timed.
 """
 import argparse
 import json
@@ -26,6 +29,8 @@ SOFTMAX_SHAPES = [(4, 16, 512, 512), (2, 16, 1024, 1024), (1, 32, 2048, 2048), (
                   (1, 4, 512, 16384), (1, 32, 4096, 4096)]
 CAUSAL_SHAPES = [(32, 1024, 1024), (32, 2048, 2048), (8, 4096, 4096), (32, 4096, 4096)]
 ROTATE = 3
+SWEEP_SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192)]
+SWEEP_TOL = 1e-2  # relative L2 error for bfloat16, as tests/test_ops_cuda.py
 
 
 def time_ms(fn: Callable[[int], object], iters: int) -> float:
@@ -123,6 +128,80 @@ def bench_softmax(kernels, shape, dtype: torch.dtype, causal: bool, iters: int) 
                 fwd_bytes=fwd_bytes, bwd_bytes=bwd_bytes)
 
 
+def norm_reference(x: torch.Tensor, w: torch.Tensor, b, dy: torch.Tensor, rms: bool) -> List[torch.Tensor]:
+    """fp32 torch y, dx, dweight (and dbias) for one norm."""
+    hidden = x.shape[-1]
+    params = [t.float().requires_grad_() for t in ([x, w] if rms else [x, w, b])]
+    y = (F.rms_norm(params[0], (hidden,), params[1], 1e-5) if rms
+         else F.layer_norm(params[0], (hidden,), params[1], params[2], 1e-5))
+    return [y.detach()] + list(torch.autograd.grad(y, params, dy.float()))
+
+
+def sweep_one(kernels, xs, dys, w, b, rms: bool, variant: int, ref: List[torch.Tensor], iters: int) -> Dict:
+    """Check one variant against ref (y, dx, dw[, db]), then time its forward and backward."""
+    hidden = xs[0].shape[-1]
+    saved = [kernels.norm_forward(x, w, b, 1e-5, rms, variant) for x in xs]
+    dx, dw, db = kernels.norm_backward(dys[0], xs[0], w, saved[0][1], saved[0][2], rms, not rms, variant)
+    errs = [rel_err(o, r) for o, r in zip([saved[0][0], dx, dw] + ([] if rms else [db]), ref)]
+    row = dict(op="rms_norm" if rms else "layer_norm", shape=f"{xs[0].shape[0]}x{hidden}", variant=variant,
+               fits_fwd=kernels.norm_variant_fits(hidden, variant, False),
+               fits_bwd=kernels.norm_variant_fits(hidden, variant, True), err=max(errs),
+               wrong=not all(e < SWEEP_TOL for e in errs))  # a NaN error is wrong too
+    if row["wrong"]:
+        return row
+    row["k_fwd"] = time_ms(lambda i: kernels.norm_forward(xs[i % ROTATE], w, b, 1e-5, rms, variant), iters)
+    row["k_bwd"] = time_ms(lambda i: kernels.norm_backward(dys[i % ROTATE], xs[i % ROTATE], w, saved[i % ROTATE][1],
+                                                           saved[i % ROTATE][2], rms, not rms, variant), iters)
+    size = xs[0].numel() * xs[0].element_size()
+    row.update(fwd_bytes=2 * size, bwd_bytes=3 * size)
+    return row
+
+
+def sweep_norms(kernels, iters: int) -> List[Dict]:
+    """Every launch variant of the bf16 norm kernels at SWEEP_SHAPES, LayerNorm and RMSNorm."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n_rows, hidden in SWEEP_SHAPES:
+        def randn(*shape):
+            return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+        xs = [randn(n_rows, hidden) * 2 + 0.5 for _ in range(ROTATE)]
+        dys = [randn(n_rows, hidden) for _ in range(ROTATE)]
+        w, b = randn(hidden), randn(hidden)
+        for rms in (False, True):
+            ref = norm_reference(xs[0], w, None if rms else b, dys[0], rms)
+            for variant in range(kernels.norm_variants):
+                rows.append(sweep_one(kernels, xs, dys, w, None if rms else b, rms, variant, ref, iters))
+                print(rows[-1], flush=True)
+        del xs, dys
+    return rows
+
+
+def sweep_table(rows: List[Dict], copy_gbs: float) -> str:
+    """Markdown table of the variant sweep: ms and % of copy bandwidth, best correct variant marked *."""
+    best = {}
+    for r in rows:
+        for d in ("fwd", "bwd"):
+            key = (r["op"], r["shape"], d)
+            if not r["wrong"] and r[f"k_{d}"] < best.get(key, (float("inf"), None))[0]:
+                best[key] = (r[f"k_{d}"], r["variant"])
+    lines = [f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}; bfloat16; "
+             "variants: csrc/norm_variants.cuh; '(=0)': the row does not fit, variant 0 ran; * fastest", "",
+             "| op | shape | variant | max rel err | fwd ms | fwd % copy BW | bwd ms | bwd % copy BW |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for d in ("fwd", "bwd"):
+            if r["wrong"]:
+                cells += ["WRONG", "WRONG"]
+                continue
+            mark = "*" if best[(r["op"], r["shape"], d)][1] == r["variant"] else ""
+            fell_back = "" if r[f"fits_{d}"] else " (=0)"
+            pct = 100 * r[f"{d}_bytes"] / r[f"k_{d}"] / 1e6 / copy_gbs
+            cells += [f"{r[f'k_{d}']:.4f}{mark}{fell_back}", f"{pct:.0f}%"]
+        lines.append(f"| {r['op']} | {r['shape']} | {r['variant']} | {r['err']:.1e} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(results: List[Dict], copy_gbs: float) -> str:
     """Markdown table: ms, speed-up over torch eager, kernel bandwidth as % of copy bandwidth."""
     lines = [f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}", "",
@@ -144,6 +223,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations (smoke run)")
     parser.add_argument("--iters", type=int, default=50, help="timed runs per measurement (median)")
+    parser.add_argument("--sweep-norms", action="store_true",
+                        help="only time every launch variant of the bf16 norm kernels side by side")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -153,6 +234,13 @@ def main() -> None:
         sys.exit(f"fused kernels unavailable: {note}")
     print(f"kernels: {note}", flush=True)
     iters = 10 if args.quick else args.iters
+    if args.sweep_norms:
+        rows = sweep_norms(kernels, iters)
+        copy_gbs = copy_bandwidth_gbs(iters)
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_gbs=copy_gbs, device=torch.cuda.get_device_name(), norm_sweep=rows), f, indent=1)
+        print(sweep_table(rows, copy_gbs))
+        return
     take = (lambda s: s[:2]) if args.quick else (lambda s: s)  # noqa: E731
     results = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

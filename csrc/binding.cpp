@@ -182,4 +182,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("mean"), py::arg("rstd"), py::arg("rms"), py::arg("has_bias"),
         py::arg("variant") = 0);
   m.attr("norm_variants") = gigatron::kNormVariants;
+  m.def("norm_variant_fits", &gigatron::norm_variant_fits, "whether a variant runs its own launch for bf16 rows of n",
+        py::arg("n"), py::arg("variant"), py::arg("backward"));
 }

@@ -75,6 +75,9 @@ struct NormBackwardParams {
 cudaError_t softmax_forward(const SoftmaxForwardParams& p, DType dtype, cudaStream_t stream);
 cudaError_t softmax_backward(const SoftmaxBackwardParams& p, DType dtype, cudaStream_t stream);
 cudaError_t norm_forward(const NormForwardParams& p, DType dtype, cudaStream_t stream);
+// Whether `variant` runs its own launch for bfloat16 rows of n (16-byte aligned tensors and
+// weights) rather than falling back to variant 0.
+bool norm_variant_fits(int n, int variant, bool backward);
 int norm_backward_num_partials(int64_t rows, int n, DType dtype, int num_sms);
 cudaError_t norm_backward(const NormBackwardParams& p, DType dtype, int num_sms,
                           cudaStream_t stream);

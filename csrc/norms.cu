@@ -294,12 +294,18 @@ __global__ void norm_weight_grad_final_kernel(NormBackwardParams p, int count, i
   if (p.dbias != nullptr) p.dbias[col] = acc_b;
 }
 
+// Threads per block of variant v for rows of n elements, VEC per chunk; 0 if a row does not fit.
+int variant_threads(const NormVariant& v, int n, int vec, bool backward) {
+  const int threads = round_up_warp(ceil_div(ceil_div(n, vec), v.chunks));
+  return threads <= (backward ? v.bwd_bound : v.bound) ? threads : 0;
+}
+
 // Launches variant V (>= 1) of the cached forward; false where it does not apply to p.
 template <typename T, int VEC, int V>
 bool launch_forward_variant(const NormForwardParams& p, cudaStream_t stream) {
   constexpr NormVariant v = kNormVariantTable[V];
-  const int threads = round_up_warp(ceil_div(ceil_div(p.n, VEC), v.chunks));
-  if (threads > v.bound || ((v.flags & kVecWeight) && !weights_aligned(p.weight, p.bias))) return false;
+  const int threads = variant_threads(v, p.n, VEC, false);
+  if (threads == 0 || ((v.flags & kVecWeight) && !weights_aligned(p.weight, p.bias))) return false;
   const auto kernel = norm_forward_kernel<T, VEC, v.chunks, v.bound, v.min_blocks, v.flags>;
   const unsigned grid = (v.flags & kResident) ? resident_grid(kernel, threads, p.rows) : grid_for(p.rows);
   kernel<<<grid, threads, 0, stream>>>(p);
@@ -342,8 +348,8 @@ void forward_dtype(const NormForwardParams& p, cudaStream_t stream) {
 template <typename T, int VEC, int V>
 bool launch_backward_variant(const NormBackwardParams& p, int num_partials, cudaStream_t stream) {
   constexpr NormVariant v = kNormVariantTable[V];
-  const int threads = round_up_warp(ceil_div(ceil_div(p.n, VEC), v.chunks));
-  if (threads > v.bwd_bound || ((v.flags & kVecWeight) && !weights_aligned(p.weight, nullptr))) return false;
+  const int threads = variant_threads(v, p.n, VEC, true);
+  if (threads == 0 || ((v.flags & kVecWeight) && !weights_aligned(p.weight, nullptr))) return false;
   norm_backward_kernel<T, VEC, v.chunks, v.bwd_bound, v.bwd_min_blocks, v.flags><<<num_partials, threads, 0, stream>>>(p, num_partials);
   return true;
 }
@@ -401,6 +407,11 @@ cudaError_t norm_forward(const NormForwardParams& p, DType dtype, cudaStream_t s
     case DType::kBFloat16: forward_dtype<__nv_bfloat16>(p, stream); break;
   }
   return cudaGetLastError();
+}
+
+bool norm_variant_fits(int n, int variant, bool backward) {
+  if (variant <= 0 || variant >= kNormVariants) return variant == 0;
+  return n % 8 == 0 && variant_threads(kNormVariantTable[variant], n, 8, backward) > 0;
 }
 
 int norm_backward_num_partials(int64_t rows, int n, DType /*dtype*/, int num_sms) {
