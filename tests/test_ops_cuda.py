@@ -139,3 +139,80 @@ def test_kernels_accept_non_contiguous_and_unaligned_inputs():
     w = torch.ones(40, device="cuda", dtype=torch.float16)
     ref = torch.nn.functional.layer_norm(x.double(), (40,), w.double(), w.double() * 0, 1e-5)
     check(ops.layer_norm(x, w, w * 0, 1e-5), ref, TOL[torch.float16], "strided layer_norm")
+
+
+VARIANT_SHAPES = [(1, 1), (3, 4095), (33, 1000), (1500, 4096), (9, 8200), (2, 16384)]
+
+
+def norm_kernels():
+    from gigatron.ops.build import load_kernels
+
+    kernels, note = load_kernels()
+    assert kernels is not None, note
+    return kernels
+
+
+def kernel_grads(kernels, x, w, b, dy, rms, variant):
+    """(y, dx, dweight[, dbias]) from the raw kernels with one launch variant."""
+    y, mean, rstd = kernels.norm_forward(x, w, b, 1e-5, rms, variant)
+    dx, dw, db = kernels.norm_backward(dy, x, w, mean, rstd, rms, b is not None, variant)
+    return [y, dx, dw] + ([] if b is None else [db])
+
+
+@pytest.mark.parametrize("variant", range(1, 10))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_launch_variants_match_variant_0_and_fp64(variant, dtype):
+    kernels = norm_kernels()
+    assert kernels.norm_variants == 10
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for rows, hidden in VARIANT_SHAPES:
+        for rms in (False, True):
+            x = (torch.randn(rows, hidden, device="cuda", generator=gen) * 2 + 0.5).to(dtype)
+            # at 8200 the float32 weight starts one element into its buffer: unaligned for float4
+            # reads, so those variants must fall back to variant 0 there
+            w = torch.randn(hidden + 1, device="cuda", generator=gen)[int(hidden == 8200):][:hidden]
+            b = None if rms else torch.randn(hidden, device="cuda", generator=gen)
+            dy = torch.randn(rows, hidden, device="cuda", generator=gen).to(dtype)
+            poison_allocator()
+            got = kernel_grads(kernels, x, w, b, dy, rms, variant)
+            base = kernel_grads(kernels, x, w, b, dy, rms, 0)
+            what = f"variant {variant} {'rms' if rms else 'layer'}_norm {dtype} {rows}x{hidden}"
+            if dtype == torch.float32:  # float32 always runs variant 0
+                for g, r in zip(got, base):
+                    assert torch.equal(g, r), what
+                continue
+            xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+            params = [xr, wr] + ([] if rms else [b.double().requires_grad_()])
+            ref = (xr / torch.sqrt((xr * xr).mean(-1, keepdim=True) + 1e-5) * wr if rms else
+                   torch.nn.functional.layer_norm(xr, (hidden,), wr, params[-1], 1e-5))
+            refs = [ref] + list(torch.autograd.grad(ref, params, dy.double()))
+            scale = norm_dx_scale(x, w, dy, rms)
+            for i, (g, r, g0) in enumerate(zip(got, refs, base)):
+                check(g, r, TOL[dtype], f"{what} output {i}", scale if i == 1 else None)
+                check(g, g0, TOL[dtype], f"{what} output {i} vs variant 0", scale if i == 1 else None)
+
+
+def test_norm_variants_launch_their_own_kernels_and_reject_bad_numbers():
+    """At 4096 every variant fits, so each must launch a forward and a backward kernel of its own."""
+    kernels = norm_kernels()
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda")
+
+    def kernel_names(variant):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _, mean, rstd = kernels.norm_forward(x, w, None, 1e-5, True, variant)
+            kernels.norm_backward(x, x, w, mean, rstd, True, False, variant)
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events() if "norm_forward_kernel" in e.name or "norm_backward_kernel" in e.name}
+        assert len(names) == 2, (variant, names)
+        return names
+
+    seen = [kernel_names(0)]
+    for variant in range(1, kernels.norm_variants):
+        assert kernels.norm_variant_fits(4096, variant, False) and kernels.norm_variant_fits(4096, variant, True)
+        names = kernel_names(variant)
+        assert all(not (names & other) for other in seen), (variant, names)
+        seen.append(names)
+    assert not kernels.norm_variant_fits(16384, 1, False) and not kernels.norm_variant_fits(4095, 5, False)
+    with pytest.raises(RuntimeError, match="norm variant must be in"):
+        kernels.norm_forward(x, w, None, 1e-5, True, kernels.norm_variants)
