@@ -35,6 +35,10 @@
 
 namespace gigatron {
 
+// Only bfloat16 instantiates the variants (see above).
+template <typename T> constexpr bool kHasVariants = false;
+template <> constexpr bool kHasVariants<__nv_bfloat16> = true;
+
 constexpr int kVecWeight = 1;  // weight/bias as float4 loads
 constexpr int kPacked = 2;     // register cache keeps raw 16-bit packs
 constexpr int kResident = 4;   // persistent grid, weight/bias held in registers across rows
@@ -47,17 +51,18 @@ struct NormVariant {
 };
 
 // Bounds: the most threads a row up to 16384 bf16 needs at K (K = 1: n <= 8192), and at
-// most 512 backward (K = 2 backward holds 64 floats of x, dy and grad sums per thread).
+// most 512 backward (K = 2 backward holds 64 floats of x, dy and grad sums per thread); K = 4
+// backward 256 (n <= 8192) for 255 registers. K = 8 backward (256 floats) spills regardless.
 // min_blocks 0 leaves it unspecified, as variant 0 does: ptxas allocates registers
 // differently for __launch_bounds__(1024, 1) than for __launch_bounds__(1024).
 constexpr NormVariant kNormVariantTable[] = {
     {2, 0, 1024, 0, 512, 0},  // 0: documentation only, the default path launches it
     {1, 0, 1024, 0, 1024, 0},
-    {4, 0, 512, 0, 512, 0},
+    {4, 0, 512, 0, 256, 0},
     {8, 0, 256, 0, 256, 0},
     {1, kVecWeight, 1024, 0, 1024, 0},
     {2, kVecWeight, 1024, 0, 512, 0},
-    {4, kVecWeight, 512, 0, 512, 0},
+    {4, kVecWeight, 512, 0, 256, 0},
     {8, kVecWeight, 256, 0, 256, 0},
     {2, kVecWeight | kPacked, 512, 3, 512, 0},
     {2, kVecWeight | kPacked | kResident, 512, 0, 512, 0}};

@@ -2,9 +2,6 @@
 // Rows up to blockDim * kCacheElems stay in registers; longer rows stream. Backward fuses
 // the weight/bias grads into the dx pass (per-block partials in registers, then a second
 // kernel sums the partials); streamed rows use a column kernel for the first stage instead.
-#include <type_traits>
-#include <utility>
-
 #include "common.cuh"
 #include "gigatron_kernels.h"
 #include "launch_utils.cuh"
@@ -312,19 +309,20 @@ bool launch_forward_variant(const NormForwardParams& p, cudaStream_t stream) {
   return true;
 }
 
-template <typename T, int VEC, int... V>
-bool forward_variant(const NormForwardParams& p, cudaStream_t stream, std::integer_sequence<int, V...>) {
-  bool launched = false;
-  (void)((p.variant == V + 1 && (launched = launch_forward_variant<T, VEC, V + 1>(p, stream))) || ...);
-  return launched;
+// Launches variant p.variant (>= V); false where it does not apply.
+template <typename T, int VEC, int V = 1>
+bool forward_variant(const NormForwardParams& p, cudaStream_t stream) {
+  if constexpr (V < kNormVariants) {
+    return p.variant == V ? launch_forward_variant<T, VEC, V>(p, stream) : forward_variant<T, VEC, V + 1>(p, stream);
+  } else {
+    return false;
+  }
 }
 
 template <typename T, int VEC>
 void launch_forward(const NormForwardParams& p, cudaStream_t stream) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC > 1) {
-    if (p.variant > 0 && forward_variant<T, VEC>(p, stream, std::make_integer_sequence<int, kNormVariants - 1>())) {
-      return;
-    }
+  if constexpr (kHasVariants<T> && VEC > 1) {
+    if (p.variant > 0 && forward_variant<T, VEC>(p, stream)) return;
   }
   const int threads = cached_threads(p.n, VEC, 1024);
   if (threads > 0) {
@@ -354,13 +352,14 @@ bool launch_backward_variant(const NormBackwardParams& p, int num_partials, cuda
   return true;
 }
 
-template <typename T, int VEC, int... V>
-bool backward_variant(const NormBackwardParams& p, int num_partials, cudaStream_t stream,
-                      std::integer_sequence<int, V...>) {
-  bool launched = false;
-  (void)((p.variant == V + 1 && (launched = launch_backward_variant<T, VEC, V + 1>(p, num_partials, stream))) ||
-         ...);
-  return launched;
+template <typename T, int VEC, int V = 1>
+bool backward_variant(const NormBackwardParams& p, int num_partials, cudaStream_t stream) {
+  if constexpr (V < kNormVariants) {
+    return p.variant == V ? launch_backward_variant<T, VEC, V>(p, num_partials, stream)
+                          : backward_variant<T, VEC, V + 1>(p, num_partials, stream);
+  } else {
+    return false;
+  }
 }
 
 template <typename T, int VEC>
@@ -369,9 +368,8 @@ void launch_backward(const NormBackwardParams& p, int num_sms, cudaStream_t stre
   const int threads = cached_threads(p.n, VEC, 512);
   int count = num_partials;
   bool launched = false;
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC > 1) {
-    launched = p.variant > 0 && backward_variant<T, VEC>(p, num_partials, stream,
-                                                          std::make_integer_sequence<int, kNormVariants - 1>());
+  if constexpr (kHasVariants<T> && VEC > 1) {
+    launched = p.variant > 0 && backward_variant<T, VEC>(p, num_partials, stream);
   }
   if (launched) {
   } else if (threads > 0) {
