@@ -2,6 +2,7 @@
 
     python bench/bench_kernels.py [--quick] [--json OUT.json]
     python bench/bench_kernels.py --sweep-norms [--iters 30]   # time every norm launch variant
+    python bench/bench_kernels.py --sweep-softmax [--iters 30] # every softmax forward variant
 
 Measures the device copy bandwidth (bytes read + written by a large device-to-device copy)
 as the ceiling, checks each kernel against an fp32 torch reference, then times forward and
@@ -10,6 +11,7 @@ for the kernel and for torch eager (F.layer_norm, F.rms_norm, masked_fill + soft
 Prints a markdown table: times, speed-up over torch, and achieved bandwidth as % of copy.
 --sweep-norms instead times each launch variant of the bf16 norm kernels (csrc/norm_variants.cuh)
 side by side; a variant whose output or grads miss the tolerance is reported WRONG, not timed.
+--sweep-softmax does the same for the bf16 softmax forward's launch variants (csrc/softmax.cu).
 """
 import argparse
 import json
@@ -30,6 +32,7 @@ SOFTMAX_SHAPES = [(4, 16, 512, 512), (2, 16, 1024, 1024), (1, 32, 2048, 2048), (
 CAUSAL_SHAPES = [(32, 1024, 1024), (32, 2048, 2048), (8, 4096, 4096), (32, 4096, 4096)]
 ROTATE = 3
 SWEEP_SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192)]
+SWEEP_SOFTMAX = [((1, 32, 2048, 2048), False), ((1, 32, 4096, 4096), False), ((32, 4096, 4096), True)]
 SWEEP_TOL = 1e-2  # relative L2 error for bfloat16, as tests/test_ops_cuda.py
 
 
@@ -116,13 +119,7 @@ def bench_softmax(kernels, shape, dtype: torch.dtype, causal: bool, iters: int) 
     graphs = [torch_fwd(x) for x in xg]
     t_bwd = time_ms(lambda i: torch.autograd.grad(graphs[i % ROTATE], xg[i % ROTATE], dys[i % ROTATE],
                                                   retain_graph=True), iters)
-    es = xs[0].element_size()
-    rows = xs[0].numel() // sk
-    if causal:
-        read = sum(min(q + 1, sk) for q in range(sq)) * (rows // sq)  # upper triangle is not read
-        fwd_bytes, bwd_bytes = (read + rows * sk) * es, (2 * read + rows * sk) * es
-    else:
-        fwd_bytes, bwd_bytes = 2 * rows * sk * es + mask.numel(), 3 * rows * sk * es
+    fwd_bytes, bwd_bytes = softmax_bytes(xs[0], mask, causal)
     return dict(op="causal_softmax" if causal else "masked_softmax", shape="x".join(map(str, shape)),
                 dtype=str(dtype)[6:], err=err, k_fwd=k_fwd, t_fwd=t_fwd, k_bwd=k_bwd, t_bwd=t_bwd,
                 fwd_bytes=fwd_bytes, bwd_bytes=bwd_bytes)
@@ -202,6 +199,59 @@ def sweep_table(rows: List[Dict], copy_gbs: float) -> str:
     return "\n".join(lines)
 
 
+def softmax_bytes(x: torch.Tensor, mask: torch.Tensor, causal: bool) -> tuple:
+    """Bytes the forward and the backward move at least (causal: the upper triangle is not read)."""
+    es, sq, sk = x.element_size(), x.shape[-2], x.shape[-1]
+    rows = x.numel() // sk
+    if causal:
+        read = sum(min(q + 1, sk) for q in range(sq)) * (rows // sq)
+        return (read + rows * sk) * es, (2 * read + rows * sk) * es
+    return 2 * rows * sk * es + mask.numel(), 3 * rows * sk * es
+
+
+def sweep_softmax(kernels, iters: int) -> List[Dict]:
+    """Every launch variant of the bf16 softmax forward at SWEEP_SOFTMAX, checked then timed."""
+    rows = []
+    for shape, causal in SWEEP_SOFTMAX:
+        xs = [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(ROTATE)]
+        sq, sk = shape[-2], shape[-1]
+        mask = (torch.ones(sq, sk, dtype=torch.bool, device="cuda").triu(1) if causal
+                else torch.rand(shape[0], 1, sq, sk, device="cuda") < 0.1)
+        kmask = None if causal else mask
+        ref = torch.softmax((xs[0].float() * 0.125).masked_fill(mask, float("-inf")), -1)
+        fwd_bytes = softmax_bytes(xs[0], mask, causal)[0]
+        for variant in range(kernels.softmax_variants):
+            err = rel_err(kernels.softmax_forward(xs[0], kmask, 0.125, causal, variant), ref)
+            row = dict(op="causal_softmax" if causal else "masked_softmax", shape="x".join(map(str, shape)),
+                       variant=variant, err=err, wrong=not err < SWEEP_TOL, fwd_bytes=fwd_bytes)
+            if not row["wrong"]:
+                row["k_fwd"] = time_ms(lambda i: kernels.softmax_forward(xs[i % ROTATE], kmask, 0.125, causal,
+                                                                         variant), iters)
+            rows.append(row)
+            print(row, flush=True)
+        del xs, ref
+    return rows
+
+
+def softmax_sweep_table(rows: List[Dict], copy_gbs: float) -> str:
+    """Markdown table of the softmax forward sweep; * marks the fastest correct variant per shape."""
+    best = {}
+    for r in rows:
+        if not r["wrong"] and r["k_fwd"] < best.get((r["op"], r["shape"]), (float("inf"), None))[0]:
+            best[(r["op"], r["shape"])] = (r["k_fwd"], r["variant"])
+    lines = [f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}; bfloat16; "
+             "variants: csrc/softmax.cu; * fastest", "",
+             "| op | shape | variant | rel err | fwd ms | fwd % copy BW |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["wrong"]:
+            cells = "WRONG | WRONG"
+        else:
+            mark = "*" if best[(r["op"], r["shape"])][1] == r["variant"] else ""
+            cells = f"{r['k_fwd']:.4f}{mark} | {100 * r['fwd_bytes'] / r['k_fwd'] / 1e6 / copy_gbs:.0f}%"
+        lines.append(f"| {r['op']} | {r['shape']} | {r['variant']} | {r['err']:.1e} | {cells} |")
+    return "\n".join(lines)
+
+
 def table(results: List[Dict], copy_gbs: float) -> str:
     """Markdown table: ms, speed-up over torch eager, kernel bandwidth as % of copy bandwidth."""
     lines = [f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}", "",
@@ -225,6 +275,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50, help="timed runs per measurement (median)")
     parser.add_argument("--sweep-norms", action="store_true",
                         help="only time every launch variant of the bf16 norm kernels side by side")
+    parser.add_argument("--sweep-softmax", action="store_true",
+                        help="only time every launch variant of the bf16 softmax forward side by side")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -234,12 +286,19 @@ def main() -> None:
         sys.exit(f"fused kernels unavailable: {note}")
     print(f"kernels: {note}", flush=True)
     iters = 10 if args.quick else args.iters
-    if args.sweep_norms:
-        rows = sweep_norms(kernels, iters)
+    if args.sweep_norms or args.sweep_softmax:
+        sweeps = {}
+        if args.sweep_norms:
+            sweeps["norm_sweep"] = sweep_norms(kernels, iters)
+        if args.sweep_softmax:
+            sweeps["softmax_sweep"] = sweep_softmax(kernels, iters)
         copy_gbs = copy_bandwidth_gbs(iters)
         with open(args.json, "w") as f:
-            json.dump(dict(copy_gbs=copy_gbs, device=torch.cuda.get_device_name(), norm_sweep=rows), f, indent=1)
-        print(sweep_table(rows, copy_gbs))
+            json.dump(dict(copy_gbs=copy_gbs, device=torch.cuda.get_device_name(), **sweeps), f, indent=1)
+        if args.sweep_norms:
+            print(sweep_table(sweeps["norm_sweep"], copy_gbs))
+        if args.sweep_softmax:
+            print(softmax_sweep_table(sweeps["softmax_sweep"], copy_gbs))
         return
     take = (lambda s: s[:2]) if args.quick else (lambda s: s)  # noqa: E731
     results = []

@@ -47,7 +47,9 @@ cudaStream_t stream_of(const at::Tensor& t) {
 }
 
 at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask, double scale,
-                           bool causal) {
+                           bool causal, int64_t variant) {
+  TORCH_CHECK(variant >= 0 && variant < gigatron::kSoftmaxVariants, "softmax variant must be in [0, ",
+              gigatron::kSoftmaxVariants, "), got ", variant, " (csrc/softmax.cu lists them)");
   TORCH_CHECK(x.is_cuda(), "softmax input must be a CUDA tensor");
   TORCH_CHECK(x.dim() == (causal ? 3 : 4), causal ? "causal softmax takes x [b*np, sq, sk]"
                                                   : "masked softmax takes x [b, np, sq, sk]");
@@ -63,6 +65,7 @@ at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>&
   p.rows = p.sk > 0 ? xc.numel() / p.sk : 0;
   p.scale = static_cast<float>(scale);
   p.mask_kind = causal ? gigatron::MaskKind::kCausal : gigatron::MaskKind::kNone;
+  p.variant = static_cast<int>(variant);
   at::Tensor m;
   if (!causal && mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kBool, "softmax mask must be bool (True = masked out)");
@@ -173,9 +176,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward(const at::Tensor& d
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "gigatron fused kernels: scaled masked/causal softmax, LayerNorm, RMSNorm";
-  m.def("softmax_forward", &softmax_forward, "scaled masked or causal softmax forward");
-  m.def("softmax_backward", &softmax_backward, "scaled masked or causal softmax backward");
   namespace py = pybind11;
+  m.def("softmax_forward", &softmax_forward, "scaled masked or causal softmax forward", py::arg("x"),
+        py::arg("mask"), py::arg("scale"), py::arg("causal"), py::arg("variant") = 0);
+  m.attr("softmax_variants") = gigatron::kSoftmaxVariants;
+  m.def("softmax_backward", &softmax_backward, "scaled masked or causal softmax backward");
   m.def("norm_forward", &norm_forward, "LayerNorm/RMSNorm forward -> (y, mean, rstd)", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("eps"), py::arg("rms"), py::arg("variant") = 0);
   m.def("norm_backward", &norm_backward, "LayerNorm/RMSNorm backward -> (dx, dweight, dbias)", py::arg("dy"),

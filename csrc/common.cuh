@@ -27,6 +27,10 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(v);
 }
 
+// Launch variants (norm_variants.cuh, softmax.cu) are instantiated for bfloat16 only.
+template <typename T> constexpr bool kIsBFloat16 = false;
+template <> constexpr bool kIsBFloat16<__nv_bfloat16> = true;
+
 // VEC elements moved as one aligned access (16 bytes when VEC = 16 / sizeof(T)).
 template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];

@@ -11,6 +11,9 @@ namespace gigatron {
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 enum class MaskKind : int { kNone = 0, kTensor = 1, kCausal = 2 };
 
+// Launch variants of the softmax forward (bench_kernels.py --sweep-softmax); same result as 0.
+constexpr int kSoftmaxVariants = 5;
+
 // Softmax over the last dim of `rows` rows of length sk; row r is (batch, head, query) =
 // (r / (heads * sq), (r / sq) % heads, r % sq). Mask bytes: nonzero = masked out.
 struct SoftmaxForwardParams {
@@ -22,6 +25,7 @@ struct SoftmaxForwardParams {
   int sk, sq, heads;
   float scale;
   MaskKind mask_kind;
+  int variant;  // forward launch variant, 0 .. kSoftmaxVariants - 1 (softmax.cu); 0 = the default
 };
 
 struct SoftmaxBackwardParams {

@@ -35,10 +35,6 @@
 
 namespace gigatron {
 
-// Only bfloat16 instantiates the variants (see above).
-template <typename T> constexpr bool kHasVariants = false;
-template <> constexpr bool kHasVariants<__nv_bfloat16> = true;
-
 constexpr int kVecWeight = 1;  // weight/bias as float4 loads
 constexpr int kPacked = 2;     // register cache keeps raw 16-bit packs
 constexpr int kResident = 4;   // persistent grid, weight/bias held in registers across rows

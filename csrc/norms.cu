@@ -78,7 +78,7 @@ bool forward_variant(const NormForwardParams& p, cudaStream_t stream) {
 
 template <typename T, int VEC>
 void launch_forward(const NormForwardParams& p, cudaStream_t stream) {
-  if constexpr (kHasVariants<T> && VEC > 1) {
+  if constexpr (kIsBFloat16<T> && VEC > 1) {
     if (p.variant > 0 && forward_variant<T, VEC>(p, stream)) return;
   }
   const int threads = cached_threads(p.n, VEC, 1024);
@@ -125,7 +125,7 @@ void launch_backward(const NormBackwardParams& p, int num_sms, cudaStream_t stre
   const int threads = cached_threads(p.n, VEC, 512);
   int count = num_partials;
   bool launched = false;
-  if constexpr (kHasVariants<T> && VEC > 1) {
+  if constexpr (kIsBFloat16<T> && VEC > 1) {
     launched = p.variant > 0 && backward_variant<T, VEC>(p, num_partials, stream);
   }
   if (launched) {

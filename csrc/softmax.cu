@@ -56,9 +56,9 @@ __device__ __forceinline__ float exp_shifted(float v, float row_max) {
   return v == kNegInf ? 0.0f : exp2f(v - row_max);
 }
 
-// K > 0: K chunks of VEC per thread live in registers; K == 0: stream the row.
-template <typename T, int VEC, int K>
-__global__ void __launch_bounds__(1024)
+// K > 0: K chunks of VEC per thread live in registers; K == 0: stream the row. LB: launch bound.
+template <typename T, int VEC, int K, int LB = 1024>
+__global__ void __launch_bounds__(LB)
 softmax_forward_kernel(SoftmaxForwardParams p, bool mask_vec) {
   __shared__ float scratch[32];
   const float scale = p.scale * kLog2e;
@@ -190,8 +190,39 @@ softmax_backward_kernel(SoftmaxBackwardParams p) {
   }
 }
 
+// Launch variants of the cached forward, for bfloat16 on the vectorized path (timed side by side
+// by bench_kernels.py --sweep-softmax; the same math as variant 0, whose launch is kept):
+//   0  K = 2 chunks of 8 per thread, __launch_bounds__(1024)   (today's launch)
+//   1  K = 1 (threads per row = sk / 8),  __launch_bounds__(1024): sk <= 8192
+//   2  K = 4 (threads per row = sk / 32), __launch_bounds__(512):  sk <= 16384
+//   3  K = 8 (threads per row = sk / 64), __launch_bounds__(256):  sk <= 16384
+//   4  K = 2, __launch_bounds__(512): sk <= 8192 (variant 0 keeps an 8-byte stack frame, i.e.
+//      local memory, on sm_90 at 32 registers; does a different register budget remove it?)
+// A row longer than the variant holds, other dtypes and the scalar path run variant 0.
+template <typename T, int VEC, int K, int LB>
+bool launch_forward_variant(const SoftmaxForwardParams& p, bool mask_vec, cudaStream_t stream) {
+  const int threads = round_up_warp(ceil_div(ceil_div(p.sk, VEC), K));
+  if (threads > LB) return false;
+  softmax_forward_kernel<T, VEC, K, LB><<<grid_for(p.rows), threads, 0, stream>>>(p, mask_vec);
+  return true;
+}
+
+template <typename T, int VEC>
+bool forward_variant(const SoftmaxForwardParams& p, bool mask_vec, cudaStream_t stream) {
+  switch (p.variant) {
+    case 1: return launch_forward_variant<T, VEC, 1, 1024>(p, mask_vec, stream);
+    case 2: return launch_forward_variant<T, VEC, 4, 512>(p, mask_vec, stream);
+    case 3: return launch_forward_variant<T, VEC, 8, 256>(p, mask_vec, stream);
+    case 4: return launch_forward_variant<T, VEC, 2, 512>(p, mask_vec, stream);
+    default: return false;
+  }
+}
+
 template <typename T, int VEC>
 void launch_forward(const SoftmaxForwardParams& p, bool mask_vec, cudaStream_t stream) {
+  if constexpr (kIsBFloat16<T> && VEC > 1) {
+    if (p.variant > 0 && forward_variant<T, VEC>(p, mask_vec, stream)) return;
+  }
   const int threads = cached_threads(p.sk, VEC, 1024);
   if (threads > 0) {
     softmax_forward_kernel<T, VEC, cache_chunks(VEC)><<<grid_for(p.rows), threads, 0, stream>>>(p, mask_vec);
@@ -238,6 +269,7 @@ void backward_dtype(const SoftmaxBackwardParams& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t softmax_forward(const SoftmaxForwardParams& p, DType dtype, cudaStream_t stream) {
+  if (p.variant < 0 || p.variant >= kSoftmaxVariants) return cudaErrorInvalidValue;
   if (p.rows == 0 || p.sk == 0) return cudaSuccess;
   switch (dtype) {
     case DType::kFloat32: forward_dtype<float>(p, stream); break;

@@ -216,3 +216,33 @@ def test_norm_variants_launch_their_own_kernels_and_reject_bad_numbers():
     assert not kernels.norm_variant_fits(16384, 1, False) and not kernels.norm_variant_fits(4095, 5, False)
     with pytest.raises(RuntimeError, match="norm variant must be in"):
         kernels.norm_forward(x, w, None, 1e-5, True, kernels.norm_variants)
+
+
+@pytest.mark.parametrize("variant", range(1, 5))
+def test_softmax_forward_launch_variants_match_variant_0_and_fp64(variant):
+    kernels = norm_kernels()
+    assert kernels.softmax_variants == 5
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for shape in [(2, 3, 5, 7), (1, 2, 8, 1000), (2, 2, 3, 4096), (1, 2, 4, 8192), (1, 1, 2, 16384)]:
+        b, np_, sq, sk = shape
+        x = (torch.randn(*shape, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+        mask = torch.rand(b, 1, sq, sk, device="cuda", generator=gen) < 0.3
+        mask[0, :, sq - 1] = True  # a fully masked row
+        for causal in (False, True):
+            xs, m = (x.view(b * np_, sq, sk), torch.ones(sq, sk, dtype=torch.bool, device="cuda").triu(1)) \
+                if causal else (x, mask)
+            poison_allocator()
+            got = kernels.softmax_forward(xs, None if causal else mask, 0.125, causal, variant)
+            base = kernels.softmax_forward(xs, None if causal else mask, 0.125, causal, 0)
+            what = f"softmax variant {variant} causal={causal} {shape}"
+            check(got, masked_softmax_fp64(xs, m, 0.125), TOL[torch.bfloat16], what)
+            check(got, base, TOL[torch.bfloat16], what + " vs variant 0")
+    x = torch.randn(2, 1, 4, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        kernels.softmax_forward(x, None, 1.0, False, 0)
+        kernels.softmax_forward(x, None, 1.0, False, variant)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "softmax_forward_kernel" in e.name]
+    assert len(names) == 2 and names[0] != names[1], names  # the variant ran a kernel of its own
+    with pytest.raises(RuntimeError, match="softmax variant must be in"):
+        kernels.softmax_forward(x, None, 1.0, False, kernels.softmax_variants)
