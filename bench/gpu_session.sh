@@ -53,7 +53,10 @@ step plan-kernels 30 90 python3 bench/bench_plan_kernels.py --iters 10
 wait $BUILD; tail -15 /tmp/build.log | tee -a "$LOG"
 step cuda-tests 60 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_ops_cuda.py \
   tests/test_train_cuda.py tests/test_recompute.py tests/test_report.py tests/test_zero.py
-step bench-kernels 40 100 python3 bench/bench_kernels.py --iters 30 --sweep-norms
+step bench-kernels 30 90 python3 bench/bench_kernels.py --iters 30
+# the launch variants of the bf16 norms and the softmax forward, to choose their defaults
+step kernel-sweep 40 100 python3 bench/bench_kernels.py --iters 20 --sweep-norms --sweep-softmax \
+  --json "$OUT/kernel_sweep.json"
 mkdir -p "$OUT/gpt" "$OUT/llama"
 step train-gpt3-1.3b 100 200 python3 bench/bench_train_gpu.py --sizes gpt3-1.3b \
   --micro-batches 8 --paths gigatron plain megatron --warmup 2 --iters 6 --out "$OUT/gpt"
