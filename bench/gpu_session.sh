@@ -14,8 +14,12 @@ LOG=$OUT/session.log
 START=$SECONDS
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 
-# gigatron importable without an install: the repository root is the package
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/gigatron
+# gigatron importable without an install, laid out as setup.py installs it (package/ is
+# gigatron itself, with its __main__; the top-level folders and csrc/ are its subpackages)
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg/gigatron
+for f in package/* parallel models ops training data engine cli csrc; do
+  ln -sfn "$PWD/$f" /tmp/pkg/gigatron/
+done
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
