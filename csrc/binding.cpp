@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <cstdarg>
+#include <cstdio>
 #include <limits>
 #include <tuple>
 
@@ -13,21 +15,38 @@ namespace {
 
 using gigatron::DType;
 
+// Raises RuntimeError with a printf-formatted message unless `ok`. Messages are formatted here,
+// never streamed through TORCH_CHECK's variadic form: on the H100 image (torch 2.11.0+cu130,
+// bench/results/2026-11-26-h100/diag_throw.log) each of three streamed TORCH_CHECK messages of this
+// extension segfaulted the process, while a plain const char* message raised as it should.
+void require(bool ok, const char* format, ...) {
+  if (ok) return;
+  char message[512];
+  va_list args;
+  va_start(args, format);
+  std::vsnprintf(message, sizeof(message), format, args);
+  va_end(args);
+  TORCH_CHECK(false, static_cast<const char*>(message));
+}
+
 DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::kFloat32;
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
-    default: TORCH_CHECK(false, "gigatron kernels take float32, float16 or bfloat16, got ", t.scalar_type());
+    default:
+      require(false, "gigatron kernels take float32, float16 or bfloat16, got %s", c10::toString(t.scalar_type()));
+      return DType::kFloat32;  // not reached
   }
 }
 
 void check(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "gigatron ", what, " kernel failed: ", cudaGetErrorString(err));
+  require(err == cudaSuccess, "gigatron %s kernel failed: %s", what, cudaGetErrorString(err));
 }
 
 int checked_int(int64_t v, const char* name) {
-  TORCH_CHECK(v <= std::numeric_limits<int>::max(), name, " = ", v, " exceeds the kernels' int range");
+  require(v <= std::numeric_limits<int>::max(), "%s = %lld exceeds the kernels' int range", name,
+          static_cast<long long>(v));
   return static_cast<int>(v);
 }
 
@@ -38,8 +57,9 @@ int num_sms(const at::Tensor& t) {
 }
 
 void check_variant(int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant < gigatron::kNormVariants, "norm variant must be in [0, ",
-              gigatron::kNormVariants, "), got ", variant, " (csrc/norm_variants.cuh lists them)");
+  require(variant >= 0 && variant < gigatron::kNormVariants,
+          "norm variant must be in [0, %d), got %lld (csrc/norm_variants.cuh lists them)",
+          gigatron::kNormVariants, static_cast<long long>(variant));
 }
 
 cudaStream_t stream_of(const at::Tensor& t) {
@@ -48,8 +68,9 @@ cudaStream_t stream_of(const at::Tensor& t) {
 
 at::Tensor softmax_forward(const at::Tensor& x, const c10::optional<at::Tensor>& mask, double scale,
                            bool causal, int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant < gigatron::kSoftmaxVariants, "softmax variant must be in [0, ",
-              gigatron::kSoftmaxVariants, "), got ", variant, " (csrc/softmax.cu lists them)");
+  require(variant >= 0 && variant < gigatron::kSoftmaxVariants,
+          "softmax variant must be in [0, %d), got %lld (csrc/softmax.cu lists them)",
+          gigatron::kSoftmaxVariants, static_cast<long long>(variant));
   TORCH_CHECK(x.is_cuda(), "softmax input must be a CUDA tensor");
   TORCH_CHECK(x.dim() == (causal ? 3 : 4), causal ? "causal softmax takes x [b*np, sq, sk]"
                                                   : "masked softmax takes x [b, np, sq, sk]");
@@ -108,7 +129,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward(const at::Tensor& x,
   const c10::cuda::CUDAGuard guard(x.device());
   check_variant(variant);
   const int64_t n = x.size(-1);
-  TORCH_CHECK(weight.numel() == n, "norm weight has ", weight.numel(), " elements, hidden size is ", n);
+  require(weight.numel() == n, "norm weight has %lld elements, hidden size is %lld",
+          static_cast<long long>(weight.numel()), static_cast<long long>(n));
   const at::Tensor xc = x.contiguous();
   const at::Tensor w = weight.to(at::kFloat).contiguous();
   at::Tensor b;

@@ -192,17 +192,33 @@ def test_norm_launch_variants_match_variant_0_and_fp64(variant, dtype):
                 check(g, g0, TOL[dtype], f"{what} output {i} vs variant 0", scale if i == 1 else None)
 
 
-def test_norm_variant_bounds_and_bad_numbers():
-    """Which rows each variant takes (the rest run variant 0), and one clear error for a
-    variant out of range."""
+def test_norm_variants_launch_their_own_kernels_and_reject_bad_numbers():
+    """At 4096 every variant fits, so each must launch a forward and a backward kernel of its own."""
     kernels = norm_kernels()
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda")
+
+    def kernel_names(variant):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _, mean, rstd = kernels.norm_forward(x, w, None, 1e-5, True, variant)
+            kernels.norm_backward(x, x, w, mean, rstd, True, False, variant)
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events() if "norm_forward_kernel" in e.name or "norm_backward_kernel" in e.name}
+        assert len(names) == 2, (variant, names)
+        return names
+
+    seen = [kernel_names(0)]
     for variant in range(1, kernels.norm_variants):
         assert kernels.norm_variant_fits(4096, variant, False) and kernels.norm_variant_fits(4096, variant, True)
+        names = kernel_names(variant)
+        assert all(not (names & other) for other in seen), (variant, names)
+        seen.append(names)
     assert not kernels.norm_variant_fits(16384, 1, False) and not kernels.norm_variant_fits(4095, 5, False)
     with pytest.raises(RuntimeError, match="norm variant must be in"):
         kernels.norm_forward(x, w, None, 1e-5, True, kernels.norm_variants)
+    # a formatted message raises (the H100 image segfaulted on TORCH_CHECK's streamed ones)
+    with pytest.raises(RuntimeError, match="norm weight has 10 elements, hidden size is 4096"):
+        kernels.norm_forward(x, w[:10], None, 1e-5, True)
 
 
 @pytest.mark.parametrize("variant", range(1, 5))
