@@ -74,6 +74,12 @@ without the causal mask's skipping (4 s^2 a d per layer forward, as `_layer_flop
 measured on the H200 session (docs/PERFORMANCE.md, "One H200"): cuDNN SDPA took 28.8 ms of
 the GPT 1.3B step (24 layers, micro-batch 8, seq 2048: 1.98e13 such FLOPs), 687 TFLOP/s of
 989.4. The unfused softmax path runs at `gemm.gemm_rate` (unquantised) with its own bytes."""
+FLASH_DROPOUT_SLOWDOWN = (1.93, 1.13)
+"""Forward and backward time of the fused attention with dropout over its time without
+(--attention-dropout > 0; Megatron's default is 0.1): measured on one H100 SXM, torch's
+scaled_dot_product_attention at p = 0.1 and 0, causal, bf16, at the nine per-rank shapes of
+the published Megatron-Core rows (bench/bench_plan_kernels.py, bench/results/2026-11-26-h100/
+bench_plan_kernels.json): medians of ratios 1.68-2.01 forward and 1.08-1.30 backward."""
 NETWORK_EFFICIENCY = 0.7
 """Fraction of a link's datasheet bandwidth NCCL's ring collectives and p2p sends sustain
 (nccl-tests' bus bandwidth: ~230 of 300 GB/s NVLink on DGX A100, ~20 of 25 GB/s HDR)."""
@@ -237,8 +243,8 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     dense_bwd = gemm_bwd + 2 * by["dense"] / byte_rate + \
         gemm.KERNELS_BACKWARD * gemm.KERNEL_GAP_S
     flash = cp > 1 or attention_kernel(c, on_gpu) == "flash"
-    core_fwd = fl["core"] / (flop_rate if not flash else
-                             peak * 1e12 * ATTENTION_EFFICIENCY) + by["core"] / byte_rate
+    core_fwd, core_bwd = _core_seconds(fl["core"], by["core"], flash, c.attention_dropout > 0,
+                                       flop_rate, peak * 1e12 * ATTENTION_EFFICIENCY, byte_rate)
     vocab = c.padded_vocab_size(p.tp) // p.tp
     logits_fwd, logits_bwd = gemm.linears_seconds(((c.hidden_size, vocab),), tokens,
                                                   flop_rate, hw.sms)
@@ -258,7 +264,7 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     if "tp-comm" in assume:  # each collective pipelined with the GEMM beside it
         tp_fwd, tp_bwd = max(0.0, tp_fwd - gemm_fwd), max(0.0, tp_bwd - gemm_bwd)
     layer_fwd = dense_fwd + core_fwd + tp_fwd + cp_traffic["fwd_s"]
-    layer_bwd = dense_bwd + 2 * core_fwd + tp_bwd + \
+    layer_bwd = dense_bwd + core_bwd + tp_bwd + \
         {"full": dense_fwd + core_fwd, "selective": core_fwd}.get(recompute, 0.0) + \
         cp_traffic["bwd_s"]
     moe = _moe(run, hw, tokens)
@@ -310,6 +316,16 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
                     dp_cost["bytes"], m * executed, expert_s, expert_bytes,
                     m * layers * cp_traffic["step_s"], m * layers * cp_traffic["exposed_s"],
                     m * layers * cp_traffic["bytes"])
+
+
+def _core_seconds(flops: float, nbytes: float, flash: bool, dropout: bool, flop_rate: float,
+                  flash_rate: float, byte_rate: float) -> Tuple[float, float]:
+    """(forward, backward) seconds of attention's core in one layer: the fused kernel at
+    `flash_rate` (slower with dropout: FLASH_DROPOUT_SLOWDOWN), else the unfused matmuls at
+    `flop_rate`; the backward does twice the forward's work."""
+    compute = flops / (flash_rate if flash else flop_rate)
+    forward, backward = FLASH_DROPOUT_SLOWDOWN if flash and dropout else (1.0, 1.0)
+    return compute * forward + nbytes / byte_rate, 2 * (compute * backward + nbytes / byte_rate)
 
 
 def _context_traffic(run: "RunConfig", hw: Hardware, tokens: int, core_forward: float

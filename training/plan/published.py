@@ -30,6 +30,8 @@ Sources (read from the repositories at the commits named):
   H200_SESSION  gigatron itself, measured on one H200 (docs/PERFORMANCE.md, "One H200":
               GPT 1.3B, micro-batch 8, seq 2048, dropout 0; max_memory_allocated), before
               the fused Adam and q/k/v-split fixes listed there.
+  H100_SESSION  the same run on one H100 SXM, after those fixes (docs/PERFORMANCE.md, "One
+              H100"); held out: measured after every constant here was set.
   Megatron-Bridge's performance summary (NVIDIA-NeMo/Megatron-Bridge docs/performance-
   summary*.md at 067f987d) has no dense bf16 H100 row (its H100 Llama rows are FP8 through
   Transformer Engine, which gigatron emulates on bf16 GEMMs: not comparable), and its one
@@ -58,6 +60,8 @@ MEGATRON = ("NVIDIA/Megatron-LM", "README.md, images/model_table.png",
             "d98e8a64ddf34856e74b24714e3bedb2f5a39553")
 H200_SESSION = ("this repository", "bench/results/2026-11-26-h200/train_gpt3-1.3b_mb8.json",
                 "docs/PERFORMANCE.md, One H200")
+H100_SESSION = ("this repository", "bench/results/2026-11-26-h100/gpt/results.json",
+                "docs/PERFORMANCE.md, One H100")
 TOKENS_TOLERANCE = 0.25
 MEMORY_TOLERANCE = 0.20
 
@@ -150,6 +154,11 @@ ROWS: Tuple[PublishedRun, ...] = (
         "--model", "gpt3-1.3b", "--seq-length", "2048", "--micro-batch-size", "8",
         "--global-batch-size", "8", "--bf16", "--hidden-dropout", "0", "--attention-dropout",
         "0", "--attention-backend", "flash", "--clip-grad", "1.0"), 50530, 57.03,
+        note="gigatron, measured", memory_kind="allocated"),
+    PublishedRun(H100_SESSION, "GPT 1.3B, one GPU", "h100-sxm", 1, (
+        "--model", "gpt3-1.3b", "--seq-length", "2048", "--micro-batch-size", "8",
+        "--global-batch-size", "8", "--bf16", "--hidden-dropout", "0", "--attention-dropout",
+        "0", "--attention-backend", "flash", "--clip-grad", "1.0"), 53699, 50.89, True,
         note="gigatron, measured", memory_kind="allocated"),
     _torchtitan("Llama 3.1 8B, FSDP (Table 1)", 8, 5762, 82.4, False, "eager"),
     _torchtitan("Llama 3.1 8B, FSDP + compile (Table 1)", 8, 6667, 77.0, False,
