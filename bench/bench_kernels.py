@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gigatron.ops.build import load_kernels
+from gigatron.ops.kernel_functions import NORM_VARIANTS
 
 NORM_SHAPES = [(4096, 1024), (8192, 4096), (16384, 4096), (8192, 8192), (4096, 16384), (1024, 65536)]
 # the last of each list is a 7B model's (32 heads, hidden 4096, seq 4096, micro-batch 1)
@@ -65,7 +66,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_norm(kernels, rows: int, hidden: int, dtype: torch.dtype, rms: bool, iters: int) -> Dict:
-    """Forward/backward of LayerNorm or RMSNorm: kernel vs torch eager."""
+    """Forward/backward of LayerNorm or RMSNorm: kernel (the launch variants gigatron runs,
+    ops.kernel_functions.NORM_VARIANTS) vs torch eager."""
+    fwd_variant, bwd_variant = NORM_VARIANTS
     xs = [torch.randn(rows, hidden, device="cuda", dtype=dtype) for _ in range(ROTATE)]
     dys = [torch.randn(rows, hidden, device="cuda", dtype=dtype) for _ in range(ROTATE)]
     w = torch.randn(hidden, device="cuda", dtype=dtype, requires_grad=True)
@@ -75,16 +78,16 @@ def bench_norm(kernels, rows: int, hidden: int, dtype: torch.dtype, rms: bool, i
         return F.rms_norm(x, (hidden,), w, 1e-5) if rms else F.layer_norm(x, (hidden,), w, b, 1e-5)
 
     wd, bd = w.detach(), None if rms else b.detach()
-    saved = [kernels.norm_forward(x, wd, bd, 1e-5, rms) for x in xs]
+    saved = [kernels.norm_forward(x, wd, bd, 1e-5, rms, fwd_variant) for x in xs]
     x32 = xs[0].float()
     ref = (F.rms_norm(x32, (hidden,), wd.float(), 1e-5) if rms
            else F.layer_norm(x32, (hidden,), wd.float(), bd.float(), 1e-5))
     err = rel_err(saved[0][0], ref)
     params = [w] if rms else [w, b]
-    k_fwd = time_ms(lambda i: kernels.norm_forward(xs[i % ROTATE], wd, bd, 1e-5, rms), iters)
+    k_fwd = time_ms(lambda i: kernels.norm_forward(xs[i % ROTATE], wd, bd, 1e-5, rms, fwd_variant), iters)
     t_fwd = time_ms(lambda i: torch_fwd(xs[i % ROTATE]), iters)
     k_bwd = time_ms(lambda i: kernels.norm_backward(dys[i % ROTATE], xs[i % ROTATE], wd, saved[i % ROTATE][1],
-                                                    saved[i % ROTATE][2], rms, not rms), iters)
+                                                    saved[i % ROTATE][2], rms, not rms, bwd_variant), iters)
     xg = [x.clone().requires_grad_() for x in xs]
     graphs = [torch_fwd(x) for x in xg]
     t_bwd = time_ms(lambda i: torch.autograd.grad(graphs[i % ROTATE], [xg[i % ROTATE]] + params,
@@ -229,7 +232,6 @@ def sweep_softmax(kernels, iters: int) -> List[Dict]:
                                                                          variant), iters)
             rows.append(row)
             print(row, flush=True)
-        del xs, ref
     return rows
 
 
