@@ -15,31 +15,16 @@ writes JSON (default $OUT/bench_plan_kernels.json).
 import argparse
 import json
 import os
-import statistics
 import sys
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
 
+from ceilings import median_ms  # bench/ is the script's folder: on sys.path
+
 from gigatron.training.plan import cost, gemm
 from gigatron.training.plan.published import ROWS, predict
-
-
-def median_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `iters` runs after `warmup`, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def ceiling_tflops(iters: int) -> float:
