@@ -7,8 +7,10 @@
 // and, where kVecWeight is set, 16-byte aligned weight/bias); rows longer than the variant's
 // cache, float32/float16 inputs and the scalar path run variant 0 (float32 already reaches
 // 80-86% of copy bandwidth; float16 would double the instantiations, and compile time).
-//   0  today's launch: K = 2 chunks of 8 per thread, scalar float weight/bias reads,
-//      __launch_bounds__(1024) forward / (512) backward, one row per block (forward)
+//   0  the first launch (the binding's default): K = 2 chunks of 8 per thread, scalar float
+//      weight/bias reads, __launch_bounds__(1024) forward / (512) backward, one row per block
+// gigatron's autograd functions run 7 forward and 4 backward (ops/kernel_functions.py
+// NORM_VARIANTS: the fastest over the H100 sweep, bench/results/2026-11-26-h100).
 //   1  K = 1 (threads per row = n / 8),   scalar weight/bias
 //   2  K = 4 (threads per row = n / 32),  scalar weight/bias
 //   3  K = 8 (threads per row = n / 64),  scalar weight/bias
