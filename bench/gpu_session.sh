@@ -1,3 +1,4 @@
+#!/usr/bin/env bash
 # One device call that builds, checks and times everything the GPU issues ask for (28, 30,
 # 32, 33), most important first, each step under its own time limit inside a total budget
 # (default 560 s), so that a slow step costs only itself; the kernel build runs beside steps
