@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_deepspeed_writer as writer  # noqa: E402
-from deepspeed_parity_script import (IN, MICRO_BATCH, OUT, SmallNet,  # noqa: E402
+from deepspeed_parity_script import (IN, MICRO_BATCH, OUT, SmallNet, ds_config,  # noqa: E402
                                      exit_before_interpreter_finalization,
                                      leave_process_group, merge, write_results)
 
@@ -53,17 +53,11 @@ UNIVERSAL_TAG = f"global_step{SAVE_AT}_universal"
 
 
 def config(stage: int, precision: str, world: int) -> Dict[str, Any]:
-    """The parity script's optimizer and schedule, with a global batch of CHUNKS micro-batches."""
-    cfg = {"train_batch_size": CHUNKS * MICRO_BATCH, "train_micro_batch_size_per_gpu": MICRO_BATCH,
-           "gradient_accumulation_steps": CHUNKS // world, "gradient_clipping": 0.5,
-           "steps_per_print": 1000,
-           "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.95],
-                                                     "eps": 1e-8, "weight_decay": 0.1,
-                                                     "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001,
-                                                        "warmup_max_lr": 0.01,
-                                                        "warmup_num_steps": 5}},
-           "zero_optimization": {"stage": stage}}
+    """The parity script's DeepSpeed config (warm-up over 5 steps), with a global batch of CHUNKS
+    micro-batches."""
+    cfg = merge(ds_config(stage), {"train_batch_size": CHUNKS * MICRO_BATCH,
+                                   "gradient_accumulation_steps": CHUNKS // world,
+                                   "scheduler": {"params": {"warmup_num_steps": 5}}})
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":

@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("deepspeed", reason="the real DeepSpeed is not installed: "
                     "DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
 
-from test_deepspeed_parity import free_port, stop, tail  # noqa: E402
+from test_deepspeed_parity import start_ranks, stop, tail  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "deepspeed_checkpoint_script.py")
@@ -44,19 +44,8 @@ TOLERANCES = {"fp32": FP32_TOLERANCE, "bf16": BF16_TOLERANCE, "fp16": 2 ** -10}
 
 def launch(framework: str, world: int, out_dir: str) -> List:
     """Start `world` ranks of the script, each logging to out_dir."""
-    import subprocess
-
-    port = free_port()
-    ranks = []
-    for rank in range(world):
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-               "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world)}
-        log = open(os.path.join(out_dir, f"{framework}{world}.rank{rank}.log"), "w+")
-        cmd = [sys.executable, SCRIPT, framework, out_dir]
-        ranks.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-    return ranks
+    return start_ranks([sys.executable, SCRIPT, framework, out_dir], world,
+                       lambda rank: os.path.join(out_dir, f"{framework}{world}.rank{rank}.log"))
 
 
 def wait_all(launches: Dict[str, List]) -> None:

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 
@@ -43,20 +43,26 @@ LAUNCH_TIMEOUT_S = 180
 
 
 def start(framework: str, out_dir: str, override: str = "{}") -> List:
-    """Start WORLD_SIZE ranks of the script (all stages), each logging to out_dir.
+    """Start WORLD_SIZE ranks of the script (all stages), each logging to out_dir."""
+    return start_ranks([sys.executable, SCRIPT, framework, out_dir, "--override", override],
+                       WORLD_SIZE, lambda rank: os.path.join(out_dir, f"rank{rank}.log"))
+
+
+def start_ranks(cmd: List[str], world: int, log_path: Callable[[int], str]) -> List:
+    """Start `world` ranks of `cmd` (RANK, WORLD_SIZE, MASTER_* set), rank r logging to
+    log_path(r): [(process, log file)].
 
     The ranks are started here, not by torchrun: torchrun puts its workers in their own
     sessions, so killing a hung torchrun leaves them running (and holding its output).
     """
     port = free_port()
     ranks = []
-    for rank in range(WORLD_SIZE):
+    for rank in range(world):
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE),
-               "LOCAL_WORLD_SIZE": str(WORLD_SIZE)}
-        log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")
-        cmd = [sys.executable, SCRIPT, framework, out_dir, "--override", override]
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world)}
+        log = open(log_path(rank), "w+")
         ranks.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     return ranks
 
