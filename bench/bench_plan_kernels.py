@@ -21,17 +21,10 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
-from ceilings import median_ms  # bench/ is the script's folder: on sys.path
+from ceilings import matmul_tflops, median_ms  # bench/ is the script's folder: on sys.path
 
 from gigatron.training.plan import cost, gemm
 from gigatron.training.plan.published import ROWS, predict
-
-
-def ceiling_tflops(iters: int) -> float:
-    """bf16 8192^3 matmul TFLOP/s on random data (bench/ceilings.py's measure)."""
-    n = 8192
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return 2 * n ** 3 / median_ms(lambda: a @ b, iters) / 1e9
 
 
 def time_linear(tokens: int, k: int, n: int, iters: int) -> Dict[str, float]:
@@ -133,7 +126,7 @@ def main() -> int:
         print("bench_plan_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
     props = torch.cuda.get_device_properties(0)
-    rate = ceiling_tflops(args.iters) * 1e12
+    rate = matmul_tflops(args.iters) * 1e12
     # the device's datasheet row: its dense bf16 peak and HBM bandwidth (H100 SXM / H200)
     from gigatron.training.observe.devices import hardware
     hw = hardware("h200" if "H200" in props.name else "h100-sxm")

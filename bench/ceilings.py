@@ -22,19 +22,26 @@ def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
-    dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src))
-    copy_gbs = 2 * src.numel() * src.element_size() / copy_ms / 1e6
-    del src, dst
-    n = 8192
+def matmul_tflops(iters: int = 20, n: int = 8192) -> float:
+    """bf16 n^3 matrix product TFLOP/s on random data (median of `iters` timed runs)."""
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    mm_ms = median_ms(lambda: a @ b)
+    return 2 * n ** 3 / median_ms(lambda: a @ b, iters) / 1e9
+
+
+def copy_gb_s() -> float:
+    """Device-to-device copy of 2 GiB, GB/s counting bytes read and written (median of 20);
+    its buffers are freed on return."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / median_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def main() -> None:
+    copy_gbs = copy_gb_s()
     props = torch.cuda.get_device_properties(0)
     result = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
                   cuda=torch.version.cuda, copy_gb_s=round(copy_gbs, 1),
-                  bf16_matmul_tflops=round(2 * n ** 3 / mm_ms / 1e9, 1))
+                  bf16_matmul_tflops=round(matmul_tflops(), 1))
     print(json.dumps(result), flush=True)
 
 
