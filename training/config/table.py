@@ -291,7 +291,11 @@ def megatron_notes(unknown: Sequence[str]) -> List[str]:
 
 def build_parser(prog: str, description: str) -> ConfigParser:
     """The argparse parser of every row with a flag; JSON-only rows become plain defaults."""
-    parser = ConfigParser(prog=prog, description=description, allow_abbrev=False)
+    from gigatron.training.config.help import add_help_flags
+
+    parser = ConfigParser(prog=prog, description=description, allow_abbrev=False,
+                          add_help=False)
+    add_help_flags(parser)  # --help: the common flags by group; --help-all: every flag
     for cls, _, title in CONCERNS:
         group = parser.add_argument_group(title)
         for row in table():
