@@ -30,11 +30,23 @@ def _help_line(module: ModuleType) -> str:
     return (module.__doc__ or "").strip().splitlines()[0] if module.__doc__ else ""
 
 
+def version() -> str:
+    """The installed package's version (setup.py's), as `pip show gigatron` gives it."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version(PROG)
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed: pip install -e .)"
+
+
 def usage() -> str:
     """`gigatron --help`: the subcommands, one line each."""
     table = commands()
     width = max(len(name) for name in table)
-    lines = [f"usage: {PROG} COMMAND [ARGS ...]   ({PROG} COMMAND --help for a command's flags)",
+    lines = [f"usage: {PROG} COMMAND [ARGS ...]   ({PROG} COMMAND --help for a command's flags; "
+             f"{PROG} --version)",
              "", "commands:"]
     for name, module in table.items():
         lines.append(f"  {name:<{width}}  {_help_line(importlib.import_module(module))}")
@@ -62,6 +74,9 @@ def _dispatch(args: List[str]) -> int:
         return 2
     if args[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"{PROG} {version()}")
         return 0
     name, rest = args[0], args[1:]
     table = commands()

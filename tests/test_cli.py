@@ -156,3 +156,13 @@ def test_train_tokenizer_vocabulary_too_large_for_the_text_names_the_flag_and_li
     ok = gigatron("train-tokenizer", "--input", str(corpus), "--model-prefix",
                   str(tmp_path / "spm"), "--vocab-size", str(limit), cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr  # the limit it names works
+
+
+def test_version_prints_the_installed_packages_version(capsys):
+    from importlib.metadata import version
+
+    for flag in ("--version", "-V"):
+        assert cli.main([flag]) == 0
+        assert capsys.readouterr().out == f"gigatron {version('gigatron')}\n"
+    proc = gigatron("--version")  # python -m gigatron, as the console command
+    assert proc.returncode == 0 and proc.stdout == f"gigatron {version('gigatron')}\n"
