@@ -14,6 +14,7 @@ import torch
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.context.all_gather import all_gather_attention
+from gigatron.parallel.context.band_cp import band_context_attention
 from gigatron.parallel.context.hierarchical import hierarchical_attention, subgroups_of
 from gigatron.parallel.context.ring import RingAttention
 from gigatron.parallel.context.split import check_context_parallel
@@ -22,11 +23,13 @@ from gigatron.parallel.context.ulysses import ulysses_attention
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                group: Group, comm_type: str = "p2p", causal: bool = True,
-                               scale: Optional[float] = None, dropout_p: float = 0.0
-                               ) -> torch.Tensor:
+                               scale: Optional[float] = None, dropout_p: float = 0.0,
+                               window: Optional[int] = None,
+                               sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of the local queries q [b, heads, s/cp, d] over the keys/values k, v
     [b, kv_heads, s/cp, d] of every rank of the cp `group`; returns the local output.
-    a2a+p2p: the sub-groups registered for `group` (hierarchical.py)."""
+    a2a+p2p: the sub-groups registered for `group` (hierarchical.py). `window`, `sink`: a
+    sliding window and sink logits [heads] (band_cp.py; causal only)."""
     if dropout_p:
         raise ValueError(f"--attention-dropout {dropout_p}: attention dropout under context "
                          f"parallelism is not supported; set --attention-dropout 0")
@@ -42,6 +45,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     sizes = None if inner is None else (comm.group_size(inner), comm.group_size(outer))
     check_context_parallel(q.shape[2] * cp, cp, q.shape[1], k.shape[1], comm_type, sizes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if window is not None or sink is not None:
+        if not causal:
+            raise ValueError("a sliding window or sinks need causal attention")
+        subgroups = (inner, outer) if inner is not None and outer is not None else None
+        return band_context_attention(q, k, v, group, comm_type, window, sink, scale,
+                                      subgroups)
     if comm_type == "a2a+p2p":
         return hierarchical_attention(q, k, v, inner, outer, causal, scale)
     if comm_type == "p2p":

@@ -1,0 +1,203 @@
+"""Causal attention inside a band (a sliding window) with per-head sink logits, block by block.
+
+A query at position i sees the keys at i - window .. i (Megatron-Core's `window_size
+(window, 0)`; window None: every earlier key). Queries and keys come as chunks with their
+global start positions; each (query chunk, key chunk) pair is classified by positions alone
+(`pair_block`): skipped when the keys are all in the future or all older than the window,
+attended whole or as a top-left causal square through the fused kernels (kernels.py), and
+only the few pairs that straddle an edge of the band are trimmed to the rows and columns
+that see something and masked (a block-sized mask, never a sequence x sequence one). The
+partial outputs merge exactly by their log-sum-exps.
+
+A sink (gpt-oss's learned logit per head, or off-by-one's fixed 0) is one more key whose
+score is the sink and whose value is zero: it merges like a block of output 0 and
+log-sum-exp `sink`. Given the merged output and log-sum-exp every block's backward is the
+kernel's own; the sink's gradient is -sum_i p_sink(i) (dO_i . O_i).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from gigatron.parallel.context import kernels
+from gigatron.parallel.context.kernels import BlockContext
+
+# a chunk of the sequence: (first local row, rows, global position of the first row)
+Chunk = Tuple[int, int, int]
+# (query rows, key rows, how): how is "full", "causal" or an additive mask [rows, cols]
+Block = Tuple[slice, slice, Union[str, torch.Tensor]]
+DEFAULT_BLOCK = 128
+
+
+def pair_block(q_chunk: Chunk, k_chunk: Chunk, window: Optional[int],
+               device: Optional[torch.device] = None) -> Optional[Block]:
+    """The block of a query chunk against a key chunk under the causal band, None when no
+    query of the chunk sees any of its keys."""
+    (q_row, q_len, qa), (k_row, k_len, ka) = q_chunk, k_chunk
+    qb, kb = qa + q_len, ka + k_len  # global ends (exclusive)
+    far = window if window is not None else qb  # farther than any key can be
+    # the rows that see a key of the chunk, and the keys some row sees
+    row_lo, row_hi = max(qa, ka), min(qb, kb + far)
+    col_lo, col_hi = max(ka, qa - far), min(kb, qb)
+    if row_lo >= row_hi or col_lo >= col_hi:
+        return None
+    rows = slice(q_row + row_lo - qa, q_row + row_hi - qa)
+    cols = slice(k_row + col_lo - ka, k_row + col_hi - ka)
+    if col_hi - 1 <= row_lo and row_hi - 1 - col_lo <= far:
+        return rows, cols, "full"
+    if row_lo == col_lo and row_hi == col_hi and row_hi - 1 - row_lo <= far:
+        return rows, cols, "causal"
+    q_pos = torch.arange(row_lo, row_hi, device=device)[:, None]
+    k_pos = torch.arange(col_lo, col_hi, device=device)[None, :]
+    seen = (k_pos <= q_pos) & (q_pos - k_pos <= far)
+    mask = torch.zeros(seen.shape, device=device).masked_fill(~seen, float("-inf"))
+    return rows, cols, mask
+
+
+def plan_blocks(q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk], window: Optional[int],
+                device: Optional[torch.device] = None) -> List[Block]:
+    """Every block the query chunks attend among the key chunks (the rest is skipped)."""
+    blocks = [pair_block(q, k, window, device) for q in q_chunks for k in k_chunks]
+    return [block for block in blocks if block is not None]
+
+
+def sequence_chunks(length: int, window: Optional[int], start: int = 0) -> List[Chunk]:
+    """One sequence cut into blocks about the window's size (one block without a window)."""
+    size = length if window is None else min(length, max(window + 1, DEFAULT_BLOCK))
+    return [(row, min(size, length - row), start + row) for row in range(0, length, size)]
+
+
+def _repeat(k: torch.Tensor, heads: int) -> torch.Tensor:
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    b, heads, s, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
+
+
+def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A block-sized masked block in plain torch (fp32): (output, log-sum-exp)."""
+    heads = q.shape[1]
+    scores = torch.matmul(q.float(), _repeat(k, heads).float().transpose(-1, -2)) * scale + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    return torch.matmul(probs, _repeat(v, heads).float()), lse
+
+
+def _masked_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor, scale: float
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The masked block's share of (dq, dk, dv) given the merged output and log-sum-exp."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    kr, vr, go = _repeat(k, heads).float(), _repeat(v, heads).float(), grad_out.float()
+    scores = torch.matmul(q.float(), kr.transpose(-1, -2)) * scale + mask
+    probs = torch.exp(scores - lse[..., None])
+    delta = (go * out.float()).sum(-1, keepdim=True)
+    dscores = probs * (torch.matmul(go, vr.transpose(-1, -2)) - delta) * scale
+    dq = torch.matmul(dscores, kr)
+    dk = torch.matmul(dscores.transpose(-1, -2), q.float())
+    dv = torch.matmul(probs.transpose(-1, -2), go)
+    return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
+
+
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    return t[:, :, rows]
+
+
+def band_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Sequence[Block],
+                 ctx: BlockContext, out: Optional[torch.Tensor] = None,
+                 lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(output fp32, log-sum-exp) of q over the blocks of k, v, merged into `out`/`lse`
+    when given (a ring's earlier steps); rows no block covers keep lse -inf."""
+    if out is None or lse is None:
+        out = q.new_zeros(q.shape, dtype=torch.float32)
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+    scale = ctx.scale if ctx.scale is not None else q.shape[-1] ** -0.5
+    for rows, cols, how in blocks:
+        qb, kb, vb = _rows(q, rows), _rows(k, cols), _rows(v, cols)
+        if isinstance(how, torch.Tensor):
+            block_out, block_lse = _masked_forward(qb, kb, vb, how, scale)
+        else:
+            block_out, block_lse = kernels.block_forward(qb, kb, vb, how == "causal", ctx)
+        out[:, :, rows], lse[:, :, rows] = kernels.merge_partial(
+            _rows(out, rows), _rows(lse, rows), block_out, block_lse)
+    return out, lse
+
+
+def band_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, blocks: Sequence[Block],
+                  ctx: BlockContext, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
+                  ) -> None:
+    """Add the blocks' shares of the gradients into dq, dk, dv (fp32)."""
+    scale = ctx.scale if ctx.scale is not None else q.shape[-1] ** -0.5
+    for rows, cols, how in blocks:
+        args = (_rows(grad_out, rows), _rows(q, rows), _rows(k, cols), _rows(v, cols),
+                _rows(out, rows), _rows(lse, rows))
+        if isinstance(how, torch.Tensor):
+            grads = _masked_backward(*args, how, scale)
+        else:
+            grads = kernels.block_backward(*args, how == "causal", ctx)
+        dq[:, :, rows] += grads[0]
+        dk[:, :, cols] += grads[1]
+        dv[:, :, cols] += grads[2]
+
+
+def merge_sink(out: torch.Tensor, lse: torch.Tensor, sink: Optional[torch.Tensor]
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Add the sink key (score `sink` [heads], value 0) to a finished attention."""
+    if sink is None:
+        return out, lse
+    sink_lse = sink.float()[None, :, None].expand_as(lse)
+    merged = torch.logaddexp(lse, sink_lse)
+    return out * torch.exp(lse - merged)[..., None], merged
+
+
+def sink_grad(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+              sink: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink [heads], from the final output and log-sum-exp (sink merged in)."""
+    delta = (grad_out.float() * out.float()).sum(-1)
+    p_sink = torch.exp(sink.float()[None, :, None] - lse)
+    return -(p_sink * delta).sum((0, 2)).to(sink.dtype)
+
+
+class BandAttention(torch.autograd.Function):
+    """Attention of q [b, h, sq, d] over k, v [b, g, sk, d] on the blocks planned from their
+    chunks, with an optional sink [h]; one device (context parallelism builds on the parts)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                sink: Optional[torch.Tensor], blocks: List[Block], scale: Optional[float]
+                ) -> torch.Tensor:
+        block_ctx = BlockContext(kernels.pick_kernel(q), scale)
+        out, lse = band_forward(q, k, v, blocks, block_ctx)
+        out, lse = merge_sink(out, lse, sink)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.blocks, ctx.block_ctx = blocks, block_ctx
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor  # type: ignore[override]
+                 ) -> Tuple[Optional[torch.Tensor], ...]:
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk = torch.zeros_like(k, dtype=torch.float32)
+        dv = torch.zeros_like(v, dtype=torch.float32)
+        band_backward(grad_out, q, k, v, out, lse, ctx.blocks, ctx.block_ctx, dq, dk, dv)
+        dsink = (sink_grad(grad_out, out, lse, sink)
+                 if sink is not None and ctx.needs_input_grad[3] else None)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None
+
+
+def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
+                   sink: Optional[torch.Tensor] = None, scale: Optional[float] = None
+                   ) -> torch.Tensor:
+    """Causal attention of q [b, h, s, d] over k, v [b, g, s, d] (one device) inside the
+    band `window` (None: no window), with sink logits [h] (None: none)."""
+    chunks = sequence_chunks(q.shape[2], window)
+    blocks = plan_blocks(chunks, chunks, window, q.device)
+    return BandAttention.apply(q, k, v, sink, blocks, scale)
