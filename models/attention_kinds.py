@@ -1,0 +1,107 @@
+"""The attention and MLP kinds chosen per layer by the config (DESIGN decision 17): sliding
+windows (--window-size, --window-attn-skip-freq), sink logits (--softmax-type) and gated
+activations with an offset and a clamp (--quick-geglu, --glu-linear-offset,
+--activation-func-clamp-value), with Megatron-Core's meanings.
+
+The attention itself is `gigatron.parallel.context.band` (one device) and the context-parallel
+comm types built on it; this module only says which kind each layer is and checks the config.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def is_window_layer(config: Any, layer_number: int) -> bool:
+    """Whether layer `layer_number` (0-based, global) has a sliding window: Megatron-Core's
+    is_layer_window_attention on the 1-based number (N: every Nth layer is full; a list:
+    1 = window, 0 = full; None: every layer)."""
+    if not config.window_size or layer_window_size(config.window_size) is None:
+        return False
+    freq = config.window_attn_skip_freq
+    if freq is None:
+        return True
+    if isinstance(freq, int):
+        return (layer_number + 1) % freq != 0
+    return bool(freq[layer_number])
+
+
+def layer_window_size(window_size: Any) -> Optional[int]:
+    """The left window L of (L, 0); None when infinite (-1)."""
+    left = window_size[0]
+    return None if left < 0 else int(left)
+
+
+def layer_window(config: Any, layer_number: int) -> Optional[int]:
+    """The keys before each query that layer `layer_number` sees; None: all of them."""
+    if not is_window_layer(config, layer_number):
+        return None
+    return layer_window_size(config.window_size)
+
+
+def has_sink(config: Any) -> bool:
+    """Whether the softmax has a sink logit (off-by-one's 0 or a learned one per head)."""
+    return config.softmax_type != "vanilla"
+
+
+def uses_band_attention(config: Any, layer_number: int) -> bool:
+    """Whether layer `layer_number` runs the band attention (a window or a sink)."""
+    return has_sink(config) or layer_window(config, layer_number) is not None
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x sigmoid(1.702 x), Megatron-Core's quick_gelu (gpt-oss's GLU)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def gated_activation(act: Callable[[torch.Tensor], torch.Tensor], offset: float = 0.0,
+                     clamp: Optional[float] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gated unit over [gate, linear] halves of the last dim: act(gate) * (linear +
+    offset), the gate clamped to <= clamp and the linear half to [-clamp, clamp] (Megatron-
+    Core's glu with glu_linear_offset and activation_func_clamp_value)."""
+    def glu(x: torch.Tensor) -> torch.Tensor:
+        gate, linear = x.chunk(2, dim=-1)
+        if clamp is not None:
+            gate, linear = gate.clamp(max=clamp), linear.clamp(-clamp, clamp)
+        return act(gate) * (linear + offset if offset else linear)
+    return glu
+
+
+GATED = {"swiglu": F.silu, "quick_geglu": quick_gelu}
+
+
+def attention_kind_problems(config: Any) -> List[str]:
+    """Every reason the window, sink and gated-activation fields cannot run, naming the flag."""
+    out = []
+    window = config.window_size
+    if window is not None:
+        if len(window) != 2 or not all(isinstance(w, int) for w in window):
+            out.append(f"--window-size {window}: give two integers L,0")
+        elif window[1] != 0 or window[0] < -1:
+            out.append(f"--window-size {window[0]},{window[1]}: only causal windows L,0 "
+                       f"(L >= 0, or -1: no window) are supported")
+    freq = config.window_attn_skip_freq
+    if freq is not None:
+        if window is None:
+            out.append("--window-attn-skip-freq needs --window-size L,0")
+        if isinstance(freq, list) and len(freq) != config.num_layers:
+            out.append(f"--window-attn-skip-freq lists {len(freq)} layers for --num-layers "
+                       f"{config.num_layers}: give one 0/1 per layer")
+        if isinstance(freq, int) and freq < 1:
+            out.append(f"--window-attn-skip-freq {freq}: must be >= 1")
+    if config.attention_dropout and (window is not None or has_sink(config)):
+        out.append(f"--attention-dropout {config.attention_dropout} with --window-size or "
+                   f"--softmax-type {config.softmax_type}: attention dropout is not supported "
+                   f"there; set --attention-dropout 0")
+    gated = config.activation in GATED
+    if not gated and (config.glu_linear_offset or config.activation_func_clamp_value is not None):
+        out.append("--glu-linear-offset and --activation-func-clamp-value apply to gated "
+                   "units: add --swiglu or --quick-geglu")
+    clamp = config.activation_func_clamp_value
+    if clamp is not None and not clamp > 0:
+        out.append(f"--activation-func-clamp-value {clamp}: must be > 0")
+    return out
