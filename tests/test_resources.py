@@ -94,3 +94,4 @@ def test_the_banner_names_device_and_backend():
     code, err, out = _program_on(1, FLAGS + ["--train-iters", "1", "--eval-iters", "0"])[0]
     assert code == 0, err
     assert "device: cpu (" in out and "backend gloo" in out
+    assert "\nparallel: schedule none (pp=1: no pipelining), " in out  # tests/test_banner.py

@@ -121,6 +121,7 @@ def _banner(s, progress, shard, launch, device) -> None:
     from gigatron.training.run.builders import partition
     from gigatron.data.builder import describe_datasets
     from gigatron.training.config.features import flag_notes
+    from gigatron.training.run.banner import parallel_line
     from gigatron.training.run.preflight import device_notes
 
     run, p, t = s.run, s.run.parallel, s.run.train
@@ -136,6 +137,7 @@ def _banner(s, progress, shard, launch, device) -> None:
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x dp {p.dp} x "
         f"{t.num_microbatches} micro-batches; {s.flops_per_token / 1e6:.2f} MFLOP/token\n"
         f"{_architecture(run.model)}{_rampup_phrase(t)}\n"
+        f"{parallel_line(run, partition(run).virtual_chunks)}\n"
         f"{partition(run).describe()}")
     plan_lines, s.memory_plan = _memory_plan(run, device)
     for line in device_notes(device, dist.get_backend(), run, os.environ) + \
