@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
+from gigatron.models.attention_kinds import attention_kind_problems
 from gigatron.models.moe.config_checks import moe_problems
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -19,8 +20,9 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
 _CHOICES = {
     "position_embedding_type": ("learned_absolute", "rope", "none"),
     "normalization": ("LayerNorm", "RMSNorm"),
-    "activation": ("gelu", "gelu_tanh", "swiglu", "squared_relu"),
+    "activation": ("gelu", "gelu_tanh", "swiglu", "squared_relu", "quick_geglu"),
     "attention_backend": ("sdpa", "unfused"),
+    "softmax_type": ("vanilla", "off-by-one", "learnable"),
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
 }
@@ -88,9 +90,28 @@ class TransformerConfig:
     model's normalization type, layernorm_epsilon, zero-centred with it."""
     activation: str = "gelu"
     """MLP activation: 'gelu' (exact, erf), 'gelu_tanh' (the tanh approximation: Megatron's
-    default bias-GeLU fusion, GPT-2's gelu_new), 'swiglu' or 'squared_relu'."""
+    default bias-GeLU fusion, GPT-2's gelu_new), 'swiglu', 'squared_relu' or 'quick_geglu'
+    (--quick-geglu: x sigmoid(1.702 x) gating a linear half, gpt-oss)."""
+    glu_linear_offset: float = 0.0
+    """Added to the linear half of a gated unit: act(gate) * (up + offset)
+    (--glu-linear-offset; gpt-oss: 1)."""
+    activation_func_clamp_value: Optional[float] = None
+    """A gated unit's gate clamped to <= this and its linear half to [-this, this] before
+    the activation (--activation-func-clamp-value; gpt-oss: 7)."""
     add_bias_linear: bool = True
     """Biases on all linear layers (--disable-bias-linear turns off)."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projection even without add_bias_linear
+    (--add-qkv-bias)."""
+    window_size: Optional[Tuple[int, int]] = None
+    """Sliding-window attention (--window-size L,0): a query sees the L keys before it and
+    itself; None or L = -1: no window (Megatron-Core's window_size)."""
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    """Which layers keep full attention among windowed ones (--window-attn-skip-freq): N =
+    every Nth layer (1-based) is full, or 1 (window) / 0 (full) per layer; None: all windowed."""
+    softmax_type: str = "vanilla"
+    """'vanilla', 'off-by-one' (a sink logit 0 in every softmax) or 'learnable' (one learned
+    sink logit per head, gpt-oss's sinks) (--softmax-type)."""
     untie_embeddings_and_output_weights: bool = False
     """Separate output layer instead of reusing the word embeddings."""
     hidden_dropout: float = 0.1
@@ -187,6 +208,8 @@ class TransformerConfig:
         factor = self.moe_expert_capacity_factor
         if factor is not None and factor < 0:  # Megatron-Core's "dropless"
             self.moe_expert_capacity_factor = None
+        if self.window_size is not None:  # JSON gives a list
+            self.window_size = tuple(self.window_size)  # type: ignore[assignment]
         if isinstance(self.params_dtype, str):
             if self.params_dtype not in _DTYPES:
                 raise ValueError(f"params_dtype {self.params_dtype!r} is unknown: use "
@@ -239,7 +262,8 @@ class TransformerConfig:
                 out.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not ints:  # the shape rules divide by these sizes
             out += self._shape_problems(tp_size) + self._rope_problems()
-        return out + self._recompute_problems() + moe_problems(self, tp_size)
+        return (out + self._recompute_problems() + moe_problems(self, tp_size)
+                + attention_kind_problems(self))
 
     def _shape_problems(self, tp: int) -> List[str]:
         rules = [

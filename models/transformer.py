@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron import ops
+from gigatron.models.attention_kinds import GATED, gated_activation, has_sink, layer_window
 from gigatron.models.config import TransformerConfig
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.models.kv_cache import CacheStep, LayerCache
@@ -30,6 +31,7 @@ from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.context.attention import context_parallel_attention
+from gigatron.parallel.context.band import band_attention
 
 
 def dropout(x: torch.Tensor, p: float, training: bool,
@@ -148,7 +150,9 @@ class CoreAttention(nn.Module):
     and values of the whole cp group (parallel/context), the sequence being split over it."""
 
     def __init__(self, config: TransformerConfig,
-                 tracker: Optional[TensorParallelRNGTracker]) -> None:
+                 tracker: Optional[TensorParallelRNGTracker], layer_number: int = 0,
+                 tp: int = 1, device: Optional[torch.device] = None) -> None:
+        """`layer_number` (global, 0-based) picks its window; `tp` splits the sinks."""
         super().__init__()
         self.backend = config.attention_backend
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
@@ -157,6 +161,20 @@ class CoreAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.cp_group: Group = None
         self.cp_comm_type = "p2p"
+        self.window = layer_window(config, layer_number)
+        # the sink logit per head (Megatron-Core's softmax_offset), split with the heads
+        self.softmax_offset: Optional[torch.Tensor] = None
+        heads = config.num_attention_heads
+        if config.softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.empty(
+                heads // tp, dtype=config.params_dtype, device=device))
+            set_parallel_attributes(self.softmax_offset,
+                                    InitSpec("normal", (heads,), config.init_method_std),
+                                    partition_dim=0)
+        elif has_sink(config):
+            self.register_buffer("softmax_offset", torch.zeros(
+                heads // tp, dtype=config.params_dtype, device=device), persistent=False)
+        self.band = self.window is not None or self.softmax_offset is not None
 
     def set_context_parallel(self, cp_group: Group, comm_type: str = "p2p") -> None:
         """Attend over the sequence split across `cp_group` (None or one rank: no split)."""
@@ -174,7 +192,10 @@ class CoreAttention(nn.Module):
         p = self.p if self.training else 0.0
         if self.cp_group is not None:
             out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
-                                             scale=self.scale, dropout_p=p)
+                                             scale=self.scale, dropout_p=p,
+                                             **self._band_kwargs())
+        elif self.band:
+            out = band_attention(q, k, v, self.window, self.softmax_offset, self.scale)
         elif self.backend == "sdpa":
             if p > 0 and self.tracker is not None:
                 with self.tracker.fork(q.device):
@@ -188,6 +209,10 @@ class CoreAttention(nn.Module):
             probs = dropout(self._softmax(scores), p, True, self.tracker)
             out = torch.bmm(probs, v.reshape(b * n, s, d)).view(b, n, s, d)
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+    def _band_kwargs(self) -> Dict[str, Any]:
+        """The window and sink of a band layer for the context-parallel call (none else)."""
+        return dict(window=self.window, sink=self.softmax_offset) if self.band else {}
 
     def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
         """The unfused causal softmax, as Megatron's FusedScaleMaskSoftmax: in fp32 (the
@@ -220,7 +245,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, config: TransformerConfig, tp_group: Group,
                  tracker: Optional[TensorParallelRNGTracker],
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, layer_number: int = 0) -> None:
         super().__init__()
         tp = tp_size(tp_group)
         self.config = config
@@ -232,12 +257,14 @@ class SelfAttention(nn.Module):
                                       sequence_parallel=sp, params_dtype=config.params_dtype,
                                       device=device)
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size,
-                                               init_std=config.init_method_std, **common)
+                                               init_std=config.init_method_std,
+                                               **{**common, "bias": config.add_bias_linear
+                                                  or config.add_qkv_bias})
         # a head's norm, its weight shared by the heads that tp spreads over the ranks: each
         # rank's grad covers its heads only, so it is summed over tp (Megatron-Core does too)
         self.q_layernorm = Norm(config, tp > 1, device, d) if config.qk_layernorm else None
         self.k_layernorm = Norm(config, tp > 1, device, d) if config.qk_layernorm else None
-        self.core_attention = CoreAttention(config, tracker)
+        self.core_attention = CoreAttention(config, tracker, layer_number, tp, device)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
                                              init_std=output_init_std(config), **common)
         self.recompute_core = config.recompute_granularity == "selective"
@@ -296,10 +323,16 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def mlp_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What an MLP applies between fc1 and fc2, by TransformerConfig.activation (SwiGLU
-    included: its fc1 is twice as wide)."""
-    return swiglu if name == "swiglu" else ACTIVATIONS[name]
+def mlp_activation(name: str, glu_linear_offset: float = 0.0,
+                   clamp: Optional[float] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What an MLP applies between fc1 and fc2, by TransformerConfig.activation (the gated
+    ones, SwiGLU and quick GeGLU, with their fc1 twice as wide; their linear offset and
+    clamp: glu_linear_offset, activation_func_clamp_value)."""
+    if name == "swiglu" and not glu_linear_offset and clamp is None:
+        return swiglu
+    if name in GATED:
+        return gated_activation(GATED[name], glu_linear_offset, clamp)
+    return ACTIVATIONS[name]
 
 
 class MLP(nn.Module):
@@ -310,8 +343,9 @@ class MLP(nn.Module):
                  ffn_hidden_size: Optional[int] = None) -> None:
         """`ffn_hidden_size`: the inner width when not config's (an MoE's shared experts)."""
         super().__init__()
-        self.swiglu = config.activation == "swiglu"
-        self.activation = mlp_activation(config.activation)
+        self.swiglu = config.activation in GATED
+        self.activation = mlp_activation(config.activation, config.glu_linear_offset,
+                                         config.activation_func_clamp_value)
         ffn = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         common: Dict[str, Any] = dict(tp_group=tp_group, bias=config.add_bias_linear,
                                       sequence_parallel=config.sequence_parallel,
@@ -341,7 +375,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         sp = config.sequence_parallel and tp_size(tp_group) > 1
         self.input_layernorm = Norm(config, sp, device)
-        self.self_attention = SelfAttention(config, tp_group, tracker, device)
+        self.self_attention = SelfAttention(config, tp_group, tracker, device, layer_number)
         self.pre_mlp_layernorm = Norm(config, sp, device)
         self.mlp: nn.Module
         if moe_layer_pattern(config)[layer_number]:

@@ -110,7 +110,6 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
     (("--random-ltd", "--data-efficiency"), "DeepSpeed's data-efficiency library is not used"),
     (("--enable-zbh1",), "Megatron-DeepSpeed's zero-bubble switch: use --pipeline-schedule "
                          "zb-h1 (or zbv)"),
-    (("--window-size", "--window-attn"), "sliding-window attention is not implemented"),
     (("--yarn-", "--rope-type", "--no-rope-freq", "--mrope"),
      "this RoPE variant is not implemented (--rotary-base, --rotary-percent and "
      "--use-rope-scaling are)"),

@@ -1,0 +1,130 @@
+"""gpt-oss's attention and MLP kinds (issue 39) equal transformers' GptOss layers on the
+same weights (fp32): sliding-window and full attention with learned sinks and biases on
+q, k, v and the output (Hugging Face's sliding_window W is Megatron's window_size W-1,0:
+HF lets a query see W keys, itself included), and the quick-GeGLU gate with gpt-oss's
+offset 1 and clamp 7 (Hugging Face interleaves gate and up columns; Megatron stacks them).
+The flags build these fields; what cannot run is refused in one line naming the flag.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gigatron.models.attention_kinds import is_window_layer  # noqa: E402
+from gigatron.models.config import TransformerConfig  # noqa: E402
+from gigatron.models.transformer import MLP, SelfAttention, rotary_cos_sin  # noqa: E402
+
+SEQ, BATCH, WINDOW = 13, 2, 4
+HF = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+          head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+          num_hidden_layers=2, sliding_window=WINDOW, attention_bias=True,
+          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def gigatron_config(**overrides):
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                  kv_channels=8, vocab_size=64, seq_length=SEQ, ffn_hidden_size=16,
+                  position_embedding_type="rope", normalization="RMSNorm",
+                  hidden_dropout=0.0, attention_dropout=0.0, window_size=(WINDOW - 1, 0),
+                  window_attn_skip_freq=2, softmax_type="learnable", activation="quick_geglu",
+                  glu_linear_offset=1.0, activation_func_clamp_value=7.0)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def load_hf_attention(ours, theirs):
+    """Copy transformers' q/k/v/o projections and sinks into gigatron's attention."""
+    groups, d = 2, 8
+    hpg = 4 // groups
+    q_w = theirs.q_proj.weight.view(groups, hpg, d, -1)
+    k_w = theirs.k_proj.weight.view(groups, 1, d, -1)
+    v_w = theirs.v_proj.weight.view(groups, 1, d, -1)
+    q_b, k_b, v_b = (p.bias.view(groups, -1, d) for p in (theirs.q_proj, theirs.k_proj,
+                                                          theirs.v_proj))
+    with torch.no_grad():
+        ours.linear_qkv.weight.copy_(torch.cat([q_w, k_w, v_w], 1).reshape(-1, 32))
+        ours.linear_qkv.bias.copy_(torch.cat([q_b, k_b, v_b], 1).reshape(-1))
+        ours.linear_proj.weight.copy_(theirs.o_proj.weight)
+        ours.linear_proj.bias.copy_(theirs.o_proj.bias)
+        ours.core_attention.softmax_offset.copy_(theirs.sinks)
+
+
+def _rel(got, want):
+    """Largest difference over the largest magnitude (fp32 rounding grows with the values)."""
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def hf_mask(window):
+    i, j = torch.arange(SEQ)[:, None], torch.arange(SEQ)[None]
+    seen = (j <= i) & ((i - j < window) if window else True)
+    return torch.zeros(SEQ, SEQ).masked_fill(~seen, float("-inf"))[None, None]
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_attention_equals_transformers_gpt_oss_attention(layer):
+    from transformers.models.gpt_oss import modeling_gpt_oss as hf
+
+    torch.manual_seed(0)
+    hf_config = hf.GptOssConfig(**HF)
+    hf_config._attn_implementation = "eager"
+    theirs = hf.GptOssAttention(hf_config, layer)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3)
+    config = gigatron_config()
+    ours = SelfAttention(config, None, None, layer_number=layer)
+    load_hf_attention(ours, theirs)
+    assert is_window_layer(config, layer) == (theirs.sliding_window is not None)
+    x = torch.randn(BATCH, SEQ, 32, requires_grad=True)
+    rotary = hf.GptOssRotaryEmbedding(hf_config)
+    cos, sin = rotary(x, torch.arange(SEQ)[None].expand(BATCH, -1))
+    want, _ = theirs(x, (cos, sin), hf_mask(theirs.sliding_window))
+    got = ours(x.transpose(0, 1), rotary_cos_sin(SEQ, config, None)).transpose(0, 1)
+    assert _rel(got, want) < 1e-5
+    grad = torch.randn_like(want)
+    g_sinks_theirs, g_x_theirs = torch.autograd.grad(want, (theirs.sinks, x), grad)
+    g_sinks, g_x = torch.autograd.grad(got, (ours.core_attention.softmax_offset, x), grad)
+    assert _rel(g_sinks, g_sinks_theirs) < 1e-5
+    assert _rel(g_x, g_x_theirs) < 1e-5
+
+
+def test_quick_geglu_mlp_equals_transformers_gpt_oss_expert():
+    from transformers.models.gpt_oss import modeling_gpt_oss as hf
+
+    torch.manual_seed(0)
+    experts = hf.GptOssExperts(hf.GptOssConfig(**HF))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 2.0)  # large enough that the clamp at 7 bites
+    ours = MLP(gigatron_config(), None)
+    gate_up, bias = experts.gate_up_proj[0], experts.gate_up_proj_bias[0]  # [h, 2f] interleaved
+    with torch.no_grad():
+        ours.linear_fc1.weight.copy_(torch.cat([gate_up[:, ::2], gate_up[:, 1::2]], 1).t())
+        ours.linear_fc1.bias.copy_(torch.cat([bias[::2], bias[1::2]]))
+        ours.linear_fc2.weight.copy_(experts.down_proj[0].t())
+        ours.linear_fc2.bias.copy_(experts.down_proj_bias[0])
+    x = torch.randn(SEQ, 32)
+    gate_up_out = x @ gate_up + bias
+    assert (gate_up_out.abs() > 7).any()
+    want = experts._apply_gate(gate_up_out) @ experts.down_proj[0] + experts.down_proj_bias[0]
+    assert (ours(x[:, None])[:, 0] - want).abs().max() < 1e-4
+
+
+def test_window_layers_follow_megatron_skip_freq():
+    config = gigatron_config(num_layers=6, window_attn_skip_freq=3)
+    assert [is_window_layer(config, i) for i in range(6)] == [True, True, False] * 2
+    config = gigatron_config(num_layers=3, window_attn_skip_freq=[0, 1, 1])
+    assert [is_window_layer(config, i) for i in range(3)] == [False, True, True]
+    assert all(is_window_layer(gigatron_config(window_attn_skip_freq=None), i) for i in (0, 1))
+    assert not is_window_layer(gigatron_config(window_size=(-1, 0), window_attn_skip_freq=None), 0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(window_size=(4, 2)), "only causal windows"),
+    (dict(attention_dropout=0.1), "--attention-dropout 0.1 with --window-size"),
+    (dict(activation="gelu"), "add --swiglu or --quick-geglu"),
+    (dict(window_attn_skip_freq=[1, 0, 1]), "lists 3 layers for --num-layers 2"),
+])
+def test_config_refuses_what_cannot_run(fields, message):
+    with pytest.raises(ValueError, match=message):
+        gigatron_config(**fields)
