@@ -57,12 +57,17 @@ class _Placeholder:
         return f"<{type(self).__name__} {self.args}>"
 
 
+def placeholder_class(module: str, name: str) -> type:
+    """A `_Placeholder` class named as the class `module.name` that cannot be imported."""
+    return type(name, (_Placeholder,), {"__module__": module})
+
+
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         try:
             return super().find_class(module, name)
         except (ImportError, AttributeError):
-            return type(name, (_Placeholder,), {"__module__": module})
+            return placeholder_class(module, name)
 
 
 class LenientPickle:

@@ -195,14 +195,13 @@ def read_rank(folder: str, with_optimizer: bool = True, mp_rank: int = 0,
 
 
 def read_model_states(folder: str, mp_rank: int = 0) -> Dict[str, Any]:
-    """A model-parallel rank's model states file (unpickled leniently: a Megatron-DeepSpeed
-    run's args may name Megatron classes that are not installed here)."""
-    from gigatron.models.megatron.files import load_rank_file
-
+    """A model-parallel rank's model states file, memory-mapped (unpickled leniently: a
+    Megatron-DeepSpeed run's args may name Megatron classes, and its objects DeepSpeed's,
+    that are not installed here)."""
     for name in MODEL_STATES:
         path = os.path.join(folder, name.replace("mp_rank_00", f"mp_rank_{mp_rank:02d}"))
         if os.path.isfile(path):
-            return dict(load_rank_file(path))
+            return dict(zero_shards.load_file(path, mmap=True))
     raise ValueError(f"{folder} is not a DeepSpeed checkpoint tag: it holds none of "
                      f"{', '.join(MODEL_STATES)}; give the folder save_checkpoint wrote to "
                      f"and the tag")

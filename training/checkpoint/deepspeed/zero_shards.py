@@ -30,6 +30,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from gigatron.training.checkpoint.deepspeed.pickled import DeepSpeedPickle
+
 Tensors = Dict[str, torch.Tensor]
 Shapes = List[Dict[str, torch.Size]]  # per param group, in the flattened order
 _RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -67,10 +69,12 @@ def _check_ranks(folder: str, ranks: List[int], world: int) -> None:
                          f"save did not finish on every rank; load an earlier tag")
 
 
-def load_file(path: str) -> Any:
-    """One torch file of the checkpoint; a damaged one is a ValueError naming it."""
+def load_file(path: str, mmap: bool = False) -> Any:
+    """One torch file of the checkpoint (DeepSpeed's classes as stand-ins: deepspeed need
+    not be installed, pickled.py); a damaged one is a ValueError naming it."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap,
+                          pickle_module=DeepSpeedPickle)
     except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as err:
         reason = str(err).splitlines()[0].split(". ")[0]
         raise ValueError(f"{path} cannot be read ({reason}): the file is truncated or "
