@@ -3,9 +3,9 @@
 Real DeepSpeed (one forked gloo rank) saves the MLP of tests/deepspeed_parity_script.py at
 ZeRO 1 and 3: their optimizer files pickle DeepSpeed's LossScaler, ZeroStageEnum and
 fragment_address. Another forked rank, which drops deepspeed from sys.modules and cannot
-import it again (a sys.meta_path blocker), then reads both tags with gigatron's reader and loads the ZeRO 1 one through the
-engine's load_checkpoint: the weights, the step count, the loss scale and client_state are
-DeepSpeed's.
+import it again (a sys.meta_path blocker), then reads both tags with gigatron's reader and
+loads the ZeRO 1 one through the engine's load_checkpoint: the weights, the step count, the
+loss scale and client_state are DeepSpeed's.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from multirank import run_on_ranks  # noqa: E402
 
 STAGES = (1, 3)
 STEPS = 2
-
 
 
 class NoDeepSpeed:
