@@ -17,25 +17,78 @@ if TYPE_CHECKING:  # the launcher modules import at run time, keeping `gigatron 
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each default once: flags whose help explains their default keep that text."""
+    """Shows each default once: flags whose help explains their default keep that text;
+    a flag's dash/underscore twin (--num-gpus for --num_gpus) is accepted, not listed."""
 
     def _get_help_string(self, action: argparse.Action) -> Optional[str]:
         text = action.help or ""
         return text if "default:" in text else super()._get_help_string(action)
 
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        shown = [s for i, s in enumerate(action.option_strings)
+                 if s.replace("-", "_") not in
+                 {t.replace("-", "_") for t in action.option_strings[:i]}]
+        return super()._format_action_invocation(
+            argparse.Action(shown, action.dest, action.nargs, metavar=action.metavar)
+            if shown != action.option_strings else action)
+
+
+class _LaunchParser(argparse.ArgumentParser):
+    """An unknown flag is one error line naming the nearest known spelling."""
+
+    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
+        from gigatron.training.config.spelling import nearest
+
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            known = [s for a in self._actions for s in a.option_strings]
+            names = [u.split("=")[0] for u in unknown if u.startswith("-")] or unknown[:1]
+            hints = [f"{close} for {name}" if len(names) > 1 else close
+                     for name in names for close in [nearest(name, known)] if close]
+            hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+            if len(hints) < len(names):
+                hint += f"; see {self.prog} --help"
+            self.error(f"unknown flag(s) {' '.join(unknown)}{hint}")
+        return parsed
+
+
+def _both(*names: str) -> List[str]:
+    """Each flag as spelt and with its other separator: DeepSpeed writes --num_gpus,
+    torchrun --nproc-per-node; either spelling is accepted for each."""
+    spellings: List[str] = []
+    for name in names:
+        for spelling in (name, "--" + name[2:].replace("_", "-"),
+                         "--" + name[2:].replace("-", "_")):
+            if spelling not in spellings:
+                spellings.append(spelling)
+    return spellings
+
+
+def _per_node(text: str) -> int:
+    """torchrun's --nproc-per-node: a count, or auto/gpu for every GPU (-1, the default)."""
+    if text in ("auto", "gpu"):
+        return -1
+    return int(text)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """DeepSpeed's `deepspeed` flags with their defaults, plus Horovod's -np and -H."""
-    parser = argparse.ArgumentParser(
+    parser = _LaunchParser(
         prog=PROG, allow_abbrev=False, formatter_class=_HelpFormatter,
         description="Start SCRIPT on every rank: one node through torch's elastic agent "
                     "(torchrun), several over pdsh/ssh (torchrun per node), mpirun or srun. "
                     "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
-                    "and --local_rank=K (not the gigatron command). See docs/LAUNCH.md.")
+                    "and --local_rank=K (not the gigatron command). Each flag takes either "
+                    "separator (--num-gpus, --nproc-per-node). See docs/LAUNCH.md.")
     add = parser.add_argument
-    add("--num_gpus", "--num_accelerators", type=int, default=-1, metavar="N",
-        help="ranks per node (devices 0..N-1); without a GPU, N CPU workers on gloo")
-    add("--num_nodes", type=int, default=-1, metavar="N", help="use the first N hosts of the hostfile")
+    add(*_both("--num_gpus", "--num_accelerators", "--nproc_per_node"), dest="num_gpus",
+        type=_per_node, default=-1, metavar="N",
+        help="ranks per node (devices 0..N-1); without a GPU, N CPU workers on gloo "
+             "(torchrun's --nproc-per-node)")
+    add(*_both("--num_nodes", "--nnodes"), dest="num_nodes", type=int, default=-1, metavar="N",
+        help="use the first N hosts of the hostfile (torchrun's --nnodes: N nodes, each "
+             "started with --node_rank)")
     add("-np", dest="np", type=int, default=-1, metavar="N",
         help="Horovod: number of processes in all (fills the hosts' slots in order); as "
              "with horovodrun, the script gets no --local_rank (LOCAL_RANK is set)")
@@ -47,26 +100,29 @@ def build_parser() -> argparse.ArgumentParser:
              "as DeepSpeed's -H)")
     add("-i", "--include", default="", metavar="S", help="only these hosts/devices: `h1:0,1@h2`")
     add("-e", "--exclude", default="", metavar="S", help="all but these hosts/devices: `h1:0@h3`")
-    add("--master_addr", default="", metavar="A",
+    add(*_both("--master_addr"), default="", metavar="A",
         help="rank 0's host (default: 127.0.0.1 on one machine, else the first host)")
-    add("--master_port", type=int, default=29500, metavar="P", help="rendezvous port on the master")
+    add(*_both("--master_port"), type=int, default=None, metavar="P",
+        help="rendezvous port on the master (default: 29500; on one machine, a free port "
+             "when 29500 is taken, and a line says which)")
     add("--launcher", type=str.lower, default="", metavar="NAME",
         help="torchrun, pdsh, ssh, openmpi, mpich or slurm (default: torchrun here for "
              "one node or --node_rank, pdsh for several)")
-    add("--launcher_args", default="", metavar="ARGS", help="extra arguments for pdsh/ssh/mpirun/srun, quoted")
-    add("--node_rank", type=int, default=-1, metavar="K",
+    add(*_both("--launcher_args"), default="", metavar="ARGS",
+        help="extra arguments for pdsh/ssh/mpirun/srun, quoted")
+    add(*_both("--node_rank"), type=int, default=-1, metavar="K",
         help="run only node K's part here (start each node yourself, same master)")
-    add("--no_local_rank", action="store_true",
+    add(*_both("--no_local_rank"), action="store_true",
         help="do not pass --local_rank=K to the script")
-    add("--log_dir", default=None, metavar="D",
+    add(*_both("--log_dir"), default=None, metavar="D",
         help="one log per rank, D/rank{RANK}.log (their output leaves the console)")
-    add("--max_restarts", "--max-restarts", type=int, default=0, metavar="N",
+    add(*_both("--max_restarts"), type=int, default=0, metavar="N",
         help="after a rank fails (or the watchdog ends a hang), start the job again up to N "
              "times; it resumes from its latest checkpoint when --load is the --save folder "
              "(torchrun's --max-restarts)")
     add("--timeline", default=None, metavar="F",
         help="merged Chrome-trace timeline: sets GIGATRON_TIMELINE=F for every rank")
-    add("--dry_run", action="store_true", help="print the commands per node; start nothing")
+    add(*_both("--dry_run"), action="store_true", help="print the commands per node; start nothing")
     add("script", help="the training script (run with python -u; a bare name not in this "
                        "folder is looked up among the installed scripts, then on PATH), or "
                        "`gigatron` for the gigatron command: `gigatron launch --num_gpus 2 "
@@ -154,8 +210,9 @@ def prepare(req: "LaunchRequest") -> Tuple["LaunchPlan", List["Command"]]:
     """The plan and the commands for this request on this machine."""
     from gigatron.parallel.launcher.commands import forwarded_env, launch_commands
     from gigatron.parallel.launcher.plan import make_plan
+    from gigatron.parallel.launcher.ports import with_free_master_port
 
-    plan = make_plan(req, _machine(req))
+    plan = with_free_master_port(make_plan(req, _machine(req)), req.master_port)
     env_files = [os.path.join(os.path.expanduser("~"), ENV_FILE_NAME), ENV_FILE_NAME]
     exports = forwarded_env(os.environ, read_env_files(env_files))
     by_name = [name for name in ("PATH", "LD_LIBRARY_PATH") if name in os.environ]

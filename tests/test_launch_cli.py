@@ -366,6 +366,70 @@ def test_parser_keeps_script_arguments_apart():
                                                         ["-np", "9", "--local_rank", "3"])
 
 
+@pytest.mark.parametrize("argv", [
+    # DeepSpeed's spellings, their dash twins, torchrun's (both separators)
+    "--num_gpus 2 --num_nodes 3 --node_rank 1 --master_addr h --master_port 7",
+    "--num-gpus 2 --num-nodes 3 --node-rank 1 --master-addr h --master-port 7",
+    "--num_accelerators 2 --num-nodes=3 --node_rank=1 --master_addr=h --master-port=7",
+    "--nproc_per_node 2 --nnodes 3 --node_rank 1 --master_addr h --master_port 7",
+    "--nproc-per-node=2 --nnodes=3 --node-rank=1 --master-addr=h --master-port=7",
+])
+def test_torchrun_and_deepspeed_spellings_with_either_separator(argv):
+    args = build_parser().parse_args(argv.split() + ["train.py", "--nnodes", "9"])
+    assert (args.num_gpus, args.num_nodes, args.node_rank, args.master_addr,
+            args.master_port, args.script, args.script_args) == (
+        2, 3, 1, "h", 7, "train.py", ["--nnodes", "9"])
+    flags = "--launcher-args=-q --no-local-rank --log-dir d --max-restarts 1 --dry-run x.py"
+    args = build_parser().parse_args(flags.split())
+    assert (args.launcher_args, args.no_local_rank, args.log_dir, args.max_restarts,
+            args.dry_run) == ("-q", True, "d", 1, True)
+    assert build_parser().parse_args(["--nproc-per-node", "gpu", "x.py"]).num_gpus == -1
+
+
+def test_cli_dry_run_with_torchrun_flags(capsys):
+    assert launch_main(["--nproc-per-node", "2", "--master-port", "29731", "--dry-run",
+                        "train.py"]) == 0
+    out = capsys.readouterr().out
+    assert "--nnodes=1 --node-rank=0 --nproc-per-node=2 --master-addr=127.0.0.1 " \
+           "--master-port=29731" in out
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--nproc_per_nod", "2", "x.py"], "unknown flag(s) --nproc_per_nod; did you mean "
+                                       "--nproc_per_node?"),
+    (["--num-gpu=2", "x.py"], "unknown flag(s) --num-gpu=2; did you mean --num-gpus?"),
+    (["--zzz", "--master-prt", "1", "x.py"], "unknown flag(s) --zzz --master-prt; did you "
+     "mean --master-port for --master-prt?; see gigatron launch --help"),
+])
+def test_unknown_flag_is_one_line_with_the_nearest_flag(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        launch_main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"gigatron launch: error: {hint}\n" in err, err
+
+
+def test_busy_default_port_on_one_machine_moves_to_a_free_one_and_says_so(monkeypatch,
+                                                                         capsys):
+    import gigatron.parallel.launcher.plan as plan_module
+
+    with socket.socket() as held:  # the default port, taken by someone else
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        monkeypatch.setattr(plan_module, "DEFAULT_MASTER_PORT", busy)
+        assert launch_main(["--num_gpus", "2", "--dry_run", "train.py"]) == 0
+        out = capsys.readouterr().out
+        moved = int(re.search(r"--master-port=(\d+)", out).group(1))
+        assert moved != busy and f"master 127.0.0.1:{moved}" in out
+        assert f"# note: master port {busy} is in use on this machine: using the free port " \
+               f"{moved} (--master_port P chooses one)" in out.splitlines()
+        for argv in (["--master_port", str(busy)],  # given: kept (the run will say it is taken)
+                     ["--nnodes", "2", "--node_rank", "0"]):  # the other node needs the same
+            assert launch_main(argv + ["--num_gpus", "1", "--dry_run", "train.py"]) == 0
+            out = capsys.readouterr().out
+            assert f"--master-port={busy} " in out and "in use" not in out
+
+
 # ---- the worker's environment and the failure report -------------------------------------
 
 @pytest.mark.parametrize("env, expected", [

@@ -2,6 +2,7 @@
 
 hosts.py     hostfile, --include/--exclude and -H parsing (pure)
 plan.py      the per-node plan: hosts, ranks, devices, master, launcher (pure)
+ports.py     the master port: the default, or a free one when that is taken on one machine
 commands.py  the exact torchrun / pdsh / ssh / mpirun / srun command lines (pure)
 node.py      one node's workers through torch's elastic agent (torchrun's flags), reporting
              a failed rank in a few lines instead of the agent's traceback

@@ -31,7 +31,7 @@ class LaunchRequest:
     include: str = ""
     exclude: str = ""
     master_addr: str = ""
-    master_port: int = DEFAULT_MASTER_PORT
+    master_port: Optional[int] = None  # None: DEFAULT_MASTER_PORT
     launcher: str = ""
     launcher_args: str = ""
     node_rank: int = -1
@@ -94,7 +94,7 @@ def _check_counts(req: LaunchRequest) -> None:
                         ("-np", req.np)):
         if value == 0 or value < -1:
             raise LaunchError(f"{flag} {value}: give a count of at least 1 (or leave it out)")
-    if not 0 < req.master_port < 65536:
+    if req.master_port is not None and not 0 < req.master_port < 65536:
         raise LaunchError(f"--master_port {req.master_port}: give a port in 1..65535")
     if req.node_rank < -1:
         raise LaunchError(f"--node_rank {req.node_rank}: give this node's index, 0 or more")
@@ -257,8 +257,9 @@ def _nodes(resources: Resources, pin: bool) -> Tuple[NodePlan, ...]:
 def make_plan(req: LaunchRequest, machine: Machine) -> LaunchPlan:
     """The whole job, node by node, from the flags and what this machine has."""
     check_request(req)
+    port = DEFAULT_MASTER_PORT if req.master_port is None else req.master_port
     if req.launcher == "slurm" and req.hostfile_text is None and not req.hosts:
-        return LaunchPlan((), "slurm", req.master_addr, req.master_port, None)
+        return LaunchPlan((), "slurm", req.master_addr, port, None)
     resources, pin, notes = _resources(req, machine)
     nodes = _nodes(resources, pin)
     launcher = req.launcher or ("torchrun" if req.node_rank >= 0 or len(nodes) == 1
@@ -274,7 +275,7 @@ def make_plan(req: LaunchRequest, machine: Machine) -> LaunchPlan:
         raise LaunchError(f"--launcher mpich needs the same number of slots on every node "
                           f"(mpirun -ppn); the job has {shape}: even out the hostfile")
     return LaunchPlan(nodes, launcher, _master_addr(req, launcher, nodes),
-                      req.master_port, local_node, tuple(notes + _restart_notes(req)))
+                      port, local_node, tuple(notes + _restart_notes(req)))
 
 
 def _restart_notes(req: LaunchRequest) -> List[str]:
