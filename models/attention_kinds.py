@@ -105,3 +105,25 @@ def attention_kind_problems(config: Any) -> List[str]:
     if clamp is not None and not clamp > 0:
         out.append(f"--activation-func-clamp-value {clamp}: must be > 0")
     return out
+
+
+def cached_band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor, window: Optional[int],
+                          sink: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Inference over a KV cache for a window/sink layer: q [s, b, n, d], k [b, g, t, d],
+    v [b, g, t, dv] (every cached slot), mask [b, 1, s, t] (True: may attend; the s new
+    tokens are the last s slots) -> [s, b, n*dv]. Real tokens fill consecutive slots after
+    the left padding, so the window counts slots. Explicit scores: a step is short."""
+    s, b, n, _ = q.shape
+    t = k.shape[2]
+    k, v = (x.repeat_interleave(n // x.shape[1], dim=1) for x in (k, v))
+    scores = torch.matmul(q.permute(1, 2, 0, 3).float(), k.float().transpose(-1, -2)) * scale
+    if window is not None:
+        rows = torch.arange(t - s, t, device=q.device)[:, None]
+        mask = mask & (rows - torch.arange(t, device=q.device)[None, :] <= window)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sink is not None:
+        scores = torch.cat([scores, sink.float()[None, :, None, None].expand(b, n, s, 1)], -1)
+    probs = torch.softmax(scores, dim=-1)[..., :t]
+    out = torch.matmul(probs, v.float()).to(q.dtype)  # [b, n, s, dv]
+    return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron import ops
-from gigatron.models.attention_kinds import GATED, gated_activation, has_sink, layer_window
+from gigatron.models.attention_kinds import (GATED, cached_band_attention, gated_activation,
+                                             has_sink, layer_window)
 from gigatron.models.config import TransformerConfig
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.models.kv_cache import CacheStep, LayerCache
@@ -231,6 +232,9 @@ class CoreAttention(nn.Module):
         """Inference over a KV cache: q [s, b, n, d], k and v [b, g, t, d] (every cached
         slot), mask [b, 1, s, t] (True: may attend) -> [s, b, n*d]. No dropout; torch's
         SDPA whichever backend is configured (same numbers within float rounding)."""
+        if self.band:
+            return cached_band_attention(q, k, v, mask, self.window, self.softmax_offset,
+                                         self.scale)
         s, b, n, d = q.shape
         if k.shape[1] != n:
             k = k.repeat_interleave(n // k.shape[1], dim=1)
