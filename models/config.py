@@ -13,6 +13,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 
 from gigatron.models.attention_kinds import attention_kind_problems
+from gigatron.models.mla.checks import mla_problems
 from gigatron.models.moe.config_checks import moe_problems
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -190,6 +191,40 @@ class TransformerConfig:
     moe_router_dtype: Optional[str] = None
     """Dtype of the router logits and routing: None (the input's), 'fp32' or 'fp64'
     (--moe-router-dtype)."""
+    # Multi-latent attention and YaRN (DeepSeek-V2/V3, issue 39): Megatron-Core's
+    # MLATransformerConfig names, Megatron-LM's flag defaults; checks in models/mla/checks.py.
+    multi_latent_attention: bool = False
+    """Multi-latent attention instead of MHA/GQA (--multi-latent-attention)."""
+    q_lora_rank: Optional[int] = None
+    """Rank of the compressed query (--q-lora-rank); None: queries projected directly."""
+    kv_lora_rank: int = 32
+    """Rank of the compressed key/value latent (--kv-lora-rank)."""
+    qk_head_dim: int = 128
+    """Query/key channels per head without position (--qk-head-dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """Query/key channels per head that RoPE rotates, the key's shared by every head
+    (--qk-pos-emb-head-dim)."""
+    v_head_dim: int = 128
+    """Value channels per head (--v-head-dim)."""
+    rope_type: str = _DERIVED
+    """MLA's RoPE: 'rope' or 'yarn' (--rope-type); default yarn with MLA (Megatron-Core's
+    MLATransformerConfig), else rope."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN's context-extension factor (--rotary-scaling-factor); MLA's softmax scale grows
+    by its mscale_all_dim term whatever rope_type is (Megatron-Core)."""
+    original_max_position_embeddings: int = 4096
+    """Context the model was trained on before YaRN (--yarn-original-max-position-embeddings)."""
+    beta_fast: float = 32.0
+    """YaRN's rotations bounding extrapolation (--yarn-beta-fast)."""
+    beta_slow: float = 1.0
+    """YaRN's rotations bounding interpolation (--yarn-beta-slow)."""
+    mscale: float = 1.0
+    """YaRN's cos/sin concentration numerator (--mscale)."""
+    mscale_all_dim: float = 0.0
+    """YaRN's concentration denominator and MLA's softmax-scale term (--mscale-all-dim)."""
+    yarn_correction_range_round_to_int: bool = True
+    """Round YaRN's correction range to whole channels
+    (--[no-]yarn-correction-range-round-to-int; Hugging Face's rope_parameters.truncate)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -203,6 +238,8 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.rope_type is None:
+            self.rope_type = "yarn" if self.multi_latent_attention else "rope"
         if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         factor = self.moe_expert_capacity_factor
@@ -225,7 +262,11 @@ class TransformerConfig:
     @property
     def rotary_dim(self) -> int:
         """Channels per head that RoPE rotates: kv_channels x rotary_percent (Megatron-Core's
-        truncation)."""
+        truncation); with MLA qk_pos_emb_head_dim (x rotary_percent under rope_type rope)."""
+        if self.multi_latent_attention:
+            dim = self.qk_pos_emb_head_dim
+            return int(dim * self.rotary_percent) if self.rope_type == "rope" and \
+                self.rotary_percent < 1.0 else dim
         if self.rotary_percent < 1.0:
             return int(self.kv_channels * self.rotary_percent)
         return self.kv_channels
@@ -263,6 +304,7 @@ class TransformerConfig:
         if not ints:  # the shape rules divide by these sizes
             out += self._shape_problems(tp_size) + self._rope_problems()
         return (out + self._recompute_problems() + moe_problems(self, tp_size)
+                + mla_problems(self, tp_size)
                 + attention_kind_problems(self))
 
     def _shape_problems(self, tp: int) -> List[str]:
@@ -297,7 +339,7 @@ class TransformerConfig:
         out = []
         if not 0.0 < self.rotary_percent <= 1.0:
             out.append(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
-        elif self.position_embedding_type == "rope" and (
+        elif self.position_embedding_type == "rope" and not self.multi_latent_attention and (
                 self.rotary_dim < 2 or self.rotary_dim % 2):
             out.append(f"RoPE rotates kv_channels x rotary_percent = {self.kv_channels} x "
                        f"{self.rotary_percent} -> {self.rotary_dim} channels per head, which "

@@ -221,7 +221,8 @@ class GPTModel(nn.Module):
         """RoPE's cos/sin tables at `position_ids`, or 0 .. s-1 without them (a non-first
         pipeline stage gets none: the data's positions are 0 .. s-1; under context
         parallelism those of this rank's chunks)."""
-        if self.config.position_embedding_type != "rope":
+        if self.config.position_embedding_type != "rope" and \
+                not self.config.multi_latent_attention:  # MLA rotates its own channels
             return None
         if position_ids is not None:
             return rotary_cos_sin_at(position_ids.to(x.device), self.config)

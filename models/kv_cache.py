@@ -1,8 +1,11 @@
 """KVCache: the keys and values of the tokens seen so far, for incremental decoding.
 
 One cache serves one batch of sequences on one tensor-parallel rank. Each layer keeps this
-rank's key/value heads in `[b, g/tp, max_length, d]` buffers; slot j of every row holds the
-j-th token fed to the model (left padding included). A forward over s new tokens is one
+rank's key/value heads in `[b, g/tp, max_length, d]` buffers (multi-latent attention: its
+normalised latent `[b, 1, max_length, kv_lora_rank]` as keys and its rotated positional key
+`[b, 1, max_length, qk_pos_emb_head_dim]` as values, the same on every rank); slot j of
+every row holds the j-th token fed to the model (left padding included). A forward over s
+new tokens is one
 step:
 
     step = cache.begin(s, padding_mask)   # GPTModel.forward does this
@@ -92,14 +95,17 @@ class KVCache:
             raise ValueError(f"a KV cache needs batch_size >= 1 and max_length >= 1, got "
                              f"{batch_size} and {max_length}")
         groups = config.num_query_groups // tp_size
-        shape = (batch_size, groups, max_length, config.head_dim)
+        shape = value_shape = (batch_size, groups, max_length, config.head_dim)
+        if config.multi_latent_attention:  # MLA caches its latent and positional key
+            shape = (batch_size, 1, max_length, config.kv_lora_rank)
+            value_shape = (batch_size, 1, max_length, config.qk_pos_emb_head_dim)
         dtype = config.params_dtype if dtype is None else dtype
         numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.keys: Dict[int, torch.Tensor] = {}
         self.values: Dict[int, torch.Tensor] = {}
         for i in numbers:
             self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
-            self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+            self.values[i] = torch.zeros(value_shape, dtype=dtype, device=device)
         self.batch_size, self.max_length = batch_size, max_length
         self.length = 0
         self.key_padding = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)

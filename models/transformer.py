@@ -18,6 +18,7 @@ from gigatron import ops
 from gigatron.models.attention_kinds import (GATED, cached_band_attention, gated_activation,
                                              has_sink, layer_window)
 from gigatron.models.config import TransformerConfig
+from gigatron.models.mla.rope import yarn_concentration, yarn_inv_freq
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.models.kv_cache import CacheStep, LayerCache
 from gigatron.models.losses import LayerLosses
@@ -81,6 +82,11 @@ def rotary_inv_freq(config: TransformerConfig,
     """RoPE's inverse frequencies [rotary_dim / 2] (fp32), as Megatron-Core's RotaryEmbedding
     builds them: base ** -(2i / rotary_dim), then Llama 3.1's scaling if asked."""
     dim = config.rotary_dim
+    if config.rope_type == "yarn":  # MLA's YaRN (models/mla/rope.py)
+        return yarn_inv_freq(dim, config.rotary_base, config.rotary_scaling_factor,
+                             config.original_max_position_embeddings, config.beta_fast,
+                             config.beta_slow, config.yarn_correction_range_round_to_int,
+                             device)
     inv_freq = 1.0 / (config.rotary_base ** (
         torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if config.rope_scaling:
@@ -130,6 +136,10 @@ def _cos_sin(positions: torch.Tensor,
         positions = positions * (1 / config.rotary_seq_len_interpolation_factor)
     angles = positions[..., None] * rotary_inv_freq(config, positions.device)
     emb = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+    if config.rope_type == "yarn":
+        factor = yarn_concentration(config.rotary_scaling_factor, config.mscale,
+                                    config.mscale_all_dim)
+        return emb.cos() * factor, emb.sin() * factor
     return emb.cos(), emb.sin()
 
 
@@ -152,14 +162,18 @@ class CoreAttention(nn.Module):
 
     def __init__(self, config: TransformerConfig,
                  tracker: Optional[TensorParallelRNGTracker], layer_number: int = 0,
-                 tp: int = 1, device: Optional[torch.device] = None) -> None:
-        """`layer_number` (global, 0-based) picks its window; `tp` splits the sinks."""
+                 tp: int = 1, device: Optional[torch.device] = None,
+                 softmax_scale: Optional[float] = None) -> None:
+        """`layer_number` (global, 0-based) picks its window; `tp` splits the sinks;
+        `softmax_scale`: instead of 1/sqrt(d) (MLA's, with YaRN's mscale)."""
         super().__init__()
         self.backend = config.attention_backend
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
         self.p = config.attention_dropout
         self.tracker = tracker
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = 1.0 / math.sqrt(config.head_dim) if softmax_scale is None \
+            else softmax_scale
+        self.sdpa_scale = softmax_scale  # None: SDPA's own 1/sqrt(d), the same number
         self.cp_group: Group = None
         self.cp_comm_type = "p2p"
         self.window = layer_window(config, layer_number)
@@ -184,32 +198,36 @@ class CoreAttention(nn.Module):
         self.cp_comm_type = comm_type
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [s, b, n, d]; k, v [s, b, g, d] (g query groups) -> [s, b, n*d]."""
+        """q, k [s, b, n or g, d]; v [s, b, g, dv] (g query groups) -> [s, b, n*dv]."""
         s, b, n, d = q.shape
+        dv = v.shape[-1]
         if k.shape[2] != n:
             k = k.repeat_interleave(n // k.shape[2], dim=2)
             v = v.repeat_interleave(n // v.shape[2], dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         p = self.p if self.training else 0.0
         if self.cp_group is not None:
-            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
-                                             scale=self.scale, dropout_p=p,
-                                             **self._band_kwargs())
+            out = context_parallel_attention(*equal_head_dims(q, k, v), self.cp_group,
+                                             self.cp_comm_type, scale=self.scale, dropout_p=p,
+                                             **self._band_kwargs())[..., :dv]
         elif self.band:
             out = band_attention(q, k, v, self.window, self.softmax_offset, self.scale)
         elif self.backend == "sdpa":
             if p > 0 and self.tracker is not None:
                 with self.tracker.fork(q.device):
-                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                         scale=self.sdpa_scale)
             elif p > 0:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                     scale=self.sdpa_scale)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                     scale=self.sdpa_scale)
         else:
             scores = torch.matmul(q.reshape(b * n, s, d), k.reshape(b * n, s, d).transpose(1, 2))
             probs = dropout(self._softmax(scores), p, True, self.tracker)
-            out = torch.bmm(probs, v.reshape(b * n, s, d)).view(b, n, s, d)
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+            out = torch.bmm(probs, v.reshape(b * n, s, dv)).view(b, n, s, dv)
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * dv)
 
     def _band_kwargs(self) -> Dict[str, Any]:
         """The window and sink of a band layer for the context-parallel call (none else)."""
@@ -229,18 +247,33 @@ class CoreAttention(nn.Module):
 
     def forward_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-        """Inference over a KV cache: q [s, b, n, d], k and v [b, g, t, d] (every cached
-        slot), mask [b, 1, s, t] (True: may attend) -> [s, b, n*d]. No dropout; torch's
-        SDPA whichever backend is configured (same numbers within float rounding)."""
+        """Inference over a KV cache: q [s, b, n, d], k [b, g, t, d] and v [b, g, t, dv]
+        (every cached slot), mask [b, 1, s, t] (True: may attend) -> [s, b, n*dv]. No
+        dropout; torch's SDPA whichever backend is configured (same numbers within float
+        rounding)."""
         if self.band:
             return cached_band_attention(q, k, v, mask, self.window, self.softmax_offset,
                                          self.scale)
-        s, b, n, d = q.shape
+        s, b, n, _ = q.shape
         if k.shape[1] != n:
             k = k.repeat_interleave(n // k.shape[1], dim=1)
             v = v.repeat_interleave(n // v.shape[1], dim=1)
-        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k, v, attn_mask=mask)
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k, v, attn_mask=mask,
+                                             scale=self.sdpa_scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * v.shape[-1])
+
+
+def equal_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [b, n, s, d] with the smaller head size zero-padded to the larger (MLA's
+    values are narrower than its queries and keys): the scores and the first dv output
+    channels stay exact, as context parallelism's blocks need one head size."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if d == dv:
+        return q, k, v
+    if dv < d:
+        return q, k, F.pad(v, (0, d - dv))
+    return F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v
 
 
 class SelfAttention(nn.Module):
@@ -379,7 +412,13 @@ class TransformerLayer(nn.Module):
         super().__init__()
         sp = config.sequence_parallel and tp_size(tp_group) > 1
         self.input_layernorm = Norm(config, sp, device)
-        self.self_attention = SelfAttention(config, tp_group, tracker, device, layer_number)
+        self.self_attention: nn.Module
+        if config.multi_latent_attention:  # the attention kind of DeepSeek-V2/V3
+            from gigatron.models.mla.attention import MultiLatentAttention  # builds on this
+            self.self_attention = MultiLatentAttention(config, tp_group, tracker, device,
+                                                       layer_number)
+        else:
+            self.self_attention = SelfAttention(config, tp_group, tracker, device, layer_number)
         self.pre_mlp_layernorm = Norm(config, sp, device)
         self.mlp: nn.Module
         if moe_layer_pattern(config)[layer_number]:

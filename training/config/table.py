@@ -21,6 +21,7 @@ from gigatron.training.config.field import SAME_DEFAULT, FieldSpec, field_spec
 from gigatron.training.config.megatron.accepted import AcceptedSettings
 from gigatron.training.config.megatron.fp8 import FP8Settings
 from gigatron.training.config.megatron.gpt_oss import GptOssSettings
+from gigatron.training.config.megatron.mla import MLASettings
 from gigatron.training.config.megatron.moe import MoESettings
 from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig,
                                                  ParallelConfig, TrainConfig)
@@ -47,6 +48,8 @@ class Settings:
     moe: MoESettings = _concern("mixture of experts (flags override the --model zoo config)")
     gpt_oss: GptOssSettings = _concern(
         "sliding windows, sinks and gated activations (gpt-oss; flags override --model)")
+    mla: MLASettings = _concern(
+        "multi-latent attention and YaRN RoPE (DeepSeek-V2/V3; flags override --model)")
     parallel: ParallelConfig = _concern("parallelism")
     precision: PrecisionSettings = _concern("precision and ZeRO")
     fp8: FP8Settings = _concern("FP8 (emulated: docs/FP8.md)")

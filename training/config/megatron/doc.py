@@ -110,9 +110,9 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
     (("--random-ltd", "--data-efficiency"), "DeepSpeed's data-efficiency library is not used"),
     (("--enable-zbh1",), "Megatron-DeepSpeed's zero-bubble switch: use --pipeline-schedule "
                          "zb-h1 (or zbv)"),
-    (("--yarn-", "--rope-type", "--no-rope-freq", "--mrope"),
-     "this RoPE variant is not implemented (--rotary-base, --rotary-percent and "
-     "--use-rope-scaling are)"),
+    (("--no-rope-freq", "--mrope"),
+     "this RoPE variant is not implemented (--rotary-base, --rotary-percent, "
+     "--use-rope-scaling and --rope-type yarn are)"),
     (("--ckpt-", "--no-ckpt-", "--async-", "--dist-ckpt", "--use-dist-ckpt",
       "--use-persistent-ckpt", "--auto-detect-ckpt", "--replication",
       "--distrib-optim", "--load-main-params", "--no-strict-fsdp", "--no-save-tokenizer"),
@@ -136,7 +136,10 @@ FAMILY_REASONS: Dict[str, str] = {
     "inference": "text generation is not part of pretrain_gpt.py",
     "rl": "reinforcement learning (GRPO) is not part of gigatron",
     "Logits Distillation": "distillation is not part of gigatron",
-    "moe": _MOE, "mla": "multi-latent attention is not implemented",
+    "moe": _MOE,
+    "mla": "Flash MLA's latent cache of Megatron's dynamic inference engine and Transformer "
+           "Engine's fused down-projection are not used: gigatron's multi-latent attention "
+           "computes the same numbers (and `gigatron generate` caches the latents)",
     "experimental_attention_variant": "experimental attention variants are not implemented",
     "heterogeneous architecture": "heterogeneous layer configurations are not implemented",
     "experimental": "experimental Megatron-Core features are not implemented",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from gigatron.training.config.megatron.gpt_oss import gpt_oss_overrides
+from gigatron.training.config.megatron.mla import mla_overrides
 from gigatron.training.config.megatron.moe import moe_overrides
 from gigatron.training.config.table import flag_name
 
@@ -161,6 +162,7 @@ def model_overrides(s: "Settings", vocab_size: Optional[int],
         fields["vocab_size"] = vocab_size
     fields.update(moe_overrides(s, zoo, p))
     fields.update(gpt_oss_overrides(s, p))
+    fields.update(mla_overrides(s, zoo, p))
     fields["sequence_parallel"] = bool(s.parallel.sequence_parallel and s.parallel.tp > 1)
     fields["params_dtype"] = params_dtype(s.precision)
     fields["attention_softmax_in_fp32"] = (s.precision.attention_softmax_in_fp32 or  # Megatron

@@ -38,7 +38,7 @@ MORE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
       "--rotary-interleaved", "--qk-l2-norm", "--qk-clip", "--attention-output-gate",
       "--relative-attention-", "--embedding-init-method-std",
       "--init-method-xavier-uniform", "--embedding-weights-in-fp32",
-      "--use-fused-weighted-squared-relu", "--multi-latent-attention",
+      "--use-fused-weighted-squared-relu",
       "--experimental-attention-variant"),
      "this layer variant is not implemented in gigatron's GPT (docs/FLAGS.md lists the model "
      "flags it has); it would change the model, so it is refused rather than ignored"),
@@ -132,5 +132,5 @@ MORE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("--universal-checkpoint",),
      "gigatron's torch_dist checkpoints load into any layout without conversion"),
     (("--onnx-safe",), "ONNX export is not part of gigatron"),
-    (("--no-yarn-", "--disable-mamba"), "not implemented (YaRN RoPE and Mamba are not)"),
+    (("--disable-mamba",), "not implemented (Mamba is not)"),
 )

@@ -1,0 +1,78 @@
+"""Multi-latent attention trains the same model in every layout as on one device: a tiny fp32
+MLA GPT (query and key/value latents with their norms, YaRN with its softmax mscale, value
+heads narrower than query/key heads) pretrained for a few iterations by the real program
+(pretrain.main on forked gloo ranks, --mock-data) logs the one-rank run's losses and ends
+with its full parameters (tp slices gathered), within 1e-4 relative.
+
+Layouts: tp2 without and with --sequence-parallel (the shared positional key's gradient
+summed over tp: without that sum, as Megatron-Core's column-parallel down-projections
+have it, tp2 moves linear_kv_down_proj off by far more than 1e-4), cp2 under p2p, all_gather
+and a2a (the narrower values padded to the query/key head size for the cp blocks), pp2
+interleaved (4 layers, 2 virtual stages), dp2 with ZeRO 3 and full recomputation, tp2 with
+selective recomputation.
+"""
+from __future__ import annotations
+
+import pytest
+
+from multirank import run_on_ranks
+from test_context_parallel import GPT, _losses, _relative, _train_layout
+
+RTOL = 1e-4
+MLA = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 "
+       "--qk-pos-emb-head-dim 4 --v-head-dim 6 --qk-layernorm --normalization RMSNorm "
+       "--position-embedding-type rope --rope-type yarn --rotary-scaling-factor 4 "
+       "--mscale-all-dim 1 --yarn-original-max-position-embeddings 8").split()
+FOUR_LAYERS = ["--num-layers", "4"]
+
+# name -> (ranks, flags, flags the one-rank reference shares)
+LAYOUTS = {
+    "tp2": (2, ["--tensor-model-parallel-size", "2"], ()),
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ()),
+    "cp2_p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"], ()),
+    "cp2_all_gather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+                       ()),
+    "cp2_a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ()),
+    "pp2_vp2": (2, "--pipeline-model-parallel-size 2 "
+                   "--num-layers-per-virtual-pipeline-stage 1".split(), tuple(FOUR_LAYERS)),
+    "dp2_zero3_recompute": (2, "--zero-stage 3 --recompute-granularity full "
+                               "--recompute-method uniform --recompute-num-layers 1".split(), ()),
+    "tp2_selective": (2, ["--tensor-model-parallel-size", "2", "--recompute-granularity",
+                          "selective"], ()),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache = {}
+
+    def get(shared):
+        if shared not in cache:
+            metrics = str(tmp_path_factory.mktemp("one") / "one.jsonl")
+            params = run_on_ranks(_train_layout, 1, GPT + MLA + list(shared), metrics,
+                                  timeout=300)[0]
+            cache[shared] = params, _losses(metrics)
+        return cache[shared]
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mla_layout_trains_the_one_device_model(references, tmp_path, layout):
+    ranks, flags, shared = LAYOUTS[layout]
+    ref_params, ref_losses = references(shared)
+    metrics = str(tmp_path / "metrics.jsonl")
+    per_rank = run_on_ranks(_train_layout, ranks, GPT + MLA + list(shared) + flags, metrics,
+                            timeout=300)
+    losses = _losses(metrics)
+    assert len(losses) == len(ref_losses) > 0
+    loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    params = {}
+    for rank_params in per_rank:
+        params.update(rank_params)
+    assert set(params) - set(ref_params) <= {"output_layer.weight"}
+    assert set(ref_params) <= set(params)
+    assert any("linear_kv_down_proj" in name for name in params)
+    errors = {n: _relative(params[n], ref_params[n]) for n in ref_params}
+    worst = max(errors, key=errors.get)
+    print(f"{layout}: loss error {loss_error:.2e}, param error {errors[worst]:.2e} ({worst})")
+    assert loss_error <= RTOL and errors[worst] <= RTOL, (loss_error, worst, errors[worst])
