@@ -5,6 +5,7 @@ runs `gigatron COMMAND ...`, `python -m gigatron COMMAND ...`, `pretrain_gpt.py 
 lines joined — is handed to its command's own parser, in this process (argparse only: nothing
 is trained, loaded or written).
 
+Indented code blocks are read too, where a line starts with such a command.
 What is checked: the command exists, every flag is known, every value has its type and
 choice; for pretrain_gpt.py's flags not their combination (that needs the data). What is
 skipped: placeholders that are clearly not literal (`...`, `<the run's flags>`, an
@@ -34,6 +35,8 @@ REST_IS_PRETRAIN = {"evaluate", "generate", "plan"}
 TOOLS = {"pretrain_gpt.py": "pretrain", "preprocess_data.py": "preprocess-data",
          "train_tokenizer.py": "train-tokenizer"}
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")
+INDENTED_COMMAND = re.compile(r"^(gigatron |python3? (-m gigatron |\S*pretrain_gpt\.py|tools/)|"
+                              r"torchrun |\S*pretrain_gpt\.py )")
 
 
 def pages() -> List[str]:
@@ -44,7 +47,8 @@ def pages() -> List[str]:
 
 def shell_lines(text: str) -> List[Tuple[int, str]]:
     """(line number, logical line) of each command line in a fenced block: every line of a
-    shell fence, `$ ` lines of other fences; continuation lines joined."""
+    shell fence, `$ ` lines of other fences; and of an indented code block, the lines that
+    start with a gigatron command; continuation lines joined."""
     out: List[Tuple[int, str]] = []
     fence: Optional[str] = None
     pending, start = "", 0
@@ -54,11 +58,13 @@ def shell_lines(text: str) -> List[Tuple[int, str]]:
             fence = None if fence is not None else stripped[3:].strip().lower()
             pending = ""
             continue
-        if fence is None:
-            continue
+        if fence is None and not pending:
+            # an indented code block (4 spaces) that runs a command: checked as a shell fence
+            if not (line.startswith("    ") and INDENTED_COMMAND.match(stripped)):
+                continue
         if not pending:
             start = number
-            if fence not in SHELL_FENCES:
+            if fence is not None and fence not in SHELL_FENCES:
                 if not stripped.startswith("$ "):
                     continue
             if stripped.startswith("$ "):
@@ -267,7 +273,9 @@ gigatron launch --num_gpus 2 gigatron pretrain --model debug-gpt2 \\
     ("```text\n$ gigatron pretrian --help\n```", "unknown command 'pretrian'"),
     ("```bash\ngigatron topology --world-size 8 && gigatron plan --gpu h100-sxm --lrr 1\n```",
      "--lrr"),
-], ids=["launch-continuation", "torchrun", "python-m", "prompt", "command", "chain"])
+    ("Run:\n\n    gigatron plan --gpu h100-sxm \\\n        --num-gpus 8 --lrr 1\n", "--lrr"),
+], ids=["launch-continuation", "torchrun", "python-m", "prompt", "command", "chain",
+        "indented"])
 def test_an_injected_bad_flag_fails_the_check(text, expected):
     problems, checked = check_text(text)
     assert checked >= 1 and len(problems) == 1 and expected in problems[0], problems
