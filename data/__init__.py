@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gigatron.data.blended_dataset import BlendedDataset, blend_indices, parse_data_path
     from gigatron.data.builder import GPTDataConfig, build_train_valid_test_datasets
-    from gigatron.data.gpt_dataset import GPTDataset, MockIndexedDataset
+    from gigatron.data.gpt_dataset import GPTDataset
+    from gigatron.data.mock_dataset import MockGPTDataset, MockIndexedDataset
     from gigatron.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder,
                                                IndexedDatasetError, token_dtype_for_vocab)
     from gigatron.data.samplers import PretrainingSampler, build_pretraining_data_loader
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 _HOMES = {"BlendedDataset": "blended_dataset", "blend_indices": "blended_dataset",
           "parse_data_path": "blended_dataset", "GPTDataConfig": "builder",
           "build_train_valid_test_datasets": "builder", "GPTDataset": "gpt_dataset",
-          "MockIndexedDataset": "gpt_dataset", "IndexedDataset": "indexed_dataset",
+          "MockIndexedDataset": "mock_dataset", "MockGPTDataset": "mock_dataset",
+          "IndexedDataset": "indexed_dataset",
           "IndexedDatasetBuilder": "indexed_dataset", "IndexedDatasetError": "indexed_dataset",
           "token_dtype_for_vocab": "indexed_dataset", "PretrainingSampler": "samplers",
           "build_pretraining_data_loader": "samplers", "Tokenizer": "tokenizer",

@@ -8,9 +8,9 @@ import numpy as np
 
 from gigatron.data.blended_dataset import (BlendedDataset, normalise_weights,
                                                parse_data_path, samples_per_dataset)
-from gigatron.data.gpt_dataset import (GPTDataset, MockIndexedDataset, SampleDataset,
-                                       default_cache_dir)
+from gigatron.data.gpt_dataset import GPTDataset, SampleDataset, default_cache_dir
 from gigatron.data.indexed_dataset import IndexedDataset
+from gigatron.data.mock_dataset import MockGPTDataset, MockIndexedDataset
 from gigatron.data.splits import SPLIT_NAMES, parse_split, split_ranges
 from gigatron.data.token_range import check_token_range
 from gigatron.parallel.comm import Group
@@ -48,8 +48,10 @@ class GPTDataConfig:
 
 
 def _gpt(config: GPTDataConfig, indexed, documents, num_samples: int, name: str, group):
-    cache = config.data_cache_path or default_cache_dir(
-        None if isinstance(indexed, MockIndexedDataset) else indexed.path_prefix)
+    if isinstance(indexed, MockIndexedDataset):  # samples computed per index, nothing cached
+        return MockGPTDataset(indexed, documents, num_samples, config.seq_length, config.seed,
+                              config.eod, config.eod_mask_loss, name)
+    cache = config.data_cache_path or default_cache_dir(indexed.path_prefix)
     return GPTDataset(indexed, documents, num_samples, config.seq_length, config.seed,
                       config.eod, config.eod_mask_loss, cache, group, name)
 
@@ -108,8 +110,7 @@ def build_train_valid_test_datasets(config: GPTDataConfig,
         indexed: List[Union[MockIndexedDataset, IndexedDataset]]
         if config.mock_data:
             assert config.vocab_size is not None and config.eod is not None  # validate() checked
-            indexed, weights = [MockIndexedDataset(config.vocab_size, config.eod,
-                                                   seed=config.seed)], None
+            indexed, weights = [MockIndexedDataset(config.vocab_size, config.eod)], None
         else:
             prefixes, weights = parse_data_path(config.data_path or [])
             indexed = list(_open(prefixes, config, group))
@@ -160,7 +161,7 @@ def describe_datasets(datasets: Sequence[Optional[SampleDataset]]) -> List[str]:
 
 
 def _source(ds: Any) -> str:
-    if not isinstance(ds, GPTDataset):
+    if not isinstance(ds, (GPTDataset, MockGPTDataset)):
         return ""
     docs = "document" if ds.num_documents == 1 else "documents"
     return (f" from {ds.num_documents:,} {docs}, {ds.tokens_per_epoch:,} tokens, "

@@ -112,31 +112,3 @@ def gpt_sample(tokens: np.ndarray, eod: Optional[int], eod_mask_loss: bool
     return {"tokens": inputs, "labels": labels, "loss_mask": loss_mask,
             "position_ids": np.arange(len(inputs), dtype=np.int64)}
 
-
-class MockIndexedDataset:
-    """Deterministic synthetic documents with the indexed-dataset interface (--mock-data).
-
-    Document d has a length drawn from (seed, d) and tokens drawn from (seed, d) in
-    [0, eod), ending with `eod`.
-    """
-
-    def __init__(self, vocab_size: int, eod: int, num_documents: int = 4096,
-                 max_length: int = 1024, seed: int = 0) -> None:
-        if not 0 <= eod < vocab_size:
-            raise ValueError(f"mock data: eod {eod} outside the vocabulary of {vocab_size}")
-        self.vocab_size, self.eod, self.seed = vocab_size, eod, seed
-        self.path_prefix = f"mock-v{vocab_size}-d{num_documents}-l{max_length}-s{seed}"
-        rng = np.random.default_rng([seed, num_documents])
-        self.sequence_lengths = rng.integers(2, max_length + 1, num_documents).astype(np.int32)
-        self.dtype = np.dtype(np.int64)
-
-    def __len__(self) -> int:
-        return len(self.sequence_lengths)
-
-    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
-        size = int(self.sequence_lengths[idx])
-        length = size - offset if length is None else length
-        rng = np.random.default_rng([self.seed, int(idx), 7])
-        tokens = rng.integers(0, max(self.eod, 1), size)
-        tokens[-1] = self.eod
-        return tokens[offset:offset + length]

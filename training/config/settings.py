@@ -289,7 +289,8 @@ class DataSettings:
                                                    "--valid-data-path", metavar="PATH")
     test_data_path: Optional[List[str]] = setting(None, "test prefixes (weighted)",
                                                   "--test-data-path", metavar="PATH")
-    mock_data: bool = setting(False, "random tokens instead of a corpus", "--mock-data")
+    mock_data: bool = setting(False, "Megatron-Core's mock documents instead of a corpus",
+                              "--mock-data")
     data_cache_path: Optional[str] = setting(None, "where sample indices are cached",
                                              "--data-cache-path")
     tokenizer_type: Optional[str] = setting(
