@@ -162,3 +162,24 @@ def test_kv_cache_steps_with_windows_and_sinks_equal_the_full_forward():
     assert generate(model, prompts, 8, use_cache=False).tokens == cached.tokens
     for prompt, tokens in zip(prompts, cached.tokens):
         assert generate(model, [prompt], 8).tokens[0] == tokens
+
+
+@pytest.mark.parametrize("name, total, active", [("gpt-oss-20b", 20_914_757_184, 3.61e9),
+                                                 ("gpt-oss-120b", 116_829_156_672, 5.13e9)])
+def test_zoo_counts_are_the_published_ones(name, total, active):
+    """Totals: transformers' GptOssForCausalLM of the published config.json (sinks, router
+    and expert biases included), i.e. OpenAI's 20.9B and 116.8B. Active: OpenAI's model
+    card counts the routed experts a token uses (4 of 32 or 128) and not the input
+    embedding: 3.61B and 5.13B."""
+    from gigatron.models.gpt import GPTModel
+    from gigatron.models.zoo import load_config
+
+    config = load_config(name)
+    model = GPTModel(config, device=torch.device("meta"))
+    counts = {n: p.numel() for n, p in model.named_parameters()}
+    assert sum(counts.values()) == total
+    experts = sum(n for name_, n in counts.items() if ".mlp.experts." in name_)
+    unused = experts * (1 - config.moe_router_topk / config.num_moe_experts)
+    embedding = counts["embedding.word_embeddings.weight"]
+    assert round((total - unused - embedding) / 1e7) == round(active / 1e7)
+    assert [is_window_layer(config, i) for i in range(4)] == [True, False, True, False]

@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from gigatron.models.attention_kinds import GATED
 from gigatron.models.transformer import ACTIVATIONS, mlp_activation
 from gigatron.parallel.expert.dispatch import LocalDispatcher
 
@@ -79,14 +80,14 @@ class RoutedExperts(nn.Module):
                  params_dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
-        if activation != "swiglu" and activation not in ACTIVATIONS:
-            known = ", ".join(["swiglu", *ACTIVATIONS])
+        if activation not in GATED and activation not in ACTIVATIONS:
+            known = ", ".join([*GATED, *ACTIVATIONS])
             raise ValueError(f"RoutedExperts activation={activation!r}: use one of {known}")
         if num_experts < 1:
             raise ValueError(f"RoutedExperts num_experts={num_experts}: needs at least 1 expert")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
-        self.swiglu = activation == "swiglu"
+        self.swiglu = activation in GATED  # a gated unit: fc1 holds [gate, linear]
         self.activation = mlp_activation(activation)
         self.grouped_gemm = grouped_gemm
         fc1_size = 2 * ffn_hidden_size if self.swiglu else ffn_hidden_size

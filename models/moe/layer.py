@@ -34,7 +34,7 @@ from gigatron.models.moe.config_checks import router_config
 from gigatron.models.moe.experts import RoutedExperts
 from gigatron.models.moe.router import Router, RouterOutput
 from gigatron.models.moe.sharded_losses import tp_reduced_losses
-from gigatron.models.transformer import MLP, output_init_std
+from gigatron.models.transformer import MLP, mlp_activation, output_init_std
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.expert.dispatch import LocalDispatcher, TokenDispatcher
@@ -83,6 +83,9 @@ class MoELayer(nn.Module):
         self.experts = RoutedExperts(local, h, ffn, config.activation,
                                      config.moe_grouped_gemm, config.init_method_std,
                                      output_init_std(config), config.params_dtype, device)
+        # the gated unit's offset and clamp (gpt-oss's quick GeGLU: 1 and 7)
+        self.experts.activation = mlp_activation(config.activation, config.glu_linear_offset,
+                                                 config.activation_func_clamp_value)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = MLP(config, tp_group, device,
