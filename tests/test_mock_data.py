@@ -37,8 +37,9 @@ def test_megatron_mixtral_split_with_ten_eval_iters_has_valid_and_test_samples()
     train, valid, test = build_train_valid_test_datasets(config, [256 * 100, 2560, 2560])
     assert (train.num_documents, valid.num_documents, test.num_documents) == (99_990, 8, 2)
     assert len(valid) >= 2560 and len(test) >= 2560
-    sample = valid[len(valid) - 1]
-    assert sample["tokens"].shape == (4096,) and sample["labels"].shape == (4096,)
+    for split in (valid, test):  # the test split's 869 tokens per epoch: samples span epochs
+        sample = split[len(split) - 1]
+        assert sample["tokens"].shape == (4096,) and sample["labels"].shape == (4096,)
     valid_documents = np.arange(99_990, 99_998)
     assert valid.tokens_per_epoch == int(valid.indexed_dataset.sequence_lengths[
         valid_documents].sum())
