@@ -56,6 +56,8 @@ def _reference_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     s, b, h = x.shape
     tokens = x.reshape(s * b, h)
     logits = tokens @ layer.router.weight.t()
+    if layer.router.bias is not None:
+        logits = logits + layer.router.bias
     topk = layer.router.config.topk
     top = logits.topk(topk, dim=-1)
     weights = torch.softmax(top.values, dim=-1)
@@ -65,14 +67,16 @@ def _reference_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         total = torch.zeros(h)
         for j in range(topk):
             e = int(top.indices[t, j])
-            gate, up = (tokens[t] @ w1[e]).chunk(2)
-            total = total + weights[t, j] * ((F.silu(gate) * up) @ w2[e])
+            b1, b2 = (0, 0) if layer.experts.bias1 is None else \
+                (layer.experts.bias1[e], layer.experts.bias2[e])  # type: ignore[index]
+            gate, up = (tokens[t] @ w1[e] + b1).chunk(2)
+            total = total + weights[t, j] * ((F.silu(gate) * up) @ w2[e] + b2)
         rows.append(total)
     out = torch.stack(rows)
     shared = layer.shared_experts
-    assert shared is not None
-    gate, up = (tokens @ shared.linear_fc1.weight.t()).chunk(2, dim=-1)
-    out = out + (F.silu(gate) * up) @ shared.linear_fc2.weight.t()
+    if shared is not None:
+        gate, up = (tokens @ shared.linear_fc1.weight.t()).chunk(2, dim=-1)
+        out = out + (F.silu(gate) * up) @ shared.linear_fc2.weight.t()
     # Switch Transformer: coeff * E * sum_i (share of choices of i) * (mean softmax score of i)
     experts, num_tokens = logits.shape[1], s * b
     scores = torch.softmax(logits, dim=-1)
@@ -98,6 +102,37 @@ def test_moe_model_equals_hand_written_reference_output_and_every_grad() -> None
     assert set(grads) == set(ref_grads) and any("experts.weight1" in n for n in grads)
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_expert_biases_equal_hand_written_reference_output_and_every_grad(grouped: bool) -> None:
+    """--add-bias-linear (Megatron's default) with experts: a router bias and per-expert fc1
+    and fc2 biases, the fc2 bias weighted by the router probability (Megatron-Core's
+    TEGroupedMLP / SequentialMLP)."""
+    model = GPTModel(_config(add_bias_linear=True, moe_shared_expert_intermediate_size=None,
+                             moe_grouped_gemm=grouped), seed=3)
+    with torch.no_grad():  # the expert biases start at zero: make them count
+        for name, param in model.named_parameters():
+            if ".experts.bias" in name:
+                param.normal_(generator=torch.Generator().manual_seed(len(name)))
+    ids = _batch()
+    total, _, grads = _loss_and_grads(model, ids)
+    for layer in moe_layers([model]):
+        layer.forward = (lambda x, layer=layer: _reference_moe(layer, x))  # type: ignore
+    ref_total, _, ref_grads = _loss_and_grads(model, ids)
+    torch.testing.assert_close(total, ref_total, **TOL)
+    for name in ("router.bias", "experts.bias1", "experts.bias2"):
+        assert any(n.endswith(name) for n in grads), name
+    assert set(grads) == set(ref_grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=name)
+    # stacked [E, n] but biases: no weight decay, as Megatron-Core's 1-D bias per expert
+    from gigatron.parallel.zero.param_groups import megatron_param_groups
+
+    decayed = {id(p) for g in megatron_param_groups([model], 0.1) if g["weight_decay"]
+               for p in g["params"]}
+    biases = [p for n, p in model.named_parameters() if ".experts.bias" in n]
+    assert biases and not any(id(p) in decayed for p in biases)
 
 
 def test_state_dict_names_are_the_agreed_ones() -> None:
@@ -297,7 +332,8 @@ def test_bad_moe_config_gives_one_line_per_problem() -> None:
     assert len(lines) == 7
     with pytest.raises(ValueError, match="^num_moe_experts .* divisible by moe_router_num_groups"):
         _config(moe_router_num_groups=3)
-    with pytest.raises(ValueError, match="add_bias_linear=False"):
+    with pytest.raises(ValueError, match="^moe_shared_expert_intermediate_size needs "
+                       "add_bias_linear=False"):
         _config(add_bias_linear=True)
     with pytest.raises(ValueError, match="moe_aux_loss_coeff must be 0 with"):
         _config(moe_router_load_balancing_type="sinkhorn")

@@ -59,6 +59,9 @@ def unsupported(args: argparse.Namespace) -> List[str]:
     if _get(args, "add_qkv_bias", default=False) and not _get(args, "add_bias_linear",
                                                               default=True):
         out.append("add_qkv_bias without add_bias_linear (gigatron has one add_bias_linear)")
+    if _get(args, "num_experts") and _get(args, "add_bias_linear", default=True):
+        out.append("add_bias_linear with num_experts (experts with biases: gigatron trains "
+                   "them, but does not read Megatron-Core's expert and router biases)")
     return out
 
 

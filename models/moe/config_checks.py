@@ -157,9 +157,10 @@ def _layer_problems(config: "TransformerConfig", tp: int) -> List[str]:
     if config.moe_shared_expert_gate:
         out.append("moe_shared_expert_gate (--moe-shared-expert-gate) is not supported: "
                    "drop it (shared experts are added ungated)")
-    if config.add_bias_linear:
-        out.append("num_moe_experts needs add_bias_linear=False (--disable-bias-linear): the "
-                   "router and routed experts here have no biases")
+    if config.add_bias_linear and shared is not None:
+        out.append("moe_shared_expert_intermediate_size needs add_bias_linear=False "
+                   "(--disable-bias-linear): shared experts have no biases (as in "
+                   "Megatron-Core)")
     return out
 
 

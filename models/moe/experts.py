@@ -5,6 +5,10 @@ gather rows by the routing map, expert-major), every expert MLP runs on its rows
 outputs, weighted by the router probability, are scatter-added back to their tokens
 (unpermute). Expert weights are stacked per kind, `weight1` [E, h, 2f or f] and `weight2`
 [E, f, h] as in Megatron-Core's GroupedMLP, so expert parallelism can later shard dim 0.
+With biases (Megatron's default --add-bias-linear, as Megatron-Core's TEGroupedMLP and
+SequentialMLP build them) each expert also has `bias1` [E, 2f or f], added before the
+activation, and `bias2` [E, h], added to its output before the router probability weights it
+(Megatron-Core: output + bias x prob); both start at zero.
 The expert matmuls run as a loop over experts or as one grouped matmul (`torch._grouped_mm`,
 Megatron's --moe-grouped-gemm), with the same numerics; the grouped path falls back to the
 loop where the running torch cannot serve it (see `grouped_mm_supported`).
@@ -16,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from gigatron.models.attention_kinds import GATED
 from gigatron.models.transformer import ACTIVATIONS, mlp_activation
@@ -78,7 +83,11 @@ class RoutedExperts(nn.Module):
                  activation: str = "swiglu", grouped_gemm: bool = False,
                  init_method_std: float = 0.02, output_init_std: Optional[float] = None,
                  params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, add_bias: bool = False,
+                 output_bias_slice: Tuple[int, int] = (0, 1)) -> None:
+        """`output_bias_slice` (rank, size): under expert tensor parallelism each etp rank
+        holds this slice of bias2's hidden columns and adds it to its partial outputs, which
+        the dispatcher sums over etp, so the full bias is added once."""
         super().__init__()
         if activation not in GATED and activation not in ACTIVATIONS:
             known = ", ".join([*GATED, *ACTIVATIONS])
@@ -98,6 +107,19 @@ class RoutedExperts(nn.Module):
                                                 dtype=params_dtype, device=device))
         nn.init.normal_(self.weight1, std=init_method_std)
         nn.init.normal_(self.weight2, std=init_method_std if output_init_std is None else output_init_std)
+        self.output_bias_slice = output_bias_slice
+        self.bias1: Optional[nn.Parameter] = None
+        self.bias2: Optional[nn.Parameter] = None
+        if add_bias:
+            rank, size = output_bias_slice
+            if hidden_size % size:
+                raise ValueError(f"RoutedExperts: hidden size {hidden_size} is not divisible by "
+                                 f"the expert-tensor-parallel size {size} (each etp rank holds "
+                                 f"an equal slice of the experts' output biases)")
+            self.bias1 = nn.Parameter(torch.zeros(num_experts, fc1_size, dtype=params_dtype,
+                                                  device=device))
+            self.bias2 = nn.Parameter(torch.zeros(num_experts, hidden_size // size,
+                                                  dtype=params_dtype, device=device))
 
     def uses_grouped_mm(self, hidden: torch.Tensor) -> bool:
         """Whether forward on hidden like this one runs torch._grouped_mm (else the loop)."""
@@ -119,9 +141,20 @@ class RoutedExperts(nn.Module):
     def forward_rows(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The expert MLPs on expert-major rows [R, h] (`tokens_per_expert` rows each, in the
         order of this module's experts) -> [R, h], unweighted."""
-        h = self.activation(expert_matmul(rows, self.weight1, tokens_per_expert,
-                                          self.grouped_gemm))
-        return expert_matmul(h, self.weight2, tokens_per_expert, self.grouped_gemm)
+        h = expert_matmul(rows, self.weight1, tokens_per_expert, self.grouped_gemm)
+        if self.bias1 is None or self.bias2 is None:
+            return expert_matmul(self.activation(h), self.weight2, tokens_per_expert,
+                                 self.grouped_gemm)
+        # each row's expert, from the device counts (output_size: no host read)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(self.num_experts, device=rows.device), tokens_per_expert,
+            output_size=rows.shape[0])
+        h = self.activation(h + self.bias1[expert_of_row])
+        out = expert_matmul(h, self.weight2, tokens_per_expert, self.grouped_gemm)
+        rank, size = self.output_bias_slice
+        width = self.bias2.shape[1]
+        bias2 = F.pad(self.bias2, (rank * width, (size - rank - 1) * width))
+        return out + bias2[expert_of_row]
 
     def _check_inputs(self, hidden: torch.Tensor, probs: torch.Tensor,
                       routing_map: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from gigatron.parallel.tensor import gather_from_sequence_parallel_region, tp_si
 from gigatron.parallel.expert.init import mark_expert_parallel
 from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
 from gigatron.parallel.tensor.mappings import scatter_to_sequence_parallel_region
+from gigatron.parallel.zero.param_groups import NO_DECAY_ATTR
 
 # builds a layer's dispatcher from the number of routed experts (LocalDispatcher: all here)
 DispatcherFactory = Callable[[int], TokenDispatcher]
@@ -73,7 +74,7 @@ class MoELayer(nn.Module):
         self.router = Router(router_config(config), h, config.moe_router_load_balancing_type,
                              config.moe_aux_loss_coeff, config.moe_z_loss_coeff,
                              config.moe_router_dtype, config.init_method_std,
-                             config.params_dtype, device)
+                             config.params_dtype, device, add_bias=config.add_bias_linear)
         self.dispatcher = dispatcher_factory(experts)
         self.expert_parallel = not isinstance(self.dispatcher, LocalDispatcher)
         if self.expert_parallel and tp_size(tp_group) > 1 and not self.sequence_parallel:
@@ -82,7 +83,9 @@ class MoELayer(nn.Module):
         local, ffn, etp_rank, etp = self._expert_shape(config)
         self.experts = RoutedExperts(local, h, ffn, config.activation,
                                      config.moe_grouped_gemm, config.init_method_std,
-                                     output_init_std(config), config.params_dtype, device)
+                                     output_init_std(config), config.params_dtype, device,
+                                     add_bias=config.add_bias_linear,
+                                     output_bias_slice=(etp_rank, etp))
         # the gated unit's offset and clamp (gpt-oss's quick GeGLU: 1 and 7)
         self.experts.activation = mlp_activation(config.activation, config.glu_linear_offset,
                                                  config.activation_func_clamp_value)
@@ -118,20 +121,29 @@ class MoELayer(nn.Module):
         std, out_std = config.init_method_std, output_init_std(config)
         experts, h = config.num_moe_experts, config.hidden_size
         assert experts is not None
-        set_parallel_attributes(self.router.weight, InitSpec(
-            "normal", tuple(self.router.weight.shape), std),
-            sequence_parallel=self.expert_parallel and self.sequence_parallel)
+        for param in (self.router.weight, self.router.bias):
+            if param is not None:
+                set_parallel_attributes(param, InitSpec("normal", tuple(param.shape), std),
+                                        sequence_parallel=self.expert_parallel
+                                        and self.sequence_parallel)
         full1 = (experts, h, self.experts.weight1.shape[2] * etp)
         full2 = (experts, self.experts.weight2.shape[1] * etp, h)
         set_parallel_attributes(self.experts.weight1, InitSpec("normal", full1, std))
         set_parallel_attributes(self.experts.weight2, InitSpec("normal", full2, out_std))
+        stride = 2 if self.experts.swiglu else 1
+        # (param, dim split over etp, its stride): SwiGLU's gate and up halves each sliced
+        boxes = [(self.experts.weight1, 2, stride), (self.experts.weight2, 1, 1)]
+        if self.experts.bias1 is not None and self.experts.bias2 is not None:
+            set_parallel_attributes(self.experts.bias1, InitSpec("zeros", (experts, full1[2])))
+            set_parallel_attributes(self.experts.bias2, InitSpec("zeros", (experts, h)))
+            boxes += [(self.experts.bias1, 1, stride), (self.experts.bias2, 1, 1)]
+            for bias in (self.experts.bias1, self.experts.bias2):
+                setattr(bias, NO_DECAY_ATTR, True)  # biases, stacked: no weight decay
         if not self.expert_parallel:
             return
         local = self.dispatcher.num_local_experts
         ep_rank, ep = getattr(self.dispatcher, "first_expert") // local, experts // local
-        stride = 2 if self.experts.swiglu else 1
-        for param, etp_dim, etp_stride in ((self.experts.weight1, 2, stride),
-                                           (self.experts.weight2, 1, 1)):
+        for param, etp_dim, etp_stride in boxes:
             mark_expert_parallel(param, ((0, ep_rank, ep, 1),
                                          (etp_dim, etp_rank, etp, etp_stride)))
 

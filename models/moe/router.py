@@ -310,14 +310,15 @@ class RouterOutput:
 
 
 class Router(nn.Module):
-    """The gating linear (weight [E, h], no bias; Megatron-Core's ``router.weight``), the
-    routing, and the balancing losses; the expert bias is a buffer of fp32 ``expert_bias``."""
+    """The gating linear (weight [E, h]; with `add_bias` also ``bias`` [E], as Megatron-Core's
+    router under --add-bias-linear), the routing, and the balancing losses; the expert bias
+    is a buffer of fp32 ``expert_bias``."""
 
     def __init__(self, config: RouterConfig, hidden_size: int,
                  load_balancing_type: str = "aux_loss", aux_loss_coeff: float = 0.0,
                  z_loss_coeff: Optional[float] = None, router_dtype: Optional[str] = None,
                  init_method_std: float = 0.02, params_dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, add_bias: bool = False) -> None:
         super().__init__()
         if load_balancing_type not in ("aux_loss", "seq_aux_loss", "sinkhorn", "none"):
             raise ValueError(f"--moe-router-load-balancing-type {load_balancing_type!r}: use "
@@ -332,6 +333,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size,
                                                dtype=params_dtype, device=device))
         nn.init.normal_(self.weight, std=init_method_std)
+        self.bias: Optional[nn.Parameter] = None
+        if add_bias:  # drawn like the weight, as Megatron-Core's router initialises it
+            self.bias = nn.Parameter(torch.empty(config.num_experts, dtype=params_dtype,
+                                                 device=device))
+            nn.init.normal_(self.bias, std=init_method_std)
         self.expert_bias: Optional[torch.Tensor]
         if config.enable_expert_bias:
             # fp32 whatever the model's dtype: the +-rate steps would vanish in bf16
@@ -343,7 +349,8 @@ class Router(nn.Module):
     def gating(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [T, E] of hidden [T, h], in --moe-router-dtype (else the input's dtype)."""
         dtype = self.router_dtype or hidden.dtype
-        return F.linear(hidden.to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
 
     def forward(self, hidden: torch.Tensor, seq_length: int,
                 with_losses: bool = False) -> RouterOutput:

@@ -104,6 +104,16 @@ def param_kind(p: nn.Parameter) -> str:
     return "sequence_parallel" if getattr(p, "sequence_parallel", False) else "default"
 
 
+# a parameter tag: no weight decay whatever its dims (experts' stacked biases [E, n], which
+# Megatron-Core holds as one 1-D bias per expert)
+NO_DECAY_ATTR = "no_weight_decay"
+
+
+def decays(p: nn.Parameter) -> bool:
+    """Megatron's decay rule: weights of 2+ dims decay, biases and norms do not."""
+    return p.dim() >= 2 and not getattr(p, NO_DECAY_ATTR, False)
+
+
 def plan_flat_groups(ordered: List[List[nn.Parameter]], groups: Optional[List[UserGroup]],
                      weight_decay: float) -> List[FlatGroupPlan]:
     """Flat groups per chunk: by (kind, ndim >= 2) with Megatron's decay rule when `groups` is
@@ -129,7 +139,7 @@ def _megatron_plans(chunk: int, params: List[nn.Parameter],
                     weight_decay: float) -> List[FlatGroupPlan]:
     keyed: Dict[Tuple[str, bool], List[nn.Parameter]] = {}
     for p in params:
-        keyed.setdefault((param_kind(p), p.dim() >= 2), []).append(p)
+        keyed.setdefault((param_kind(p), decays(p)), []).append(p)
     return [FlatGroupPlan(chunk, kind, ps, weight_decay if decay else 0.0, None)
             for (kind, decay), ps in sorted(keyed.items())]
 
@@ -150,7 +160,7 @@ def megatron_param_groups(chunks: Iterable[nn.Module], weight_decay: float,
                 continue
             seen.add(id(p))
             split = decoupled and bool(getattr(p, DECOUPLED_ATTR, False))
-            keyed.setdefault((split, p.dim() >= 2), []).append(p)
+            keyed.setdefault((split, decays(p)), []).append(p)
     return [{"params": ps, "weight_decay": weight_decay if decay else 0.0,
              "is_decoupled_lr": split} for (split, decay), ps in sorted(keyed.items())]
 
