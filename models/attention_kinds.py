@@ -94,9 +94,10 @@ def attention_kind_problems(config: Any) -> List[str]:
         if isinstance(freq, int) and freq < 1:
             out.append(f"--window-attn-skip-freq {freq}: must be >= 1")
     if config.attention_dropout and (window is not None or has_sink(config)):
-        out.append(f"--attention-dropout {config.attention_dropout} with --window-size or "
-                   f"--softmax-type {config.softmax_type}: attention dropout is not supported "
-                   f"there; set --attention-dropout 0")
+        kind = ("--window-size" if window is not None
+                else f"--softmax-type {config.softmax_type}")
+        out.append(f"--attention-dropout {config.attention_dropout} with {kind}: attention "
+                   f"dropout is not supported there; set --attention-dropout 0")
     gated = config.activation in GATED
     if not gated and (config.glu_linear_offset or config.activation_func_clamp_value is not None):
         out.append("--glu-linear-offset and --activation-func-clamp-value apply to gated "

@@ -105,7 +105,8 @@ def test_flags_md_is_generated_from_the_table():
 
 
 # a value different from the default for every flag, and the flags it needs to be valid
-SAMPLES = {"model": "gpt2-124m", "position_embedding_type": "rope", "normalization": "RMSNorm",
+SAMPLES = {"window_size": "3,0", "window_attn_skip_freq": "2",
+           "model": "gpt2-124m", "position_embedding_type": "rope", "normalization": "RMSNorm",
            "attention_backend": "unfused", "recompute_granularity": "full",
            "recompute_method": "block", "num_query_groups": 2, "hidden_size": 64,
            "ffn_hidden_size": 96, "num_attention_heads": 8, "num_layers": 6,
@@ -126,6 +127,9 @@ SAMPLES = {"model": "gpt2-124m", "position_embedding_type": "rope", "normalizati
            "moe_token_dispatcher_type": "alltoall",
            "hierarchical_context_parallel_sizes": [1, 1]}  # A x P = cp 1
 NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layers 1",
+         "window_attn_skip_freq": "--window-size 3,0 --attention-dropout 0",
+         "window_size": "--attention-dropout 0", "glu_linear_offset": "--quick-geglu",
+         "activation_func_clamp_value": "--quick-geglu",
          "hierarchical_context_parallel_sizes": "--cp-comm-type a2a+p2p",
          "delay_wgrad_compute": "--pipeline-schedule zb-h1",
          "no_position_embedding": "--position-embedding-type rope",

@@ -122,6 +122,8 @@ def test_window_layers_follow_megatron_skip_freq():
 @pytest.mark.parametrize("fields, message", [
     (dict(window_size=(4, 2)), "only causal windows"),
     (dict(attention_dropout=0.1), "--attention-dropout 0.1 with --window-size"),
+    (dict(attention_dropout=0.1, window_size=None, window_attn_skip_freq=None),
+     "--attention-dropout 0.1 with --softmax-type learnable"),
     (dict(activation="gelu"), "add --swiglu or --quick-geglu"),
     (dict(window_attn_skip_freq=[1, 0, 1]), "lists 3 layers for --num-layers 2"),
 ])
