@@ -30,6 +30,8 @@ class GPTDataConfig:
     mock_data: bool = False
     data_cache_path: Optional[str] = None
     eod_mask_loss: bool = False
+    reset_position_ids: bool = False  # data/documents.py
+    reset_attention_mask: bool = False
     eod: Optional[int] = None  # tokenizer.eod
     vocab_size: Optional[int] = None  # tokenizer.vocab_size; mock data draws tokens below it
 
@@ -48,12 +50,13 @@ class GPTDataConfig:
 
 
 def _gpt(config: GPTDataConfig, indexed, documents, num_samples: int, name: str, group):
+    resets = (config.reset_position_ids, config.reset_attention_mask)
     if isinstance(indexed, MockIndexedDataset):  # samples computed per index, nothing cached
         return MockGPTDataset(indexed, documents, num_samples, config.seq_length, config.seed,
-                              config.eod, config.eod_mask_loss, name)
+                              config.eod, config.eod_mask_loss, name, *resets)
     cache = config.data_cache_path or default_cache_dir(indexed.path_prefix)
     return GPTDataset(indexed, documents, num_samples, config.seq_length, config.seed,
-                      config.eod, config.eod_mask_loss, cache, group, name)
+                      config.eod, config.eod_mask_loss, cache, group, name, *resets)
 
 
 def _blend(config: GPTDataConfig, sources: Sequence[Tuple[Any, np.ndarray]],

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Protocol
 
 import numpy as np
 
+from gigatron.data.documents import gpt_sample
 from gigatron.data.index_cache import array_digest, cached_indices
 from gigatron.data.sample_index import build_gpt_indices, num_epochs_needed
 from gigatron.parallel.comm import Group
@@ -38,7 +39,8 @@ class SampleDataset(Protocol):
 
 
 class GPTDataset:
-    """Samples {tokens, labels, loss_mask, position_ids} from one indexed dataset's split.
+    """Samples {tokens, labels, loss_mask, position_ids (+ cu_seqlens: data/documents.py)} from
+    one indexed dataset's split.
 
     `indexed_dataset` is an `IndexedDataset` (or anything with `sequence_lengths`, `get` and
     `path_prefix`); `documents` are the sequence ids of this split.
@@ -47,11 +49,13 @@ class GPTDataset:
     def __init__(self, indexed_dataset: "IndexedDataset", documents: np.ndarray, num_samples: int,
                  seq_length: int, seed: int, eod: Optional[int] = None,
                  eod_mask_loss: bool = False, cache_dir: Optional[str] = None,
-                 group: Group = None, name: str = "train") -> None:
+                 group: Group = None, name: str = "train",
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False) -> None:
         if eod_mask_loss and eod is None:
             raise ValueError("--eod-mask-loss needs the tokenizer's eod id")
         self.indexed_dataset, self.seq_length, self.name = indexed_dataset, seq_length, name
         self.eod, self.eod_mask_loss = eod, eod_mask_loss
+        self.resets = (reset_position_ids, reset_attention_mask)  # data/documents.py
         documents = np.asarray(documents, dtype=np.int64)
         if len(documents) == 0:
             raise ValueError(f"{name} split of {indexed_dataset.path_prefix} has no documents; "
@@ -99,16 +103,5 @@ class GPTDataset:
         return np.concatenate(parts).astype(np.int64)
 
     def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
-        return gpt_sample(self.sample_tokens(idx), self.eod, self.eod_mask_loss)
-
-
-def gpt_sample(tokens: np.ndarray, eod: Optional[int], eod_mask_loss: bool
-               ) -> Dict[str, np.ndarray]:
-    """Inputs, next-token labels, loss mask (0 on eod inputs if asked) and positions."""
-    inputs, labels = tokens[:-1], tokens[1:]
-    loss_mask = np.ones(len(inputs), dtype=np.float32)
-    if eod_mask_loss:
-        loss_mask[inputs == eod] = 0.0
-    return {"tokens": inputs, "labels": labels, "loss_mask": loss_mask,
-            "position_ids": np.arange(len(inputs), dtype=np.int64)}
+        return gpt_sample(self.sample_tokens(idx), self.eod, self.eod_mask_loss, *self.resets)
 

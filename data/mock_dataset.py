@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from gigatron.data.gpt_dataset import gpt_sample
+from gigatron.data.documents import gpt_sample
 from gigatron.data.sample_index import (DOC_SALT, SAMPLE_SALT, num_epochs_needed,
                                         samples_in_epochs)
 
@@ -83,7 +83,8 @@ class MockGPTDataset:
 
     def __init__(self, indexed_dataset: MockIndexedDataset, documents: np.ndarray,
                  num_samples: int, seq_length: int, seed: int, eod: Optional[int] = None,
-                 eod_mask_loss: bool = False, name: str = "train") -> None:
+                 eod_mask_loss: bool = False, name: str = "train",
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False) -> None:
         if eod_mask_loss and eod is None:
             raise ValueError("--eod-mask-loss needs the tokenizer's eod id")
         self.documents = np.asarray(documents, dtype=np.int64)
@@ -93,6 +94,7 @@ class MockGPTDataset:
         self.indexed_dataset, self.seq_length, self.seed, self.name = (
             indexed_dataset, seq_length, seed, name)
         self.eod, self.eod_mask_loss = eod, eod_mask_loss
+        self.resets = (reset_position_ids, reset_attention_mask)  # data/documents.py
         self.sizes = np.asarray(indexed_dataset.sequence_lengths[self.documents], np.int64)
         self.tokens_per_epoch = int(self.sizes.sum())
         self.num_epochs = num_epochs_needed(num_samples, self.tokens_per_epoch, seq_length)
@@ -144,4 +146,4 @@ class MockGPTDataset:
         return self._stream(start * self.seq_length, self.seq_length + 1)
 
     def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
-        return gpt_sample(self.sample_tokens(idx), self.eod, self.eod_mask_loss)
+        return gpt_sample(self.sample_tokens(idx), self.eod, self.eod_mask_loss, *self.resets)
