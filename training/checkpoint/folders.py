@@ -26,7 +26,7 @@ from typing import IO, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
-from gigatron.training.checkpoint import integrity
+from gigatron.training.checkpoint import integrity, recorded_paths
 from gigatron.training.checkpoint.integrity import Gather, StepReport, single_process_gather
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -232,6 +232,7 @@ class SaveJob:
 
 
 def publish(root: str, iteration: int, tmp: str, final: str, metadata: Dict[str, Any]) -> None:
+    metadata = recorded_paths.store_tokenizer(tmp, metadata)  # the tokenizer's files, if named
     with open(os.path.join(tmp, METADATA), "w", encoding="utf-8") as f:
         json.dump({"format_version": FORMAT_VERSION, "iteration": iteration, **metadata}, f,
                   indent=1, default=str)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 
 from gigatron.training.checkpoint import folders as files
-from gigatron.training.checkpoint import non_persistent, rank_copies
+from gigatron.training.checkpoint import non_persistent, rank_copies, recorded_paths
 from gigatron.training.checkpoint.torch_dist import module_state, save_load
 from gigatron.training.checkpoint.torch_dist import resume as dist_resume
 from gigatron.training.checkpoint.torch_dist import state as dist_state
@@ -86,11 +86,13 @@ def layout(run: RunConfig, num_chunks: int) -> Dict[str, int]:
 
 
 def _metadata(run: RunConfig, progress: TrainProgress, num_chunks: int) -> Dict[str, Any]:
-    """metadata.json's description of the run that saved (both formats)."""
+    """metadata.json's description of the run that saved (both formats): its flags with
+    absolute paths, and the tokenizer files to store with it (recorded_paths.py)."""
+    flags = recorded_paths.recorded_flags(run.flags)
     return {**layout(run, num_chunks), "zero_stage": run.zero.zero_stage,
             "world_size": run.parallel.world_size, "consumed_train_samples":
             progress.consumed_train_samples, "model_name": run.model_name,
-            "flags": run.flags}
+            "flags": flags, **recorded_paths.tokenizer_record(flags)}
 
 
 class Checkpointer:

@@ -53,11 +53,13 @@ def fill_training_only(flags: Dict[str, Any], skip: Sequence[str] = ()) -> None:
         flags[name] = value
 
 
-def saved_flags(load: str, step: Optional[int] = None) -> Dict[str, Any]:
-    """The flags recorded in the metadata.json of the checkpoint `load` tracks (of iteration
-    `step`: --ckpt-step), with the default layout in place of the saved one when the
-    checkpoint is layout-free."""
+def saved_flags(load: str, step: Optional[int] = None) -> Tuple[str, Dict[str, Any]]:
+    """(the iteration folder, the flags recorded in its metadata.json) of the checkpoint
+    `load` tracks (of iteration `step`: --ckpt-step): the default layout in place of the
+    saved one when the checkpoint is layout-free, the tokenizer flags naming the copy of
+    the tokenizer's files it holds (training/checkpoint/recorded_paths.py)."""
     from gigatron.training.checkpoint import folders as files
+    from gigatron.training.checkpoint.recorded_paths import stored_tokenizer_flags
     from gigatron.training.config.arguments import make_parser
     from gigatron.training.checkpoint.torch_dist.save_load import checkpoint_format
 
@@ -70,25 +72,34 @@ def saved_flags(load: str, step: Optional[int] = None) -> Dict[str, Any]:
     if not isinstance(flags, dict):
         raise ValueError(f"{folder}/{files.METADATA} records no flags: it was not written by "
                          f"gigatron pretrain")
+    flags = {**flags, **stored_tokenizer_flags(folder, metadata)}
     if checkpoint_format(metadata) == "torch_dist":
         parser = make_parser()
         flags = {**flags, **{dest: parser.get_default(dest) for dest in LAYOUT}}
-    return flags
+    return folder, flags
 
 
 def inference_settings(argv: Sequence[str], load: str, prog: str,
                        overrides: Dict[str, Any]) -> "Settings":
     """The checkpoint's flags, then `overrides`, then the Megatron flags of `argv`, as typed
     settings for `arguments.build_run`; a data source given in argv replaces the saved ones
-    (they are exclusive)."""
+    (they are exclusive). A tokenizer file or data prefix the checkpoint names that is gone
+    (and not given) is an error naming the flag to give."""
+    from gigatron.training.checkpoint.recorded_paths import missing_recorded_paths
     from gigatron.training.config.arguments import given_dests, make_parser
     from gigatron.training.config.table import build_settings
+    from gigatron.training.config.validation import ConfigError
 
     step = make_parser(prog).parse_known_args(list(argv))[0].ckpt_step
-    base = {**saved_flags(load, step), **NOT_INHERITED, **overrides, "load": load}
+    folder, saved = saved_flags(load, step)
+    base = {**saved, **NOT_INHERITED, **overrides, "load": load}
     fill_training_only(base)
-    if given_dests(argv, prog) & set(DATA_SOURCES):
+    given = given_dests(argv, prog)
+    if given & set(DATA_SOURCES):
         base.update({name: None for name in DATA_SOURCES}, mock_data=False)
+    missing = missing_recorded_paths(base, given, folder)
+    if missing:
+        raise ConfigError(missing)
     # argparse fills only the attributes the namespace lacks: flags newer than the checkpoint
     return build_settings(make_parser(prog).parse_args(list(argv),
                                                        namespace=argparse.Namespace(**base)))
