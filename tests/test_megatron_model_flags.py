@@ -149,8 +149,8 @@ def test_kv_channels_set_the_head_width_and_softmax_scale():
     assert attention.core_attention.scale == pytest.approx(1 / math.sqrt(16))
     ids = torch.randint(0, 100, (2, 16))
     assert model(ids).shape[:2] == (2, 16)
-    with pytest.raises(ConfigError, match=r"hidden_size \(34\) must be divisible by "
-                                          r"num_attention_heads"):
+    with pytest.raises(ConfigError, match=r"--hidden-size \(34\) must be divisible by "
+                                          r"--num-attention-heads"):
         model_of("--hidden-size 34")
 
 
@@ -200,8 +200,8 @@ def test_interpolation_factor_divides_positions():
 
 
 def test_odd_rotary_width_is_refused():
-    with pytest.raises(ConfigError, match=r"RoPE rotates kv_channels x rotary_percent = 8 x "
-                                          r"0.4 -> 3 channels"):
+    with pytest.raises(ConfigError, match=r"RoPE rotates --kv-channels x --rotary-percent = "
+                                          r"8 x 0.4 -> 3 channels"):
         model_of("--position-embedding-type rope --rotary-percent 0.4")
 
 

@@ -149,6 +149,50 @@ def test_bad_moe_values_are_one_line_each(flags, world, line):
     assert err.value.problems[0].startswith(line), err.value.problems
 
 
+@pytest.mark.parametrize("flags, world, line", [
+    ("--num-experts 8 --moe-pad-expert-input-to-capacity", 1,
+     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
+    ("--num-experts 8 --moe-router-enable-expert-bias", 1,
+     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+    ("--num-experts 8 --moe-router-num-groups 3", 1,
+     "--num-experts (8) must be divisible by --moe-router-num-groups (3)"),
+    ("--seq-length 17 --tensor-model-parallel-size 2 --sequence-parallel", 2,
+     "--seq-length (17) must be divisible by the tensor-parallel size (2) with "
+     "--sequence-parallel"),
+    ("--hidden-size 30", 1, "--hidden-size (30) must be divisible by --num-attention-heads "
+                            "(4): change either, or give --kv-channels"),
+    ("--recompute-method uniform", 1, "--recompute-method uniform needs "
+                                      "--recompute-granularity full"),
+])
+def test_the_models_problems_name_the_flags_typed_not_config_fields(flags, world, line):
+    """issue 38: `num_moe_experts needs add_bias_linear=False` named config fields."""
+    with pytest.raises(ConfigError) as err:
+        parse_args(BASE + flags.split(), world)
+    assert len(err.value.problems) == 1, err.value.problems
+    assert err.value.problems[0].startswith(line), err.value.problems
+
+
+def test_experts_take_megatrons_default_biases_but_shared_experts_refuse_them():
+    biased = [a for a in MOE if a != "--disable-bias-linear"]
+    assert parse_args(biased, 1).model.add_bias_linear  # docs/MOE.md's recipe, no zoo
+    with pytest.raises(ConfigError) as err:
+        parse_args(biased + ["--moe-shared-expert-intermediate-size", "16"], 1)
+    assert err.value.problems == ["--moe-shared-expert-intermediate-size needs "
+                                  "--disable-bias-linear: shared experts have no biases (as "
+                                  "in Megatron-Core)"]
+
+
+def test_the_no_zoo_recipe_of_docs_moe_md_builds_at_8_ranks():
+    """issue 38: the recipe left --disable-bias-linear out and was refused."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "MOE.md")).read()
+    command = doc.split("no zoo")[1].split("```")[0].split("\n", 1)[1]
+    flags = command.replace("\\\n", " ").split("pretrain_gpt.py", 1)[1].split()
+    assert flags[-1] == "..." and "--num-experts" in flags
+    run = parse_args(flags[:-1] + "--micro-batch-size 1 --lr 1e-4 --train-iters 1 "
+                     "--mock-data --vocab-size 32000".split(), 8)
+    assert (run.model.num_moe_experts, run.model.add_bias_linear) == (8, False)
+
+
 def test_expert_parallel_sizes_must_divide_the_ranks_of_a_stage():
     with pytest.raises(ConfigError) as err:
         parse_args(MOE + ["--expert-model-parallel-size", "3"], 4)

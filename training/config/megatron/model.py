@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 from gigatron.training.config.megatron.gpt_oss import gpt_oss_overrides
 from gigatron.training.config.megatron.mla import mla_overrides
+from gigatron.training.config.megatron.flag_words import in_flag_words
 from gigatron.training.config.megatron.moe import moe_overrides
 from gigatron.training.config.table import flag_name
 
@@ -224,4 +225,6 @@ def build_model_config(s: "Settings", vocab_size: Optional[int], p: "Problems",
     config = p.run(build, *args, **fields)
     if config is not None:
         p.lines += config.problems(s.parallel.tp)
+    # the model's lines name its fields; this user typed flags
+    p.lines[n:] = [in_flag_words(line) for line in p.lines[n:]]
     return config if len(p.lines) == n and not stand_in else None
