@@ -1,6 +1,6 @@
 """Hugging Face <-> gigatron weights: GPT-2 (`GPT2LMHeadModel`), Llama (`LlamaForCausalLM`),
-Mixtral (`MixtralForCausalLM`), Qwen3 (`Qwen3ForCausalLM`) and Qwen3-MoE
-(`Qwen3MoeForCausalLM`).
+Mixtral (`MixtralForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
+(`Qwen3MoeForCausalLM`) and DeepSeek-V3 (`DeepseekV3ForCausalLM`).
 
 A Hugging Face folder holds config.json and safetensors (one file or an index of shards); an
 exported one also generation_config.json, and the tokenizer files when the run's tokenizer is
@@ -19,16 +19,17 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
-from gigatron.models import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3, hf_qwen3_moe
+from gigatron.models import hf_deepseek, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3, hf_qwen3_moe
 from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError, StateDict, require
 
 FAMILIES: Dict[str, ModuleType] = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral,
-                                   "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe}
+                                   "qwen3": hf_qwen3, "qwen3_moe": hf_qwen3_moe,
+                                   "deepseek_v3": hf_deepseek}
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3",
-                 "Qwen3MoeForCausalLM": "qwen3_moe"}
-QK_LAYERNORM_FAMILIES = ("qwen3", "qwen3_moe")  # the families with q_norm / k_norm
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
+QK_LAYERNORM_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")  # q/k (MLA: latent) norms
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -95,7 +96,10 @@ def _check_family(config: TransformerConfig, family: str) -> None:
 
 def default_family(config: TransformerConfig) -> str:
     """The Hugging Face family a config exports to: models with query/key norms as Qwen3 or
-    Qwen3-MoE, other MoE models as Mixtral, other RoPE models as Llama, the rest as GPT-2."""
+    Qwen3-MoE, other MoE models as Mixtral, other RoPE models as Llama, the rest as GPT-2;
+    multi-latent attention as DeepSeek-V3."""
+    if config.multi_latent_attention:
+        return "deepseek_v3"
     if config.qk_layernorm:
         return "qwen3_moe" if config.num_moe_experts is not None else "qwen3"
     if config.num_moe_experts is not None:

@@ -86,7 +86,24 @@ def model_flags(config: TransformerConfig) -> List[str]:
         argv.append("--attention-softmax-in-fp32")
     if config.params_dtype != torch.float32:
         argv.append("--" + _DTYPE_NAMES[config.params_dtype])
-    return [_num(a) for a in argv + _moe_flags(config)]
+    return [_num(a) for a in argv + _moe_flags(config) + _mla_flags(config)]
+
+
+def _mla_flags(config: TransformerConfig) -> List[Any]:
+    """--multi-latent-attention and its size and YaRN flags (a model with MLA only)."""
+    from gigatron.training.config.megatron.mla import MLA_FIELDS
+    from gigatron.training.config.table import flag_name, row_of
+
+    if not config.multi_latent_attention:
+        return []
+    argv: List[Any] = []
+    for setting, name in MLA_FIELDS.items():
+        value = getattr(config, name)
+        if isinstance(value, bool):  # store_true flags, or the --no- form of a True default
+            argv.append(flag_name(setting) if value else row_of(setting).spec.negative)
+        elif value is not None:
+            argv += [flag_name(setting), value]
+    return argv
 
 
 def _moe_flags(config: TransformerConfig) -> List[Any]:
