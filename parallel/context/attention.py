@@ -7,7 +7,7 @@ attention restricted to the local queries, forward and backward.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -25,11 +25,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                group: Group, comm_type: str = "p2p", causal: bool = True,
                                scale: Optional[float] = None, dropout_p: float = 0.0,
                                window: Optional[int] = None,
-                               sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               sink: Optional[torch.Tensor] = None,
+                               documents: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Attention of the local queries q [b, heads, s/cp, d] over the keys/values k, v
     [b, kv_heads, s/cp, d] of every rank of the cp `group`; returns the local output.
     a2a+p2p: the sub-groups registered for `group` (hierarchical.py). `window`, `sink`: a
-    sliding window and sink logits [heads] (band_cp.py; causal only)."""
+    sliding window and sink logits [heads]; `documents`: the whole sequence's document
+    boundaries (global positions, data/documents.py), shared by the b sequences (band_cp.py
+    for all three; causal only)."""
     if dropout_p:
         raise ValueError(f"--attention-dropout {dropout_p}: attention dropout under context "
                          f"parallelism is not supported; set --attention-dropout 0")
@@ -45,12 +48,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     sizes = None if inner is None else (comm.group_size(inner), comm.group_size(outer))
     check_context_parallel(q.shape[2] * cp, cp, q.shape[1], k.shape[1], comm_type, sizes)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if window is not None or sink is not None:
+    if window is not None or sink is not None or documents is not None:
         if not causal:
-            raise ValueError("a sliding window or sinks need causal attention")
+            raise ValueError("a sliding window, sinks or documents need causal attention")
         subgroups = (inner, outer) if inner is not None and outer is not None else None
         return band_context_attention(q, k, v, group, comm_type, window, sink, scale,
-                                      subgroups)
+                                      subgroups, documents)
     if comm_type == "a2a+p2p":
         return hierarchical_attention(q, k, v, inner, outer, causal, scale)
     if comm_type == "p2p":

@@ -9,6 +9,10 @@ only the few pairs that straddle an edge of the band are trimmed to the rows and
 that see something and masked (a block-sized mask, never a sequence x sequence one). The
 partial outputs merge exactly by their log-sum-exps.
 
+Documents packed in one sequence (data/documents.py) cut the chunks where a document starts
+(`document_pieces`); only pieces of the same document are paired, so attention stays inside
+each document with no mask beyond a band edge's, composing with the window and the sinks.
+
 A sink (gpt-oss's learned logit per head, or off-by-one's fixed 0) is one more key whose
 score is the sink and whose value is zero: it merges like a block of output 0 and
 log-sum-exp `sink`. Given the merged output and log-sum-exp every block's backward is the
@@ -16,7 +20,9 @@ kernel's own; the sink's gradient is -sum_i p_sink(i) (dO_i . O_i).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from bisect import bisect_right
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -55,10 +61,34 @@ def pair_block(q_chunk: Chunk, k_chunk: Chunk, window: Optional[int],
     return rows, cols, mask
 
 
+def document_pieces(chunks: Sequence[Chunk], documents: Sequence[int]
+                    ) -> List[Tuple[int, Chunk]]:
+    """(document number, piece) of each chunk cut where a document starts; `documents`: the
+    sequence's increasing boundaries in global positions, from 0 to its length."""
+    pieces = []
+    for row, rows, start in chunks:
+        end, pos = start + rows, start
+        doc = bisect_right(documents, start) - 1
+        while pos < end:
+            stop = min(end, documents[doc + 1])
+            pieces.append((doc, (row + pos - start, stop - pos, pos)))
+            pos, doc = stop, doc + 1
+    return pieces
+
+
 def plan_blocks(q_chunks: Sequence[Chunk], k_chunks: Sequence[Chunk], window: Optional[int],
-                device: Optional[torch.device] = None) -> List[Block]:
-    """Every block the query chunks attend among the key chunks (the rest is skipped)."""
-    blocks = [pair_block(q, k, window, device) for q in q_chunks for k in k_chunks]
+                device: Optional[torch.device] = None,
+                documents: Optional[Sequence[int]] = None) -> List[Block]:
+    """Every block the query chunks attend among the key chunks (the rest is skipped);
+    with `documents` (boundaries, see document_pieces) only within each document."""
+    if documents is None:
+        pairs = [(q, k) for q in q_chunks for k in k_chunks]
+    else:
+        keys: Dict[int, List[Chunk]] = defaultdict(list)
+        for doc, piece in document_pieces(k_chunks, documents):
+            keys[doc].append(piece)
+        pairs = [(q, k) for doc, q in document_pieces(q_chunks, documents) for k in keys[doc]]
+    blocks = [pair_block(q, k, window, device) for q, k in pairs]
     return [block for block in blocks if block is not None]
 
 
@@ -194,10 +224,11 @@ class BandAttention(torch.autograd.Function):
 
 
 def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
-                   sink: Optional[torch.Tensor] = None, scale: Optional[float] = None
-                   ) -> torch.Tensor:
+                   sink: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                   documents: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Causal attention of q [b, h, s, d] over k, v [b, g, s, d] (one device) inside the
-    band `window` (None: no window), with sink logits [h] (None: none)."""
+    band `window` (None: no window), with sink logits [h] (None: none), within each of the
+    `documents` (boundaries, shared by the b sequences; None: one document)."""
     chunks = sequence_chunks(q.shape[2], window)
-    blocks = plan_blocks(chunks, chunks, window, q.device)
+    blocks = plan_blocks(chunks, chunks, window, q.device, documents)
     return BandAttention.apply(q, k, v, sink, blocks, scale)

@@ -12,13 +12,15 @@ masked, and only the blocks straddling the band's edges are masked (block-sized 
   a2a         heads split over cp (ulysses.py): the whole sequence on one rank, band.py as is,
               with this rank's slice of the sinks.
   a2a+p2p     heads over the inner group, the band ring over the outer (hierarchical.py).
-The sink (one logit per head) merges after the last block; its gradient on each rank covers
+Packed documents (boundaries in global positions) only change the plan: pieces of different
+documents are never paired (band.py's `plan_blocks`). The sink (one logit per head) merges
+after the last block; its gradient on each rank covers
 its local queries (and heads), so summing the gradients over cp, as for every replicated
 parameter, gives the whole.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,12 +41,13 @@ def local_chunks(local_length: int, cp: int, rank: int) -> List[Chunk]:
     return [(i * half, half, c * half) for i, c in enumerate(rank_chunks(cp, rank))]
 
 
-def _ring_plan(q: torch.Tensor, group: Group, window: Optional[int]) -> List[List[Block]]:
+def _ring_plan(q: torch.Tensor, group: Group, window: Optional[int],
+               documents: Optional[Sequence[int]] = None) -> List[List[Block]]:
     """Per ring step, the blocks of the local queries against the source's keys."""
     cp, me, local = comm.group_size(group), comm.group_rank(group), q.shape[2]
     mine = local_chunks(local, cp, me)
     return [band.plan_blocks(mine, local_chunks(local, cp, (me - step) % cp), window,
-                             q.device) for step in range(cp)]
+                             q.device, documents) for step in range(cp)]
 
 
 class BandRingAttention(torch.autograd.Function):
@@ -53,8 +56,9 @@ class BandRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 sink: Optional[torch.Tensor], group: Group, window: Optional[int],
-                scale: Optional[float]) -> torch.Tensor:
-        plan = _ring_plan(q, group, window)
+                scale: Optional[float], documents: Optional[Sequence[int]] = None
+                ) -> torch.Tensor:
+        plan = _ring_plan(q, group, window, documents)
         block_ctx = BlockContext(kernels.pick_kernel(q), scale)
         kv, cp = torch.stack([k, v]), len(plan)
         ring = _Ring(group) if cp > 1 else None
@@ -97,7 +101,7 @@ class BandRingAttention(torch.autograd.Function):
         dsink = (band.sink_grad(grad_out, out, lse, sink)
                  if sink is not None and ctx.needs_input_grad[3] else None)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsink, None, None,
-                None)
+                None, None)
 
 
 class BandAllGatherAttention(torch.autograd.Function):
@@ -106,12 +110,13 @@ class BandAllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 sink: Optional[torch.Tensor], group: Group, window: Optional[int],
-                scale: Optional[float]) -> torch.Tensor:
+                scale: Optional[float], documents: Optional[Sequence[int]] = None
+                ) -> torch.Tensor:
         cp, local = comm.group_size(group), q.shape[2]
         half = local // 2
         keys = [(c * half, half, c * half) for c in range(2 * cp)]
         blocks = band.plan_blocks(local_chunks(local, cp, comm.group_rank(group)), keys,
-                                  window, q.device)
+                                  window, q.device, documents)
         block_ctx = BlockContext(kernels.pick_kernel(q), scale)
         kv = _gather_global(torch.stack([k, v]), group)
         out, lse = band.merge_sink(*band.band_forward(q, kv[0], kv[1], blocks, block_ctx),
@@ -135,7 +140,7 @@ class BandAllGatherAttention(torch.autograd.Function):
         dsink = (band.sink_grad(grad_out, out, lse, sink)
                  if sink is not None and ctx.needs_input_grad[3] else None)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsink, None, None,
-                None)
+                None, None)
 
 
 def _head_slice(sink: Optional[torch.Tensor], group: Group) -> Optional[torch.Tensor]:
@@ -148,21 +153,22 @@ def _head_slice(sink: Optional[torch.Tensor], group: Group) -> Optional[torch.Te
 
 def band_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                            comm_type: str, window: Optional[int], sink: Optional[torch.Tensor],
-                           scale: float, subgroups: Optional[Tuple[Group, Group]] = None
-                           ) -> torch.Tensor:
+                           scale: float, subgroups: Optional[Tuple[Group, Group]] = None,
+                           documents: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Local queries [b, h, s/cp, d] over the cp group's keys/values inside the band, with
-    sinks [h] (None: none); `subgroups`: a2a+p2p's (inner, outer)."""
+    sinks [h] (None: none); `subgroups`: a2a+p2p's (inner, outer); `documents`: the whole
+    sequence's boundaries (global positions, shared by the b sequences; None: one)."""
     if comm_type == "p2p":
-        return BandRingAttention.apply(q, k, v, sink, group, window, scale)
+        return BandRingAttention.apply(q, k, v, sink, group, window, scale, documents)
     if comm_type == "all_gather":
-        return BandAllGatherAttention.apply(q, k, v, sink, group, window, scale)
+        return BandAllGatherAttention.apply(q, k, v, sink, group, window, scale, documents)
     if comm_type == "a2a":
         cp = comm.group_size(group)
         order = global_order_index(q.shape[2] * cp, cp).to(q.device)
         q_heads = sequence_to_heads(q, group).index_select(2, order)
         k_heads, v_heads = kv_to_heads(k, v, group, order)
         out = band_attention(q_heads, k_heads, v_heads, window, _head_slice(sink, group),
-                             scale)
+                             scale, documents)
         return heads_to_sequence(out.index_select(2, torch.argsort(order)), group)
     from gigatron.parallel.context.hierarchical import coarse_order_index
 
@@ -172,5 +178,5 @@ def band_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     q_heads = sequence_to_heads(q, inner).index_select(2, order)
     k_heads, v_heads = kv_to_heads(k, v, inner, order)
     out = BandRingAttention.apply(q_heads, k_heads, v_heads, _head_slice(sink, inner), outer,
-                                  window, scale)
+                                  window, scale, documents)
     return heads_to_sequence(out.index_select(2, torch.argsort(order)), inner)
