@@ -85,28 +85,42 @@ class _Held:
         self.tensor = tensor
 
 
+class HeldActivations:
+    """Inside `with tracker.recording():` every tensor autograd saves is held weakly;
+    `bytes()` sums the distinct non-parameter storages still held at the moment it is
+    called (plus those of `extra` tensors), so it can be read at any point of a step
+    (tests/test_plan_memory.py reads it after every pass of a pipeline schedule)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.holders: List[weakref.ref] = []
+
+    def _pack(self, t: torch.Tensor) -> _Held:
+        held = _Held(t)
+        self.holders.append(weakref.ref(held))
+        return held
+
+    def recording(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+
+    def bytes(self, extra: Sequence[torch.Tensor] = ()) -> int:
+        alive = [held.tensor for ref in self.holders if (held := ref()) is not None]
+        storages: Dict[int, int] = {}
+        for tensor in alive + list(extra):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self.params:
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+
 def held_activation_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -> Any:
     """(bytes of distinct non-parameter storages autograd keeps after `forward()`, its
     output): see the module docstring."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    holders: List[weakref.ref] = []
-
-    def pack(t: torch.Tensor) -> _Held:
-        held = _Held(t)
-        holders.append(weakref.ref(held))
-        return held
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
+    tracker = HeldActivations(model)
+    with tracker.recording():
         output = forward()
-    gc.collect()
-    storages: Dict[int, int] = {}
-    for ref in holders:
-        held = ref()
-        if held is not None:
-            storage = held.tensor.untyped_storage()
-            if storage.data_ptr() not in params:
-                storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values()), output
+    gc.collect()  # graphs kept only by reference cycles are not held
+    return tracker.bytes(), output
 
 
 def _one_rank(rank: int, cp: int, config: TransformerConfig, comm_type: str,

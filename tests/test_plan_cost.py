@@ -21,7 +21,7 @@ def test_interleaved_bubble_is_p_minus_1_over_v_m(p, m, v):
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 1), (8, 16, 1), (4, 8, 2), (8, 16, 4)])
 def test_first_stage_holds_megatrons_in_flight_count(p, m, v):
-    _, held = peak_in_flight(build_schedule(0, p, m, v), [1.0] * v)
+    _, held, _ = peak_in_flight(build_schedule(0, p, m, v), [1.0] * v)
     expected = p if v == 1 else (p - 1) * 2 + (v - 1) * p + 1  # Megatron's warm-up + 1
     assert sum(held) == expected
 

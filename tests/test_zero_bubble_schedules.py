@@ -97,12 +97,14 @@ def test_p4_m8_zero_bubble_beats_1f1b_at_no_more_activation_memory():
     assert peak_activations(all_ranks("zbv", 4, 8), 2) <= base_peak
 
 
-def test_activations_are_held_until_w_when_the_backward_is_split():
+def test_split_backward_holds_activations_until_b_then_the_w_stash_until_w():
     sched = build_schedule(3, 4, 8, schedule="zb-h1")  # last rank: W's lag B's by 3
-    peak, _ = peak_in_flight(sched, [1.0])
-    assert peak == 4
+    assert peak_in_flight(sched, [1.0]) == (1, [1], [0])  # activations: 1F1B's last rank
+    # a stash half a micro-batch's activations: after each F, 1 + 3 stashes (after a B: 4)
+    assert peak_in_flight(sched, [1.0], [0.5]) == (2.5, [1], [3])
+    assert peak_in_flight(sched, [1.0], [2.0]) == (8.0, [0], [4])  # a stash larger: after B
     unsplit = [op for op in sched if not isinstance(op, WeightGrad)]
-    assert peak_in_flight(unsplit, [1.0])[0] == 1  # B would free them: 1F1B's last rank
+    assert peak_in_flight(unsplit, [1.0], [0.5]) == (1, [1], [0])  # B frees all of it
 
 
 def test_v_placement_turns_on_the_last_rank_and_ends_on_rank_0():
@@ -170,6 +172,9 @@ def test_schedule_command_json_prints_bubble_and_peak(capsys):
     assert figures["zb-h1"]["bubble_fraction"] == pytest.approx(3 / 27, abs=1e-6)
     assert figures["zbv"]["bubble_fraction"] == pytest.approx(3 / 51, abs=1e-6)
     assert [figures[s]["peak_activations"] for s in figures] == [4, 4, 4]
+    assert figures["zb-h1"]["peak_activations_per_stage"] == [4, 3, 2, 1]
+    assert figures["zb-h1"]["w_stash_per_stage"] == [0, 1, 2, 3]  # held beside them
+    assert figures["1f1b"]["w_stash_per_stage"] == [0] * 4
     assert figures["zbv"]["virtual_chunks"] == 2
     schedule_command(["--schedule", "zbv", "--pp", "2", "--num-microbatches", "2"])
     grid = capsys.readouterr().out

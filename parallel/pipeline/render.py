@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from .schedules import (BATCH_FLAGS, PP_FLAG, SCHEDULE_FLAG, SCHEDULES, VIRTUAL_FLAG, Backward,
                         Forward, Instruction, WeightGrad, build_schedule, placement_of)
-from .simulate import SimulationResult, peak_activations, simulate
+from .simulate import SimulationResult, held_after_each_pass, simulate
 
 
 def _cell(step: Instruction, virtual_chunks: int, width: int) -> str:
@@ -53,17 +53,31 @@ def render(schedules: Sequence[Sequence[Instruction]], forward_time: int = 1,
     return "\n".join(lines)
 
 
+def _stage_held(schedule: Sequence[Instruction], virtual_chunks: int) -> Tuple[float, float]:
+    """(the most micro-batches' activations the stage holds at once, the W stashes it holds
+    with them), in whole-stage micro-batches."""
+    return max(((sum(held) / virtual_chunks, sum(stashed) / virtual_chunks)
+                for held, stashed in held_after_each_pass(schedule, virtual_chunks)),
+               default=(0.0, 0.0))
+
+
 def summary(schedules: Sequence[Sequence[Instruction]], result: SimulationResult,
             virtual_chunks: int) -> dict:
     """`gigatron schedule --json`: the bubble and the activation memory of one step."""
+    held = [_stage_held(s, virtual_chunks) for s in schedules]
     return {"bubble_fraction": round(result.mean_bubble_fraction(), 6),
             "bubble_fraction_per_stage": [round(result.bubble_fraction(r), 6)
                                           for r in range(len(schedules))],
-            "peak_activations": peak_activations(schedules, virtual_chunks),
+            "peak_activations": max(a for a, _ in held),
+            "peak_activations_per_stage": [a for a, _ in held],
+            "w_stash_per_stage": [w for _, w in held],
             "step_time": result.makespan,
             "cost_model": _cost_model(schedules, 2, 1) + ", free communication; "
-                          "activations in whole-stage micro-batches, held from F to W "
-                          "(to B when unsplit)"}
+                          "activations in whole-stage micro-batches, held from F to B; a "
+                          "split backward then holds the micro-batch's W stash (its linears' "
+                          "inputs and output gradients, ~32sbh per layer against 34sbh + "
+                          "5as^2b of activations, Qi et al.) until W: w_stash_per_stage, "
+                          "held at the stage's activation peak"}
 
 
 # the schedule's errors name pretrain's flags; here the user typed this command's flags
@@ -94,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="model chunks per stage (interleaved schedule when > 1) "
                              "(default: 2 for zbv, else 1)")
     parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (bubble_fraction, peak_activations)")
+                        help="print one JSON object (bubble_fraction, peak_activations, "
+                             "w_stash_per_stage)")
     return parser
 
 

@@ -213,28 +213,47 @@ def bubble_overhead(pp_size: int, num_microbatches: int, virtual_chunks: int = 1
     return result.makespan / busy - 1.0
 
 
-def peak_in_flight(instructions: Sequence[Instruction],
-                   chunk_weights: Sequence[float]) -> Tuple[float, List[int]]:
-    """The most activation weight one rank holds at once under its schedule: forwards whose
-    backward (its W when split) has not run yet, each weighted by its chunk's
-    `chunk_weights[chunk]`; returns (peak weight, micro-batches in flight per chunk then)."""
+def held_after_each_pass(instructions: Sequence[Instruction],
+                         virtual_chunks: int) -> List[Tuple[List[int], List[int]]]:
+    """After each forward, backward and W of one rank's schedule: (per chunk, micro-batches
+    whose activations are held: F done, B not yet; micro-batches whose W stash is held: a
+    split backward's B done, its W not yet)."""
     split = {(op.microbatch, op.chunk) for op in instructions if isinstance(op, WeightGrad)}
-    held = [0] * len(chunk_weights)
-    peak, at_peak = 0.0, list(held)
+    held, stashed = [0] * virtual_chunks, [0] * virtual_chunks
+    out: List[Tuple[List[int], List[int]]] = []
     for op in instructions:
         if isinstance(op, Forward):
             held[op.chunk] += 1
-            weight = sum(n * w for n, w in zip(held, chunk_weights))
-            if weight > peak:
-                peak, at_peak = weight, list(held)
-        elif isinstance(op, WeightGrad) or (isinstance(op, Backward) and
-                                            (op.microbatch, op.chunk) not in split):
+        elif isinstance(op, Backward):
             held[op.chunk] -= 1
-    return peak, at_peak
+            stashed[op.chunk] += (op.microbatch, op.chunk) in split
+        elif isinstance(op, WeightGrad):
+            stashed[op.chunk] -= 1
+        else:
+            continue
+        out.append((list(held), list(stashed)))
+    return out
+
+
+def peak_in_flight(instructions: Sequence[Instruction], chunk_weights: Sequence[float],
+                   stash_weights: Optional[Sequence[float]] = None
+                   ) -> Tuple[float, List[int], List[int]]:
+    """The most memory one rank holds at once under its schedule: each forward's
+    activations (`chunk_weights[chunk]`) until its backward (B when split), then a split
+    backward's W stash (`stash_weights[chunk]`, default none) until its W; returns (peak,
+    micro-batches per chunk with activations held then, with a W stash held then)."""
+    stash = [0.0] * len(chunk_weights) if stash_weights is None else stash_weights
+    peak, at_peak = 0.0, ([0] * len(chunk_weights), [0] * len(chunk_weights))
+    for held, stashed in held_after_each_pass(instructions, len(chunk_weights)):
+        weight = sum(n * w for n, w in zip(held, chunk_weights)) + \
+            sum(n * w for n, w in zip(stashed, stash))
+        if weight > peak:
+            peak, at_peak = weight, (held, stashed)
+    return peak, at_peak[0], at_peak[1]
 
 
 def peak_activations(schedules: Sequence[Sequence[Instruction]], virtual_chunks: int) -> float:
-    """The most micro-batches' activations any rank holds at once, in whole-stage units (a
-    chunk's forward holds 1 / virtual_chunks of a stage's)."""
+    """The most micro-batches' activations (F to B) any rank holds at once, in whole-stage
+    units (a chunk's forward holds 1 / virtual_chunks of a stage's); W stashes not counted."""
     return max(peak_in_flight(s, [1.0 / virtual_chunks] * virtual_chunks)[0]
                for s in schedules)

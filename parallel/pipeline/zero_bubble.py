@@ -5,14 +5,16 @@ Both split each backward into B (the input gradient the previous stage waits for
 The cost model is the paper's (F = B = W = one unit per chunk, free communication):
 
 - zb-h1: one chunk per stage; rank r runs 1F1B's warm-up plus one forward, then B, W, F per
-  micro-batch with its W's delayed by r micro-batches (`_zb_h1_order`), so every rank holds
-  at most pp micro-batches from F to W (1F1B's first rank) and the bubble is
+  micro-batch with its W's delayed by r micro-batches (`_zb_h1_order`), so rank r holds
+  1F1B's p - r micro-batches of activations (F to B) and r W stashes (B to W: the deferred
+  linears' inputs and output gradients, parallel/tensor/wgrad.py), and the bubble is
   (p-1)(F+B-W), a third of 1F1B's (p-1)(F+B+W): a step of 3m + p - 1 units.
 - zbv: two chunks per stage in a V (rank r holds stages r and 2pp-1-r). Found by list
   scheduling all ranks together (`list_schedule`): each rank, when free, runs the ready B
-  (oldest micro-batch first), else a ready F if it holds fewer than 2pp chunk activations
-  (pp micro-batches, 1F1B's peak; the second chunk's first, which brings micro-batches to
-  the loss sooner), else its oldest pending W. It reaches the bound 6m + p - 1 units (every
+  (oldest micro-batch first), else a ready F if it holds fewer than 2pp chunks from F to W
+  (activations or W stash: pp micro-batches, 1F1B's first-stage count, the stash being the
+  smaller; the second chunk's first, which brings micro-batches to the loss sooner), else
+  its oldest pending W. It reaches the bound 6m + p - 1 units (every
   rank busy from the moment its first input can arrive) for pp <= 4 and m >= pp, and
   stays within 4 units of it up to pp = 8, m = 32 (m >= pp).
 
@@ -192,8 +194,8 @@ def _from_timelines(pp_rank: int, timelines: List[List[Timed]], chunks: int,
 
 def _zb_h1_order(pp_rank: int, pp_size: int, num_microbatches: int) -> List[Compute]:
     """Rank r: 1F1B's warm-up plus one forward, then B, W, F per micro-batch with its W's
-    delayed by r micro-batches, so every rank holds pp micro-batches from F to W (1F1B's
-    first rank) and the W's fill the cool-down where 1F1B idles."""
+    delayed by r micro-batches, so rank r holds p - r micro-batches from F to B (1F1B's
+    count) and r from B to W, and the W's fill the cool-down where 1F1B idles."""
     m, first = num_microbatches, min(pp_size - pp_rank, num_microbatches)
     order: List[Compute] = [Forward(mb, 0) for mb in range(first)]
     for i in range(m):
@@ -207,7 +209,7 @@ def _zb_h1_order(pp_rank: int, pp_size: int, num_microbatches: int) -> List[Comp
 
 def zb_h1(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int = 1,
           forward_only: bool = False, names: ScheduleNames = FLAG_NAMES) -> List[Instruction]:
-    """ZB-H1: 1F1B's activation memory, W's moved into the cool-down's bubbles."""
+    """ZB-H1: 1F1B's activations plus W stashes, W's moved into the cool-down's bubbles."""
     _check_rank(pp_rank, pp_size)
     check_num_microbatches(num_microbatches, pp_size, 1, names)
     if forward_only:
@@ -219,7 +221,8 @@ def zb_h1(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int
 
 def zbv(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int = 2,
         forward_only: bool = False, names: ScheduleNames = FLAG_NAMES) -> List[Instruction]:
-    """ZB-V: two chunks per stage in a V, near-zero bubble at 1F1B's peak memory."""
+    """ZB-V: two chunks per stage in a V, near-zero bubble, at most pp micro-batches from
+    F to W on every rank (1F1B's first-stage count)."""
     _check_rank(pp_rank, pp_size)
     check_num_microbatches(num_microbatches, pp_size, 1, names)
     if forward_only:

@@ -13,11 +13,17 @@ Running a unit accumulates the gradient through autograd itself (`torch.autograd
 on the parameter): `.grad`, tensor hooks and post-accumulate-grad hooks fire exactly as in
 an unsplit backward, so ZeRO's bucketed grad sync sees the parameter become ready at W.
 A weight that is not a leaf (a cast or view of a parameter) is never deferred.
+
+Memory (the W stash): from B to W a queue keeps, per deferred linear, exactly what its
+weight gradient needs, its input x and its output's gradient (`held_tensors`); B has freed
+the rest of the micro-batch's activations. Per token that is (in + out features) of every
+deferred linear, as this rank holds them: Qi et al.'s 32sbh per transformer layer at 2-byte
+activations, against 34sbh + 5as^2b of activations (training/plan/memory.py counts it).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,20 +33,26 @@ class WeightGradQueue:
     """The deferred weight-gradient computations of one (micro-batch, chunk)."""
 
     def __init__(self) -> None:
-        self._units: List[Callable[[], None]] = []
+        # (parameter, its linear's input, the gradient of its output), in the order deferred
+        self._units: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def __len__(self) -> int:
         return len(self._units)
 
-    def push(self, unit: Callable[[], None]) -> None:
-        """Keep `unit` (accumulates one weight's gradient) until `run`."""
-        self._units.append(unit)
+    def push(self, weight: torch.Tensor, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """Keep what `weight`'s gradient grad_output^T x needs until `run`."""
+        self._units.append((weight, x.detach(), grad_output.detach()))
+
+    def held_tensors(self) -> List[torch.Tensor]:
+        """The W stash: the inputs and output gradients kept for `run` (parameters not
+        included), so memory accounting can count them."""
+        return [t for _, x, g in self._units for t in (x, g)]
 
     def run(self) -> None:
         """Compute and accumulate every deferred weight gradient, in the order deferred."""
         units, self._units = self._units, []
-        for unit in units:
-            unit()
+        for weight, x, grad_output in units:
+            _accumulate_weight_grad(weight, x, grad_output)
 
 
 _active: Optional[WeightGradQueue] = None
@@ -89,8 +101,7 @@ class _DeferredWeightLinear(torch.autograd.Function):
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
-        param, x, g = ctx.owner, x.detach(), grad_output.detach()
-        ctx.queue.push(lambda: _accumulate_weight_grad(param, x, g))
+        ctx.queue.push(ctx.owner, x, grad_output)
         return grad_x, None, grad_bias, None, None
 
 

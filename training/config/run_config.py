@@ -46,7 +46,8 @@ class ParallelConfig:
         "--num-layers-per-virtual-pipeline-stage")
     pipeline_schedule: str = setting(
         "1f1b", "pipeline schedule: 1f1b (interleaved 1F1B when virtual stages are given, "
-        "as Megatron), interleaved, zb-h1 (zero bubble H1: split backward, 1F1B's memory) or "
+        "as Megatron), interleaved, zb-h1 (zero bubble H1: split backward; 1F1B's activations "
+        "plus, on stage r, r micro-batches' deferred weight-gradient inputs) or "
         "zbv (zero bubble V: 2 chunks per stage in a V, set by "
         "--num-layers-per-virtual-pipeline-stage, untied embeddings)",
         "--pipeline-schedule", choices=("1f1b", "interleaved", "zb-h1", "zbv"))

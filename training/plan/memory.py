@@ -15,7 +15,10 @@ the activation dtype, fp32 norm statistics, the attention kernel actually taken,
 sequence parallelism gathers), so it is the paper's formula where the implementation is
 the paper's, and this code's where it differs. The first pipeline stage holds the
 micro-batches its schedule has in flight, read from the schedule itself (1F1B: p; interleaved:
-Megatron's (p - 1) * 2 + (v - 1) * p + 1 chunk forwards; zb-h1: p, each held until its W).
+Megatron's (p - 1) * 2 + (v - 1) * p + 1 chunk forwards), each until its backward.
+A split backward (zb-h1, zbv) frees them at B and keeps a W stash until W (`w_stash_bytes`,
+Qi et al.'s 32sbh per layer; recomputation does not shrink it): zb-h1's stage r holds 1F1B's
+p - r micro-batches plus r stashes (at pp 2 the last stage nearly twice its 1F1B bytes).
 
 Mixture of experts (`moe_mlp_bytes`): an MoE layer keeps, instead of the dense MLP's, its
 router's tensors (tokens x E), the dispatched rows (tokens x topk x h), the experts' fc1
@@ -79,6 +82,8 @@ class StageMemory:
     transient: float  # largest short-lived buffer on top (recompute, logits grad, bucket)
     expert_parameters: int = 0  # of `parameters`: this rank's share of the routed experts
     expert_state: Optional[ModelStateBytes] = None  # of `state`: theirs, sharded over edp
+    # micro-batches per chunk whose W stash is held at that point (split backward only)
+    w_stash: List[int] = field(default_factory=list)
 
     @property
     def peak(self) -> float:
@@ -338,6 +343,13 @@ def _moe_chunk_activations(c: "TransformerConfig", terms: ActivationTerms,
     return held, transient
 
 
+def w_stash_bytes(specs: Sequence[ParamSpec], dtype: torch.dtype) -> float:
+    """Bytes per token of a chunk's W stash: each deferred linear's input and output
+    gradient (parallel/tensor/wgrad.py), as wide as this rank's weight (column-parallel: in,
+    gathered under sequence parallelism, and out/tp; row-parallel: in/tp and out)."""
+    return _width(dtype) * sum(s.shape[0] + s.shape[1] for s in specs if s.deferrable)
+
+
 def _model_state(c: "TransformerConfig", chunks: List[List[ParamSpec]], zero: "ZeroConfig",
                  dp: int, edp: int, offload: bool) -> Tuple[ModelStateBytes,
                                                             Optional[ModelStateBytes]]:
@@ -377,9 +389,10 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
                                    partition.post_process(pp_rank, k), tokens,
                                    [pattern[i] for i in partition.layer_range(pp_rank, k)])
                  for k in range(partition.virtual_chunks)]
-    held, in_flight = peak_in_flight(
+    held, in_flight, w_stash = peak_in_flight(
         rank_schedule(pp_rank, partition.pp_size, num_microbatches, partition.virtual_chunks,
-                      schedule), [bytes_ for bytes_, _ in per_chunk])
+                      schedule), [bytes_ for bytes_, _ in per_chunk],
+        [w_stash_bytes(specs, c.params_dtype) * tokens for specs in chunks])
     transient = max(t for _, t in per_chunk)
     if any(partition.post_process(pp_rank, k) for k in range(partition.virtual_chunks)):
         # the loss's backward: the fp32 gradient of the logits beside the saved softmax
@@ -387,7 +400,7 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
     return StageMemory(pp_rank, sum(s.numel for specs in chunks for s in specs), state,
                        held, in_flight, transient,
                        sum(s.numel for specs in chunks for s in specs if s.is_expert),
-                       expert_state)
+                       expert_state, w_stash)
 
 
 def plan_memory(c: "TransformerConfig", partition: PipelinePartition, tp: int, dp: int,

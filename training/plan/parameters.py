@@ -8,7 +8,8 @@ exact bytes need exact shapes. They are read from GPTModel built on the meta dev
 Decoder layers of one kind (dense, or MoE where moe_layer_freq puts one) have the same
 parameters: one model per (config, tp, pre_process, post_process, kind), with a single layer,
 is built and cached, and a chunk repeats that layer's parameters for each of its layers, so a
-search over many layouts stays fast.
+search over many layouts stays fast. Weights of tensor-parallel linears (the output layer's
+too) are tagged `deferrable`: a split backward keeps their inputs and output gradients for W.
 
 Expert parallelism: the meta model is built as training/run/builders.py builds it, with the
 MoE layers' dispatcher over `ShapeOnlyGroup`s of the expert sizes (ep, etp), so its expert
@@ -30,6 +31,7 @@ from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.parallel.comm import ShapeOnlyGroup
 from gigatron.parallel.expert.dispatchers import expert_dispatcher_factory
 from gigatron.parallel.pipeline.partition import PipelinePartition
+from gigatron.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from gigatron.parallel.zero.param_groups import param_kind
 
 LAYER_PREFIX = "decoder.layers."  # TransformerBlock's layers, by global layer number
@@ -43,6 +45,9 @@ class ParamSpec:
     name: str
     shape: Tuple[int, ...]
     kind: str = "default"  # 'default' | 'sequence_parallel' | 'shared_embedding'
+    # the weight of a tensor-parallel linear (the output layer's too), whose gradient a split
+    # backward defers to W (parallel/tensor/wgrad.py)
+    deferrable: bool = False
 
     @property
     def numel(self) -> int:
@@ -102,7 +107,12 @@ def _pieces(config: _ByValue, tp: int, pre: bool, post: bool, layer: Optional[in
     model = GPTModel(c, tp_group=ShapeOnlyGroup(tp), pre_process=pre, post_process=post,
                      layer_range=[] if layer is None else [layer],
                      device=torch.device("meta"), dispatcher_factory=factory)
-    specs = [ParamSpec(name, tuple(p.shape), param_kind(p))
+    linears = {id(m.weight) for m in model.modules()
+               if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+               and m.weight is not None}
+    if post:  # the output layer's weight, the word embeddings' when tied on one stage
+        linears.add(id(model.output_weight()))
+    specs = [ParamSpec(name, tuple(p.shape), param_kind(p), id(p) in linears)
              for name, p in model.named_parameters()]
     prefix = f"{LAYER_PREFIX}{layer}."
     members = [n for n, s in enumerate(specs) if s.name.startswith(prefix)]
@@ -110,7 +120,7 @@ def _pieces(config: _ByValue, tp: int, pre: bool, post: bool, layer: Optional[in
         return _Pieces(tuple(specs), (), ())
     start, stop = members[0], members[-1] + 1
     assert members == list(range(start, stop)), "a layer's parameters are registered together"
-    relative = tuple(ParamSpec(s.name[len(prefix):], s.shape, s.kind)
+    relative = tuple(ParamSpec(s.name[len(prefix):], s.shape, s.kind, s.deferrable)
                      for s in specs[start:stop])
     return _Pieces(tuple(specs[:start]), relative, tuple(specs[stop:]))
 
@@ -130,7 +140,7 @@ def chunk_parameters(c: TransformerConfig, tp: int, partition: PipelinePartition
     ends = next(iter(pieces.values())) if pieces else _pieces(key, tp, pre, post, None)
     specs = list(ends.before)
     for index in layers:
-        specs += [ParamSpec(f"{LAYER_PREFIX}{index}.{s.name}", s.shape, s.kind)
+        specs += [ParamSpec(f"{LAYER_PREFIX}{index}.{s.name}", s.shape, s.kind, s.deferrable)
                   for s in pieces[pattern[index]].layer]
     return specs + list(ends.after)
 

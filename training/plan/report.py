@@ -73,7 +73,12 @@ def stage_dict(m: StageMemory) -> Dict[str, Any]:
                       "optimizer_state": s.optimizer_state, "activations": m.activations,
                       "transient": m.transient, "peak": m.peak},
             "host_bytes": s.host_side if s.offloaded else 0,
-            "microbatches_in_flight": m.in_flight, **_expert_stage(m)}
+            "microbatches_in_flight": m.in_flight, **_w_stash_stage(m), **_expert_stage(m)}
+
+
+def _w_stash_stage(m: StageMemory) -> Dict[str, Any]:
+    """The W stashes held with the activations (split backward only: zb-h1, zbv)."""
+    return {"w_stash_in_flight": m.w_stash} if any(m.w_stash) else {}
 
 
 def _expert_stage(m: StageMemory) -> Dict[str, Any]:
@@ -179,7 +184,7 @@ def describe(plan: Plan) -> str:
         lines.append(f"  {m.pp_rank:>5} {m.parameters:>14,} {_gib(s.params):>8} "
                      f"{_gib(s.grads):>8} {_gib(s.master_params):>8} "
                      f"{_gib(s.optimizer_state):>8} {_gib(m.activations):>8} "
-                     f"{'+'.join(map(str, m.in_flight)):>10} {_gib(m.transient):>9} "
+                     f"{_in_flight(m):>10} {_gib(m.transient):>9} "
                      f"{_gib(m.peak):>8}")
     lines += _expert_lines(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
@@ -251,6 +256,19 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
+def _in_flight(m: StageMemory) -> str:
+    """'3' or, with W stashes held too (split backward), '3+1W'."""
+    held = '+'.join(map(str, m.in_flight))
+    return held + (f"+{sum(m.w_stash)}W" if any(m.w_stash) else "")
+
+
+def _stash_note(m: StageMemory) -> str:
+    """' (3 micro-batches' + 1 W stash)': what a split backward's activations hold."""
+    if not any(m.w_stash):
+        return ""
+    return f" ({sum(m.in_flight)} micro-batches' + {sum(m.w_stash)} W stash)"
+
+
 def startup_lines(stages: List[StageMemory]) -> List[str]:
     """The banner's memory prediction, one line per pipeline stage."""
     out = []
@@ -260,7 +278,7 @@ def startup_lines(stages: List[StageMemory]) -> List[str]:
                    f"{_size(s.params)} + grads {_size(s.grads)} + master "
                    f"{_size(s.master_params)} + optimizer {_size(s.optimizer_state)}"
                    f"{' (in host memory)' if s.offloaded else ''} + activations "
-                   f"{_size(m.activations)} + transient {_size(m.transient)}")
+                   f"{_size(m.activations)}{_stash_note(m)} + transient {_size(m.transient)}")
     return out
 
 
