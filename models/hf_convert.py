@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gigatron.models import hf_deepseek, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3, hf_qwen3_moe
+from gigatron.models import hf_gpt_oss
 from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError, StateDict, require
 
@@ -29,6 +30,7 @@ FAMILIES: Dict[str, ModuleType] = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral"
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3",
                  "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
+FAMILIES["gpt_oss"], ARCHITECTURES["GptOssForCausalLM"] = hf_gpt_oss, "gpt_oss"
 QK_LAYERNORM_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")  # q/k (MLA: latent) norms
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -98,6 +100,8 @@ def default_family(config: TransformerConfig) -> str:
     """The Hugging Face family a config exports to: models with query/key norms as Qwen3 or
     Qwen3-MoE, other MoE models as Mixtral, other RoPE models as Llama, the rest as GPT-2;
     multi-latent attention as DeepSeek-V3."""
+    if config.softmax_type == "learnable" and config.activation == "quick_geglu":
+        return "gpt_oss"
     if config.multi_latent_attention:
         return "deepseek_v3"
     if config.qk_layernorm:
