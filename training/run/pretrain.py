@@ -249,7 +249,10 @@ def main(argv: Optional[List[str]] = None, prog: str = "pretrain_gpt.py") -> int
         session.logger.close()
         status = "done"
     except ValueError as err:  # layout/checkpoint mismatches found after launch
-        print(f"{prog}: error (rank {launch.rank}): {err}", file=sys.stderr)
+        from gigatron.training.run.errors import should_print
+
+        if should_print(str(err), launch.rank, watchdog):  # once when every rank finds it
+            print(f"{prog}: error (rank {launch.rank}): {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # a collective failed: name the rank that caused it
         return _peer_failure(err, watchdog, launch.rank, prog)

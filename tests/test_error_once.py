@@ -1,0 +1,72 @@
+"""An error every rank finds the same way is printed once (issue 38: the empty-split error
+printed twice at 2 ranks); a rank's own error is still printed by that rank."""
+from __future__ import annotations
+
+import contextlib
+import io
+from datetime import timedelta
+from typing import Dict, List
+
+import numpy as np
+
+from multirank import run_on_ranks
+
+
+class _Store:
+    """The store calls training/run/errors.py makes (torch's TCPStore API)."""
+
+    def __init__(self) -> None:
+        self.data: Dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def wait(self, keys: List[str], timeout: timedelta) -> None:
+        if not all(k in self.data for k in keys):
+            raise RuntimeError(f"Socket Timeout after {timeout}")
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+
+class _Watchdog:
+    def __init__(self, store: _Store) -> None:
+        self.store, self.prefix = store, "gigatron/watchdog/run/0/"
+
+
+def test_rank0_prints_and_the_others_only_a_line_of_their_own():
+    from gigatron.training.run.errors import should_print
+
+    watchdog = _Watchdog(_Store())
+    assert should_print("the same", 1, watchdog, wait_s=0.01)  # rank 0 said nothing
+    assert should_print("the same", 0, watchdog)
+    assert not should_print("the same", 1, watchdog)
+    assert should_print("rank 1's own", 1, watchdog)
+    assert should_print("anything", 3, None)  # one rank: no store
+
+
+def _empty_split_run(rank: int, world: int, prefix: str) -> str:
+    from gigatron.training.run import pretrain
+
+    flags = ("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+             "--micro-batch-size 1 --train-iters 2 --lr 1e-3 --vocab-size 128 "
+             "--tokenizer-type NullTokenizer --split 1,1,1 --eval-iters 1 --eval-interval 1 "
+             f"--no-progress --data-path {prefix}").split()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert pretrain.main(flags) == 2
+    return err.getvalue()
+
+
+def test_an_error_every_rank_finds_is_printed_once(tmp_path):
+    from gigatron.data.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "two_documents")
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for _ in range(2):
+        builder.add_item(np.arange(1, 200) % 100)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    printed = run_on_ranks(_empty_split_run, 2, prefix, timeout=120)
+    lines = [line for text in printed for line in text.splitlines() if "error" in line]
+    assert len(lines) == 1 and "the valid split is empty" in lines[0], printed
