@@ -268,3 +268,18 @@ def count_parameters(config: TransformerConfig) -> int:
     """Parameters of the full model, computed on the meta device (nothing allocated)."""
     model = GPTModel(config, device=torch.device("meta"))
     return sum(p.numel() for p in model.parameters())
+
+
+def count_active_parameters(config: TransformerConfig) -> int:
+    """Parameters one token passes through: all but the routed experts it is not sent to
+    (top-k of num_moe_experts) and the input embedding table when untied (a lookup), the
+    convention of "37B active of 671B" (DeepSeek-V3) and "3.6B active" (gpt-oss-20b)."""
+    model = GPTModel(config, device=torch.device("meta"))
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    if config.num_moe_experts:
+        total -= experts * (config.num_moe_experts - config.moe_router_topk) \
+            // config.num_moe_experts
+    if config.untie_embeddings_and_output_weights:
+        total -= model.embedding.word_embeddings.weight.numel()
+    return total

@@ -72,7 +72,7 @@ def test_deepseek_v3_style_has_its_moe_block():
     assert cfg.moe_router_enable_expert_bias and cfg.moe_shared_expert_intermediate_size
     assert cfg.moe_layer_freq == [0, 0, 0] + [1] * (cfg.num_layers - 3)
     description = json.loads((ZOO_DIR / "deepseek-v3-style.json").read_text())["description"]
-    assert "multi-head latent attention is not part" in description
+    assert "deepseek-v3-671b is, with multi-latent attention" in description
 
 
 def test_list_models_has_every_issue_model_and_debug_models():

@@ -114,6 +114,15 @@ def _ranks_phrase(world_size: int, launcher: str) -> str:
     return f"{ranks} ({'no launcher' if launcher == 'none' else launcher})"
 
 
+def _active_phrase(config) -> str:
+    """' (36,625,603,584 active)' for a mixture of experts (models/gpt.py's convention)."""
+    from gigatron.models.gpt import count_active_parameters
+
+    if not config.num_moe_experts:
+        return ""
+    return f" ({count_active_parameters(config):,} active)"
+
+
 def _banner(s, progress, shard, launch, device) -> None:
     import torch.distributed as dist
     from gigatron.models.gpt import count_parameters
@@ -130,7 +139,8 @@ def _banner(s, progress, shard, launch, device) -> None:
         f"tp={p.tp} pp={p.pp} dp={p.dp}{_context_phrase(p)} "
         f"zero stage {run.zero.zero_stage}"
         f"{' sequence-parallel' if p.sequence_parallel else ''}\n"
-        f"model: {run.model_name or 'custom'}, {count_parameters(run.model):,} parameters, "
+        f"model: {run.model_name or 'custom'}, {count_parameters(run.model):,} parameters"
+        f"{_active_phrase(run.model)}, "
         f"{run.model.num_layers} layers, hidden {run.model.hidden_size}, seq "
         f"{run.model.seq_length}, vocab {run.model.vocab_size}, "
         f"{str(run.model.params_dtype).replace('torch.', '')}\n"
