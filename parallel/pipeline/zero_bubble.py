@@ -26,6 +26,8 @@ they were sent.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
+from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from .schedules import (FLAG_NAMES, Backward, Communication, Compute, Forward, Instruction,
@@ -177,19 +179,12 @@ def _instructions(timeline: List[Timed], sends: Dict[int, List[Communication]],
     of the messages that have arrived by the time it starts."""
     batches: List[List[Communication]] = [[] for _ in range(len(timeline) + 1)]
     starts = [start for start, _ in timeline]
-    for arrival, op in sorted(recvs, key=lambda x: x[0]):
-        batches[next(i for i, s in enumerate(starts) if s >= arrival)].append(op)
+    for arrival, op in sorted(recvs, key=lambda x: x[0]):  # starts increase: bisect
+        batches[bisect_left(starts, arrival)].append(op)
     out: List[Instruction] = []
     for index, (_, op) in enumerate(timeline):
         out += sends.get(index - 1, []) + batches[index] + [op]
     return out + sends.get(len(timeline) - 1, [])
-
-
-def _from_timelines(pp_rank: int, timelines: List[List[Timed]], chunks: int,
-                    placement: str) -> List[Instruction]:
-    pp_size = len(timelines)
-    sends, recvs = _messages(timelines, pp_size, chunks, placement)
-    return _instructions(timelines[pp_rank], sends[pp_rank], recvs[pp_rank])
 
 
 def _zb_h1_order(pp_rank: int, pp_size: int, num_microbatches: int) -> List[Compute]:
@@ -215,8 +210,7 @@ def zb_h1(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int
     if forward_only:
         return _with_communication(pp_rank, pp_size, 1,
                                    [[Forward(mb, 0)] for mb in range(num_microbatches)])
-    orders = [_zb_h1_order(r, pp_size, num_microbatches) for r in range(pp_size)]
-    return _from_timelines(pp_rank, timed(orders, 1, "loop"), 1, "loop")
+    return list(_pipeline(pp_size, num_microbatches, "zb-h1")[pp_rank])
 
 
 def zbv(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int = 2,
@@ -228,5 +222,21 @@ def zbv(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int =
     if forward_only:
         groups = [[Forward(mb, c)] for c in (0, 1) for mb in range(num_microbatches)]
         return _with_communication(pp_rank, pp_size, 2, groups, "v")
-    timelines = list_schedule(pp_size, num_microbatches, 2, "v", [2 * pp_size] * pp_size)
-    return _from_timelines(pp_rank, timelines, 2, "v")
+    return list(_pipeline(pp_size, num_microbatches, "zbv")[pp_rank])
+
+
+@lru_cache(maxsize=16)
+def _pipeline(pp_size: int, num_microbatches: int,
+              schedule: str) -> Tuple[Tuple[Instruction, ...], ...]:
+    """Every rank's training instructions of zb-h1 or zbv. The passes are placed for all
+    ranks together, so each shape is built once, not once per rank (`gigatron plan
+    --search` reads every rank's of many shapes; instructions are frozen)."""
+    if schedule == "zb-h1":
+        orders = [_zb_h1_order(r, pp_size, num_microbatches) for r in range(pp_size)]
+        timelines, chunks, placement = timed(orders, 1, "loop"), 1, "loop"
+    else:
+        timelines, chunks, placement = list_schedule(
+            pp_size, num_microbatches, 2, "v", [2 * pp_size] * pp_size), 2, "v"
+    sends, recvs = _messages(timelines, pp_size, chunks, placement)
+    return tuple(tuple(_instructions(timelines[r], sends[r], recvs[r]))
+                 for r in range(pp_size))
