@@ -3,11 +3,15 @@ q/k/v/o, quick GeGLU with offset 1 and clamp 7, RMSNorm, RoPE, GQA) trains the s
 tp2 (sinks split with the heads), cp2 with each --cp-comm-type (windows skip whole key
 chunks: the 16 tokens split in 4 chunks of 4) and pp2 as on one rank: the real program
 (pretrain.main, forked gloo ranks, --mock-data, fp32) logs the one-rank losses at every
-iteration and ends with the one-rank parameters, sinks included (relative 1e-4)."""
+iteration and ends with the one-rank parameters, sinks included (relative 1e-4). Its MoE
+form (4 quick-GeGLU experts with biases, a router with a bias, top-2) trains the same at ep2
+(alltoall) and tp2 x ep2 with sequence parallelism."""
 import pytest
 
 from multirank import run_on_ranks
 from test_context_parallel import GPT, ITERS, RTOL, ROPE, _losses, _relative, _train_layout
+from test_moe_parallel import _full_parameters
+from test_moe_parallel import _train_layout as _train_moe_layout
 
 GPT_OSS = ("--window-size 3,0 --window-attn-skip-freq 2 --softmax-type learnable --quick-geglu "
            "--glu-linear-offset 1 --activation-func-clamp-value 7 --normalization RMSNorm "
@@ -20,28 +24,54 @@ LAYOUTS = {
     "cp2_a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
 }
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 "
+       "--moe-token-dispatcher-type alltoall").split()
+MOE_LAYOUTS = {
+    "moe_ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "moe_tp2_ep2_sp": (4, "--tensor-model-parallel-size 2 --sequence-parallel "
+                          "--expert-model-parallel-size 2".split()),
+}
+
+
+def _run(moe, ranks, argv, metrics):
+    """The full parameters after training `argv` on `ranks` (experts gathered over ep)."""
+    if moe:
+        return _full_parameters(run_on_ranks(_train_moe_layout, ranks, argv, metrics,
+                                             timeout=300))
+    params = {}
+    for rank_params in run_on_ranks(_train_layout, ranks, argv, metrics, timeout=300):
+        params.update(rank_params)  # pp stages hold different names
+    return params
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    metrics = str(tmp_path_factory.mktemp("one") / "one.jsonl")
-    params = run_on_ranks(_train_layout, 1, BASE, metrics, timeout=300)[0]
-    assert any(n.endswith("softmax_offset") for n in params)
-    return params, _losses(metrics)
+def references(tmp_path_factory):
+    """dense or MoE -> (one rank's full parameters, its losses), built on first use."""
+    cache = {}
+
+    def get(moe):
+        if moe not in cache:
+            metrics = str(tmp_path_factory.mktemp("one") / "one.jsonl")
+            argv = BASE + (MOE if moe else [])
+            params = _run(moe, 1, argv, metrics)
+            assert any(n.endswith("softmax_offset") for n in params)
+            assert not moe or any(n.endswith("experts.bias1") for n in params)
+            cache[moe] = params, _losses(metrics)
+        return cache[moe]
+    return get
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gpt_oss_layout_trains_the_one_rank_model(reference, tmp_path, layout):
-    ref_params, ref_losses = reference
-    ranks, flags = LAYOUTS[layout]
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(MOE_LAYOUTS))
+def test_gpt_oss_layout_trains_the_one_rank_model(references, tmp_path, layout):
+    moe = layout in MOE_LAYOUTS
+    ref_params, ref_losses = references(moe)
+    ranks, flags = (MOE_LAYOUTS if moe else LAYOUTS)[layout]
     metrics = str(tmp_path / "metrics.jsonl")
-    per_rank = run_on_ranks(_train_layout, ranks, BASE + flags, metrics, timeout=300)
+    argv = BASE + (MOE if moe else []) + flags
+    params = _run(moe, ranks, argv, metrics)
     losses = _losses(metrics)
     assert len(losses) == ITERS == len(ref_losses)
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    params = {}
-    for rank_params in per_rank:
-        params.update(rank_params)
     assert set(ref_params) <= set(params)
     param_error = max(_relative(params[n], ref_params[n]) for n in ref_params)
     print(f"{layout}: loss error {loss_error:.2e}, param error {param_error:.2e}")
