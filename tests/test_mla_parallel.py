@@ -9,7 +9,8 @@ summed over tp: without that sum, as Megatron-Core's column-parallel down-projec
 have it, tp2 moves linear_kv_down_proj off by far more than 1e-4), cp2 under p2p, all_gather
 and a2a (the narrower values padded to the query/key head size for the cp blocks), pp2
 interleaved (4 layers, 2 virtual stages), dp2 with ZeRO 3 and full recomputation, tp2 with
-selective recomputation.
+selective recomputation, ep2 with DeepSeek-V3's MoE block in small (sigmoid group-limited
+routing with the expert bias and its updates, a shared expert, the first layer dense).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 
 from multirank import run_on_ranks
 from test_context_parallel import GPT, _losses, _relative, _train_layout
+from test_moe_parallel import _full_parameters
+from test_moe_parallel import _train_layout as _train_moe_layout
 
 RTOL = 1e-4
 MLA = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 "
@@ -24,6 +27,12 @@ MLA = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-di
        "--position-embedding-type rope --rope-type yarn --rotary-scaling-factor 4 "
        "--mscale-all-dim 1 --yarn-original-max-position-embeddings 8").split()
 FOUR_LAYERS = ["--num-layers", "4"]
+# DeepSeek-V3's MoE block in small: a dense first layer, sigmoid routing with the expert bias,
+# group-limited top-2 from 2 of 4 groups, scaled weights, a shared expert
+MOE = ("--num-experts 8 --moe-ffn-hidden-size 16 --moe-shared-expert-intermediate-size 16 "
+       "--moe-layer-freq [0,1] --moe-router-topk 2 --moe-router-score-function sigmoid "
+       "--moe-router-enable-expert-bias --moe-router-num-groups 4 --moe-router-group-topk 2 "
+       "--moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 --swiglu").split()
 
 # name -> (ranks, flags, flags the one-rank reference shares)
 LAYOUTS = {
@@ -37,9 +46,21 @@ LAYOUTS = {
                    "--num-layers-per-virtual-pipeline-stage 1".split(), tuple(FOUR_LAYERS)),
     "dp2_zero3_recompute": (2, "--zero-stage 3 --recompute-granularity full "
                                "--recompute-method uniform --recompute-num-layers 1".split(), ()),
+    "ep2_moe": (2, ["--expert-model-parallel-size", "2"], tuple(MOE)),
     "tp2_selective": (2, ["--tensor-model-parallel-size", "2", "--recompute-granularity",
                           "selective"], ()),
 }
+
+
+def _run(ranks, argv, metrics):
+    """The full parameters after training `argv` on `ranks` (experts gathered over ep)."""
+    if "--num-experts" in argv:
+        return _full_parameters(run_on_ranks(_train_moe_layout, ranks, argv, metrics,
+                                             timeout=300))
+    params = {}
+    for rank_params in run_on_ranks(_train_layout, ranks, argv, metrics, timeout=300):
+        params.update(rank_params)  # pp stages hold different names
+    return params
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +70,7 @@ def references(tmp_path_factory):
     def get(shared):
         if shared not in cache:
             metrics = str(tmp_path_factory.mktemp("one") / "one.jsonl")
-            params = run_on_ranks(_train_layout, 1, GPT + MLA + list(shared), metrics,
-                                  timeout=300)[0]
+            params = _run(1, GPT + MLA + list(shared), metrics)
             cache[shared] = params, _losses(metrics)
         return cache[shared]
     return get
@@ -61,14 +81,10 @@ def test_mla_layout_trains_the_one_device_model(references, tmp_path, layout):
     ranks, flags, shared = LAYOUTS[layout]
     ref_params, ref_losses = references(shared)
     metrics = str(tmp_path / "metrics.jsonl")
-    per_rank = run_on_ranks(_train_layout, ranks, GPT + MLA + list(shared) + flags, metrics,
-                            timeout=300)
+    params = _run(ranks, GPT + MLA + list(shared) + flags, metrics)
     losses = _losses(metrics)
     assert len(losses) == len(ref_losses) > 0
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    params = {}
-    for rank_params in per_rank:
-        params.update(rank_params)
     assert set(params) - set(ref_params) <= {"output_layer.weight"}
     assert set(ref_params) <= set(params)
     assert any("linear_kv_down_proj" in name for name in params)
