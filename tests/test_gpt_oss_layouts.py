@@ -1,7 +1,7 @@
 """A gpt-oss-style model (sliding windows 3,0 on every other layer, learned sinks, biases on
 q/k/v/o, quick GeGLU with offset 1 and clamp 7, RMSNorm, RoPE, GQA) trains the same under
 tp2 (sinks split with the heads), cp2 with each --cp-comm-type (windows skip whole key
-chunks: the 16 tokens split in 4 chunks of 4) and pp2 as on one rank: the real program
+chunks: the 16 tokens split in 4 chunks of 4), cp4 as a2a+p2p 2 x 2 and pp2 as on one rank: the real program
 (pretrain.main, forked gloo ranks, --mock-data, fp32) logs the one-rank losses at every
 iteration and ends with the one-rank parameters, sinks included (relative 1e-4). Its MoE
 form (4 quick-GeGLU experts with biases, a router with a bias, top-2) trains the same at ep2
@@ -23,6 +23,8 @@ LAYOUTS = {
     "cp2_all_gather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
     "cp2_a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "cp4_a2a_p2p_2x2": (4, "--context-parallel-size 4 --cp-comm-type a2a+p2p "
+                           "--hierarchical-context-parallel-sizes 2 2".split()),
 }
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 "
        "--moe-token-dispatcher-type alltoall").split()
