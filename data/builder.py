@@ -34,6 +34,8 @@ class GPTDataConfig:
     reset_attention_mask: bool = False
     eod: Optional[int] = None  # tokenizer.eod
     vocab_size: Optional[int] = None  # tokenizer.vocab_size; mock data draws tokens below it
+    sft: bool = False  # --sft: the paths are conversations (JSON lines; data/sft/)
+    tokenizer_model: Optional[str] = None  # --sft: the tokenizer folder with a chat template
 
     def validate(self) -> None:
         if self.seq_length is None or self.seq_length <= 0:
@@ -45,6 +47,9 @@ class GPTDataConfig:
         if not (self.mock_data or per_split or self.data_path):
             raise ValueError("no data: give --data-path, --train-data-path (and optionally "
                              "--valid/--test-data-path) or --mock-data")
+        if self.sft and self.mock_data:
+            raise ValueError("--sft reads conversations from --data-path FILE.jsonl: "
+                             "--mock-data has none")
         if self.mock_data and (self.vocab_size is None or self.eod is None):
             raise ValueError("--mock-data needs the tokenizer's vocab_size and eod")
 
@@ -109,6 +114,10 @@ def build_train_valid_test_datasets(config: GPTDataConfig,
     wanted = [int(n) for n in train_valid_test_num_samples]
     if len(wanted) != 3:
         raise ValueError("train_valid_test_num_samples needs three numbers")
+    if config.sft:
+        from gigatron.data.sft.builder import build_sft_datasets
+
+        return build_sft_datasets(config, wanted)
     if config.mock_data or config.data_path:
         indexed: List[Union[MockIndexedDataset, IndexedDataset]]
         if config.mock_data:
@@ -160,10 +169,14 @@ def describe_datasets(datasets: Sequence[Optional[SampleDataset]]) -> List[str]:
         else:
             only = dataset.datasets[0] if isinstance(dataset, BlendedDataset) else dataset
             lines.append(f"data {name}: {len(dataset):,} samples{_source(only)}")
-    return lines
+    notes = [getattr(d, "note", "") for ds in datasets if ds is not None
+             for d in (ds.datasets if isinstance(ds, BlendedDataset) else [ds]) if d is not None]
+    return lines + [f"data: {n}" for n in dict.fromkeys(notes) if n]
 
 
 def _source(ds: Any) -> str:
+    if hasattr(ds, "describe"):  # SFT conversations (data/sft/dataset.py)
+        return ds.describe()
     if not isinstance(ds, (GPTDataset, MockGPTDataset)):
         return ""
     docs = "document" if ds.num_documents == 1 else "documents"
