@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gigatron.models.config import TransformerConfig
+from gigatron.models.documents import document_bounds
 from gigatron.models.kv_cache import CacheStep, KVCache
 from gigatron.models.losses import LayerLosses
 from gigatron.models.moe.layer import MoELayer
@@ -177,7 +178,8 @@ class GPTModel(nn.Module):
                 labels: Optional[torch.Tensor] = None,
                 kv_cache: Optional[KVCache] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                last_logits_only: bool = False) -> torch.Tensor:
+                last_logits_only: bool = False,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-token loss [b, s] (last stage, labels), tp-sharded logits [b, s, V_pad/tp]
         with the padded vocabulary's columns at -inf (last stage, no labels), else hidden
         states [s(/tp), b, h].
@@ -187,7 +189,15 @@ class GPTModel(nn.Module):
         `attention_mask` [b, s] (1: token, 0: padding) keeps padding out of attention (a
         forward without a cache then uses a one-step cache of its own); `last_logits_only`:
         the output layer on the last position only ([b, 1, V_pad/tp]: a long prompt's
-        prefill needs no more)."""
+        prefill needs no more). Training on packed documents: `cu_seqlens` [b, s + 1], a host
+        tensor of each sample's document boundaries (data/documents.py; every stage and cp
+        rank gets the whole sample's), keeps attention inside each document; the positions
+        then come as `position_ids` on every stage (they restart with
+        --reset-position-ids)."""
+        documents = document_bounds(cu_seqlens)
+        if documents is not None and (kv_cache is not None or attention_mask is not None):
+            raise ValueError("cu_seqlens (packed documents) is for training: inference takes "
+                             "attention_mask and kv_cache instead")
         step = None
         if kv_cache is not None or attention_mask is not None:
             step = self._begin_inference(input_ids, hidden_states, kv_cache, attention_mask)
@@ -201,7 +211,7 @@ class GPTModel(nn.Module):
             if hidden_states is None:
                 raise ValueError("a non-first pipeline stage needs hidden_states [s, b, h]")
             x = hidden_states
-        x = self.decoder(x, self._rotary(x, position_ids), step)
+        x = self.decoder(x, self._rotary(x, position_ids), step, documents)
         if step is not None:
             step.cache.commit(step)
         if not self.post_process:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 
 from gigatron.models.config import TransformerConfig
+from gigatron.models.documents import CU_SEQLENS
 from gigatron.models.gpt import GPTModel
 from gigatron.models.losses import (GPTMicroBatch, LayerLosses, masked_mean_loss,
                                     masked_sum_loss)
@@ -61,14 +62,17 @@ class GPTMicroBatchStep:
     def chunk_inputs(self, batch: GPTMicroBatch, received: Optional[Payload],
                      last: bool) -> Dict[str, Any]:
         """GPTModel.forward's arguments: token ids (first stage) or hidden states, labels
-        on the last stage (its output is then the per-token loss)."""
+        on the last stage (its output is then the per-token loss), positions and packed
+        documents' `cu_seqlens` wherever the micro-batch has them."""
         kwargs: Dict[str, Any] = {}
         if received is None:
             kwargs["input_ids"] = batch["input_ids"]
-            if batch.get("position_ids") is not None:
-                kwargs["position_ids"] = batch["position_ids"]
         else:
             kwargs["hidden_states"] = received
+        # every stage: positions restarting per document (RoPE) and the documents themselves
+        for key in ("position_ids", CU_SEQLENS):
+            if batch.get(key) is not None:
+                kwargs[key] = batch[key]
         if last and batch.get("labels") is not None:
             kwargs["labels"] = batch["labels"]
         return kwargs

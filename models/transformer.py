@@ -18,6 +18,7 @@ from gigatron import ops
 from gigatron.models.attention_kinds import (GATED, cached_band_attention, gated_activation,
                                              has_sink, layer_window)
 from gigatron.models.config import TransformerConfig
+from gigatron.models.documents import Documents, per_document, per_sample
 from gigatron.models.mla.rope import yarn_concentration, yarn_inv_freq
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.models.kv_cache import CacheStep, LayerCache
@@ -197,22 +198,38 @@ class CoreAttention(nn.Module):
                          else None)
         self.cp_comm_type = comm_type
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k [s, b, n or g, d]; v [s, b, g, dv] (g query groups) -> [s, b, n*dv]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Optional[Documents] = None) -> torch.Tensor:
+        """q, k [s, b, n or g, d]; v [s, b, g, dv] (g query groups) -> [s, b, n*dv];
+        `documents`: each sample's document boundaries (models/documents.py), attended
+        apart (None: one causal stream)."""
         s, b, n, d = q.shape
         dv = v.shape[-1]
         if k.shape[2] != n:
             k = k.repeat_interleave(n // k.shape[2], dim=2)
             v = v.repeat_interleave(n // v.shape[2], dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        out = self._attend(q, k, v) if documents is None else \
+            per_sample(self._attend, q, k, v, documents)
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * dv)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                bounds: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """[b, n, s, d] -> [b, n, s, dv], within the documents `bounds` when given."""
         p = self.p if self.training else 0.0
         if self.cp_group is not None:
-            out = context_parallel_attention(*equal_head_dims(q, k, v), self.cp_group,
-                                             self.cp_comm_type, scale=self.scale, dropout_p=p,
-                                             **self._band_kwargs())[..., :dv]
-        elif self.band:
-            out = band_attention(q, k, v, self.window, self.softmax_offset, self.scale)
-        elif self.backend == "sdpa":
+            return context_parallel_attention(*equal_head_dims(q, k, v), self.cp_group,
+                                              self.cp_comm_type, scale=self.scale, dropout_p=p,
+                                              documents=bounds,
+                                              **self._band_kwargs())[..., :v.shape[-1]]
+        if self.band:
+            return band_attention(q, k, v, self.window, self.softmax_offset, self.scale,
+                                  bounds)
+        if bounds is not None:
+            return per_document(self._attend, q, k, v, bounds)
+        b, n, s, d = q.shape
+        dv = v.shape[-1]
+        if self.backend == "sdpa":
             if p > 0 and self.tracker is not None:
                 with self.tracker.fork(q.device):
                     out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
@@ -227,7 +244,7 @@ class CoreAttention(nn.Module):
             scores = torch.matmul(q.reshape(b * n, s, d), k.reshape(b * n, s, d).transpose(1, 2))
             probs = dropout(self._softmax(scores), p, True, self.tracker)
             out = torch.bmm(probs, v.reshape(b * n, s, dv)).view(b, n, s, dv)
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * dv)
+        return out
 
     def _band_kwargs(self) -> Dict[str, Any]:
         """The window and sink of a band layer for the context-parallel call (none else)."""
@@ -308,8 +325,10 @@ class SelfAttention(nn.Module):
         self.tracker = tracker
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
-                kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
-        """`kv_cache`: inference over cached keys/values (this step's k, v are appended)."""
+                kv_cache: Optional[LayerCache] = None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
+        """`kv_cache`: inference over cached keys/values (this step's k, v are appended);
+        `documents`: packed documents' boundaries (attention stays inside each)."""
         qkv = self.linear_qkv(x)
         s, b = qkv.shape[:2]
         hpg, d = self.heads_per_group, self.config.head_dim
@@ -328,9 +347,9 @@ class SelfAttention(nn.Module):
             keys, values = kv_cache.append(k, v)
             out = self.core_attention.forward_masked(q, keys, values, kv_cache.mask)
         elif self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, self.tracker, q, k, v)
+            out = checkpoint(self.core_attention, self.tracker, q, k, v, documents)
         else:
-            out = self.core_attention(q, k, v)
+            out = self.core_attention(q, k, v, documents)
         return self.linear_proj(out)
 
 
@@ -434,8 +453,9 @@ class TransformerLayer(nn.Module):
         self.dropout_tracker = tracker if sp else None
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
-                kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
-        a = self.self_attention(self.input_layernorm(x), rotary, kv_cache)
+                kv_cache: Optional[LayerCache] = None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
+        a = self.self_attention(self.input_layernorm(x), rotary, kv_cache, documents)
         x = x + dropout(a, self.p, self.training, self.dropout_tracker)
         m = self.mlp(self.pre_mlp_layernorm(x))
         return x + dropout(m, self.p, self.training, self.dropout_tracker)
@@ -459,10 +479,11 @@ class TransformerBlock(nn.Module):
         sp = config.sequence_parallel and tp_size(tp_group) > 1
         self.final_layernorm = Norm(config, sp, device) if post_process else None
 
-    def _run(self, layers: Sequence[nn.Module], checkpointed: bool = False) -> Callable:
+    def _run(self, layers: Sequence[nn.Module], checkpointed: bool = False,
+             documents: Optional[Documents] = None) -> Callable:
         """The layers as one function; `checkpointed`: calls after the first are the
         recomputation in backward, where MoE layers add no losses and count no tokens again
-        (a checkpoint's forward and recompute run the same function)."""
+        (a checkpoint's forward and recompute run the same function, with its documents)."""
         calls = 0
 
         def run(x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
@@ -470,13 +491,15 @@ class TransformerBlock(nn.Module):
             calls += 1
             with _recomputing(layers, checkpointed and calls > 1):
                 for layer in layers:
-                    x = layer(x, rotary or None)
+                    x = layer(x, rotary or None, None, documents)
             return x
         return run
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
-                kv_step: Optional[CacheStep] = None) -> torch.Tensor:
-        """`kv_step`: one inference step over a KV cache (no recomputation: no backward)."""
+                kv_step: Optional[CacheStep] = None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
+        """`kv_step`: one inference step over a KV cache (no recomputation: no backward);
+        `documents`: packed documents' boundaries (models/documents.py)."""
         if kv_step is not None:
             for number, layer in self.layers.items():
                 x = layer(x, rotary, kv_step.layer(int(number)))
@@ -489,16 +512,17 @@ class TransformerBlock(nn.Module):
             assert n is not None, "TransformerConfig.validate requires it with 'full'"
             if cfg.recompute_method == "uniform":
                 for start in range(0, len(layers), n):
-                    x = checkpoint(self._run(layers[start:start + n], True), self.tracker, x,
-                                   *rot)
+                    x = checkpoint(self._run(layers[start:start + n], True, documents),
+                                   self.tracker, x, *rot)
             else:  # block: recompute the first n layers of this stage, keep the rest
                 for i, layer in enumerate(layers):
                     if i < n:
-                        x = checkpoint(self._run([layer], True), self.tracker, x, *rot)
+                        x = checkpoint(self._run([layer], True, documents), self.tracker,
+                                       x, *rot)
                     else:
-                        x = layer(x, rotary)
+                        x = layer(x, rotary, None, documents)
         else:
-            x = self._run(layers)(x, *rot)
+            x = self._run(layers, documents=documents)(x, *rot)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

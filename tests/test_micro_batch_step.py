@@ -193,8 +193,14 @@ def test_gpt_step_reads_megatron_batches_by_stage():
     batch["position_ids"] = torch.arange(16).expand(2, 16)
     hidden = torch.zeros(16, 2, 32)
     assert set(step.chunk_inputs(batch, None, last=False)) == {"input_ids", "position_ids"}
-    assert set(step.chunk_inputs(batch, hidden, last=False)) == {"hidden_states"}
+    # every stage takes the positions and packed documents' boundaries the batch carries
+    assert set(step.chunk_inputs(batch, hidden, last=False)) == {"hidden_states",
+                                                                 "position_ids"}
+    del batch["position_ids"]
     assert set(step.chunk_inputs(batch, hidden, last=True)) == {"hidden_states", "labels"}
+    batch["cu_seqlens"] = torch.tensor([[0, 16] + [16] * 15] * 2)
+    assert set(step.chunk_inputs(batch, hidden, last=False)) == {"hidden_states",
+                                                                 "cu_seqlens"}
     per_token = torch.rand(2, 16)
     mask = batch["loss_mask"]
     assert step.loss(per_token, batch).loss.item() == pytest.approx(

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from gigatron.models.config import TransformerConfig
+from gigatron.models.documents import Documents
 from gigatron.models.kv_cache import LayerCache
 from gigatron.models.mla.rope import deinterleave, yarn_get_mscale
 from gigatron.models.transformer import CoreAttention, Norm, apply_rotary, output_init_std
@@ -122,10 +123,11 @@ class MultiLatentAttention(nn.Module):
         return k, v
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
-                kv_cache: Optional[LayerCache] = None) -> torch.Tensor:
+                kv_cache: Optional[LayerCache] = None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
         """x [s(/tp), b, h] -> [s(/tp), b, h]; `rotary`: the (cos, sin) tables of MLA's
         positional channels (GPTModel builds them); `kv_cache`: inference over cached
-        latents (this step's are appended)."""
+        latents (this step's are appended); `documents`: packed documents' boundaries."""
         c = self.config
         assert rotary is not None, "MLA needs the RoPE tables of its positional channels"
         q = self._query(x)
@@ -146,7 +148,7 @@ class MultiLatentAttention(nn.Module):
         else:
             k, v = self._expand(latent, k_pos)
             if self.recompute_core and torch.is_grad_enabled():
-                out = checkpoint(self.core_attention, self.tracker, query, k, v)
+                out = checkpoint(self.core_attention, self.tracker, query, k, v, documents)
             else:
-                out = self.core_attention(query, k, v)
+                out = self.core_attention(query, k, v, documents)
         return self.linear_proj(out)

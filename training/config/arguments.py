@@ -241,7 +241,9 @@ def _run_config(s: Settings, model: "TransformerConfig", parallel: ParallelConfi
                          train_data_path=d.train_data_path, valid_data_path=d.valid_data_path,
                          test_data_path=d.test_data_path, mock_data=d.mock_data,
                          data_cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
-                         vocab_size=d.vocab_size)
+                         reset_position_ids=d.reset_position_ids,
+                         reset_attention_mask=d.reset_attention_mask, vocab_size=d.vocab_size,
+                         sft=d.sft, tokenizer_model=d.tokenizer_model)
     mbs, gbs, num_mb = batches
     # --train-samples: the iterations counted as Megatron counts them
     train = dataclasses.replace(s.train, micro_batch_size=mbs, global_batch_size=gbs,

@@ -322,6 +322,17 @@ class DataSettings:
         "each document", "--tokenizer-hf-no-include-special-tokens")
     eod_mask_loss: bool = setting(False, "no loss on end-of-document tokens",
                                   "--eod-mask-loss")
+    sft: bool = setting(
+        False, "supervised fine-tuning, Megatron-LM's meaning: --data-path names JSON-lines "
+        "files of conversations (\"messages\"), tokenized with the HuggingFaceTokenizer's chat "
+        "template; a line's conversations are packed as documents and the loss is on the "
+        "assistant's tokens only (docs/SFT.md)", "--sft")
+    reset_position_ids: bool = setting(
+        False, "positions restart at 0 after each end-of-document token "
+        "(docs/PACKED_SEQUENCES.md)", "--reset-position-ids")
+    reset_attention_mask: bool = setting(
+        False, "attention stays inside each document of a packed sample (a document ends at "
+        "its end-of-document token; docs/PACKED_SEQUENCES.md)", "--reset-attention-mask")
     tokenizer_hf_no_use_fast: bool = setting(
         False, "accepted without effect: Hugging Face tokenizers are read from tokenizer.json "
         "(the fast form), whose ids the slow form shares", "--tokenizer-hf-no-use-fast")

@@ -252,7 +252,9 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
 
     if dataset is None:
         return None
-    if not (pipeline.needs_inputs or pipeline.needs_labels):
+    # packed documents: every stage attends within them, at their restarted positions
+    documents = run.data.reset_attention_mask or run.data.reset_position_ids
+    if not (pipeline.needs_inputs or pipeline.needs_labels or documents):
         return _empty_batches()
     mbs = run.train.micro_batch_size
     assert mbs is not None  # resolved by arguments.build_run
@@ -260,7 +262,8 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
                                            run.parallel.dp,
                                            num_workers=run.train.num_workers,
                                            seed=run.train.seed)
-    return _to_executor(loader, device, pipeline, run.parallel.context_parallel_size, cp_rank)
+    return _to_executor(loader, device, pipeline, run.parallel.context_parallel_size, cp_rank,
+                        documents)
 
 
 def _empty_batches() -> Iterator[dict]:
@@ -269,12 +272,15 @@ def _empty_batches() -> Iterator[dict]:
 
 
 def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
-                 cp_rank: int = 0) -> Iterator[dict]:
+                 cp_rank: int = 0, documents: bool = False) -> Iterator[dict]:
     for batch in waited_for(loader):
         out = {}
         if pipeline.needs_inputs:
             out["input_ids"] = batch["tokens"].to(device)
+        if pipeline.needs_inputs or documents:
             out["position_ids"] = batch["position_ids"].to(device)
+        if "cu_seqlens" in batch:  # stays on the host (data/documents.py)
+            out["cu_seqlens"] = batch["cu_seqlens"]
         if pipeline.needs_labels:
             out["labels"] = batch["labels"].to(device)
             out["loss_mask"] = batch["loss_mask"].to(device)
@@ -284,10 +290,12 @@ def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
 def context_parallel_shard(batch: Dict[str, torch.Tensor], cp: int,
                            cp_rank: int) -> Dict[str, torch.Tensor]:
     """`cp_rank`'s load-balanced chunks of a micro-batch's [b, s] tensors (position ids stay
-    the global ones), with the whole sequence's loss-token count / cp (models/losses.py)."""
+    the global ones), with the whole sequence's loss-token count / cp (models/losses.py);
+    packed documents' `cu_seqlens` stay whole (global positions, read by attention)."""
     from gigatron.parallel.context.split import split_for_rank
 
-    out = {key: split_for_rank(value, cp, cp_rank, seq_dim=1) for key, value in batch.items()}
+    out = {key: value if key == "cu_seqlens" else split_for_rank(value, cp, cp_rank, seq_dim=1)
+           for key, value in batch.items()}
     if "loss_mask" in batch:
         total = batch["loss_mask"].sum().clamp(min=1).to(torch.float32)
         out["loss_tokens_share"] = total / cp

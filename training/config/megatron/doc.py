@@ -121,8 +121,9 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
      "and load into any layout (docs/CHECKPOINTS.md)"),
     (("--inference", "--flash-decode", "--nccl-all-reduce-for-prefill"),
      "text generation is not part of pretrain_gpt.py"),
-    (("--reset-position-ids", "--reset-attention-mask", "--dataloader-inter-document"),
-     "samples run across document boundaries with one causal mask, as Megatron's default"),
+    (("--dataloader-inter-document",),
+     "not implemented: --reset-attention-mask keeps attention inside each packed document "
+     "(docs/PACKED_SEQUENCES.md)"),
     (("--padded-vocab-size", "--no-pad-vocab-size"),
      "the vocabulary is always padded to --make-vocab-size-divisible-by x tp"),
     (("--chat-template", "--tokenizer-metadata", "--use-gigatoken",
@@ -144,7 +145,8 @@ FAMILY_REASONS: Dict[str, str] = {
     "heterogeneous architecture": "heterogeneous layer configurations are not implemented",
     "experimental": "experimental Megatron-Core features are not implemented",
     "Transformer-Engine": _TE, "retro": "Retro is not part of gigatron",
-    "sft": "supervised fine-tuning is not part of gigatron",
+    "sft": "Megatron's SFTTokenizer prompt formats are not used: --sft tokenizes with the "
+           "HuggingFaceTokenizer's own chat template (docs/SFT.md)",
     "In-process restart": _CLUSTER, "ft_package": _CLUSTER,
     "workload inspector": _CLUSTER, "opentelemetry": _CLUSTER, "one logger": _CLUSTER,
     "autoresume": _CLUSTER, "msc": _CLUSTER, "fault injector": _CLUSTER,
