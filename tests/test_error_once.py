@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import socket
 from datetime import timedelta
 from typing import Dict, List
 
@@ -70,3 +71,42 @@ def test_an_error_every_rank_finds_is_printed_once(tmp_path):
     printed = run_on_ranks(_empty_split_run, 2, prefix, timeout=120)
     lines = [line for text in printed for line in text.splitlines() if "error" in line]
     assert len(lines) == 1 and "the valid split is empty" in lines[0], printed
+
+
+class _KillsItsWorker:
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+        return index
+
+
+def test_a_killed_data_loader_worker_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """One rank in this process (a forked rank is daemonic: it may not start workers)."""
+    import torch
+
+    from gigatron.training.run import loop, pretrain
+
+    def train(session, progress):
+        for _ in torch.utils.data.DataLoader(_KillsItsWorker(), num_workers=1):
+            pass
+        return progress
+
+    monkeypatch.setattr(loop, "train", train)
+    with socket.socket() as free:  # 29500 may be another test's
+        free.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(free.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    flags = ("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+             "--micro-batch-size 1 --train-iters 2 --lr 1e-3 --vocab-size 128 --mock-data "
+             "--no-progress").split()
+    assert pretrain.main(flags) == 1
+    printed = capsys.readouterr().err
+    lines = printed.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in printed, printed
+    assert "a data loader worker process died (DataLoader worker (pid " in lines[0]
+    assert "is killed by signal: Killed)" in lines[0] and "--num-workers 0" in lines[0]

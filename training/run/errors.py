@@ -36,3 +36,17 @@ def should_print(line: str, rank: int, watchdog: Optional["Watchdog"],
         return True
     text = reported.decode() if isinstance(reported, bytes) else str(reported)
     return text != line
+
+
+def data_worker_failure(err: BaseException) -> Optional[str]:
+    """One line for a DataLoader worker process that died (torch raises 'DataLoader worker
+    (pid(s) N) exited unexpectedly' from 'is killed by signal: Killed.'); None for any other
+    error."""
+    chain = [e for e in (err, err.__cause__, err.__context__) if e is not None]
+    texts = [str(e).strip().rstrip(".") for e in chain if "DataLoader worker" in str(e)]
+    if not texts:
+        return None
+    detail = next((t for t in texts if "signal" in t), texts[0])
+    return (f"a data loader worker process died ({detail}): it was killed or crashed (the "
+            f"kernel's out-of-memory killer? see dmesg); --num-workers 0 reads the data in "
+            f"the training process")

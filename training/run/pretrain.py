@@ -321,9 +321,15 @@ def _start_watchdog(launch: "LaunchEnv", timeout_minutes: float) -> Optional["Wa
 def _peer_failure(err: RuntimeError, watchdog: Optional["Watchdog"], rank: int,
                   prog: str) -> int:
     """A collective failed: the watchdogs' verdict on a hung rank (it ends this process), or
-    the peers that died or failed meanwhile; an error that is not a peer's is re-raised."""
+    the peers that died or failed meanwhile; a data loader worker that died is one line; any
+    other error is re-raised."""
     from gigatron.parallel.watchdog import is_peer_failure
+    from gigatron.training.run.errors import data_worker_failure
 
+    died = data_worker_failure(err)
+    if died is not None:  # one line, not torch's chained tracebacks
+        print(f"{prog}: error (rank {rank}): {died}", file=sys.stderr)
+        return 1
     if watchdog is None or not is_peer_failure(err):
         raise err
     cause = watchdog.explain_failure(3 * watchdog.interval_s + 1)
