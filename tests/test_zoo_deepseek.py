@@ -7,6 +7,7 @@ import pytest
 
 from gigatron.models.gpt import count_active_parameters, count_parameters
 from gigatron.models.zoo import load_config
+from gigatron.training.observe.flops import flops_per_token, matmul_parameter_count
 
 # name -> (total, active) as the model cards / papers give them
 PUBLISHED = {
@@ -43,3 +44,16 @@ def test_dense_models_have_no_separate_active_count():
     config = load_config("llama3-8b")
     assert count_active_parameters(config) == count_parameters(config) - \
         config.padded_vocab_size() * config.hidden_size
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3-671b", "moonlight-16b-a3b"])
+def test_mfu_counts_mla_parameters_and_attention_width(name):
+    """N of the FLOPs formula is the active count (MLA's projections, not a standard
+    attention's), and the score term uses MLA's head sizes."""
+    config = load_config(name)
+    n = matmul_parameter_count(config)
+    assert n == count_active_parameters(config)
+    heads, q_head = config.num_attention_heads, config.qk_head_dim + config.qk_pos_emb_head_dim
+    width = heads * (q_head + config.v_head_dim)
+    assert flops_per_token(config) == 6.0 * n + 6.0 * config.num_layers * width * \
+        config.seq_length

@@ -10,7 +10,9 @@ matrix counts once, as the output projection). A mixture-of-experts layer counts
 parameters, those a token passes through: the router, top-k routed experts and the shared
 experts (so MFU is on active parameters, as for Mixtral's "13B active of 47B"). Input embedding tables (word and learned
 position) are lookups and are not counted. The 12*L*h*s term is attention's QK^T and AV
-matmuls (forward + backward) at sequence length s, without halving for the causal mask.
+matmuls (forward + backward) at sequence length s, without halving for the causal mask;
+with multi-latent attention, whose heads need not add up to h and whose values are narrower,
+it is 6 * L * s * heads * (q/k head + v head), and N counts MLA's own projections.
 These are *model* FLOPs: activation recomputation is not counted, so MFU is comparable
 across recomputation settings.
 """
@@ -50,6 +52,8 @@ def matmul_parameter_count(config: "TransformerConfig", tp: int = 1) -> int:
     d = _get(config, "kv_channels", h // heads)  # channels per head (--kv-channels)
     q, kv = heads * d, 2 * groups * d
     attention = h * (q + kv) + q * h + ((q + kv) + h if bias else 0)
+    if _get(config, "multi_latent_attention", False):
+        attention = _mla_parameters(config, bias)
 
     def mlp(width: int) -> int:
         mlp_in = 2 * width if swiglu else width
@@ -62,6 +66,29 @@ def matmul_parameter_count(config: "TransformerConfig", tp: int = 1) -> int:
     dense_mlps = (layers - moe) * mlp(ffn)
     moe_mlps = moe * _moe_active(config, mlp) if moe else 0
     return layers * per_layer + dense_mlps + moe_mlps + norm + vocab * h
+
+
+def _mla_parameters(config: "TransformerConfig", bias: bool) -> int:
+    """Multi-latent attention's parameters: the query and key/value down- and
+    up-projections, their latent norms (--qk-layernorm) and the output projection."""
+    h, heads, rank = config.hidden_size, config.num_attention_heads, config.q_lora_rank
+    norms = bool(config.qk_layernorm)
+    q_head = config.qk_head_dim + config.qk_pos_emb_head_dim
+    query = h * heads * q_head if rank is None else \
+        h * rank + rank * heads * q_head + (rank if norms else 0)
+    latent = config.kv_lora_rank
+    key_value = h * (latent + config.qk_pos_emb_head_dim) + \
+        latent * heads * (config.qk_head_dim + config.v_head_dim) + (latent if norms else 0)
+    return query + key_value + heads * config.v_head_dim * h + (h if bias else 0)
+
+
+def _attention_width(config: "TransformerConfig") -> int:
+    """Channels of QK^T plus AV per token and position, over the heads: 2h (one head size
+    for queries, keys and values, Megatron's formula), MLA's heads x (q/k head + v head)."""
+    if _get(config, "multi_latent_attention", False):
+        return config.num_attention_heads * (config.qk_head_dim + config.qk_pos_emb_head_dim
+                                             + config.v_head_dim)
+    return 2 * config.hidden_size
 
 
 def _moe_active(config: "TransformerConfig", mlp: Callable[[int], int]) -> int:
@@ -77,7 +104,7 @@ def _moe_active(config: "TransformerConfig", mlp: Callable[[int], int]) -> int:
 def flops_per_token(config: "TransformerConfig", tp: int = 1) -> float:
     """Model FLOPs (forward + backward) per trained token: 6N + 12 L h s."""
     return 6.0 * matmul_parameter_count(config, tp) + \
-        12.0 * config.num_layers * config.hidden_size * config.seq_length
+        6.0 * config.num_layers * _attention_width(config) * config.seq_length
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
