@@ -52,6 +52,20 @@ UNIVERSAL_CASE = "z2"
 UNIVERSAL_TAG = f"global_step{SAVE_AT}_universal"
 
 
+def deepspeed_supports_fp16() -> bool:
+    """What DeepSpeed's engine asks before it trains in fp16 ("Type fp16 is not supported on
+    your device" otherwise): on a CPU its accelerator asks oneDNN, which says no on CPUs
+    without native fp16, so the fp16 case can only run where this is True."""
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+def runnable_cases(fp16: bool) -> Dict[str, Tuple[int, str]]:
+    """CASES, without the fp16 ones where DeepSpeed refuses fp16 on this machine."""
+    return {case: spec for case, spec in CASES.items() if fp16 or spec[1] != "fp16"}
+
+
 def config(stage: int, precision: str, world: int) -> Dict[str, Any]:
     """The parity script's DeepSpeed config (warm-up over 5 steps), with a global batch of CHUNKS
     micro-batches."""
@@ -113,7 +127,7 @@ def run_deepspeed(out_dir: str, rank: int, world: int) -> Dict[str, Any]:
     import deepspeed
 
     results = {}
-    for case, (stage, precision) in CASES.items():
+    for case, (stage, precision) in runnable_cases(deepspeed_supports_fp16()).items():
         dtype = DTYPES[precision]
         engine = build(deepspeed.initialize, stage, precision, world)
         before, _ = train(engine, 0, SAVE_AT, rank, world, dtype)
@@ -211,14 +225,16 @@ def write_universal(folder: str) -> None:
         sys.argv = saved
 
 
-def run_gigatron(out_dir: str, rank: int, world: int, sources: List[int]) -> Dict[str, Any]:
-    """Every case from every source world size; for z1 from one rank, also without the
-    optimizer states and not loaded at all (what the test's tolerance must tell apart)."""
+def run_gigatron(out_dir: str, rank: int, world: int, sources: List[int],
+                 fp16: bool) -> Dict[str, Any]:
+    """Every case (fp16 only when `fp16`: DeepSpeed wrote it) from every source world size; for
+    z1 from one rank, also without the optimizer states and not loaded at all (what the test's
+    tolerance must tell apart)."""
     import gigatron
 
     results = {}
     for source in sources:
-        for case in CASES:
+        for case in runnable_cases(fp16):
             results[f"{case}@{source}"] = continue_from(gigatron.initialize, out_dir, case,
                                                         source, world, rank)
         # the universal folder: by its tag, and as "load_universal" finds it (latest_universal)
@@ -256,6 +272,8 @@ def main() -> None:
     parser.add_argument("framework", choices=["deepspeed", "gigatron"])
     parser.add_argument("out_dir")
     parser.add_argument("--sources", default="1,2", help="world sizes whose checkpoints to load")
+    parser.add_argument("--no-fp16", action="store_true",
+                        help="skip the fp16 case (DeepSpeed refused fp16 on this machine)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -270,7 +288,7 @@ def main() -> None:
 
         gigatron.init_distributed(dist_backend="gloo")
         results = run_gigatron(args.out_dir, rank, world,
-                               [int(s) for s in args.sources.split(",")])
+                               [int(s) for s in args.sources.split(",")], not args.no_fp16)
     write_results(os.path.join(args.out_dir, f"{args.framework}{world}.rank{rank}.json"),
                   results)
     if dist.is_initialized():  # gigatron runs a world of one without a process group
