@@ -102,3 +102,38 @@ def test_mxfp4_checkpoints_are_refused_naming_the_fix():
     hf["quantization_config"] = {"quant_method": "mxfp4"}
     with pytest.raises(ConversionError, match="dequantize them to bf16 first"):
         config_from_hf(hf)
+
+
+def test_converted_gpt_oss_generates_transformers_tokens_from_the_cli_at_tp1_and_tp2(
+        converted, tmp_path):
+    """HF folder -> `gigatron convert hf-to-gigatron` -> `gigatron generate --load` (the
+    recorded --window-size, --softmax-type, --quick-geglu ... and --enable-gpt-oss flags
+    rebuild it) on 1 and 2 tensor-parallel ranks (sinks split with the heads), left-padded
+    prompts in one batch: transformers' greedy tokens."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from multirank import run_on_ranks
+    from test_generation_cli import _command
+
+    from gigatron.models.generation import left_pad
+
+    folder, hf, _ = converted
+    ckpt = str(tmp_path / "ckpt")
+    (code, _, err), = run_on_ranks(_command, 1, "cli.convert", [
+        "hf-to-gigatron", "--load", str(folder), "--save", ckpt])
+    assert code == 0, err
+    tokens, mask = left_pad(PROMPTS, pad_token=0)
+    out = hf.generate(input_ids=tokens, attention_mask=mask, max_new_tokens=8,
+                      do_sample=False, pad_token_id=0)
+    expected = out[:, tokens.shape[1]:].tolist()
+    for world in (1, 2):
+        path = str(tmp_path / f"tp{world}.jsonl")
+        args = ["--load", ckpt, "--max-new-tokens", "8", "--ignore-eod", "--output", path]
+        for prompt in PROMPTS:
+            args += ["--prompt", " ".join(map(str, prompt))]
+        results = run_on_ranks(_command, world, "cli.generate", args)
+        assert [r[0] for r in results] == [0] * world, results
+        with open(path) as f:
+            assert [json.loads(line)["tokens"] for line in f] == expected

@@ -38,7 +38,7 @@ def _num(value: Any) -> str:
 
 def _activation_flags(config: TransformerConfig) -> List[str]:
     """Megatron's activation flags: the bias-GeLU fusion (tanh) is the default with biases."""
-    if config.activation in ("swiglu", "squared_relu"):
+    if config.activation in ("swiglu", "squared_relu", "quick_geglu"):
         return ["--" + config.activation.replace("_", "-")]
     if config.activation == "gelu" and config.add_bias_linear:
         return ["--no-bias-gelu-fusion"]
@@ -86,7 +86,34 @@ def model_flags(config: TransformerConfig) -> List[str]:
         argv.append("--attention-softmax-in-fp32")
     if config.params_dtype != torch.float32:
         argv.append("--" + _DTYPE_NAMES[config.params_dtype])
-    return [_num(a) for a in argv + _moe_flags(config) + _mla_flags(config)]
+    return [_num(a) for a in argv + _moe_flags(config) + _mla_flags(config)
+            + _gpt_oss_flags(config)]
+
+
+def _gpt_oss_flags(config: TransformerConfig) -> List[Any]:
+    """The window, sink and gated-activation flags off their defaults, and --enable-gpt-oss
+    for gpt-oss's YaRN (the only YaRN of attention without MLA that the flags build)."""
+    from gigatron.training.config.megatron.gpt_oss import GPT_OSS_YARN
+
+    argv: List[Any] = []
+    if config.window_size is not None:
+        argv += ["--window-size", f"{config.window_size[0]},{config.window_size[1]}"]
+    freq = config.window_attn_skip_freq
+    if freq is not None:
+        argv += ["--window-attn-skip-freq",
+                 "[" + ",".join(map(str, freq)) + "]" if isinstance(freq, list) else freq]
+    if config.softmax_type != "vanilla":
+        argv += ["--softmax-type", config.softmax_type]
+    if config.glu_linear_offset:
+        argv += ["--glu-linear-offset", config.glu_linear_offset]
+    if config.activation_func_clamp_value is not None:
+        argv += ["--activation-func-clamp-value", config.activation_func_clamp_value]
+    if config.add_qkv_bias:
+        argv.append("--add-qkv-bias")
+    if not config.multi_latent_attention and all(
+            getattr(config, name) == value for name, value in GPT_OSS_YARN.items()):
+        argv.append("--enable-gpt-oss")
+    return argv
 
 
 def _mla_flags(config: TransformerConfig) -> List[Any]:
