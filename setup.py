@@ -75,7 +75,8 @@ setup(
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors"],
     extras_require={
         # the tests cover every optional path, so they need the optional packages too
-        "test": ["pytest>=7", "tensorboard", "matplotlib", "transformers",
+        # pytest-xdist: the README's test command runs the files on 2 workers (--dist loadfile)
+        "test": ["pytest>=7", "pytest-xdist", "tensorboard", "matplotlib", "transformers",
                  "tiktoken", "megatron-core==0.16.1",  # megatron-core: the import oracle
                  "import-linter",  # the import contracts in pyproject.toml
                  "accelerate"],  # the "auto" values accelerate fills (test_deepspeed_auto.py)
