@@ -7,9 +7,10 @@ from typing import Any, List, Mapping, Optional
 import torch
 
 from gigatron.parallel.zero.loss_scaler import RULES
+from gigatron.parallel.zero.muon.config import MuonConfig
 
 _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_OPTIMIZERS = ("adamw", "adam", "sgd")
+_OPTIMIZERS = ("adamw", "adam", "sgd", "muon")
 
 
 @dataclass
@@ -29,7 +30,10 @@ class ZeroConfig:
     """Stage 3: gather the next layer's parameters while this layer computes."""
 
     optimizer: str = "adamw"
-    """'adamw', 'adam' or 'sgd': torch.optim's implementation runs on the flat shard."""
+    """'adamw', 'adam' or 'sgd': torch.optim's implementation runs on the flat shard; 'muon':
+    Muon on the matrices, AdamW on the rest (muon/)."""
+    muon: Optional[MuonConfig] = None
+    """Muon's settings under optimizer 'muon' (None: Megatron-LM's defaults)."""
     lr: float = 1e-3
     weight_decay: float = 0.01
     """Applied to weights with 2+ dims; biases and norm weights get none."""
@@ -104,6 +108,9 @@ def zero_problems(values: Mapping[str, Any],
          f"{', '.join(_OPTIMIZERS)}"),
         (v["offload_optimizer"] in ("none", "cpu"),
          f"{n('offload_optimizer')} must be 'none' or 'cpu', got {v['offload_optimizer']!r}"),
+        (v["offload_optimizer"] != "cpu" or v["optimizer"] != "muon",
+         f"{n('offload_optimizer')} is not built with {n('optimizer')} muon (Newton-Schulz on "
+         f"host shards): leave it off"),
         (v["offload_optimizer"] != "cpu" or v["zero_stage"] not in (0, None),
          f"{n('offload_optimizer')} needs a sharded optimizer (the offloaded state is the "
          f"sharded optimizer state): set {n('zero_stage')} to 1, 2 or 3"),

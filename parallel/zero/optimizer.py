@@ -38,6 +38,7 @@ from gigatron.parallel.zero.bucketed_grad_sync import BucketedGradSync
 from gigatron.parallel.zero.lamb import Lamb, TrustRatioLayout
 from gigatron.parallel.zero.layout import shard_pieces
 from gigatron.parallel.zero.loss_scaler import DynamicLossScaler, LossScaler
+from gigatron.parallel.zero.muon.build import build_muon, rule_of
 from gigatron.parallel.zero.optimizers import (OptimizerArg, build_optimizer, make_optimizer,
                                               spec_from_zero_config)
 from gigatron.parallel.zero.param_groups import (FlatGroupPlan, ModelParameters, UserGroup,
@@ -70,6 +71,7 @@ class ZeroGroups:
     dp: object = None
     tp: object = None
     expert_dp: Group = None  # the expert-data-parallel group ("edp"); None: no experts
+    expert_tp: Group = None  # the expert-tensor-parallel group ("etp"; Muon gathers over it)
     embedding: object = None
     tp_rank: int = 0
     pp_rank: int = 0
@@ -83,9 +85,10 @@ def zero_groups_from(groups: "ProcessGroups") -> ZeroGroups:
     except KeyError:  # middle pipeline stages hold no tied embedding
         embedding = None
     expert_dp = groups["edp"] if groups.expert is not None else None
+    expert_tp = groups["etp"] if groups.expert is not None else None
     # context-parallel ranks share the model too: dense grads are reduced over dp x cp
     return ZeroGroups(dp=groups["dp-cp"], tp=groups.tp, embedding=embedding,
-                      expert_dp=expert_dp, tp_rank=groups.index("tp"),
+                      expert_dp=expert_dp, expert_tp=expert_tp, tp_rank=groups.index("tp"),
                       pp_rank=groups.index("pp"), pp_size=groups.size("pp"))
 
 
@@ -198,8 +201,11 @@ class ZeroOptimizer:
             unit_of = {id(p): i for i, (_, ps) in enumerate(units) for p in ps}
         else:
             ordered = [trainable_in(self.user_groups, m.parameters())[::-1] for m in chunks]
-        plans = plan_flat_groups(ordered, self.user_groups, self.config.weight_decay)
+        muon = self.config.optimizer == "muon"
+        plans = plan_flat_groups(ordered, self.user_groups, self.config.weight_decay,
+                                 rule_of if muon else None)
         self.flat_user_group = [plan.user_group for plan in plans]
+        self.flat_rule = [plan.rule for plan in plans]
         return [self._flat_group(plan, None if units is None else
                                  [unit_of[id(p)] for p in plan.params]) for plan in plans]
 
@@ -228,7 +234,10 @@ class ZeroOptimizer:
     def _make_optimizer(self, optimizer: Optional[OptimizerArg]) -> torch.optim.Optimizer:
         """Megatron's path: one torch group per flat group, from config's fields. DeepSpeed's:
         one torch group per user group (its master shards, its options), as DeepSpeed's ZeRO
-        flattens each user group, so a scheduler's per-group lists still line up."""
+        flattens each user group, so a scheduler's per-group lists still line up. Muon
+        (muon/build.py): one torch group per flat group, matrices apart."""
+        if self.config.optimizer == "muon" and optimizer is None:
+            return build_muon(self)
         if self.user_groups is None:
             return build_optimizer(spec_from_zero_config(self.config),
                                    [{"params": [g.master], "weight_decay": g.weight_decay}

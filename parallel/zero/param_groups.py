@@ -17,7 +17,7 @@ Two ways to say it:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ class FlatGroupPlan:
     params: List[nn.Parameter]
     weight_decay: float
     user_group: Optional[int]  # index into the user groups; None on Megatron's path
+    rule: str = ""  # the update rule's name when parameters take different ones (Muon's)
 
 
 def user_groups(model_parameters: ModelParameters) -> List[UserGroup]:
@@ -115,33 +116,37 @@ def decays(p: nn.Parameter) -> bool:
 
 
 def plan_flat_groups(ordered: List[List[nn.Parameter]], groups: Optional[List[UserGroup]],
-                     weight_decay: float) -> List[FlatGroupPlan]:
+                     weight_decay: float,
+                     rule_of: Optional[Callable[[nn.Parameter], str]] = None
+                     ) -> List[FlatGroupPlan]:
     """Flat groups per chunk: by (kind, ndim >= 2) with Megatron's decay rule when `groups` is
-    None, else by (user group, kind). `ordered` is each chunk's trainable parameters in the
-    order backward produces their grads (buckets fill front to back)."""
+    None, else by (user group, kind); and by `rule_of` (the update rule a parameter takes:
+    Muon's matrices apart from the rest) when given. `ordered` is each chunk's trainable
+    parameters in the order backward produces their grads (buckets fill front to back)."""
+    rule = rule_of or (lambda p: "")
     plans = []
     for chunk, params in enumerate(ordered):
         if groups is None:
-            plans += _megatron_plans(chunk, params, weight_decay)
+            plans += _megatron_plans(chunk, params, weight_decay, rule)
             continue
         group_of = {id(p): i for i, g in enumerate(groups) for p in g.params}
-        keyed: Dict[Tuple[int, str], List[nn.Parameter]] = {}
+        keyed: Dict[Tuple[int, str, str], List[nn.Parameter]] = {}
         for p in params:
             if id(p) in group_of:
-                keyed.setdefault((group_of[id(p)], param_kind(p)), []).append(p)
+                keyed.setdefault((group_of[id(p)], param_kind(p), rule(p)), []).append(p)
         # weight decay: the torch optimizer's group says (ZeroOptimizer reads it back)
-        plans += [FlatGroupPlan(chunk, kind, ps, 0.0, index)
-                  for (index, kind), ps in sorted(keyed.items())]
+        plans += [FlatGroupPlan(chunk, kind, ps, 0.0, index, name)
+                  for (index, kind, name), ps in sorted(keyed.items())]
     return plans
 
 
-def _megatron_plans(chunk: int, params: List[nn.Parameter],
-                    weight_decay: float) -> List[FlatGroupPlan]:
-    keyed: Dict[Tuple[str, bool], List[nn.Parameter]] = {}
+def _megatron_plans(chunk: int, params: List[nn.Parameter], weight_decay: float,
+                    rule: Callable[[nn.Parameter], str]) -> List[FlatGroupPlan]:
+    keyed: Dict[Tuple[str, bool, str], List[nn.Parameter]] = {}
     for p in params:
-        keyed.setdefault((param_kind(p), decays(p)), []).append(p)
-    return [FlatGroupPlan(chunk, kind, ps, weight_decay if decay else 0.0, None)
-            for (kind, decay), ps in sorted(keyed.items())]
+        keyed.setdefault((param_kind(p), decays(p), rule(p)), []).append(p)
+    return [FlatGroupPlan(chunk, kind, ps, weight_decay if decay else 0.0, None, name)
+            for (kind, decay, name), ps in sorted(keyed.items())]
 
 
 DECOUPLED_ATTR = "is_embedding_or_output_parameter"  # Megatron-Core's tag

@@ -1,0 +1,105 @@
+"""Muon as a torch optimizer: matrices by Muon, the other param groups by AdamW.
+
+Param groups say which rule they take ("use_muon", as DeepSpeed's MuonWithAuxAdam): a Muon
+group's tensors are either whole parameters (2-D, or stacked experts [E, in, out]) or ZeRO's
+flat master shards, whose matrices `set_layouts` describes (layerwise.py). One step of a Muon
+tensor, Megatron-Core's (emerging_optimizers' OrthogonalizedOptimizer) order:
+
+    momentum.lerp_(grad, 1 - beta)                     # an EMA of the gradient
+    u = grad.lerp(momentum, beta) if nesterov else momentum
+    p *= 1 - lr * weight_decay                         # decoupled weight decay
+    p -= lr * scale x extra_scale x NewtonSchulz(u)    # per matrix (matrices.py)
+
+torch.optim.Muon computes the same with nesterov=True, scale_mode "shape_scaling",
+coefficient_type "simple", extra_scale_factor 1 and bf16 iterations. The state of a Muon
+tensor is "momentum_buffer"; of an AdamW tensor torch's "step", "exp_avg", "exp_avg_sq".
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+
+from gigatron.parallel.comm import Group
+from gigatron.parallel.zero.muon.config import MuonConfig
+from gigatron.parallel.zero.muon.layerwise import ShardedMatrices
+from gigatron.parallel.zero.muon.matrices import MatrixUpdate, matrix_units
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for groups with use_muon=True (the default), AdamW for the others."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, weight_decay: float = 0.01,
+                 config: Optional[MuonConfig] = None, betas=(0.9, 0.999), eps: float = 1e-8,
+                 tp_group: Group = None, expert_tp_group: Group = None,
+                 adam_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        self.config = config or MuonConfig()
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=self.config.momentum,
+                        nesterov=self.config.nesterov, use_muon=True, betas=tuple(betas),
+                        eps=eps)
+        super().__init__(params, defaults)
+        self.matrix_update = MatrixUpdate(self.config, tp_group, expert_tp_group)
+        self.layouts: Dict[int, ShardedMatrices] = {}
+        self._adam = self._make_adam(adam_kwargs or {})
+
+    def _make_adam(self, kwargs: Dict[str, Any]) -> Optional[torch.optim.AdamW]:
+        """An AdamW stepping our non-Muon groups, sharing their dicts and our state."""
+        groups = [g for g in self.param_groups if not g["use_muon"]]
+        if not groups:
+            return None
+        adam = torch.optim.AdamW([dict(g) for g in groups], **kwargs)
+        for ours, its in zip(groups, adam.param_groups):
+            for key, value in its.items():
+                ours.setdefault(key, value)
+        self._link(adam)
+        return adam
+
+    def _link(self, adam: torch.optim.AdamW) -> None:
+        adam.param_groups = [g for g in self.param_groups if not g["use_muon"]]
+        adam.state = self.state
+
+    def set_layouts(self, layouts: Dict[int, ShardedMatrices]) -> None:
+        """ZeRO's flat master shards (by id): the matrices each one holds."""
+        self.layouts = dict(layouts)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self._adam is not None:
+            self._link(self._adam)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    self._step_matrices(p, group)
+        if self._adam is not None:
+            self._adam.step()
+        return loss
+
+    def _step_matrices(self, p: torch.Tensor, group: Dict[str, Any]) -> None:
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf, beta = state["momentum_buffer"], group["momentum"]
+        buf.lerp_(grad, 1 - beta)
+        u = grad.lerp(buf, beta) if group["nesterov"] else buf
+        update = self._orthogonalized(p, u)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(update, alpha=-group["lr"])
+
+    def _orthogonalized(self, p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        layout = self.layouts.get(id(p))
+        if layout is not None:
+            return layout.update(u, self.matrix_update)
+        units = matrix_units(0, p, "", self.config)
+        flat = u.reshape(-1)
+        return torch.cat([self.matrix_update(unit, flat[unit.offset:unit.offset + unit.numel]
+                                             .view(unit.rows, unit.cols)).reshape(-1)
+                          for unit in units]).view_as(p)
+

@@ -1,0 +1,174 @@
+"""Muon (parallel/zero/muon/): the update rule against torch.optim.Muon, the Newton-Schulz
+coefficient sets and scales, the layer-wise plan (pure), and ZeRO stages 0-3 on 2 forked
+gloo ranks equal to one process (whole matrices owned by one rank, updates sent back)."""
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from multirank import run_on_ranks
+
+from gigatron.parallel.zero import ZeroConfig, build_zero
+from gigatron.parallel.zero.layout import plan_buckets
+from gigatron.parallel.zero.muon import Muon, MuonConfig, newton_schulz, scale_factor
+from gigatron.parallel.zero.muon.config import muon_problems
+from gigatron.parallel.zero.muon.layerwise import (assign_owners, exchange_plan,
+                                                   shard_matrix_pieces)
+from gigatron.parallel.zero.muon.matrices import MatrixUnit
+from gigatron.parallel.zero.muon.newton_schulz import coefficients
+
+STEPS, BATCH = 4, 8
+# torch.optim.Muon's settings in Megatron-LM's flags
+TORCH_LIKE = MuonConfig(momentum=0.95, nesterov=True, coefficient_type="simple",
+                        scale_mode="shape_scaling")
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 24), nn.Tanh())
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+
+def data(steps=STEPS):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g))
+            for _ in range(steps)]
+
+
+def _loss(model, x, y):
+    return (model(x) - y).pow(2).mean()
+
+
+def _groups(model, weight_decay=0.1):
+    """Megatron's split: matrices (decayed) by Muon, biases (no decay) by AdamW."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() == 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0,
+             "use_muon": False}]
+
+
+def _train_plain(optimizer_for, steps=STEPS):
+    model = MLP()
+    opts = optimizer_for(model)
+    for x, y in data(steps):
+        model.zero_grad()
+        _loss(model, x, y).backward()
+        for opt in opts:
+            opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _relative(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _torch_muon(model):
+    groups = _groups(model)
+    return [torch.optim.Muon(groups[0]["params"], lr=0.02, weight_decay=0.1, momentum=0.95,
+                             nesterov=True),
+            torch.optim.AdamW(groups[1]["params"], lr=0.02, weight_decay=0.0)]
+
+
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_one_rank_equals_torch_optim_muon_where_their_settings_coincide(precision):
+    """torch runs its iterations in bf16 after normalising in bf16; Megatron (and we)
+    normalise in fp32 first: with torch's cast lifted to fp32 the two are the same to
+    rounding, in bf16 within bf16's precision."""
+    config = MuonConfig(**{**vars(TORCH_LIKE), "fp32_matmul_prec": precision})
+    ours = _train_plain(lambda m: [Muon(_groups(m), lr=0.02, config=config)])
+    if precision == "highest":
+        with mock.patch.object(torch.Tensor, "bfloat16", lambda self: self.float()):
+            theirs = _train_plain(_torch_muon)
+    else:
+        theirs = _train_plain(_torch_muon)
+    worst = max(_relative(ours[n], theirs[n]) for n in theirs)
+    assert worst < (1e-6 if precision == "highest" else 3e-2), worst
+
+
+def test_newton_schulz_orthogonalises_and_is_the_same_either_way_round():
+    torch.manual_seed(0)
+    x = torch.randn(12, 40)
+    for kind, steps in [("quintic", 5), ("polar_express", 8), ("aol", 4), ("simple", 7)]:
+        o = newton_schulz(x, steps, kind, "highest")
+        singular = torch.linalg.svdvals(o)
+        assert 0.5 < singular.min() and singular.max() < 1.5, (kind, singular)
+        torch.testing.assert_close(newton_schulz(x.T, steps, kind, "highest"), o.T)
+    stacked = torch.randn(3, 6, 10)
+    torch.testing.assert_close(newton_schulz(stacked, 5, "quintic", "highest"),
+                               torch.stack([newton_schulz(m, 5, "quintic", "highest")
+                                            for m in stacked]), rtol=1e-5, atol=1e-6)
+
+
+def test_coefficient_sets_steps_and_scales_follow_megatron():
+    assert coefficients("simple", 3) == [(3.4445, -4.7750, 2.0315)] * 3
+    assert coefficients("quintic", 10)[5] == coefficients("quintic", 5)[0]
+    assert coefficients("polar_express", 10)[-1] == (1.8750, -1.2500, 0.3750)
+    assert scale_factor(64, 16, "spectral") == 8.0
+    assert scale_factor(16, 64, "shape_scaling") == 1.0
+    assert scale_factor(64, 16, "shape_scaling") == 2.0
+    assert scale_factor(16, 64, "unit_rms_norm") == 0.5
+    lines = muon_problems({"num_ns_steps": 4, "fp32_matmul_prec": "low", "tp_mode": "x",
+                           "momentum": 1.0}, {"num_ns_steps": "--muon-num-ns-steps"})
+    assert len(lines) == 4 and any("--muon-num-ns-steps 4" in line for line in lines)
+
+
+def test_layer_wise_plan_sends_every_element_of_a_matrix_to_its_owner_once():
+    units = [MatrixUnit(0, 0, 4, 6), MatrixUnit(1, 0, 2, 3), MatrixUnit(2, 0, 5, 5),
+             MatrixUnit(3, 0, 2, 2), MatrixUnit(3, 4, 2, 2)]  # the last: 2 stacked experts
+    numels = [24, 6, 25, 8]
+    costs = [u.flops(5) for u in units]
+    for ways, bucket in [(2, 10), (3, 7), (4, 100)]:
+        buckets = plan_buckets(numels, bucket, ways)
+        owners = assign_owners(costs, ways)
+        loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(ways)]
+        assert max(loads) - min(loads) <= max(costs)
+        got = {i: [] for i in range(len(units))}
+        for rank in range(ways):
+            plan = exchange_plan(buckets, numels, units, owners, ways, rank)
+            for r, pieces in enumerate(plan.receive):
+                # what rank r sends this owner is what this owner expects from r
+                assert pieces == exchange_plan(buckets, numels, units, owners, ways,
+                                               r).send[rank]
+                for i, start, _, n in pieces:
+                    assert owners[i] == rank
+                    got[i] += range(start, start + n)
+        assert all(sorted(got[i]) == list(range(u.numel)) for i, u in enumerate(units))
+        # every piece of every shard lies inside that shard
+        for rank in range(ways):
+            size = sum(b.shard_numel for b in buckets)
+            assert all(0 <= at and at + n <= size for _, _, at, n in
+                       shard_matrix_pieces(buckets, numels, units, rank))
+
+
+def _zero_case(rank, world, stage, config):
+    model = MLP()
+    zero = build_zero(model, ZeroConfig(zero_stage=stage, reduce_bucket_size=60,
+                                        optimizer="muon", lr=0.02, weight_decay=0.1,
+                                        muon=config))
+    per = BATCH // world
+    for x, y in data():
+        zero.zero_grad()
+        zero.backward(_loss(model, x[rank * per:(rank + 1) * per],
+                            y[rank * per:(rank + 1) * per]))
+        zero.step()
+    with zero.gathered_parameters():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _every_stage(rank, world, config):
+    return {stage: _zero_case(rank, world, stage, config) for stage in range(4)}
+
+
+def test_zero_stages_0_to_3_on_two_ranks_equal_one_process():
+    config = MuonConfig(**{**vars(TORCH_LIKE), "fp32_matmul_prec": "highest"})
+    want = _train_plain(lambda m: [Muon(_groups(m), lr=0.02, config=config)])
+    for rank, by_stage in enumerate(run_on_ranks(_every_stage, 2, config)):
+        for stage, params in by_stage.items():
+            worst = max(_relative(params[n], want[n]) for n in want)
+            assert worst < 1e-6, (rank, stage, worst)
