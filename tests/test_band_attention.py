@@ -9,6 +9,7 @@ window's edges differently, MHA and GQA. The planner is checked without tensors:
 wholly outside a query chunk's window are skipped (not masked), and masks stay block-sized.
 Over cp 2 (p2p, all_gather, a2a) on forked gloo ranks the local outputs and grads, put back
 in global order, equal one device, and the ranks' sink grads sum to the one-device grad.
+Megatron-Core's own unfused softmax (window_size, SoftmaxOne's sink) gives the same output.
 """
 import pytest
 import torch
@@ -113,3 +114,38 @@ def test_context_parallel_band_attention_equals_one_device():
         want = _grads(lambda q, k, v, s: dense_reference(q, k, v, case[2], s, 0.3),
                       q, k, v, sink, grad_out)
         _assert_close(got, want, f"cp2 {case}")
+
+
+@pytest.mark.parametrize("window, softmax_type", [(5, "learnable"), (0, "off-by-one"),
+                                                  (None, "learnable")])
+def test_band_attention_equals_megatron_core_scale_mask_softmax(window, softmax_type,
+                                                                monkeypatch):
+    """Megatron-Core 0.16.1's own unfused path (FusedScaleMaskSoftmax's torch softmax with
+    window_size (window, 0), its causal mask and SoftmaxOne's sink) gives the same output:
+    the window and sink semantics are Megatron's. Its masks are built on "cuda"; here on
+    the CPU (the one change)."""
+    import warnings
+    from types import SimpleNamespace
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Apex / Transformer Engine missing
+        from megatron.core.fusions import fused_softmax
+        from megatron.core.transformer import utils
+        from megatron.core.transformer.enums import AttnMaskType
+
+    real = torch
+    cpu_torch = SimpleNamespace(**{n: getattr(real, n) for n in dir(real)
+                                   if not n.startswith("__")})
+    cpu_torch.ones = lambda *a, **k: real.ones(*a, **{**k, "device": "cpu"})
+    monkeypatch.setattr(utils, "torch", cpu_torch)
+    softmax = fused_softmax.FusedScaleMaskSoftmax(
+        input_in_fp16=False, input_in_bf16=False, attn_mask_type=AttnMaskType.causal,
+        scaled_masked_softmax_fusion=False, mask_func=utils.attention_mask_func,
+        softmax_in_fp32=True, scale=None,
+        window_size=None if window is None else (window, 0))
+    q, k, v, sink, _ = inputs(H)
+    sink = sink if softmax_type == "learnable" else torch.zeros(H)
+    probs = softmax(torch.matmul(q, k.transpose(-1, -2)) * 0.3, None, sink)
+    want = torch.matmul(probs, v)
+    got = band.band_attention(q, k, v, window, sink, 0.3)
+    assert (got - want).abs().max() < 2e-5
