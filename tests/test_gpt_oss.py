@@ -185,3 +185,28 @@ def test_zoo_counts_are_the_published_ones(name, total, active):
     embedding = counts["embedding.word_embeddings.weight"]
     assert round((total - unused - embedding) / 1e7) == round(active / 1e7)
     assert [is_window_layer(config, i) for i in range(4)] == [True, False, True, False]
+
+
+def test_flags_build_the_gpt_oss_fields_and_enable_gpt_oss_sets_its_yarn():
+    from gigatron.training.config.arguments import parse_args
+    from gigatron.training.config.validation import ConfigError
+
+    base = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data --vocab-size 100 "
+            "--attention-dropout 0 --position-embedding-type rope").split()
+    model = parse_args(base + ("--window-size 3,0 --window-attn-skip-freq ([1,0]*2) "
+                               "--softmax-type learnable --quick-geglu --glu-linear-offset 1 "
+                               "--activation-func-clamp-value 7 --enable-gpt-oss").split(),
+                       1).model
+    assert (model.window_size, model.window_attn_skip_freq, model.softmax_type) == \
+        ((3, 0), [1, 0, 1, 0], "learnable")
+    assert (model.activation, model.glu_linear_offset, model.activation_func_clamp_value) == \
+        ("quick_geglu", 1.0, 7.0)
+    assert (model.rope_type, model.rotary_scaling_factor, model.original_max_position_embeddings,
+            model.beta_fast, model.beta_slow, model.yarn_correction_range_round_to_int) == \
+        ("yarn", 32.0, 4096, 32.0, 1.0, False)
+    for flags, message in (("--window-size 3", "give two integers L,0"),
+                           ("--quick-geglu --swiglu", "are exclusive"),
+                           ("--window-attn-skip-freq 2", "needs --window-size")):
+        with pytest.raises(ConfigError, match=message):
+            parse_args(base + flags.split(), 1)
