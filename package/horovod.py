@@ -10,49 +10,47 @@
 Runs under `mpirun -np N python train.py`, `gigatron launch -np N`, torchrun and SLURM's
 srun (and as a world of one with no launcher); gloo on CPUs, NCCL on GPUs. The names,
 signatures, defaults and semantics are Horovod's (horovod.torch); the implementation lives in
-engine/horovod_*.py (gigatron.engine.horovod_*). Horovod names not implemented here (Adasum,
-process sets, alltoall, reducescatter, join, SyncBatchNorm, elastic) raise
-NotImplementedError naming what to use instead. `hvd.start_timeline(path)` (or
+engine/horovod/ (gigatron.engine.horovod.*): process sets are torch.distributed subgroups;
+operations are matched by name across ranks and their dtype, shape, root rank and kind
+checked before data moves (a mismatch raises RuntimeError on every rank). Horovod names not
+implemented here (Adasum, SyncBatchNorm, elastic) raise NotImplementedError naming what to
+use instead. `hvd.start_timeline(path)` (or
 GIGATRON_TIMELINE=path) records gigatron's timeline: one Chrome trace over every rank with
 each collective and the optimizer's spans.
-Differences: collectives are matched by call order on every rank, not by name;
-`broadcast_optimizer_state` needs no zero-gradient step (see engine/horovod/functions.py).
+Differences: operations are negotiated when a rank waits (synchronize, a blocking call,
+barrier, join), not by a background thread, so `poll()` stays False until then;
+`broadcast_optimizer_state` runs no zero-gradient step (it leaves zero gradients); see
+docs/HOROVOD.md.
 """
 from typing import Any, NoReturn
 
 from gigatron.engine.horovod.basics import (Adasum, Average, HorovodInternalError, Max, Min,
-                                            ProcessSet, Product, Sum, ccl_built, cross_rank,
-                                            cross_size, cuda_built, ddl_built, gloo_built,
-                                            gloo_enabled, global_process_set, init,
+                                            Product, Sum, ccl_built, cross_rank, cross_size,
+                                            cuda_built, ddl_built, gloo_built, gloo_enabled,
                                             is_homogeneous, is_initialized, local_rank,
                                             local_size, mpi_built, mpi_enabled,
                                             mpi_threads_supported, nccl_built, rank, rocm_built,
-                                            shutdown, size, start_timeline, stop_timeline)
+                                            size, start_timeline, stop_timeline)
 from gigatron.engine.horovod.compression import Compression, Compressor
+from gigatron.engine.horovod.exchange import (alltoall, alltoall_async, grouped_allgather,
+                                              grouped_allgather_async, grouped_reducescatter,
+                                              grouped_reducescatter_async, reducescatter,
+                                              reducescatter_async, sparse_allreduce_async)
 from gigatron.engine.horovod.functions import (allgather_object, broadcast_object,
                                                broadcast_optimizer_state, broadcast_parameters)
 from gigatron.engine.horovod.ops import (allgather, allgather_async, allreduce, allreduce_,
                                          allreduce_async, allreduce_async_, barrier, broadcast,
                                          broadcast_, broadcast_async, broadcast_async_,
                                          grouped_allreduce, grouped_allreduce_,
-                                         grouped_allreduce_async, grouped_allreduce_async_, poll,
-                                         synchronize)
+                                         grouped_allreduce_async, grouped_allreduce_async_, join,
+                                         poll, synchronize)
 from gigatron.engine.horovod.optimizer import DistributedOptimizer
+from gigatron.engine.horovod.process_sets import (ProcessSet, add_process_set,
+                                                  global_process_set, init,
+                                                  remove_process_set, shutdown)
 
 # Horovod names without an implementation here, and what to do instead
 _MISSING = {
-    "alltoall": "use torch.distributed.all_to_all_single",
-    "alltoall_async": "use torch.distributed.all_to_all_single(async_op=True)",
-    "reducescatter": "use hvd.allreduce and keep this rank's slice",
-    "reducescatter_async": "use hvd.allreduce_async and keep this rank's slice",
-    "grouped_reducescatter": "use hvd.grouped_allreduce and keep this rank's slices",
-    "grouped_reducescatter_async": "use hvd.grouped_allreduce_async",
-    "grouped_allgather": "call hvd.allgather per tensor",
-    "grouped_allgather_async": "call hvd.allgather_async per tensor",
-    "sparse_allreduce_async": "densify the tensor and use hvd.allreduce_async",
-    "join": "give every rank the same number of batches (drop_last=True)",
-    "add_process_set": "collectives run over every rank",
-    "remove_process_set": "collectives run over every rank",
     "SyncBatchNorm": "use torch.nn.SyncBatchNorm on GPUs",
     "elastic": "use torchrun's elastic agent (--max-restarts) with checkpoints",
 }
@@ -95,5 +93,8 @@ __all__ = [
     "broadcast_object", "allgather_object", "ProcessSet", "global_process_set",
     "HorovodInternalError", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
     "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
-    "start_timeline", "stop_timeline",
+    "start_timeline", "stop_timeline", "add_process_set", "remove_process_set", "join",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "grouped_allgather",
+    "grouped_allgather_async", "sparse_allreduce_async",
 ]

@@ -241,7 +241,7 @@ def test_optimizer_argument_errors_are_horovods():
             hvd.DistributedOptimizer(sgd, named_parameters=[("w", p) for p in model.parameters()])
         with pytest.raises(NotImplementedError, match="Adasum .*use op=hvd.Average"):
             hvd.DistributedOptimizer(sgd, op=hvd.Adasum)
-        with pytest.raises(NotImplementedError, match="process_set"):
+        with pytest.raises(ValueError, match="not registered"):
             hvd.DistributedOptimizer(sgd, process_set=hvd.ProcessSet([0]))
         wrapped = hvd.DistributedOptimizer(sgd)
         assert wrapped.param_groups[0]["lr"] == 0.1 and wrapped.state is sgd.state
@@ -290,7 +290,7 @@ def _collectives(rank, world_size):
     out["allgather_grad"] = y.grad
     try:
         hvd.allgather(torch.zeros(1, rank + 1))
-    except ValueError as err:
+    except RuntimeError as err:  # Horovod's type, on every rank
         out["mismatch"] = str(err)
     out["layout"] = (hvd.size(), hvd.rank(), hvd.local_size(), hvd.local_rank(),
                      hvd.cross_size(), hvd.cross_rank(), hvd.is_homogeneous())
@@ -323,7 +323,7 @@ def test_collective_values_on_three_ranks():
         start = sum(range(1, rank + 1))
         assert out["allgather_grad"].tolist() == [float(i) for i in range(start + 1,
                                                                          start + rank + 2)]
-        assert "may differ only in their first dimension" in out["mismatch"]
+        assert "Mismatched allgather tensor shapes beyond the first" in out["mismatch"]
         assert out["layout"] == (3, rank, 3, rank, 1, 0, True)
 
 
@@ -421,8 +421,6 @@ def test_not_implemented_names_fail_clearly_when_used():
     from gigatron.horovod import SyncBatchNorm  # importing works, as scripts do at the top
     with pytest.raises(NotImplementedError, match="hvd.SyncBatchNorm is not implemented"):
         SyncBatchNorm(4)
-    with pytest.raises(NotImplementedError, match="hvd.alltoall is not implemented"):
-        hvd.alltoall(torch.ones(2))
     with pytest.raises(NotImplementedError, match="hvd.elastic is not implemented"):
         hvd.elastic.run
     with pytest.raises(AttributeError):

@@ -16,7 +16,7 @@ import os
 import pickle
 import socket
 from dataclasses import dataclass
-from typing import Any, List, NoReturn, Optional, Sequence, Tuple
+from typing import List, NoReturn, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,35 +44,6 @@ Min, Max, Product = HorovodReduceOp.MIN, HorovodReduceOp.MAX, HorovodReduceOp.PR
 class HorovodInternalError(RuntimeError):
     """A collective failed (a peer went away): Horovod's exception, so elastic-style
     `except hvd.HorovodInternalError` handlers catch it."""
-
-
-class ProcessSet:
-    """Horovod's process set; only the global one (every rank) is implemented here."""
-
-    def __init__(self, ranks: Optional[Sequence[int]] = None) -> None:
-        self.ranks = None if ranks is None else list(ranks)
-
-    def size(self) -> int:
-        """Ranks in the set."""
-        return size() if self.ranks is None else len(self.ranks)
-
-    def rank(self) -> int:
-        """This process's rank within the set."""
-        return rank() if self.ranks is None else self.ranks.index(rank())
-
-    def included(self) -> bool:
-        """Whether this process belongs to the set."""
-        return self.ranks is None or rank() in self.ranks
-
-
-global_process_set = ProcessSet()
-
-
-def check_process_set(process_set: Any) -> None:
-    """Refuse process sets other than the global one (no sub-communicators here)."""
-    if process_set is not global_process_set:
-        not_implemented("process_set= other than hvd.global_process_set",
-                        "collectives and DistributedOptimizer run over every rank")
 
 
 def not_implemented(what: str, hint: str) -> NoReturn:
@@ -106,13 +77,10 @@ def node_layout(hosts: Sequence[str], local_ranks: Sequence[int], rank: int
     return local_size, cross.index(rank), len(cross), len(set(per_host.values())) == 1
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Join the job (Horovod's hvd.init): every rank calls it once before any other call."""
+def init() -> None:
+    """Join the job: every rank calls it once before any other call (hvd.init is
+    process_sets.init, which also registers process sets)."""
     global _state
-    if comm is not None:
-        not_implemented("hvd.init(comm=...)", "call hvd.init() to use every launched rank")
-    if process_sets is not None:
-        not_implemented("hvd.init(process_sets=...)", "collectives run over every rank")
     if _state is not None and _state.pid == os.getpid():
         return
     launch, owns = read_launch_env(), False

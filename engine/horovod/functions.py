@@ -15,9 +15,9 @@ from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple, Unio
 
 import torch
 
-from gigatron.engine.horovod.basics import (check_process_set, gather_bytes,
-                                            global_process_set, rank)
-from gigatron.engine.horovod.ops import broadcast_, broadcast_async_, synchronize
+from gigatron.engine.horovod.basics import rank
+from gigatron.engine.horovod.ops import allgather, broadcast_, broadcast_async_, synchronize
+from gigatron.engine.horovod.process_sets import global_process_set
 from gigatron.parallel.world import current_device
 
 try:  # Horovod pickles with cloudpickle (lambdas, local classes); plain pickle otherwise
@@ -87,7 +87,14 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               model: Optional[torch.nn.Module] = None) -> None:
     """Give every rank root_rank's optimizer state and hyperparameters (lr, momentum, ...);
-    `model` is accepted for Horovod's signature (sparse parameters need no special case)."""
+    `model` is accepted for Horovod's signature (sparse parameters need no special case).
+    A fresh optimizer's trainable parameters are left with zero gradients where they had
+    none, as after Horovod's zero-gradient step (code reading `p.grad` sees a tensor)."""
+    if not optimizer.state:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     state = optimizer.state_dict()
     skeleton = broadcast_object(_skeleton(state) if rank() == root_rank else None, root_rank,
                                 name="optimizer_state")
@@ -102,21 +109,26 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Any = global_process_set) -> Any:
-    """root_rank's `obj` on every rank (pickled, sent as bytes); root_rank gets `obj` back."""
-    check_process_set(process_set)
+    """root_rank's `obj` on every member of the process set (pickled, sent as bytes);
+    root_rank gets `obj` back."""
     if rank() == root_rank:
         payload = torch.frombuffer(bytearray(_pickler.dumps(obj)), dtype=torch.uint8)
         length = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
-    broadcast_(length, root_rank)
+    broadcast_(length, root_rank, f"{name}.length" if name else None, process_set)
     if rank() != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    broadcast_(payload, root_rank)
+    broadcast_(payload, root_rank, name, process_set)
     return obj if rank() == root_rank else pickle.loads(payload.numpy().tobytes())
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
-    """Every rank's `obj`, in rank order (pickled, gathered as bytes)."""
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: Any = global_process_set) -> List[Any]:
+    """Every member's `obj`, in rank order (pickled, gathered as bytes)."""
     payload = torch.frombuffer(bytearray(_pickler.dumps(obj)), dtype=torch.uint8)
-    return [pickle.loads(part.numpy().tobytes()) for part in gather_bytes(payload)]
+    sizes = allgather(torch.tensor([payload.numel()]), f"{name}.sizes" if name else None,
+                      process_set)
+    joined = allgather(payload, name, process_set)
+    return [pickle.loads(part.numpy().tobytes())
+            for part in torch.split(joined, sizes.tolist())]

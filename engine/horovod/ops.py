@@ -1,26 +1,28 @@
 """Horovod's collectives for `gigatron.horovod`: allreduce, allgather, broadcast, their
-in-place `_` and `_async` forms, `poll` and `synchronize`, all through gigatron.parallel.comm.
+in-place `_` and `_async` forms, `poll`, `synchronize`, `barrier` and `join`, negotiated by
+name in their process set (controller.py) and run through gigatron.parallel.comm.
 
 An `_async` call returns an integer handle; `synchronize(handle)` waits and returns the
 result (the in-place forms: the input tensor), `poll(handle)` says whether it is done.
 Out-of-place forms are autograd functions with Horovod's backward rules. Tensors on any
 device are accepted: under NCCL a CPU tensor travels through the GPU, under gloo a GPU
-tensor through the CPU. Unlike Horovod, collectives are matched by call order, not by
-`name` (accepted, unused): every rank must issue them in the same order.
+tensor through the CPU. int16 (which gloo lacks) travels as int32.
 """
 from __future__ import annotations
 
 import itertools
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from gigatron.engine.horovod import process_sets
 from gigatron.engine.horovod.basics import (Average, HorovodInternalError, HorovodReduceOp,
-                                            Sum, check_process_set, comm_device,
-                                            global_process_set, not_implemented, rank, size)
+                                            Sum, comm_device, not_implemented, rank)
 from gigatron.engine.horovod.compression import Compression, Compressor
+from gigatron.engine.horovod.controller import (Controller, Launch, Meta, Request, describe,
+                                                set_zeros_allreduce)
+from gigatron.engine.horovod.process_sets import global_process_set
 from gigatron.parallel import comm
 
 TORCH_OPS = {HorovodReduceOp.AVERAGE: comm.ReduceOp.SUM, HorovodReduceOp.SUM: comm.ReduceOp.SUM,
@@ -28,40 +30,72 @@ TORCH_OPS = {HorovodReduceOp.AVERAGE: comm.ReduceOp.SUM, HorovodReduceOp.SUM: co
               HorovodReduceOp.PRODUCT: comm.ReduceOp.PRODUCT}
 
 
-@dataclass
-class _Pending:
-    works: List[Any]  # what poll() asks is_completed() of
-    finish: Callable[[], Any]  # waits and returns the result
-
-
-_handles: Dict[int, _Pending] = {}
+_handles: Dict[int, Tuple[Controller, Request]] = {}
 _next_handle = itertools.count(1)
+_orphans: List[Any] = []  # joined ranks' zero allreduces, kept alive until done
+
+# gloo has no int16 (nor the unsigned wide types): they travel as a wider integer, exactly
+WIRE_DTYPES = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 
 
-def _register(works: List[Any], finish: Callable[[], Any]) -> int:
+def submit(kind: str, meta: Meta, start: Callable[[Launch], Callable[[], Any]],
+           name: Optional[str], process_set: Any) -> int:
+    """Queue an operation in its process set's negotiation; returns its handle."""
+    controller = process_sets.resolve(process_set).controller()
+    request = controller.submit(Request(kind, meta, start), name)
     handle = next(_next_handle)
-    _handles[handle] = _Pending(works, finish)
+    _handles[handle] = (controller, request)
     return handle
 
 
 def poll(handle: int) -> bool:
-    """Whether the asynchronous operation behind `handle` has completed."""
+    """Whether the asynchronous operation behind `handle` has completed (False until a rank
+    waits: operations are matched across ranks when one does)."""
     if handle not in _handles:
         raise ValueError(f"hvd.poll: unknown handle {handle!r} (already synchronized?)")
-    return all(w.is_completed() for w in _handles[handle].works)
+    entry = _handles[handle]
+    if isinstance(entry, list):
+        return all(poll(h) for h in entry)
+    request = entry[1]
+    return request.launched and all(w.is_completed() for w in request.works)
 
 
 def synchronize(handle: int) -> Any:
-    """Wait for the operation behind `handle`; returns its output (None for an unknown one)."""
-    pending = _handles.pop(handle, None)
-    if pending is None:
+    """Wait for the operation behind `handle`; returns its output (None for an unknown one).
+    A mismatch between ranks or a failed collective raises HorovodInternalError."""
+    entry = _handles.pop(handle, None)
+    if entry is None:
         return None
+    if isinstance(entry, list):
+        return [synchronize(h) for h in entry]
+    controller, request = entry
     try:
-        return pending.finish()
+        controller.wait(request)
+        if request.error is not None:
+            raise request.error
+        return request.finish()  # type: ignore[misc]
     except RuntimeError as err:
         if isinstance(err, HorovodInternalError):
             raise
         raise HorovodInternalError(str(err)) from err
+
+
+def join(device: int = -1) -> int:
+    """Horovod's join: this rank has no more data. Until every rank has joined it adds zeros
+    to the other ranks' allreduces (they still divide by the full size); other collectives
+    fail while a rank has joined. Returns the rank that joined last, on every rank."""
+    return process_sets.resolve(None).controller().join()
+
+
+def _zeros_allreduce(meta: Meta, launch: Launch) -> None:
+    dtype = getattr(torch, meta["dtype"])
+    zeros = torch.zeros(meta["shape"], dtype=WIRE_DTYPES.get(dtype, dtype), device=comm_device())
+    _orphans[:] = [(w, t) for w, t in _orphans if not w.is_completed()]
+    work = comm.all_reduce(zeros, group=launch.group, op=TORCH_OPS[meta["op"]], async_op=True)
+    _orphans.append((work, zeros))
+
+
+set_zeros_allreduce(_zeros_allreduce)
 
 
 def resolve_op(op: Optional[int], average: Optional[bool] = None) -> HorovodReduceOp:
@@ -82,12 +116,14 @@ def resolve_op(op: Optional[int], average: Optional[bool] = None) -> HorovodRedu
     return HorovodReduceOp(op)
 
 
-def _to_comm(tensor: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-    """(a contiguous tensor on the collectives' device holding `tensor`, whether it is a copy)."""
+def to_wire(tensor: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+    """(a contiguous tensor on the collectives' device, in a dtype gloo/NCCL move, holding
+    `tensor`; whether it is a copy)."""
     device, tensor = comm_device(), tensor.detach()
-    if tensor.device == device and tensor.is_contiguous():
+    dtype = WIRE_DTYPES.get(tensor.dtype, tensor.dtype)
+    if tensor.device == device and tensor.is_contiguous() and dtype == tensor.dtype:
         return tensor, False
-    return tensor.to(device, memory_format=torch.contiguous_format, copy=True), True
+    return tensor.to(device, dtype, memory_format=torch.contiguous_format, copy=True), True
 
 
 def scale_(tensor: torch.Tensor, factor: float, divisor: int = 1) -> None:
@@ -107,30 +143,32 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
                      name: Optional[str] = None, op: Optional[int] = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = global_process_set) -> int:
-    """Start reducing `tensor` in place over every rank; returns a handle."""
+    """Start reducing `tensor` in place over the process set; returns a handle."""
     op = resolve_op(op, average)
-    check_process_set(process_set)
-    n = size()
-    buf, staged = _to_comm(tensor)
-    with torch.no_grad():
-        scale_(buf, prescale_factor)
-        work = comm.all_reduce(buf, op=TORCH_OPS[op], async_op=True)
+    meta = describe(tensor, op=int(op))
 
-    def finish() -> torch.Tensor:
-        work.wait()
+    def start(launch: Launch) -> Callable[[], torch.Tensor]:
+        buf, staged = to_wire(tensor)
         with torch.no_grad():
-            scale_(buf, postscale_factor, n if op == Average else 1)
-            if staged:
-                tensor.copy_(buf)
-        return tensor
-    return _register([work], finish)
+            scale_(buf, prescale_factor)
+        work = comm.all_reduce(buf, group=launch.group, op=TORCH_OPS[op], async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            with torch.no_grad():
+                scale_(buf, postscale_factor, launch.set_size if op == Average else 1)
+                if staged:
+                    tensor.copy_(buf)
+            return tensor
+        return finish
+    return submit("allreduce", meta, start, name, process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_set: Any = global_process_set
                ) -> torch.Tensor:
-    """Reduce `tensor` in place over every rank (Average by default); returns it."""
+    """Reduce `tensor` in place over the process set (Average by default); returns it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor, process_set))
 
@@ -148,29 +186,41 @@ class _Allreduce(torch.autograd.Function):
     """allreduce with Horovod's gradient: the gradients all-reduced with the same op."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: int, prescale: float,
-                postscale: float) -> torch.Tensor:
-        ctx.args = (op, prescale, postscale)
-        return synchronize(allreduce_async(tensor, op=op, prescale_factor=prescale,
-                                           postscale_factor=postscale))
+    def forward(ctx: Any, tensor: torch.Tensor, op: int, prescale: float, postscale: float,
+                name: Optional[str], process_set: Any) -> torch.Tensor:
+        ctx.args = (op, prescale, postscale, process_set)
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale,
+                                           process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        op, prescale, postscale = ctx.args
-        return allreduce(grad, op=op, prescale_factor=prescale,
-                         postscale_factor=postscale), None, None, None
+        op, prescale, postscale, process_set = ctx.args
+        return (allreduce(grad, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                          process_set=process_set), None, None, None, None, None)
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: type[Compressor] = Compression.none, op: Optional[int] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: Any = global_process_set) -> torch.Tensor:
-    """`tensor` reduced over every rank (Average by default) as a new tensor; differentiable."""
+    """`tensor` reduced over the process set (Average by default) as a new tensor;
+    differentiable."""
     op = resolve_op(op, average)
-    check_process_set(process_set)
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor)
+    reduced = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor, name,
+                               process_set)
     return compression.decompress(reduced, ctx)
+
+
+def _names(name: Optional[str], count: int) -> List[Optional[str]]:
+    return [None if name is None else f"{name}.{i}" for i in range(count)]
+
+
+def group_handles(handles: List[int]) -> int:
+    """One handle for several: synchronize gives the list of their results."""
+    handle = next(_next_handle)
+    _handles[handle] = handles  # type: ignore[assignment]
+    return handle
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -178,10 +228,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = global_process_set) -> int:
     """Start reducing each tensor of a list in place; one handle for all of them."""
-    handles = [allreduce_async_(t, average, name, op, prescale_factor, postscale_factor,
-                                process_set) for t in tensors]
-    works = [w for h in handles for w in _handles[h].works]
-    return _register(works, lambda: [synchronize(h) for h in handles])
+    return group_handles([allreduce_async_(t, average, n, op, prescale_factor,
+                                           postscale_factor, process_set)
+                          for t, n in zip(tensors, _names(name, len(tensors)))])
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -208,60 +257,78 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       op: Optional[int] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set
                       ) -> List[torch.Tensor]:
-    """Each tensor of a list reduced over every rank, as new tensors; differentiable."""
-    return [allreduce(t, average, name, compression, op, prescale_factor, postscale_factor,
-                      process_set) for t in tensors]
+    """Each tensor of a list reduced over the process set, as new tensors; differentiable."""
+    return [allreduce(t, average, n, compression, op, prescale_factor, postscale_factor,
+                      process_set) for t, n in zip(tensors, _names(name, len(tensors)))]
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: Any = global_process_set) -> int:
-    """Start concatenating every rank's `tensor` along dim 0 (first dims may differ)."""
-    check_process_set(process_set)
-    size()
-    buf, _ = _to_comm(tensor)
-    gathered = comm.all_gather_uneven(buf, async_op=True)
-    return _register([gathered], lambda: gathered.wait().to(tensor.device))
+    """Start concatenating every member's `tensor` along dim 0 (first dims may differ)."""
+    if tensor.dim() == 0:
+        raise ValueError("hvd.allgather: a 0-d tensor has no first dimension to gather; "
+                         "reshape it to [1]")
+
+    def start(launch: Launch) -> Callable[[], torch.Tensor]:
+        rows = [launch.metas[r]["shape"][0] for r in range(launch.set_size)]
+        buf, _ = to_wire(tensor)
+        padded = buf.new_zeros((max(rows),) + tuple(buf.shape[1:]))
+        padded[:buf.shape[0]].copy_(buf)
+        out = buf.new_empty((launch.set_size * max(rows),) + tuple(buf.shape[1:]))
+        work = comm.all_gather(out, padded, launch.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            parts = out.view(launch.set_size, max(rows), *buf.shape[1:])
+            joined = torch.cat([parts[r, :n] for r, n in enumerate(rows)])
+            return joined.to(tensor.device, tensor.dtype)
+        return finish
+    return submit("allgather", describe(tensor), start, name, process_set)
 
 
 class _Allgather(torch.autograd.Function):
     """allgather with Horovod's gradient: this rank's slice of the averaged gradient."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        ctx.rows = tensor.shape[0] if tensor.dim() else 0
-        return synchronize(allgather_async(tensor))
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str],
+                process_set: Any) -> torch.Tensor:
+        ctx.rows, ctx.process_set = tensor.shape[0] if tensor.dim() else 0, process_set
+        return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        reduced = allreduce(grad, op=Average)
-        rows = allgather(torch.tensor([ctx.rows], device=grad.device)).tolist()
-        return reduced.narrow(0, sum(rows[:rank()]), ctx.rows)
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
+        ps = process_sets.resolve(ctx.process_set)
+        reduced = allreduce(grad, op=Average, process_set=ps)
+        rows = allgather(torch.tensor([ctx.rows], device=grad.device), process_set=ps).tolist()
+        return reduced.narrow(0, sum(rows[:ps.rank()]), ctx.rows), None, None
 
 
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: Any = global_process_set) -> torch.Tensor:
-    """Every rank's `tensor` concatenated along dim 0, in rank order; differentiable."""
-    check_process_set(process_set)
-    return _Allgather.apply(tensor)
+    """Every member's `tensor` concatenated along dim 0, in rank order; differentiable."""
+    return _Allgather.apply(tensor, name, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: Any = global_process_set) -> int:
-    """Start overwriting `tensor` on every rank with root_rank's; returns a handle."""
-    check_process_set(process_set)
-    if not 0 <= root_rank < size():
-        raise ValueError(f"hvd.broadcast: root_rank {root_rank} is not a rank of this job "
-                         f"(size {size()})")
-    buf, staged = _to_comm(tensor)
-    work: Any = comm.broadcast(buf, root_rank, async_op=True)
+    """Start overwriting `tensor` on every member with root_rank's (a global rank)."""
+    members = process_sets.resolve(process_set).global_ranks()
+    if root_rank not in members:
+        raise ValueError(f"hvd.broadcast: root_rank {root_rank} is not a rank of the process "
+                         f"set (ranks {members})")
 
-    def finish() -> torch.Tensor:
-        work.wait()
-        if staged:
-            with torch.no_grad():
-                tensor.copy_(buf)
-        return tensor
-    return _register([work], finish)
+    def start(launch: Launch) -> Callable[[], torch.Tensor]:
+        buf, staged = to_wire(tensor)
+        work = comm.broadcast(buf, root_rank, launch.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            if staged:
+                with torch.no_grad():
+                    tensor.copy_(buf)
+            return tensor
+        return finish
+    return submit("broadcast", describe(tensor, root=root_rank), start, name, process_set)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -280,25 +347,24 @@ class _Broadcast(torch.autograd.Function):
     """broadcast with Horovod's gradient: the averaged gradient on the root, zero elsewhere."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int) -> torch.Tensor:
-        ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank))
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str],
+                process_set: Any) -> torch.Tensor:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:
-        reduced = allreduce(grad, op=Average)
-        return (reduced if rank() == ctx.root_rank else reduced * 0), None
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None]:
+        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
+        return (reduced if rank() == ctx.root_rank else reduced * 0), None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: Any = global_process_set) -> torch.Tensor:
-    """root_rank's `tensor` on every rank, as a new tensor; differentiable."""
-    check_process_set(process_set)
-    return _Broadcast.apply(tensor, root_rank)
+    """root_rank's `tensor` on every member, as a new tensor; differentiable."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
 def barrier(process_set: Any = global_process_set) -> None:
-    """Wait until every rank gets here."""
-    check_process_set(process_set)
-    size()
-    comm.barrier()
+    """Wait until every member of the process set gets here (operations submitted before it
+    on every member are launched on the way)."""
+    synchronize(submit("barrier", {}, lambda launch: lambda: None, None, process_set))

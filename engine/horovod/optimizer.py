@@ -29,10 +29,11 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
-from gigatron.engine.horovod.basics import (Average, HorovodReduceOp, check_process_set,
-                                            comm_device, global_process_set, not_implemented,
-                                            size)
+from gigatron.engine.horovod import process_sets
+from gigatron.engine.horovod.basics import Average, HorovodReduceOp, comm_device
+from gigatron.engine.horovod.process_sets import ProcessSet, global_process_set
 from gigatron.engine.horovod.compression import Compression, Compressor
+from gigatron.engine.horovod.exchange import sparse_allreduce_async
 from gigatron.engine.horovod.ops import TORCH_OPS, resolve_op, scale_
 from gigatron.parallel import comm, timeline
 
@@ -133,11 +134,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  compression: type[Compressor], backward_passes_per_step: int,
                  op: HorovodReduceOp,
                  gradient_predivide_factor: float, groups: Groups,
-                 sparse_as_dense: bool) -> None:
+                 sparse_as_dense: bool, process_set: ProcessSet) -> None:
         # the next class in the MRO is the user's optimizer: built from the shared param
         # groups, which carry every hyperparameter
         super().__init__(params)  # type: ignore[call-arg]
         self._names = _parameter_names(named_parameters, self.param_groups)
+        self._parameter_names = self._names  # Horovod's name, read by users' code
+        self.process_set = process_set
         self._compression, self.op = compression, op
         self.backward_passes_per_step = backward_passes_per_step
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -147,7 +150,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         if p.requires_grad][::-1]
         self._buckets: List[_Bucket] = []
         self._hooks: List[Any] = []
-        if size() > 1:  # as Horovod: a world of one reduces nothing
+        # as Horovod: a set of one reduces nothing, a rank outside the set keeps its own
+        if process_set.included() and (process_set.size() or 1) > 1:
             self._register_hooks(groups)
         self._reset()
 
@@ -187,6 +191,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Compress the bucket's gradients into one buffer and start its all-reduce."""
         entries, wires = [], []
         for p in bucket.params:
+            if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
+                entries.append((p, None, sparse_allreduce_async(
+                    p.grad, f"allreduce.{self._names.get(p)}", self.op, self.process_set)))
+                continue
             wire, ctx = self._compression.compress(self._dense_grad(p))
             entries.append((p, wire.shape, ctx))
             wires.append(wire.reshape(-1))
@@ -194,11 +202,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len(dtypes) > 1:
             raise TypeError(f"the compressor gave several dtypes ({', '.join(dtypes)}) for "
                             f"gradients of one dtype; it must give one")
+        if not wires:
+            bucket.inflight = (None, None, entries)
+            return
         with torch.no_grad():
             flat = torch.cat(wires).to(comm_device())
             if self.op == Average:
                 scale_(flat, 1.0 / self.gradient_predivide_factor)
-            work = comm.all_reduce(flat, op=TORCH_OPS[self.op], async_op=True)
+            work = comm.all_reduce(flat, group=self.process_set.group, op=TORCH_OPS[self.op],
+                                   async_op=True)
         bucket.inflight = (work, flat, entries)
 
     def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
@@ -206,9 +218,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         grad = p.grad
         if grad.is_sparse:
-            if not self.sparse_as_dense:
-                not_implemented(f"a sparse gradient (parameter {self._names.get(p)})",
-                                "pass sparse_as_dense=True or use a dense embedding")
             grad = grad.to_dense()
         return grad.detach()
 
@@ -218,12 +227,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         work, flat, entries = bucket.inflight
         bucket.inflight = None
-        work.wait()
+        if work is not None:
+            work.wait()
         with torch.no_grad():
-            if self.op == Average:
-                scale_(flat, self.gradient_predivide_factor, size())
+            if flat is not None and self.op == Average:
+                scale_(flat, self.gradient_predivide_factor, self.process_set.size() or 1)
             offset = 0
             for p, shape, ctx in entries:
+                if shape is None:  # a sparse gradient, gathered (Horovod's sparse path)
+                    p.grad = ctx()
+                    continue
                 n = math.prod(shape)
                 reduced = self._compression.decompress(flat[offset:offset + n].view(shape), ctx)
                 offset += n
@@ -303,9 +316,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          groups: Groups = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set) -> torch.optim.Optimizer:
     """Horovod's DistributedOptimizer: `optimizer`'s class, with gradients averaged (op=Sum:
-    summed) over every rank during backward; step() waits for them. With op=Average,
+    summed) over the process set's ranks during backward; step() waits for them. With op=Average,
     gradient_predivide_factor f scales by 1/f before the sum and f/size after it."""
-    check_process_set(process_set)
+    process_set = process_sets.resolve(process_set)
     op = resolve_op(op)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor is only supported with op=hvd.Average")
@@ -324,6 +337,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     wrapped = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, groups,
-                  sparse_as_dense)
+                  sparse_as_dense, process_set)
     wrapped.state, wrapped.defaults = optimizer.state, optimizer.defaults
     return wrapped
