@@ -196,7 +196,8 @@ def test_flags_build_the_gpt_oss_fields_and_enable_gpt_oss_sets_its_yarn():
             "--attention-dropout 0 --position-embedding-type rope").split()
     model = parse_args(base + ("--window-size 3,0 --window-attn-skip-freq ([1,0]*2) "
                                "--softmax-type learnable --quick-geglu --glu-linear-offset 1 "
-                               "--activation-func-clamp-value 7 --enable-gpt-oss").split(),
+                               "--activation-func-clamp-value 7 --enable-gpt-oss "
+                               "--rope-type rope").split(),  # as examples/gptoss/02_train.sh
                        1).model
     assert (model.window_size, model.window_attn_skip_freq, model.softmax_type) == \
         ((3, 0), [1, 0, 1, 0], "learnable")

@@ -162,8 +162,8 @@ def model_overrides(s: "Settings", vocab_size: Optional[int],
     if vocab_size is not None:
         fields["vocab_size"] = vocab_size
     fields.update(moe_overrides(s, zoo, p))
-    fields.update(gpt_oss_overrides(s, p))
     fields.update(mla_overrides(s, zoo, p))
+    fields.update(gpt_oss_overrides(s, p))  # after: --enable-gpt-oss's YaRN wins, as Megatron
     fields["sequence_parallel"] = bool(s.parallel.sequence_parallel and s.parallel.tp > 1)
     fields["params_dtype"] = params_dtype(s.precision)
     fields["attention_softmax_in_fp32"] = (s.precision.attention_softmax_in_fp32 or  # Megatron
