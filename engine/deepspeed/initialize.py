@@ -62,6 +62,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[nn.Mod
                ) -> Tuple[Engine, torch.optim.Optimizer, Any, Any]:
     """(engine, optimizer, training_dataloader, lr_scheduler), as DeepSpeed returns them."""
     from gigatron.training.config.deepspeed.engine import engine_config
+    from gigatron.training.config.validation import ConfigError
 
     from gigatron.engine.pipe.module import PipelineModule
 
@@ -74,7 +75,11 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Optional[nn.Mod
     pipe = module if isinstance(module, PipelineModule) else None
     dp_rank, dp_size = (pipe.dp_rank, pipe.dp_size) if pipe else (ctx.rank, ctx.world_size)
     source = _config_source(args, config, config_params)
-    cfg = engine_config(source, ctx.world_size, dp_world_size=dp_size, model=module, args=args)
+    try:
+        cfg = engine_config(source, ctx.world_size, dp_world_size=dp_size, model=module,
+                            args=args)
+    except ConfigError as err:  # the user's config: its lines, not the reader's frames
+        raise err.with_traceback(None) from None
     module.to(ctx.device, dtype=_DTYPES[cfg.precision])
     if pipe is not None:
         pipe.broadcast_from_data_parallel_source()

@@ -14,8 +14,9 @@
   looked up where pip installs scripts for this Python, then on PATH (`pretrain_gpt.py` from
   any folder); `gigatron` (or a path ending in it, `$(which gigatron)`) runs the gigatron
   command in this Python, without --local_rank (its commands read LOCAL_RANK);
-- an uncaught exception prints its traceback as Python would (without this module's frames)
-  and is recorded where the launcher reads it: the error file torch's elastic agent names
+- an uncaught exception prints its traceback as Python would (without this module's frames;
+  one whose type sets `report_without_traceback`, gigatron's ConfigError, prints its message
+  alone) and is recorded where the launcher reads it: the error file torch's elastic agent names
   (TORCHELASTIC_ERROR_FILE) and D/rank{RANK}.error.json for D in --log_dir and
   GIGATRON_LAUNCH_ERROR_DIR.
 """
@@ -201,6 +202,11 @@ def run_script(script: Optional[str], args: Sequence[str], error_paths: Sequence
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as error:
+        if getattr(error, "report_without_traceback", False):  # a user's error, said whole
+            if os.environ.get("RANK", "0") == "0":  # every rank finds it: the launcher's
+                print(f"{sys.argv[0]}: error: {error}", file=sys.stderr, flush=True)  # report
+            record_failure(error, "", error_paths)  # names another rank's own
+            return 1
         tb = _user_frames(error.__traceback__, script)
         text = "".join(traceback.format_exception(type(error), error, tb))
         sys.stderr.write(text)

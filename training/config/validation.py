@@ -38,6 +38,10 @@ def join_problems(problems: Sequence[str]) -> str:
 class ConfigError(ValueError):
     """Every problem of a command line or DeepSpeed config, one line each."""
 
+    # `gigatron launch`'s worker prints these lines alone, without the traceback (they say
+    # what to fix; the frames would only bury them)
+    report_without_traceback = True
+
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = dedupe(problems)
         super().__init__(join_problems(self.problems))

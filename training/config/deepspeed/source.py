@@ -1,5 +1,7 @@
 """Where a DeepSpeed config comes from: the one loader of pretrain_gpt.py's --deepspeed-config
-and `gigatron.initialize`'s config (a dict, a JSON file, or DeepSpeed's base64 text)."""
+and `gigatron.initialize`'s config (a dict, a JSON file, or DeepSpeed's base64 text). What
+cannot be read is a ConfigError of one line naming the file (and, for bad JSON, the line and
+column), never the JSON parser's traceback."""
 from __future__ import annotations
 
 import base64
@@ -9,6 +11,8 @@ import json
 import os
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+from gigatron.training.config.validation import ConfigError
 
 ConfigSource = Union[str, "os.PathLike[str]", Mapping]
 
@@ -34,13 +38,13 @@ def _base64_json(text: str) -> Optional[Dict[str, Any]]:
 
 def load_config(config: ConfigSource, name: str = "DeepSpeed config") -> Dict[str, Any]:
     """The config as a fresh dict: a Mapping (copied), a JSON file or DeepSpeed's base64 text;
-    a ValueError of one line naming it (`name`: the flag or argument that gave it), the file
+    a ConfigError of one line naming it (`name`: the flag or argument that gave it), the file
     and, for bad JSON, the position."""
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
     if not isinstance(config, (str, os.PathLike)):
-        raise ValueError(f"{name} must be a path to a DeepSpeed JSON file or a dict, got "
-                         f"{type(config).__name__}")
+        raise ConfigError([f"{name} must be a path to a DeepSpeed JSON file or a dict, got "
+                           f"{type(config).__name__}"])
     path = os.fspath(config)
     try:
         with open(path) as f:
@@ -49,15 +53,15 @@ def load_config(config: ConfigSource, name: str = "DeepSpeed config") -> Dict[st
         decoded = _base64_json(str(path))
         if decoded is not None:
             return decoded
-        raise ValueError(f"{name} {path}: cannot read it ({err.strerror})") from None
+        raise ConfigError([f"{name} {path}: cannot read it ({err.strerror})"]) from None
     try:
         ds = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{name} {path} is not valid JSON: {err.msg} at line {err.lineno} "
-                         f"column {err.colno}") from None
+        raise ConfigError([f"{name} {path} is not valid JSON: {err.msg} at line {err.lineno} "
+                           f"column {err.colno}"]) from None
     except ValueError as err:
-        raise ValueError(f"{name} {path}: {err}") from None
+        raise ConfigError([f"{name} {path}: {err}"]) from None
     if not isinstance(ds, dict):
-        raise ValueError(f"{name} {path} must hold a JSON object {{...}}, got a "
-                         f"{type(ds).__name__}")
+        raise ConfigError([f"{name} {path} must hold a JSON object {{...}}, got a "
+                           f"{type(ds).__name__}"])
     return ds
