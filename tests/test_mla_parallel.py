@@ -46,6 +46,10 @@ LAYOUTS = {
                    "--num-layers-per-virtual-pipeline-stage 1".split(), tuple(FOUR_LAYERS)),
     "dp2_zero3_recompute": (2, "--zero-stage 3 --recompute-granularity full "
                                "--recompute-method uniform --recompute-num-layers 1".split(), ()),
+    "pp2_zb_h1": (2, "--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1".split(),
+                  tuple(FOUR_LAYERS)),
+    "cp2_tp2_sp_a2a": (4, "--context-parallel-size 2 --cp-comm-type a2a "
+                          "--tensor-model-parallel-size 2 --sequence-parallel".split(), ()),
     "ep2_moe": (2, ["--expert-model-parallel-size", "2"], tuple(MOE)),
     "tp2_selective": (2, ["--tensor-model-parallel-size", "2", "--recompute-granularity",
                           "selective"], ()),
