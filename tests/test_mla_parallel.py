@@ -9,9 +9,10 @@ summed over tp: without that sum, as Megatron-Core's column-parallel down-projec
 have it, tried: linear_kv_down_proj 2.3e-2 off at tp2), cp2 under p2p, all_gather and a2a
 (the narrower values padded to the query/key head size for the cp blocks), cp2 a2a x tp2
 with sequence parallelism, pp2 interleaved (4 layers, 2 virtual stages), pp2 under the
-zero-bubble zb-h1 schedule (MLA's weight gradients deferred), dp2 with ZeRO 3 and full recomputation, tp2 with
-selective recomputation, ep2 with DeepSeek-V3's MoE block in small (sigmoid group-limited
-routing with the expert bias and its updates, a shared expert, the first layer dense).
+zero-bubble zb-h1 schedule (MLA's weight gradients deferred), dp2 with ZeRO 3 and full
+recomputation, tp2 with selective recomputation, ep2 with DeepSeek-V3's MoE block in small
+(sigmoid group-limited routing with the expert bias and its updates, a shared expert, the
+first layer dense).
 """
 from __future__ import annotations
 
