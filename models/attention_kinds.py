@@ -8,6 +8,7 @@ comm types built on it; this module only says which kind each layer is and check
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -93,11 +94,6 @@ def attention_kind_problems(config: Any) -> List[str]:
                        f"{config.num_layers}: give one 0/1 per layer")
         if isinstance(freq, int) and freq < 1:
             out.append(f"--window-attn-skip-freq {freq}: must be >= 1")
-    if config.attention_dropout and (window is not None or has_sink(config)):
-        kind = ("--window-size" if window is not None
-                else f"--softmax-type {config.softmax_type}")
-        out.append(f"--attention-dropout {config.attention_dropout} with {kind}: attention "
-                   f"dropout is not supported there; set --attention-dropout 0")
     gated = config.activation in GATED
     if not gated and (config.glu_linear_offset or config.activation_func_clamp_value is not None):
         out.append("--glu-linear-offset and --activation-func-clamp-value apply to gated "
@@ -106,6 +102,13 @@ def attention_kind_problems(config: Any) -> List[str]:
     if clamp is not None and not clamp > 0:
         out.append(f"--activation-func-clamp-value {clamp}: must be > 0")
     return out
+
+
+def dropout_seed(tracker: Any, device: torch.device) -> int:
+    """The seed of a band layer's attention-dropout masks (parallel/context/band.py), drawn
+    from the tensor-parallel rank's stream as the other attention dropout (one host read)."""
+    with tracker.fork(device) if tracker is not None else contextlib.nullcontext():
+        return int(torch.randint(0, 2 ** 62, (1,), device=device).item())
 
 
 def cached_band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

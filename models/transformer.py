@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron import ops
-from gigatron.models.attention_kinds import (GATED, cached_band_attention, gated_activation,
-                                             has_sink, layer_window)
+from gigatron.models.attention_kinds import (GATED, cached_band_attention, dropout_seed,
+                                             gated_activation, has_sink, layer_window)
 from gigatron.models.config import TransformerConfig
 from gigatron.models.documents import Documents, per_document, per_sample
 from gigatron.models.mla.rope import yarn_concentration, yarn_inv_freq
@@ -224,7 +224,7 @@ class CoreAttention(nn.Module):
                                               **self._band_kwargs())[..., :v.shape[-1]]
         if self.band:
             return band_attention(q, k, v, self.window, self.softmax_offset, self.scale,
-                                  bounds)
+                                  bounds, p, dropout_seed(self.tracker, q.device) if p else 0)
         if bounds is not None:
             return per_document(self._attend, q, k, v, bounds)
         b, n, s, d = q.shape

@@ -149,3 +149,36 @@ def test_band_attention_equals_megatron_core_scale_mask_softmax(window, softmax_
     want = torch.matmul(probs, v)
     got = band.band_attention(q, k, v, window, sink, 0.3)
     assert (got - want).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("window", [5, None])
+def test_band_attention_dropout_equals_dense_dropout_with_the_same_masks(window, monkeypatch):
+    """Attention dropout (Megatron's default 0.1 applies to window/sink layers too): each
+    block's multiplier, redrawn from (seed + block index) in the backward, placed into a
+    dense [s, s] one, gives the dense softmax's dropout output and grads (q, k, v, sinks)."""
+    monkeypatch.setattr(band, "DEFAULT_BLOCK", 7)
+    q, k, v, sink, grad_out = inputs(H // 2)
+    size = window if window is not None else band.DEFAULT_BLOCK - 1
+    chunks = band.sequence_chunks(S, size)
+    dense_keep = torch.zeros(B, H, S, S)
+    for (rows, cols, _), keep in band._with_dropout(band.plan_blocks(chunks, chunks, window),
+                                                   (0.3, 11), q):
+        dense_keep[:, :, rows, cols] = keep
+
+    def reference(q, k, v, s):
+        heads = q.shape[1]
+        kr, vr = (t.repeat_interleave(heads // t.shape[1], 1) for t in (k, v))
+        scores = (q @ kr.transpose(-1, -2)) * 0.3
+        i, j = torch.arange(S)[:, None], torch.arange(S)[None]
+        seen = (j <= i) & ((i - j <= window) if window is not None else True)
+        scores = torch.cat([scores.masked_fill(~seen, float("-inf")),
+                            s[None, :, None, None].expand(B, heads, S, 1)], -1)
+        return (scores.softmax(-1)[..., :S] * dense_keep) @ vr
+
+    got = _grads(lambda q, k, v, s: band.band_attention(q, k, v, window, s, 0.3,
+                                                        dropout_p=0.3, seed=11),
+                 q, k, v, sink, grad_out)
+    want = _grads(reference, q, k, v, sink, grad_out)
+    _assert_close(got, want, f"dropout window {window}")
+    no_dropout = band.band_attention(q, k, v, window, sink, 0.3)
+    assert (got[0] - no_dropout).abs().max() > 0.1  # it does drop

@@ -108,28 +108,38 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A block-sized masked block in plain torch (fp32): (output, log-sum-exp)."""
+                    scale: float, keep: Optional[torch.Tensor] = None
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A block-sized masked block in plain torch (fp32): (output, log-sum-exp); `keep`: the
+    dropout multiplier of its probabilities (0 or 1 / (1 - p))."""
     heads = q.shape[1]
     scores = torch.matmul(q.float(), _repeat(k, heads).float().transpose(-1, -2)) * scale + mask
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
+    if keep is not None:
+        probs = probs * keep
     return torch.matmul(probs, _repeat(v, heads).float()), lse
 
 
 def _masked_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor, scale: float
+                     out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor, scale: float,
+                     keep: Optional[torch.Tensor] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The masked block's share of (dq, dk, dv) given the merged output and log-sum-exp."""
+    """The masked block's share of (dq, dk, dv) given the merged output and log-sum-exp
+    (`keep`: the forward's dropout multiplier)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     kr, vr, go = _repeat(k, heads).float(), _repeat(v, heads).float(), grad_out.float()
     scores = torch.matmul(q.float(), kr.transpose(-1, -2)) * scale + mask
     probs = torch.exp(scores - lse[..., None])
-    delta = (go * out.float()).sum(-1, keepdim=True)
-    dscores = probs * (torch.matmul(go, vr.transpose(-1, -2)) - delta) * scale
+    delta = (go * out.float()).sum(-1, keepdim=True)  # = sum_j P_ij dP_ij, dropout or not
+    dprobs = torch.matmul(go, vr.transpose(-1, -2))
+    kept = probs
+    if keep is not None:
+        dprobs, kept = dprobs * keep, probs * keep
+    dscores = probs * (dprobs - delta) * scale
     dq = torch.matmul(dscores, kr)
     dk = torch.matmul(dscores.transpose(-1, -2), q.float())
-    dv = torch.matmul(probs.transpose(-1, -2), go)
+    dv = torch.matmul(kept.transpose(-1, -2), go)
     return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
 
 
@@ -137,19 +147,43 @@ def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     return t[:, :, rows]
 
 
+def _with_dropout(blocks: Sequence[Block], dropout: Optional[Tuple[float, int]],
+                  q: torch.Tensor) -> List[Tuple[Block, Optional[torch.Tensor]]]:
+    """Each block with its dropout multiplier [b, h, rows, cols] (None without dropout);
+    with dropout every block runs the plain-torch path with an explicit (block-sized) mask.
+    The multipliers are drawn from (seed + block index), so the backward redraws them."""
+    if dropout is None:
+        return [(block, None) for block in blocks]
+    p, seed = dropout
+    out = []
+    for index, (rows, cols, how) in enumerate(blocks):
+        shape = (rows.stop - rows.start, cols.stop - cols.start)
+        if how == "causal":  # a square block on the diagonal: keys up to the query
+            how = torch.full(shape, float("-inf"), device=q.device).triu(1)
+        elif not isinstance(how, torch.Tensor):  # "full"
+            how = torch.zeros(shape, device=q.device)
+        gen = torch.Generator(device=q.device).manual_seed(seed + index)
+        draw = torch.rand(q.shape[:2] + shape, generator=gen, device=q.device)
+        out.append(((rows, cols, how), (draw >= p).float() / (1 - p)))
+    return out
+
+
 def band_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Sequence[Block],
                  ctx: BlockContext, out: Optional[torch.Tensor] = None,
-                 lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 lse: Optional[torch.Tensor] = None,
+                 dropout: Optional[Tuple[float, int]] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(output fp32, log-sum-exp) of q over the blocks of k, v, merged into `out`/`lse`
-    when given (a ring's earlier steps); rows no block covers keep lse -inf."""
+    when given (a ring's earlier steps); rows no block covers keep lse -inf. `dropout`:
+    (p, seed) of attention dropout on the probabilities."""
     if out is None or lse is None:
         out = q.new_zeros(q.shape, dtype=torch.float32)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
     scale = ctx.scale if ctx.scale is not None else q.shape[-1] ** -0.5
-    for rows, cols, how in blocks:
+    for (rows, cols, how), keep in _with_dropout(blocks, dropout, q):
         qb, kb, vb = _rows(q, rows), _rows(k, cols), _rows(v, cols)
         if isinstance(how, torch.Tensor):
-            block_out, block_lse = _masked_forward(qb, kb, vb, how, scale)
+            block_out, block_lse = _masked_forward(qb, kb, vb, how, scale, keep)
         else:
             block_out, block_lse = kernels.block_forward(qb, kb, vb, how == "causal", ctx)
         out[:, :, rows], lse[:, :, rows] = kernels.merge_partial(
@@ -159,15 +193,16 @@ def band_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Sequ
 
 def band_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, blocks: Sequence[Block],
-                  ctx: BlockContext, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
-                  ) -> None:
-    """Add the blocks' shares of the gradients into dq, dk, dv (fp32)."""
+                  ctx: BlockContext, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                  dropout: Optional[Tuple[float, int]] = None) -> None:
+    """Add the blocks' shares of the gradients into dq, dk, dv (fp32); `dropout`: the
+    forward's (p, seed)."""
     scale = ctx.scale if ctx.scale is not None else q.shape[-1] ** -0.5
-    for rows, cols, how in blocks:
+    for (rows, cols, how), keep in _with_dropout(blocks, dropout, q):
         args = (_rows(grad_out, rows), _rows(q, rows), _rows(k, cols), _rows(v, cols),
                 _rows(out, rows), _rows(lse, rows))
         if isinstance(how, torch.Tensor):
-            grads = _masked_backward(*args, how, scale)
+            grads = _masked_backward(*args, how, scale, keep)
         else:
             grads = kernels.block_backward(*args, how == "causal", ctx)
         dq[:, :, rows] += grads[0]
@@ -199,14 +234,14 @@ class BandAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                sink: Optional[torch.Tensor], blocks: List[Block], scale: Optional[float]
-                ) -> torch.Tensor:
+                sink: Optional[torch.Tensor], blocks: List[Block], scale: Optional[float],
+                dropout: Optional[Tuple[float, int]] = None) -> torch.Tensor:
         block_ctx = BlockContext(kernels.pick_kernel(q), scale)
-        out, lse = band_forward(q, k, v, blocks, block_ctx)
+        out, lse = band_forward(q, k, v, blocks, block_ctx, dropout=dropout)
         out, lse = merge_sink(out, lse, sink)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sink)
-        ctx.blocks, ctx.block_ctx = blocks, block_ctx
+        ctx.blocks, ctx.block_ctx, ctx.dropout = blocks, block_ctx, dropout
         return out
 
     @staticmethod
@@ -217,18 +252,23 @@ class BandAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk = torch.zeros_like(k, dtype=torch.float32)
         dv = torch.zeros_like(v, dtype=torch.float32)
-        band_backward(grad_out, q, k, v, out, lse, ctx.blocks, ctx.block_ctx, dq, dk, dv)
+        band_backward(grad_out, q, k, v, out, lse, ctx.blocks, ctx.block_ctx, dq, dk, dv,
+                      ctx.dropout)
         dsink = (sink_grad(grad_out, out, lse, sink)
                  if sink is not None and ctx.needs_input_grad[3] else None)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None
 
 
 def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: Optional[int],
                    sink: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                   documents: Optional[Sequence[int]] = None) -> torch.Tensor:
+                   documents: Optional[Sequence[int]] = None, dropout_p: float = 0.0,
+                   seed: int = 0) -> torch.Tensor:
     """Causal attention of q [b, h, s, d] over k, v [b, g, s, d] (one device) inside the
     band `window` (None: no window), with sink logits [h] (None: none), within each of the
-    `documents` (boundaries, shared by the b sequences; None: one document)."""
-    chunks = sequence_chunks(q.shape[2], window)
+    `documents` (boundaries, shared by the b sequences; None: one document); `dropout_p`:
+    attention dropout drawn from `seed` (blocks of at most DEFAULT_BLOCK rows then)."""
+    size = window if window is not None or not dropout_p else DEFAULT_BLOCK - 1
+    chunks = sequence_chunks(q.shape[2], size)
     blocks = plan_blocks(chunks, chunks, window, q.device, documents)
-    return BandAttention.apply(q, k, v, sink, blocks, scale)
+    dropout = (dropout_p, seed) if dropout_p else None
+    return BandAttention.apply(q, k, v, sink, blocks, scale, dropout)
