@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     from gigatron.data.tokenizer import Tokenizer
@@ -55,6 +55,9 @@ def plan_parser() -> argparse.ArgumentParser:
                              "micro-batch) for this model and GPU count")
     parser.add_argument("--top", type=int, default=10,
                         help="with --search: how many ranked layouts the text shows")
+    parser.add_argument("--verbose", action="store_true",
+                        help="with --search: list every refused layout (default: one line "
+                             "per reason, with its count and an example)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
@@ -105,6 +108,32 @@ def configure(argv: Sequence[str]) -> Tuple[argparse.Namespace, argparse.Namespa
     return opts, flags, run, tokenizer, world
 
 
+PROGRESS_EVERY_S = 2.0
+"""Off a terminal, a long search prints a progress line this often (on one, it is redrawn
+after every layout)."""
+
+
+def _search_progress() -> Callable[[int, int], None]:
+    """`search`'s progress(done, total) on stderr: redrawn in place on a terminal, else a
+    line every PROGRESS_EVERY_S once the search has run that long."""
+    from gigatron.training.observe.logger import LoopProgress
+
+    tty = sys.stderr.isatty()
+    shown: List[LoopProgress] = []
+
+    def update(done: int, total: int) -> None:
+        if not shown:
+            shown.append(LoopProgress("gigatron plan --search", total,
+                                      lambda line: print(line, file=sys.stderr, flush=True),
+                                      sys.stderr if tty else None, PROGRESS_EVERY_S,
+                                      unit="layouts"))
+        shown[0].update(done)
+        if tty and done == total:
+            print(file=sys.stderr)
+
+    return update
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """`gigatron plan [--gpu KEY] [--num-gpus N] [--search] [--json] PRETRAIN_FLAGS`."""
     from gigatron.training.plan import report
@@ -121,9 +150,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if opts.search:
             assert run.train.global_batch_size is not None
             ranked, refused = search(flags, world, run.train.global_batch_size, tokenizer, hw,
-                                     frozenset(opts.assume_overlap))
+                                     frozenset(opts.assume_overlap), _search_progress())
             text = json.dumps(report.search_dict(ranked, refused), indent=1) if opts.json \
-                else report.describe_search(ranked, refused, opts.top)
+                else report.describe_search(ranked, refused, opts.top, opts.verbose)
         else:
             plan = plan_run(run, hw, frozenset(opts.assume_overlap))
             text = json.dumps(report.plan_dict(plan), indent=1) if opts.json \

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .schedules import (Backward, Forward, Instruction, RecvActivation, SendActivation,
                         SendGrad, WeightGrad, comm_batches, peer, placement_of,
@@ -242,13 +242,23 @@ def peak_in_flight(instructions: Sequence[Instruction], chunk_weights: Sequence[
     activations (`chunk_weights[chunk]`) until its backward (B when split), then a split
     backward's W stash (`stash_weights[chunk]`, default none) until its W; returns (peak,
     micro-batches per chunk with activations held then, with a W stash held then)."""
+    return peak_of_states(held_after_each_pass(instructions, len(chunk_weights)),
+                          chunk_weights, stash_weights)
+
+
+def peak_of_states(states: Iterable[Tuple[Sequence[int], Sequence[int]]],
+                   chunk_weights: Sequence[float],
+                   stash_weights: Optional[Sequence[float]] = None
+                   ) -> Tuple[float, List[int], List[int]]:
+    """`peak_in_flight` over `held_after_each_pass`'s states (the first state reaching the
+    peak; a state seen before cannot be the first, so the distinct states give the same)."""
     stash = [0.0] * len(chunk_weights) if stash_weights is None else stash_weights
     peak, at_peak = 0.0, ([0] * len(chunk_weights), [0] * len(chunk_weights))
-    for held, stashed in held_after_each_pass(instructions, len(chunk_weights)):
+    for held, stashed in states:
         weight = sum(n * w for n, w in zip(held, chunk_weights)) + \
             sum(n * w for n, w in zip(stashed, stash))
         if weight > peak:
-            peak, at_peak = weight, (held, stashed)
+            peak, at_peak = weight, (list(held), list(stashed))
     return peak, at_peak[0], at_peak[1]
 
 

@@ -127,15 +127,15 @@ class LoopProgress:
 
     def __init__(self, label: str, total: int, write_line: Optional[Callable[[str], None]],
                  bar_stream: Optional[IO] = None, every_s: float = EVAL_PROGRESS_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, unit: str = "batches") -> None:
         self.label, self.total, self.every_s, self.clock = label, total, every_s, clock
-        self.write_line, self.bar_stream = write_line, bar_stream
+        self.write_line, self.bar_stream, self.unit = write_line, bar_stream, unit
         self.start = self.last_line = clock()
 
     def render(self, done: int, now: float) -> str:
         """'valid evaluation: 3/10 batches (30%), 12 s elapsed, ETA 0:28'."""
         elapsed = now - self.start
-        return (f"{self.label}: {done}/{self.total} batches ({done / self.total:.0%}), "
+        return (f"{self.label}: {done}/{self.total} {self.unit} ({done / self.total:.0%}), "
                 f"{elapsed:.0f} s elapsed, ETA {format_eta(done, self.total, elapsed)}")
 
     def update(self, done: int) -> None:

@@ -37,8 +37,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from gigatron.parallel.pipeline.partition import PipelinePartition
-from gigatron.training.plan.schedules import rank_schedule
-from gigatron.parallel.pipeline.simulate import peak_in_flight
+from gigatron.training.plan.schedules import peak_held
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.parallel.zero.layout import group_sizes, plan_buckets
 from gigatron.training.plan.context import NONE, ContextLayout, attention_held
@@ -202,7 +201,7 @@ def moe_mlp_bytes(c: "TransformerConfig", tp: int, ep: int, etp: int) -> float:
     w, h, e, k = _width(c.params_dtype), c.hidden_size, c.num_moe_experts, c.moe_router_topk
     assert e is not None and c.moe_ffn_hidden_size is not None
     router_width = {"fp32": 4, "fp64": 8}.get(c.moe_router_dtype or "", w)
-    glu = 4 if c.activation == "swiglu" else 2
+    glu = 4 if c.activation in ("swiglu", "quick_geglu") else 2
     share, etp = routed_share(tp, ep, etp)
     # router: its input (a cast copy under --moe-router-dtype), logits, scores, the
     # balancing losses' fp32 scores and the bool routing map
@@ -266,7 +265,7 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
             core = (2 * w + attn_mask) * (a / t) * s
         else:  # reference softmax: scores, exp (fp32), probabilities, dropout mask
             core = (2 * 4 + w + attn_mask) * (a / t) * s + 8 * a / t
-    mlp_act = (4 if c.activation == "swiglu" else 2) * w * ffn / t
+    mlp_act = (4 if c.activation in ("swiglu", "quick_geglu") else 2) * w * ffn / t
     common = (2 * norm + 2 * hidden_mask * h) / split + w * h + w * h + w * ad + mlp_act
     layer = common + held + core
     selective = common + inputs
@@ -389,9 +388,9 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
                                    partition.post_process(pp_rank, k), tokens,
                                    [pattern[i] for i in partition.layer_range(pp_rank, k)])
                  for k in range(partition.virtual_chunks)]
-    held, in_flight, w_stash = peak_in_flight(
-        rank_schedule(pp_rank, partition.pp_size, num_microbatches, partition.virtual_chunks,
-                      schedule), [bytes_ for bytes_, _ in per_chunk],
+    held, in_flight, w_stash = peak_held(
+        pp_rank, partition.pp_size, num_microbatches, partition.virtual_chunks, schedule,
+        [bytes_ for bytes_, _ in per_chunk],
         [w_stash_bytes(specs, c.params_dtype) * tokens for specs in chunks])
     transient = max(t for _, t in per_chunk)
     if any(partition.post_process(pp_rank, k) for k in range(partition.virtual_chunks)):

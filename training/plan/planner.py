@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import FrozenSet, List
+from typing import FrozenSet, List, Optional
 
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.config.run_config import RunConfig
@@ -39,9 +39,7 @@ class Plan:
     def device_bytes(self) -> float:
         """The highest peak as the device holds it (nvidia-smi): reserved, the CUDA context
         and NCCL's buffers (allocator.py)."""
-        p = self.run.parallel
-        return device_bytes(self.peak_bytes, (p.tp, p.pp, p.dp * p.context_parallel_size,
-                                              p.context_parallel_size, p.ep), self.on_gpu)
+        return stages_device_bytes(self.run, self.hardware, self.stages)
 
     @property
     def on_gpu(self) -> bool:
@@ -49,13 +47,25 @@ class Plan:
 
     @property
     def capacity_bytes(self) -> float:
-        assert self.hardware.memory_gib is not None
-        return self.hardware.memory_gib * GIB
+        return capacity_bytes(self.hardware)
 
     @property
     def fits(self) -> bool:
         """Whether the device's whole use (`device_bytes`) fits its memory."""
         return self.device_bytes <= self.capacity_bytes
+
+
+def stages_device_bytes(run: RunConfig, hw: Hardware, stages: List[StageMemory]) -> float:
+    """The highest peak of `stages` as the device holds it (`Plan.device_bytes`)."""
+    p = run.parallel
+    return device_bytes(max(m.peak for m in stages),
+                        (p.tp, p.pp, p.dp * p.context_parallel_size, p.context_parallel_size,
+                         p.ep), hw.key != "cpu")
+
+
+def capacity_bytes(hw: Hardware) -> float:
+    assert hw.memory_gib is not None
+    return hw.memory_gib * GIB
 
 
 def fill_plan_flags(flags: argparse.Namespace, search: bool) -> None:
@@ -81,16 +91,24 @@ def context_of(run: RunConfig) -> ContextLayout:
     return layout_of(run.parallel)
 
 
-def plan_run(run: RunConfig, hw: Hardware, assume: FrozenSet[str] = frozenset()) -> Plan:
-    """Memory of every pipeline stage and the step's cost for `run` on `hw` devices
-    (`assume`: Megatron-Core overlaps to model, cost.OVERLAPS)."""
+def plan_stages(run: RunConfig, hw: Hardware) -> List[StageMemory]:
+    """Memory of every pipeline stage of `run` on `hw` devices (`plan_run`'s first half:
+    --search checks it fits before it costs the step)."""
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.micro_batch_size is not None
+    return plan_memory(c, partition_of(run), p.tp, p.dp, run.zero, t.micro_batch_size,
+                       t.num_microbatches, hw.key != "cpu", p.ep, p.etp, context_of(run),
+                       p.pipeline_schedule)
+
+
+def plan_run(run: RunConfig, hw: Hardware, assume: FrozenSet[str] = frozenset(),
+             stages: Optional[List[StageMemory]] = None) -> Plan:
+    """Memory of every pipeline stage and the step's cost for `run` on `hw` devices
+    (`assume`: Megatron-Core overlaps to model, cost.OVERLAPS; `stages`: `plan_stages`'s,
+    when already known)."""
     on_gpu = hw.key != "cpu"
     partition = partition_of(run)
-    stages = plan_memory(c, partition, p.tp, p.dp, run.zero, t.micro_batch_size,
-                         t.num_microbatches, on_gpu, p.ep, p.etp, context_of(run),
-                         p.pipeline_schedule)
+    stages = plan_stages(run, hw) if stages is None else stages
     cost = step_cost(run, hw, partition, [m.parameters for m in stages], on_gpu,
                      [m.expert_parameters for m in stages], assume)
     return Plan(run, hw, stages, cost, throughput(run, cost, hw))

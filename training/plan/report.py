@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Sequence
 
 from gigatron.training.plan.memory import GIB, StageMemory, expert_data_parallel_size
 from gigatron.training.plan.planner import Plan
+from gigatron.training.plan.ranking import TIE_TOLERANCE, rank_with_ties, refusal_groups
 from gigatron.training.plan.search import Candidate
 
 SCHEMA = "gigatron-plan-v1"
@@ -132,10 +133,19 @@ def _context_step(plan: Plan) -> Dict[str, Any]:
             "cp_exposed_s": plan.cost.cp_exposed, "cp_bytes": plan.cost.cp_bytes}
 
 
-def search_dict(ranked: Sequence[Candidate], refused: Sequence[Candidate]) -> Dict[str, Any]:
-    return {"schema": SCHEMA,
-            "ranked": [plan_dict(c.plan) for c in ranked if c.plan is not None],
-            "refused": [{"layout": _layout_keys(c), "reason": c.reason} for c in refused]}
+def search_dict(ranked: Sequence[Candidate], refused: Sequence[Candidate],
+                tie_tolerance: float = TIE_TOLERANCE) -> Dict[str, Any]:
+    """Every layout: "ranked" fastest first, each with its "tie_group" (ranking.py: the text
+    shows a group's layouts fewest model-parallel ranks first, then least memory), "refused"
+    each with its reason, "refused_by_reason" one example and the count per reason."""
+    group = {id(c): g for g, c in rank_with_ties(ranked, tie_tolerance)}
+    return {"schema": SCHEMA, "tie_tolerance": tie_tolerance,
+            "ranked": [{**plan_dict(c.plan), "tie_group": group[id(c)]} for c in ranked
+                       if c.plan is not None],
+            "refused": [{"layout": _layout_keys(c), "reason": c.reason} for c in refused],
+            "refused_by_reason": [{"count": g.count, "layout": _layout_keys(g.example),
+                                   "reason": g.example.reason}
+                                  for g in refusal_groups(refused)]}
 
 
 def _layout_keys(candidate: Candidate) -> Dict[str, Any]:
@@ -235,20 +245,34 @@ def _expert_lines(plan: Plan) -> List[str]:
     return out
 
 
-def describe_search(ranked: Sequence[Candidate], refused: Sequence[Candidate],
-                    top: int) -> str:
-    """Ranked layouts (fastest first) and every refused one with its reason."""
-    lines = [f"{len(ranked)} layouts fit, {len(refused)} refused; fastest first:"]
-    for i, cand in enumerate(ranked[:top], 1):
+def describe_search(ranked: Sequence[Candidate], refused: Sequence[Candidate], top: int,
+                    verbose: bool = False, tie_tolerance: float = TIE_TOLERANCE) -> str:
+    """Ranked layouts (fastest first, ties broken as ranking.py says, and said so) and the
+    refused ones: one line per reason with its count and an example, every one if
+    `verbose`."""
+    lines = [f"{len(ranked)} layouts fit, {len(refused)} refused; fastest first, except that "
+             f"steps within {tie_tolerance:.0%} of each other (the speed model's precision, "
+             f"docs/PLAN.md) rank fewer model-parallel ranks (tp x pp x cp), then less "
+             f"memory, first ('~': tied with the line above):"]
+    shown = rank_with_ties(ranked, tie_tolerance)
+    for i, (group, cand) in enumerate(shown[:top], 1):
         assert cand.plan is not None
         r, cost = cand.plan.rates, cand.plan.cost
-        lines.append(f"  {i:>3}. {cand.layout.describe():<56} step {cost.step * 1e3:10.1f} ms  "
-                     f"{r.model_tflops_per_gpu:7.1f} TFLOP/s/GPU  MFU {r.mfu:6.1%}  peak "
-                     f"{cand.plan.peak_bytes / GIB:6.1f} GiB")
+        tied = "~" if i > 1 and shown[i - 2][0] == group else " "
+        lines.append(f"  {i:>3}.{tied}{cand.layout.describe():<56} step "
+                     f"{cost.step * 1e3:10.1f} ms  {r.model_tflops_per_gpu:7.1f} TFLOP/s/GPU  "
+                     f"MFU {r.mfu:6.1%}  peak {cand.plan.peak_bytes / GIB:6.1f} GiB")
     if len(ranked) > top:
         lines.append(f"  ... {len(ranked) - top} more (--top N shows more, --json all)")
-    lines.append("refused:")
-    lines += [f"  {cand.layout.describe():<56} {cand.reason}" for cand in refused]
+    if verbose:
+        lines.append("refused:")
+        lines += [f"  {cand.layout.describe():<56} {cand.reason}" for cand in refused]
+    elif refused:
+        groups = refusal_groups(refused)
+        lines.append(f"refused, {len(groups)} reason{'s' if len(groups) > 1 else ''} (layouts, "
+                     f"one example; --verbose lists every layout):")
+        lines += [f"  {g.count:>5} e.g. {g.example.layout.describe():<56} {g.example.reason}"
+                  for g in groups]
     return "\n".join(lines)
 
 

@@ -2,15 +2,17 @@
 
 `--search` plans thousands of layouts that share a few pipeline shapes; building a
 zero-bubble schedule is a list-scheduling pass over every micro-batch, so each shape is
-built once here and shared (the schedules are read, never changed).
+built once here and shared (the schedules are read, never changed), and so is what each
+rank holds after each of its passes (`peak_held`: only the distinct states are kept).
 """
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Tuple
+from typing import List, Sequence, Tuple
 
 from gigatron.parallel.pipeline.schedules import build_schedule
-from gigatron.parallel.pipeline.simulate import SimulationResult, placement_of, simulate
+from gigatron.parallel.pipeline.simulate import (SimulationResult, held_after_each_pass,
+                                                 peak_of_states, placement_of, simulate)
 
 
 @lru_cache(maxsize=1024)
@@ -28,3 +30,21 @@ def simulate_step(pp_size: int, num_microbatches: int, virtual_chunks: int,
     schedules = [rank_schedule(r, pp_size, num_microbatches, virtual_chunks, schedule)
                  for r in range(pp_size)]
     return simulate(schedules, forward_time, backward_time, placement=placement_of(schedule))
+
+
+@lru_cache(maxsize=4096)
+def _held_states(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int,
+                 schedule: str) -> Tuple[Tuple[Tuple[int, ...], Tuple[int, ...]], ...]:
+    """`held_after_each_pass` of one rank's schedule, each distinct state once, in the order
+    first seen (a 1F1B rank of m micro-batches passes 2m times through at most p + 1)."""
+    states = held_after_each_pass(rank_schedule(pp_rank, pp_size, num_microbatches,
+                                                virtual_chunks, schedule), virtual_chunks)
+    return tuple(dict.fromkeys((tuple(held), tuple(stashed)) for held, stashed in states))
+
+
+def peak_held(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chunks: int,
+              schedule: str, chunk_weights: Sequence[float],
+              stash_weights: Sequence[float]) -> Tuple[float, List[int], List[int]]:
+    """`simulate.peak_in_flight` of the rank's schedule, over its cached distinct states."""
+    return peak_of_states(_held_states(pp_rank, pp_size, num_microbatches, virtual_chunks,
+                                       schedule), chunk_weights, stash_weights)

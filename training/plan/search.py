@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, FrozenSet, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, FrozenSet, Iterator, List, Optional, Tuple
 
 from gigatron.training.observe.devices import Hardware
 from gigatron.training.plan.memory import GIB
-from gigatron.training.plan.planner import Plan, plan_run
+from gigatron.training.plan.planner import (Plan, capacity_bytes, plan_run, plan_stages,
+                                            stages_device_bytes)
 
 if TYPE_CHECKING:
     from gigatron.data.tokenizer import Tokenizer
@@ -141,7 +142,7 @@ def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
              global_batch_size: int, tokenizer: Optional["Tokenizer"],
              hw: Hardware, assume: FrozenSet[str] = frozenset()) -> Candidate:
     """Validate `layout` as the run would (`tokenizer`: the flags' own, built once for every
-    layout), plan it and say whether it fits."""
+    layout), plan its memory and, if it fits, its step."""
     from gigatron.training.config.arguments import build_run_config
 
     try:
@@ -150,14 +151,15 @@ def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
     except ValueError as err:
         lines = getattr(err, "problems", str(err).splitlines())
         return Candidate(layout, reason="; ".join(lines))
-    plan = plan_run(run, hw, assume)
-    if not plan.fits:
-        worst = max(plan.stages, key=lambda m: m.peak)
-        return Candidate(layout, plan, reason=(
-            f"out of memory: stage {worst.pp_rank} needs {plan.device_bytes / GIB:.1f} GiB "
+    stages = plan_stages(run, hw)  # memory first: a layout that does not fit is not costed
+    need, capacity = stages_device_bytes(run, hw, stages), capacity_bytes(hw)
+    if need > capacity:
+        worst = max(stages, key=lambda m: m.peak)
+        return Candidate(layout, reason=(
+            f"out of memory: stage {worst.pp_rank} needs {need / GIB:.1f} GiB "
             f"on the device ({worst.peak / GIB:.1f} allocated), the {hw.key} has "
-            f"{plan.capacity_bytes / GIB:.1f}"))
-    return Candidate(layout, plan)
+            f"{capacity / GIB:.1f}"))
+    return Candidate(layout, plan_run(run, hw, assume, stages))
 
 
 def _model_sizes(flags: argparse.Namespace) -> Tuple[int, Optional[int], int, bool]:
@@ -179,16 +181,21 @@ def _model_sizes(flags: argparse.Namespace) -> Tuple[int, Optional[int], int, bo
 
 def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
            tokenizer: Optional["Tokenizer"], hw: Hardware,
-           assume: FrozenSet[str] = frozenset()) -> Tuple[List[Candidate], List[Candidate]]:
+           assume: FrozenSet[str] = frozenset(),
+           progress: Optional[Callable[[int, int], None]] = None
+           ) -> Tuple[List[Candidate], List[Candidate]]:
     """(layouts that fit, fastest first; layouts refused, each with its reason; `assume`:
-    cost.OVERLAPS to model)."""
+    cost.OVERLAPS to model; `progress(done, total)` after each layout)."""
     ranked: List[Candidate] = []
     refused: List[Candidate] = []
     num_layers, num_experts, seq_length, tied = _model_sizes(flags)
-    for layout in layouts(world_size, num_layers, hw.gpus_per_node, num_experts,
-                          flags.expert_tensor_parallel_size, seq_length, tied):
+    space = list(layouts(world_size, num_layers, hw.gpus_per_node, num_experts,
+                         flags.expert_tensor_parallel_size, seq_length, tied))
+    for done, layout in enumerate(space, 1):
         candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw,
                              assume)
         (refused if candidate.reason else ranked).append(candidate)
+        if progress is not None:
+            progress(done, len(space))
     ranked.sort(key=lambda c: c.plan.cost.step if c.plan else 0.0)
     return ranked, refused
