@@ -101,6 +101,7 @@ class Controller:
         self.joined = False
         self._joined_ranks: List[int] = []  # in the order they joined
         self.all_joined = False
+        self.stalled: Optional[str] = None
 
     def submit(self, request: Request, name: Optional[str]) -> Request:
         """Queue `request` under `name`; a name already waiting raises ValueError."""
@@ -116,9 +117,15 @@ class Controller:
         return request
 
     def wait(self, request: Request) -> None:
-        """Run rounds until `request` has been launched (or refused)."""
+        """Run rounds until `request` has been launched (or refused). Rounds run only while
+        ranks wait, so a round where every active member waits and nothing matches can
+        never progress: that raises on every active member instead of hanging."""
         while not request.launched:
             self.run_round()
+            if self.stalled is not None and not request.launched:
+                self.pending.pop(request.name, None)
+                message, self.stalled = self.stalled, None
+                raise RuntimeError(message)
 
     def join(self) -> int:
         """Horovod's join: take part in rounds until every member has joined; the set rank
@@ -162,6 +169,11 @@ class Controller:
             return
         listed = {r: {n: (k, m) for n, k, m in infos[r][1]} for r in active}
         ready = [n for n, _, _ in infos[active[0]][1] if all(n in listed[r] for r in active)]
+        if not ready and not self.joined:
+            waiting = {r: sorted(listed[r]) for r in active}
+            self.stalled = (f"Stalled: every rank waits for an operation no other rank has "
+                            f"submitted (names or call order differ); submitted per rank: "
+                            f"{waiting}")
         for name in ready:
             kinds = {r: listed[r][name][0] for r in active}
             metas = {r: listed[r][name][1] for r in active}

@@ -125,7 +125,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: Any = global_process_set) -> List[Any]:
-    """Every member's `obj`, in rank order (pickled, gathered as bytes)."""
+    """Every member's `obj`, in rank order (pickled, gathered as bytes); named after the
+    object's type by default, as Horovod."""
+    name = type(obj).__name__ if name is None else name
     payload = torch.frombuffer(bytearray(_pickler.dumps(obj)), dtype=torch.uint8)
     sizes = allgather(torch.tensor([payload.numel()]), f"{name}.sizes" if name else None,
                       process_set)
