@@ -54,6 +54,18 @@ def uses_band_attention(config: Any, layer_number: int) -> bool:
     return has_sink(config) or layer_window(config, layer_number) is not None
 
 
+def mean_key_span(config: Any) -> float:
+    """Keys per query the attention computes, averaged over the layers, counted as the
+    planner counts a causal layer (its whole sequence: the mask's skipped half included):
+    a windowed layer's band blocks span about twice their size, max(window + 1, 128)
+    (parallel/context/band.py), capped by the sequence."""
+    s, spans = config.seq_length, []
+    for layer in range(config.num_layers):
+        window = layer_window(config, layer)
+        spans.append(s if window is None else min(s, 2 * max(window + 1, 128)))
+    return sum(spans) / len(spans)
+
+
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """x sigmoid(1.702 x), Megatron-Core's quick_gelu (gpt-oss's GLU)."""
     return x * torch.sigmoid(1.702 * x)

@@ -231,3 +231,23 @@ def test_attention_dropout_on_window_and_sink_layers_is_seeded_and_drops():
     assert (attention(x, rotary) - outs[0]).abs().max() > 1e-2
     outs[0].sum().backward()
     assert attention.core_attention.softmax_offset.grad is not None
+
+
+def test_plan_and_mfu_count_the_gated_mlp_and_the_windows():
+    """MFU's FLOPs count quick GeGLU's fc1 twice as wide, as SwiGLU's; the planner's
+    attention core counts a windowed layer's band (about 2 x 128 keys a query at window
+    127), not the whole sequence: gpt-oss-20b at 8192 tokens does (8192 + 256) / 2 / 8192
+    of the full model's core work."""
+    from gigatron.models.zoo import load_config
+    from gigatron.training.observe.flops import flops_per_token
+    from gigatron.training.plan.cost import _layer_flops
+
+    oss = load_config("gpt-oss-20b", seq_length=8192, num_layers=4)
+    swiglu = load_config("gpt-oss-20b", seq_length=8192, num_layers=4, activation="swiglu",
+                         glu_linear_offset=0.0, activation_func_clamp_value=None)
+    assert flops_per_token(oss) == flops_per_token(swiglu)
+    full = load_config("gpt-oss-20b", seq_length=8192, num_layers=4, window_size=None,
+                       window_attn_skip_freq=None)
+    ratio = _layer_flops(oss, 8192, 1)["core"] / _layer_flops(full, 8192, 1)["core"]
+    assert ratio == pytest.approx((8192 + 256) / 2 / 8192)
+    assert _layer_flops(oss, 8192, 1)["dense"] == _layer_flops(swiglu, 8192, 1)["dense"]

@@ -47,7 +47,7 @@ def matmul_parameter_count(config: "TransformerConfig", tp: int = 1) -> int:
     groups = _get(config, "num_query_groups", heads)
     ffn = _get(config, "ffn_hidden_size", 4 * h)
     bias = _get(config, "add_bias_linear", True)
-    swiglu = _get(config, "activation", "gelu") == "swiglu"
+    swiglu = _get(config, "activation", "gelu") in ("swiglu", "quick_geglu")  # a gated fc1: twice as wide
     norm = h * (2 if _get(config, "normalization", "LayerNorm") == "LayerNorm" else 1)
     d = _get(config, "kv_channels", h // heads)  # channels per head (--kv-channels)
     q, kv = heads * d, 2 * groups * d

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Sequence, Tup
 
 import torch
 
+from gigatron.models.attention_kinds import GATED, mean_key_span
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.parallel.zero.accounting import zero_comm_bytes_formula
 from gigatron.training.observe.flops import flops_per_token
@@ -133,9 +134,10 @@ def _layer_flops(c: "TransformerConfig", tokens: int, tp: int) -> Dict[str, floa
     h, a, g, d, ffn = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim, \
         c.ffn_hidden_size
     qkv = g * (a // g + 2) * d
-    fc1 = 2 * ffn if c.activation == "swiglu" else ffn
+    fc1 = 2 * ffn if c.activation in GATED else ffn
     dense = 2.0 * tokens * (h * qkv + a * d * h + h * fc1 + ffn * h) / tp
-    core = 2.0 * 2.0 * tokens * c.seq_length * a * d / tp  # QK^T and AV, mask not skipped
+    # QK^T and AV, the causal mask not skipped; sliding windows: their band's keys only
+    core = 2.0 * 2.0 * tokens * mean_key_span(c) * a * d / tp
     return {"dense": dense, "core": core}
 
 
@@ -149,7 +151,7 @@ def _layer_bytes(c: "TransformerConfig", tokens: int, tp: int, sequence_parallel
     mask = 1 if c.hidden_dropout > 0 else 0
     norms = 2 * 2 * w * h / split
     residual = 2 * (3 * w + mask) * h / split
-    activation = (3 if c.activation == "swiglu" else 2) * w * ffn / tp
+    activation = (3 if c.activation in GATED else 2) * w * ffn / tp
     rope = 4 * w * h / tp if c.position_embedding_type == "rope" else 0
     if cp > 1 or attention_kernel(c, on_gpu) == "flash":
         core = 4 * w * a * c.head_dim / tp  # q, k, v in, output out

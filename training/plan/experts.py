@@ -42,7 +42,7 @@ class MoELayerCost:
 
 def _dense_mlp(c: "TransformerConfig", tokens: int, tp: int) -> Tuple[float, float]:
     """(forward FLOPs, element-wise bytes) of the dense MLP an MoE layer replaces."""
-    glu = c.activation == "swiglu"
+    glu = c.activation in ("swiglu", "quick_geglu")
     ffn = c.ffn_hidden_size
     flops = 2.0 * tokens * (c.hidden_size * (2 * ffn if glu else ffn) + ffn * c.hidden_size) / tp
     return flops, (3 if glu else 2) * c.params_dtype.itemsize * ffn / tp * tokens
@@ -53,12 +53,12 @@ def moe_mlp_flops(c: "TransformerConfig", tokens: int, tp: int, ep: int, etp: in
     rows of the tokens it routes (balanced), shared experts (tensor-parallel)."""
     h, k, e, f = c.hidden_size, c.moe_router_topk, c.num_moe_experts, c.moe_ffn_hidden_size
     assert e is not None and f is not None
-    fc1 = 2 * f if c.activation == "swiglu" else f
+    fc1 = 2 * f if c.activation in ("swiglu", "quick_geglu") else f
     flops = 2.0 * tokens * routed_share(tp, ep, etp)[0] * (h * e + k * (h * fc1 + f * h))
     shared = c.moe_shared_expert_intermediate_size
     if shared:
-        flops += 2.0 * tokens * (h * (2 * shared if c.activation == "swiglu" else shared) +
-                                 shared * h) / tp
+        shared_fc1 = 2 * shared if fc1 == 2 * f else shared
+        flops += 2.0 * tokens * (h * shared_fc1 + shared * h) / tp
     return flops
 
 
@@ -107,7 +107,7 @@ def moe_layer_cost(c: "TransformerConfig", tokens: int, tp: int, ep: int, etp: i
     """An MoE layer's forward beyond a dense layer's, on one rank, for one micro-batch."""
     w, h, k, e = c.params_dtype.itemsize, c.hidden_size, c.moe_router_topk, c.num_moe_experts
     assert e is not None and c.moe_ffn_hidden_size is not None
-    glu = 3 if c.activation == "swiglu" else 2
+    glu = 3 if c.activation in ("swiglu", "quick_geglu") else 2
     dense_flops, dense_bytes = _dense_mlp(c, tokens, tp)
     shared = c.moe_shared_expert_intermediate_size or 0
     share = routed_share(tp, ep, etp)[0]

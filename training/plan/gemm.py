@@ -89,7 +89,7 @@ def layer_shapes(c: "TransformerConfig", tp: int) -> Tuple[Tuple[int, int], ...]
     (their FLOPs are cost._layer_flops's dense count)."""
     h, a, g, d, ffn = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim, \
         c.ffn_hidden_size
-    fc1 = 2 * ffn if c.activation == "swiglu" else ffn
+    fc1 = 2 * ffn if c.activation in ("swiglu", "quick_geglu") else ffn
     return ((h, g * (a // g + 2) * d // tp), (a * d // tp, h), (h, fc1 // tp), (ffn // tp, h))
 
 
