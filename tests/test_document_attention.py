@@ -79,3 +79,25 @@ def test_context_parallel_document_attention_equals_one_device():
         want = _grads(lambda q, k, v, s: dense_document_reference(q, k, v, case[2], s, 0.3),
                       q, k, v, sink, grad_out)
         _assert_close(got, want, f"cp2 documents {case}")
+
+
+def _hierarchical_documents(rank, world):
+    from gigatron.parallel.topology import ProcessGroups, Topology
+
+    groups = ProcessGroups(Topology.from_world_size(world, cp=world), rank,
+                           hierarchical_cp=(2, world // 2))
+    q, k, v, sink, grad_out = inputs(2)
+    q, k, v, grad_out = (split_for_rank(t, world, rank, seq_dim=2) for t in (q, k, v, grad_out))
+    return _grads(lambda q, k, v, s: context_parallel_attention(
+        q, k, v, groups.cp_group, "a2a+p2p", scale=0.3, window=4, sink=s,
+        documents=DOCUMENTS), q, k, v, sink, grad_out)
+
+
+def test_cp4_a2a_p2p_document_attention_equals_one_device():
+    per_rank = run_on_ranks(_hierarchical_documents, 4)
+    got = [restore_sequence([r[i] for r in per_rank], seq_dim=2) for i in range(4)]
+    got.append(sum(r[4] for r in per_rank))
+    q, k, v, sink, grad_out = inputs(2)
+    want = _grads(lambda q, k, v, s: dense_document_reference(q, k, v, 4, s, 0.3),
+                  q, k, v, sink, grad_out)
+    _assert_close(got, want, "cp4 a2a+p2p 2 x 2 documents")
