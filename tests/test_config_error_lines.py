@@ -49,3 +49,18 @@ def test_launched_script_prints_a_config_error_as_one_line(tmp_path, monkeypatch
     with open(record) as f:  # what the launcher's report reads
         assert json.load(f)["message"]["message"] == \
             "ConfigError: DeepSpeed config ds.json is not valid JSON"
+
+
+def test_a_setting_from_the_deepspeed_config_is_named_by_its_json_key(tmp_path):
+    from gigatron.training.config.arguments import parse_args
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 0, "gradient_clipping": -1}')
+    flags = ("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
+             "--train-iters 2 --vocab-size 128 --mock-data --deepspeed-config").split()
+    with pytest.raises(ConfigError) as err:
+        parse_args(flags + [str(path)], 1)
+    assert sorted(err.value.problems) == [
+        "--lr is required",  # a flag's own problem keeps the flag
+        "gradient_clipping (--deepspeed-config) must be >= 0 (0 disables clipping), got -1.0",
+        "train_micro_batch_size_per_gpu (--deepspeed-config) must be > 0, got 0"]

@@ -215,6 +215,9 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
     check_checkpointing(s, p)
     check_logging(s, p)
     check_operational(s, p)
+    from gigatron.training.config.deepspeed.pretrain import in_json_words
+
+    p.lines = in_json_words(p.lines, s.source.deepspeed_config)  # the keys the user wrote
     p.raise_if_any()
     # raise_if_any: each of these was built
     assert model is not None and lr_schedule is not None and zero is not None and \

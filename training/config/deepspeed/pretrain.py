@@ -349,3 +349,23 @@ def deepspeed_config_notes(flags: Mapping[str, Any]) -> List[str]:
 def load_deepspeed_config(path: str) -> Dict[str, Any]:
     """The JSON object of --deepspeed-config (the one loader, errors naming the flag)."""
     return load_config(path, "--deepspeed-config")
+
+
+def in_json_words(lines: Sequence[str], path: Optional[str]) -> List[str]:
+    """Problem lines of a run that read --deepspeed-config, with each flag the JSON set named
+    by the JSON key the user wrote ("train_micro_batch_size_per_gpu (--deepspeed-config)
+    must be > 0"); the lines as they are without a config (or one that cannot be read)."""
+    if not path or not lines:
+        return list(lines)
+    try:
+        entries = read_deepspeed_config(load_deepspeed_config(path))[0]
+    except ValueError:
+        return list(lines)
+    keys = {flag_name(dest): key for dest, (key, *_) in entries.items()
+            if flag_name(dest).startswith("--")}
+    if not keys:
+        return list(lines)
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, sorted(
+        keys, key=len, reverse=True))) + r")(?![\w-])")
+    return [pattern.sub(lambda m: f"{keys[m.group(1)]} (--deepspeed-config)", line)
+            for line in lines]
