@@ -1,5 +1,7 @@
-"""An error every rank finds the same way is printed once (issue 38: the empty-split error
-printed twice at 2 ranks); a rank's own error is still printed by that rank."""
+"""Errors a user sees, once and in one line (issue 38): an error every rank finds the same
+way is printed once (the empty-split error was printed twice at 2 ranks) while a rank's own
+error is still printed by that rank; a data loader worker that died is one line, not
+torch's chained traceback."""
 from __future__ import annotations
 
 import contextlib
