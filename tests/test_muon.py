@@ -172,3 +172,86 @@ def test_zero_stages_0_to_3_on_two_ranks_equal_one_process():
         for stage, params in by_stage.items():
             worst = max(_relative(params[n], want[n]) for n in want)
             assert worst < 1e-6, (rank, stage, worst)
+
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 "
+        "--mock-data --vocab-size 100 --optimizer muon").split()
+
+
+def _run(extra=(), world=1):
+    from gigatron.training.config.arguments import parse_args
+
+    return parse_args(BASE + list(extra), world)
+
+
+def test_megatron_lm_flags_and_defaults_reach_the_optimizer():
+    muon = _run().zero.muon
+    assert _run().zero.optimizer == "muon"
+    assert (muon.momentum, muon.nesterov, muon.num_ns_steps, muon.coefficient_type,
+            muon.scale_mode, muon.extra_scale_factor, muon.split_qkv, muon.fp32_matmul_prec,
+            muon.tp_mode, muon.scalar_optimizer) == (
+        0.9, False, 5, "quintic", "spectral", 1.0, True, "medium", "duplicated", "adam")
+    assert muon.qkv_split_shapes == (8, 8, 8)  # 4 heads of 8 channels, one per query group
+    gqa = _run("--group-query-attention --num-query-groups 2".split()).zero.muon
+    assert gqa.qkv_split_shapes == (16, 8, 8)
+    given = _run("--muon-momentum 0.95 --muon-nesterov --muon-num-ns-steps 8 "
+                 "--muon-coefficient-type polar_express --muon-scale-mode shape_scaling "
+                 "--muon-extra-scale-factor 0.2 --muon-no-split-qkv --muon-fp32-matmul-prec "
+                 "high --muon-tp-mode blockwise --use-distributed-optimizer".split())
+    m = given.zero.muon
+    assert (m.momentum, m.nesterov, m.num_ns_steps, m.coefficient_type, m.scale_mode,
+            m.extra_scale_factor, m.split_qkv, m.fp32_matmul_prec, m.tp_mode) == (
+        0.95, True, 8, "polar_express", "shape_scaling", 0.2, False, "high", "blockwise")
+    assert given.zero.zero_stage == 1  # the layer-wise distributed Muon
+    assert _run(["--optimizer", "adam"]).zero.muon is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--muon-num-ns-steps 4", "--muon-coefficient-type quintic with --muon-num-ns-steps 4"),
+    ("--muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec 'low' is not a torch"),
+    ("--muon-tp-mode distributed", "--muon-tp-mode 'distributed' is not built"),
+    ("--muon-scalar-optimizer lion", "--muon-scalar-optimizer 'lion' is not built"),
+    ("--muon-momentum 1", "--muon-momentum must be in [0, 1)"),
+    ("--optimizer-cpu-offload --use-distributed-optimizer",
+     "--optimizer-cpu-offload is not built with --optimizer muon"),
+])
+def test_bad_muon_flags_are_one_line_each_naming_the_flag(extra, message):
+    with pytest.raises(ValueError) as err:
+        _run(extra.split())
+    assert message in str(err.value)
+
+
+def _tp_modes(rank, world):
+    from gigatron.parallel.tensor.init import shard
+    from gigatron.parallel.zero.muon.matrices import MatrixUpdate, TensorSplit
+
+    torch.manual_seed(0)
+    whole = torch.randn(8, 12)
+    out = {}
+    for dim, stride in [(0, 1), (1, 1), (0, 2)]:
+        unit = MatrixUnit(0, 0, *shard(whole, dim, rank, world, stride).shape,
+                          split=TensorSplit(dim, stride))
+        mine = shard(whole, dim, rank, world, stride)
+        for mode in ("duplicated", "blockwise"):
+            update = MatrixUpdate(MuonConfig(tp_mode=mode, fp32_matmul_prec="highest"),
+                                  tp_group=None)
+            out[dim, stride, mode] = update(unit, mine)
+    return out
+
+
+def test_tp_duplicated_keeps_the_whole_matrix_update_and_blockwise_each_shards_own():
+    from gigatron.parallel.tensor.init import shard
+    from gigatron.parallel.zero.muon.matrices import MatrixUpdate
+
+    torch.manual_seed(0)
+    whole = torch.randn(8, 12)
+    one = MatrixUpdate(MuonConfig(fp32_matmul_prec="highest"))
+    for rank, out in enumerate(run_on_ranks(_tp_modes, 2)):
+        for dim, stride in [(0, 1), (1, 1), (0, 2)]:
+            want = shard(one(MatrixUnit(0, 0, 8, 12), whole), dim, rank, 2, stride)
+            torch.testing.assert_close(out[dim, stride, "duplicated"], want)
+            mine = shard(whole, dim, rank, 2, stride)
+            own = one(MatrixUnit(0, 0, *mine.shape), mine)  # its own norm and scale
+            torch.testing.assert_close(out[dim, stride, "blockwise"], own)
+            assert not torch.allclose(own, want, rtol=1e-2, atol=1e-3)

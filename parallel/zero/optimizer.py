@@ -420,9 +420,13 @@ class ZeroOptimizer:
         state = self.optimizer.state_dict()
         order = [p for group in self.optimizer.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(order)}
-        # each group its own scalars: optimizers step a tensor "step" in place
-        state["state"] = {index[id(g.master)]: {**_copies(scalars), **tensors} for g, tensors
-                          in zip(self.flat_groups, per_element) if tensors or scalars}
+        # each group its own scalars: optimizers step a tensor "step" in place; an optimizer
+        # with several rules (Muon) names the state each tensor keeps
+        keys = getattr(self.optimizer, "state_keys", lambda p: None)
+        state["state"] = {index[id(g.master)]: _only(keys(g.master),
+                                                     {**_copies(scalars), **tensors})
+                          for g, tensors in zip(self.flat_groups, per_element)
+                          if tensors or scalars}
         self.optimizer.load_state_dict(state)
         self.scaler.load_state_dict(scaler)
         self.skipped_steps = int(skipped_steps)
@@ -451,6 +455,10 @@ def _fp32(pieces: List[torch.Tensor]) -> List[torch.Tensor]:
     """The grad shard's pieces themselves when fp32, else fp32 copies (as Megatron copies its
     fp16/bf16 main grads into the fp32 main parameters' grads before unscaling)."""
     return pieces if pieces[0].dtype == torch.float32 else [p.float() for p in pieces]
+
+
+def _only(keys: Optional[Sequence[str]], values: Dict[str, Any]) -> Dict[str, Any]:
+    return values if keys is None else {k: v for k, v in values.items() if k in keys}
 
 
 def _copies(values: Dict[str, Any]) -> Dict[str, Any]:

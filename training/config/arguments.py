@@ -89,10 +89,12 @@ def given_dests(argv: Optional[Sequence[str]], prog: str = "pretrain_gpt.py") ->
     return set(vars(given)) - {r.dest for r in table() if not r.flag}
 
 
-def zero_config(s: Settings, p: Problems) -> Optional["ZeroConfig"]:
+def zero_config(s: Settings, p: Problems, model: Optional["TransformerConfig"] = None
+                ) -> Optional["ZeroConfig"]:
     """The optimizer, mixed-precision, clipping and ZeRO settings as the ZeRO wrapper's config
     (None when invalid, with the problems in `p`)."""
     from gigatron.parallel.zero.config import ZeroConfig, megatron_grad_dtype, zero_problems
+    from gigatron.training.config.megatron.muon import muon_config
 
     precision, o = s.precision, s.optimizer
     stage = precision.zero_stage if precision.zero_stage is not None else \
@@ -100,7 +102,8 @@ def zero_config(s: Settings, p: Problems) -> Optional["ZeroConfig"]:
     scale = precision.initial_loss_scale
     kw: Dict[str, Any] = dict(
         zero_stage=stage,
-        optimizer="adamw" if o.optimizer == "adam" else "sgd",  # Megatron's adam is AdamW
+        optimizer={"adam": "adamw"}.get(o.optimizer, o.optimizer),  # Megatron's adam: AdamW
+        muon=muon_config(s, model, p),
         lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, sgd_momentum=o.sgd_momentum,
         clip_grad=o.clip_grad, loss_scale=precision.loss_scale or 0.0,
@@ -210,7 +213,7 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
                                  "etp": s.parallel.etp or s.parallel.tp})
     check_train(s, parallel, model, _microbatch_counts(batches, length, dp or 1), p)
     check_optimizer(s, p)
-    zero = zero_config(s, p)
+    zero = zero_config(s, p, model)
     lr_schedule = build_lr_schedule(s, global_batch, p, seq)
     check_checkpointing(s, p)
     check_logging(s, p)

@@ -216,8 +216,9 @@ class PrecisionSettings:
 class OptimizerSettings:
     """Optimizer, clipping and Megatron's learning-rate schedule (in iterations)."""
 
-    optimizer: str = setting("adam", "adam is AdamW (decoupled weight decay)", "--optimizer",
-                             choices=("adam", "sgd"), ds="optimizer.type",
+    optimizer: str = setting("adam", "adam is AdamW (decoupled weight decay); muon: Muon on "
+                             "the matrices, AdamW on the rest", "--optimizer",
+                             choices=("adam", "sgd", "muon"), ds="optimizer.type",
                              ds_as="optimizer_type", ds_doc="Adam, AdamW = adam; SGD = sgd")
     lr: Optional[float] = setting(None, "peak learning rate (required)", "--lr",
                                   ds="optimizer.params.lr", ds_default=0.001,

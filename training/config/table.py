@@ -23,6 +23,7 @@ from gigatron.training.config.megatron.fp8 import FP8Settings
 from gigatron.training.config.megatron.gpt_oss import GptOssSettings
 from gigatron.training.config.megatron.mla import MLASettings
 from gigatron.training.config.megatron.moe import MoESettings
+from gigatron.training.config.megatron.muon import MuonSettings
 from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig,
                                                  ParallelConfig, TrainConfig)
 from gigatron.training.config.settings import (DataSettings, ImplementationSettings,
@@ -54,6 +55,7 @@ class Settings:
     precision: PrecisionSettings = _concern("precision and ZeRO")
     fp8: FP8Settings = _concern("FP8 (emulated: docs/FP8.md)")
     optimizer: OptimizerSettings = _concern("optimizer and learning-rate schedule")
+    muon: MuonSettings = _concern("Muon (--optimizer muon: docs/MUON.md)")
     decoupled_lr: DecoupledLRSettings = _concern(
         "learning rate of the embedding and output layer")
     data: DataSettings = _concern("data and tokenizer")

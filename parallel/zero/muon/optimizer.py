@@ -16,7 +16,7 @@ tensor is "momentum_buffer"; of an AdamW tensor torch's "step", "exp_avg", "exp_
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -61,6 +61,14 @@ class Muon(torch.optim.Optimizer):
     def set_layouts(self, layouts: Dict[int, ShardedMatrices]) -> None:
         """ZeRO's flat master shards (by id): the matrices each one holds."""
         self.layouts = dict(layouts)
+
+    def state_keys(self, param: torch.Tensor) -> Tuple[str, ...]:
+        """The state `param` keeps: a resharded checkpoint gives each tensor only its own."""
+        group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        if group["use_muon"]:
+            return ("momentum_buffer",)
+        return ("step", "exp_avg", "exp_avg_sq") + \
+            (("max_exp_avg_sq",) if group.get("amsgrad") else ())
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

@@ -315,9 +315,12 @@ def zero_state_to_load(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_
     """Fresh master shards (read from `master_prefix`, the masters or the fp32 weights) and
     per-element states, and the pieces a load writes into them."""
     names = global_names(chunks)
+    # an optimizer with several rules (Muon: momentum or Adam's moments) says which
+    # states each of its tensors keeps; the others keep every saved one
+    keeps = getattr(zero.optimizer, "state_keys", lambda p: state_keys)
     resumed = ResumedZero([g.master.detach().clone() for g in zero.flat_groups],
-                          [{k: torch.zeros_like(g.master) for k in state_keys}
-                           for g in zero.flat_groups])
+                          [{k: torch.zeros_like(g.master) for k in state_keys
+                            if k in keeps(g.master)} for g in zero.flat_groups])
     values: Dict[str, ShardedValue] = {}
     for piece in shard_pieces(zero, names, tp_rank, tp_size):
         g = zero.flat_groups[piece.group]

@@ -92,7 +92,9 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
     (("--mamba", "--hybrid-", "--is-hybrid", "--gdp-", "--linear-", "--spec", "--mhc-",
       "--enable-mhc", "--mlp-chunks"), "Mamba, hybrid and custom layer specs are not implemented"),
     (("--mup", "--use-mup"), "muP parametrisation is not implemented"),
-    (("--muon", "--lion"), "gigatron's --optimizer is adam (AdamW) or sgd"),
+    (("--muon-use-syrk",), "the Triton SYRK kernel is not used: Newton-Schulz's Gram matrix "
+     "is a plain matmul (the same numbers)"),
+    (("--lion",), "gigatron's --optimizer is adam (AdamW), sgd or muon: Lion is not built"),
     (("--megatron-fsdp", "--use-megatron-fsdp", "--use-torch-fsdp2", "--fsdp",
       "--torch-fsdp2", "--data-parallel-sharding-strategy", "--outer-dp-sharding",
       "--enable-full-sharding", "--num-distributed-optimizer-instances"), _FSDP),
