@@ -35,7 +35,8 @@ DEFAULT_TOKENIZER_TYPE = "GPT2BPETokenizer"  # Megatron's pretrain_gpt.py defaul
 NOT_SUPPORTED = {  # Megatron's other types, and why they are not here
     "MultimodalTokenizer": "multimodal (vision-language) models are not part of gigatron",
     "NullMultimodalTokenizer": "multimodal (vision-language) models are not part of gigatron",
-    "SFTTokenizer": "supervised fine-tuning with chat templates is not part of gigatron",
+    "SFTTokenizer": "its prompt formats are not used: --sft takes HuggingFaceTokenizer and "
+                    "its own chat template (docs/SFT.md)",
 }
 __all__ = ["Tokenizer", "NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
            "BertWordPieceTokenizer", "SentencePieceTokenizer", "TikTokenizer",

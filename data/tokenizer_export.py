@@ -169,6 +169,8 @@ def write_hf_tokenizer(tokenizer: Tokenizer, tokenizer_type: str, model_file: Op
         "bos_token": _token(tok, bos), "add_bos_token": False, "add_eos_token": False,
         # pretraining's SentencePiece tokenizer reads "</s>" in text as text
         "split_special_tokens": sentencepiece, "unk_token": unk}
+    if tokenizer_type == "HuggingFaceTokenizer":  # --sft's chat template goes along
+        config["chat_template"] = read_chat_template(str(model_file))
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, TOKENIZER_FILE))
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
@@ -177,3 +179,20 @@ def write_hf_tokenizer(tokenizer: Tokenizer, tokenizer_type: str, model_file: Op
         f.write("\n")
     return {"bos_token_id": None if bos is None or bos < 0 else bos,
             "eos_token_id": tokenizer.eod}
+
+
+def read_chat_template(tokenizer_model: str) -> Optional[str]:
+    """The chat template of a Hugging Face tokenizer folder (or a tokenizer.json's folder):
+    chat_template.jinja, else tokenizer_config.json's (a string; None when it has none)."""
+    folder = tokenizer_model if os.path.isdir(tokenizer_model) else \
+        os.path.dirname(os.path.abspath(tokenizer_model))
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    path = os.path.join(folder, CONFIG_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None

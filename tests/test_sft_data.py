@@ -134,3 +134,20 @@ def test_split_holds_out_lines_for_validation(tmp_path, chat):
     assert len(train.lines) == 8 and len(valid.lines) == 2
     first_valid = chat.tokenize(conversation(8))[0]
     assert valid[0]["tokens"][:len(first_valid)].tolist() == first_valid.tolist()
+
+
+def test_sft_flag_problems_are_one_line_each(tmp_path):
+    from gigatron.training.config.arguments import parse_args
+    from gigatron.training.config.validation import ConfigError
+
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 2 --train-iters 10 --lr 1e-3 --vocab-size 100").split()
+    missing = str(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError) as err:
+        parse_args(base + ["--sft", "--data-path", missing, "--tokenizer-type",
+                           "NullTokenizer"], 1)
+    assert err.value.problems == [
+        "--sft tokenizes with a chat template: give --tokenizer-type HuggingFaceTokenizer "
+        "--tokenizer-model DIR (a Hugging Face tokenizer folder), not NullTokenizer",
+        f"--data-path {missing}: no such file (--sft reads JSON-lines conversation files, "
+        f"e.g. data/chat.jsonl)"]

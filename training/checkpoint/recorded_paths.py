@@ -29,7 +29,8 @@ MAX_TOKENIZER_BYTES = 50 * 2 ** 20  # a tokenizer's files are a few MB; more is 
 STORED = "tokenizer"  # the copy's folder inside the iteration folder
 KEY = "tokenizer_files"  # metadata.json's record of the copy
 # what a Hugging Face tokenizer folder (or a tokenizer.json beside them) needs
-HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "chat_template.jinja")  # --sft's template (transformers 5 saves it apart)
 
 
 def _prefixes(values: List[str]) -> List[str]:

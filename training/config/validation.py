@@ -197,9 +197,28 @@ def check_data(data: "DataSettings", p: Problems) -> None:
     from gigatron.data.splits import parse_split
 
     p.run(parse_split, data.split)
-    if not data.mock_data:
+    if data.sft:
+        _check_sft(data, p)
+    elif not data.mock_data:
         for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
             _check_prefixes(flag_name(dest), getattr(data, dest), p)
+
+
+def _check_sft(data: "DataSettings", p: Problems) -> None:
+    """--sft reads conversation files (not .bin/.idx prefixes) with a Hugging Face
+    tokenizer's chat template (data/sft/)."""
+    if data.mock_data:
+        p.add("--sft reads conversations from --data-path FILE.jsonl: drop --mock-data")
+    if data.tokenizer_type != "HuggingFaceTokenizer":
+        p.add(f"--sft tokenizes with a chat template: give --tokenizer-type "
+              f"HuggingFaceTokenizer --tokenizer-model DIR (a Hugging Face tokenizer folder), "
+              f"not {data.tokenizer_type or 'the default GPT2BPETokenizer'}")
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        values = getattr(data, dest)
+        for path in (values[1::2] if values and len(values) > 1 else values or []):
+            if not os.path.isfile(path):
+                p.add(f"{flag_name(dest)} {path}: no such file (--sft reads JSON-lines "
+                      f"conversation files, e.g. data/chat.jsonl)")
 
 
 def _check_prefixes(flag: str, values: Optional[List[str]], p: Problems) -> None:

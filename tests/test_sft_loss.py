@@ -1,0 +1,134 @@
+"""--sft trains on exactly transformers' loss: the loss pretrain_gpt.py logs for a packed line
+of conversations (a tiny random Llama converted with hf-to-gigatron, loaded with --finetune
+--use-checkpoint-args) equals transformers' loss of the same model on each conversation alone
+with labels on the assistant tokens only (1e-4), and tp2, pp2 and dp2 log the one-rank
+losses."""
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from multirank import run_on_ranks  # noqa: E402
+from tests.sft_fixtures import CHATML, conversation, make_chat_tokenizer, write_jsonl  # noqa: E402
+
+ITERS = 3
+SEQ = 192
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(folder: the HF model and tokenizer, gigatron checkpoint, conversations file, the
+    transformers model)."""
+    from gigatron.training.checkpoint.convert import hf_to_gigatron
+
+    root = tmp_path_factory.mktemp("sft")
+    folder = make_chat_tokenizer(root / "base", vocab_size=280)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=False, rope_theta=10000.0)).eval()
+    with torch.no_grad():  # sharper attention than the initial std's: documents matter
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3) if p.dim() == 2 else p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(folder)
+    hf_to_gigatron(folder, str(root / "ckpt"))
+    # a line of two conversations (documents), then lines of one
+    lines = [conversation(0) + conversation(1, turns=2)] + [conversation(i) for i in range(2, 8)]
+    data = write_jsonl(root / "chat.jsonl", lines)
+    return folder, str(root / "ckpt"), data, hf, lines
+
+
+def _argv(base, metrics):
+    folder, ckpt, data, _, _ = base
+    return (f"--sft --load {ckpt} --finetune --use-checkpoint-args --data-path {data} "
+            f"--split 100,0,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model {folder} "
+            f"--seq-length {SEQ} --micro-batch-size 1 --global-batch-size 2 "
+            f"--train-iters {ITERS} --lr 1e-2 --lr-warmup-iters 0 --eval-iters 0 "
+            f"--hidden-dropout 0 --attention-dropout 0 --log-interval 1 --metrics-file {metrics}"
+            ).split()
+
+
+def _pretrain(rank, world, argv):
+    from gigatron.training.run import pretrain
+
+    assert pretrain.main(argv) == 0
+
+
+def _losses(path):
+    with open(path) as f:
+        return [r["lm loss"] for r in map(json.loads, f) if r["type"] == "train"]
+
+
+def _transformers_loss(hf, folder, conversations):
+    """Token-weighted mean of transformers' loss over the conversations, each alone, labels
+    on the assistant tokens only."""
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    total, count = 0.0, 0
+    for conv in conversations:
+        out = tok.apply_chat_template(conv, return_dict=True, return_assistant_tokens_mask=True)
+        ids = torch.tensor([out["input_ids"]])
+        labels = torch.where(torch.tensor([out["assistant_masks"]]) > 0, ids, -100)
+        n = int((labels[0, 1:] != -100).sum())
+        with torch.no_grad():
+            total += hf(ids, labels=labels).loss.item() * n
+        count += n
+    return total / count
+
+
+@pytest.fixture(scope="module")
+def one_rank(base, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one")
+    metrics, save = str(folder / "metrics.jsonl"), str(folder / "sft")
+    run_on_ranks(_pretrain, 1, _argv(base, metrics) + ["--save", save, "--save-interval",
+                                                        str(ITERS)], timeout=300)
+    return _losses(metrics), save
+
+
+def test_sft_loss_equals_transformers_loss_on_assistant_tokens(base, one_rank):
+    folder, _, _, hf, lines = base
+    losses, _ = one_rank
+    from gigatron.data.sft.conversations import split_conversations
+
+    first_batch = split_conversations(lines[0]) + split_conversations(lines[1])
+    # the logged loss is Megatron's: the global batch's loss sum over its loss tokens
+    want = _transformers_loss(hf, folder, first_batch)
+    assert len(first_batch) == 3 and len(losses) == ITERS
+    assert abs(losses[0] - want) <= 1e-4 * abs(want), (losses[0], want)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_sft_layouts_log_the_one_rank_losses(base, one_rank, tmp_path, layout):
+    flags = {"tp2": ["--tensor-model-parallel-size", "2"],
+             "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}[layout]
+    metrics = str(tmp_path / "metrics.jsonl")
+    run_on_ranks(_pretrain, 2, _argv(base, metrics) + flags, timeout=300)
+    losses = _losses(metrics)
+    error = max(abs(a - b) / abs(b) for a, b in zip(losses, one_rank[0]))
+    assert len(losses) == ITERS and error <= 1e-5, (layout, losses, one_rank[0])
+
+
+def test_the_sft_checkpoint_exports_with_its_chat_template(base, one_rank, tmp_path):
+    """gigatron-to-hf writes the tokenizer's chat template: transformers loads the folder and
+    answers a chat prompt (greedy) as gigatron's model of the checkpoint does."""
+    from gigatron.models.generation import generate
+    from gigatron.training.checkpoint.convert import gigatron_to_hf, load_model
+    from gigatron.models.gpt import GPTModel
+
+    out = str(tmp_path / "hf")
+    gigatron_to_hf(one_rank[1], out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.chat_template == CHATML
+    prompt = tok.apply_chat_template(conversation(9)[:2], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)["input_ids"]
+    assert prompt[0, -3:].tolist() == tok.encode("<|im_start|>assistant\n")[-3:]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_tokens = hf.generate(prompt, max_new_tokens=6, do_sample=False)[0, prompt.shape[1]:]
+    config, state = load_model(one_rank[1])
+    model = GPTModel(config)
+    model.load_state_dict(state)
+    ours = generate(model.eval(), [prompt[0].tolist()], max_new_tokens=6).tokens[0]
+    assert len(hf_tokens) >= 1 and ours[:len(hf_tokens)] == hf_tokens.tolist()
