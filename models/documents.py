@@ -53,5 +53,8 @@ def per_document(attention: Callable[..., torch.Tensor], q: torch.Tensor, k: tor
     outputs laid back in sequence order."""
     if len(bounds) == 2:
         return attention(q, k, v)
-    return torch.cat([attention(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e])
-                      for a, e in zip(bounds, bounds[1:])], dim=2)
+    # one split per tensor, not a slice per document: a split's backward is one cat of the
+    # documents' grads, where each slice's would zero-fill a sequence-sized grad
+    sizes = [e - a for a, e in zip(bounds, bounds[1:])]
+    pieces = zip(*(torch.split(t, sizes, dim=2) for t in (q, k, v)))
+    return torch.cat([attention(*qkv) for qkv in pieces], dim=2)
