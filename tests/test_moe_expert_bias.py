@@ -3,17 +3,15 @@ router bias, per-expert fc1 and fc2 biases) train the same model in every expert
 one rank, and their checkpoints are layout-free.
 
 A tiny Mixtral-shaped MoE GPT (the one of test_moe_checkpoint.py, without
---disable-bias-linear) trains 4 iterations on one rank, saving at 2. Then, on 4 forked gloo
-ranks: tp2 x ep2 at etp 2 with sequence parallelism (each etp rank holds a slice of every
-expert's fc1 bias, SwiGLU's halves each sliced, and of its fc2 bias's hidden columns: the etp
-sum adds the fc2 bias once) trains the 4 iterations; ep2 x edp2 with ZeRO-1 resumes from the
-one-rank checkpoint at iteration 2 (its biases' boxes read back). Both log the one-rank
-losses and end with its full parameters within 1e-5 (relative L2 per parameter). An fc2 bias
-added on every etp rank (counted twice) misses by ~1e-2.
+--disable-bias-linear) trains 4 iterations on one rank, saving at 2. On 4 forked gloo ranks,
+tp2 x ep2 at etp 2 with sequence parallelism and ZeRO-1 (each etp rank holds a slice of
+every expert's fc1 bias, SwiGLU's halves each sliced, and of its fc2 bias's hidden columns:
+the etp sum adds the fc2 bias once) resumes from the one-rank checkpoint (its biases' boxes
+read back) and logs the one-rank losses of iterations 3-4 and ends with its full parameters
+within 1e-5 (relative L2 per parameter). An fc2 bias added in the wrong columns misses by
+0.19 (the parameters) and 7e-3 (the losses).
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -26,8 +24,6 @@ BIASED = [a for a in MIXTRAL if a != "--disable-bias-linear"] + ["--adam-eps", "
 TP2_EP2_ETP2 = ("--tensor-model-parallel-size 2 --sequence-parallel "
                 "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
                 "--moe-grouped-gemm").split()
-EP2_ZERO1 = ("--expert-model-parallel-size 2 --zero-stage 1 "
-             "--moe-token-dispatcher-type allgather").split()
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +36,11 @@ def one_rank(tmp_path_factory):
     return folder, losses, params
 
 
-def test_biased_experts_at_tp2_ep2_etp2_train_the_one_rank_model(one_rank, tmp_path):
-    _, one_losses, one_params = one_rank
-    losses, params = _launch(4, BIASED + TP2_EP2_ETP2, str(tmp_path))
-    loss_error, param_error = _loss_error(losses, one_losses), _worst(params, one_params)
-    assert loss_error <= TOL and param_error <= TOL, (loss_error, param_error)
-
-
-def test_biased_experts_resume_at_ep2_from_a_one_rank_checkpoint(one_rank, tmp_path):
+def test_biased_experts_resume_at_tp2_ep2_etp2_as_the_one_rank_run(one_rank, tmp_path):
     folder, one_losses, one_params = one_rank
-    losses, params = _launch(4, BIASED + EP2_ZERO1 + [
-        "--load", folder, "--ckpt-step", str(SAVED_AT)], str(tmp_path))
+    losses, params = _launch(4, BIASED + TP2_EP2_ETP2 + [
+        "--zero-stage", "1", "--load", folder, "--ckpt-step", str(SAVED_AT)], str(tmp_path))
     assert len(losses) == len(one_losses) - SAVED_AT
     loss_error = _loss_error(losses, one_losses[SAVED_AT:])
     param_error = _worst(params, one_params)
     assert loss_error <= TOL and param_error <= TOL, (loss_error, param_error)
-    assert os.path.isdir(folder)
