@@ -13,7 +13,7 @@ import pytest
 
 from gigatron.cli import plan as plan_cli
 from gigatron.parallel.pipeline import zero_bubble
-from gigatron.parallel.pipeline.simulate import peak_in_flight
+from gigatron.parallel.pipeline.simulate import peak_in_flight, simulate_step
 from gigatron.training.plan import cost, planner, ranking, report
 from gigatron.training.plan import schedules as plan_schedules
 from gigatron.training.plan import search as plan_search
@@ -32,7 +32,7 @@ def _configured():
 
 def _clear_caches() -> None:
     for cached in (plan_schedules.rank_schedule, plan_schedules._held_states,
-                   zero_bubble._pipeline, cost._schedule):
+                   plan_schedules._program, zero_bubble._pipeline, cost._schedule):
         cached.cache_clear()
 
 
@@ -112,6 +112,14 @@ def test_cached_peak_equals_the_simulators_over_the_whole_schedule(schedule, v):
             assert plan_schedules.peak_held(rank, pp, m, v, schedule, weights, stash) == \
                 peak_in_flight(plan_schedules.rank_schedule(rank, pp, m, v, schedule),
                                weights, stash)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("zbv", 2)])
+def test_replayed_makespan_equals_the_simulators_to_the_bit(schedule, v):
+    for pp, m in ((2, 4), (4, 8), (4, 12)):
+        for forward, backward in ((1.0, 2.0), (0.0123, 0.0345), (3.3e-3, 7.1e-3)):
+            assert plan_schedules.step_makespan(pp, m, v, forward, backward, schedule) == \
+                simulate_step(pp, m, v, forward, backward, schedule).makespan
 
 
 def _candidate(tp, pp, step, peak_gib):

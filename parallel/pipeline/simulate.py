@@ -84,44 +84,56 @@ class _Channels:
                 f"message {index} from pipeline rank {channel[0]} to {channel[1]}: sender "
                 f"sends {sends[index][0]} but receiver expects {recvs[index][0]}")
 
-    def done_at(self, channel: tuple, is_send: bool, index: int):
-        """Completion time of one posted op, or None while its peer has not posted."""
+    def parties(self, channel: tuple, is_send: bool, index: int) -> Optional[tuple]:
+        """What one posted op's completion waits on: the post values (times, or program
+        slots) of both ends, or its own to oneself (buffered); None while its peer has not
+        posted."""
         sends, recvs = self.sends[channel], self.recvs[channel]
         if channel[0] == channel[1] and is_send:
-            return sends[index][1]  # to oneself: buffered
+            return (sends[index][1],)
         if index < len(sends) and index < len(recvs):
-            return max(sends[index][1], recvs[index][1])
+            return (sends[index][1], recvs[index][1])
         return None
 
 
-def _durations(schedule: Sequence[Instruction], forward_time: float, backward_time: float,
-               weight_time: float) -> Dict[Instruction, float]:
-    """Each compute instruction's time: a Backward whose W comes later is only B."""
+def _kinds(schedule: Sequence[Instruction]) -> Dict[Instruction, str]:
+    """Each compute instruction's kind of time: F, B (a whole backward), b (a Backward whose
+    W comes later: B only) or W."""
     split = {(op.microbatch, op.chunk) for op in schedule if isinstance(op, WeightGrad)}
-    times: Dict[Instruction, float] = {}
+    kinds: Dict[Instruction, str] = {}
     for op in schedule:
         if isinstance(op, Forward):
-            times[op] = forward_time
+            kinds[op] = "F"
         elif isinstance(op, Backward):
-            whole = (op.microbatch, op.chunk) not in split
-            times[op] = backward_time if whole else backward_time - weight_time
+            kinds[op] = "B" if (op.microbatch, op.chunk) not in split else "b"
         elif isinstance(op, WeightGrad):
-            times[op] = weight_time
-    return times
+            kinds[op] = "W"
+    return kinds
 
 
-def simulate(schedules: Sequence[Sequence[Instruction]], forward_time: float = 1.0,
-             backward_time: float = 2.0, weight_time: Optional[float] = None,
-             placement: str = "loop") -> SimulationResult:
-    """Execute all ranks' schedules (`schedules[pp_rank]`) together; raise on deadlock or
-    on passes out of dependency order."""
+@dataclass(frozen=True)
+class StepProgram:
+    """What the simulation does with the ranks' clocks, in its order, without the times:
+    ("c", rank, instruction, kind) runs a pass; ("p", rank, slot) posts one op of a batch at
+    the rank's clock; ("w", rank, parties) ends a batch when each op's parties (slots) have
+    posted. Which rank waits on which post does not depend on the times, so one program
+    serves every (F, B, W) (`gigatron plan --search` times thousands on a few shapes)."""
+
+    pp_size: int
+    ops: Tuple[tuple, ...]
+    slots: int
+
+
+def compile_step(schedules: Sequence[Sequence[Instruction]],
+                 placement: str = "loop") -> StepProgram:
+    """Match every rank's sends and receives and order the ranks' steps (`simulate`'s
+    checks: message identities, deadlock, unmatched messages), recording `StepProgram`."""
     pp_size = len(schedules)
-    weight = backward_time / 2 if weight_time is None else weight_time
-    durations = [_durations(s, forward_time, backward_time, weight) for s in schedules]
+    kinds = [_kinds(s) for s in schedules]
     steps = [comm_batches(s) for s in schedules]
-    pc, clock = [0] * pp_size, [0.0] * pp_size
+    pc, slots = [0] * pp_size, 0
     posted: List[list] = [[] for _ in range(pp_size)]  # ops of the batch a rank waits on
-    timelines: List[list] = [[] for _ in range(pp_size)]
+    ops: List[tuple] = []
     channels = _Channels(placement)
     while any(pc[r] < len(steps[r]) for r in range(pp_size)):
         progress = False
@@ -129,20 +141,21 @@ def simulate(schedules: Sequence[Sequence[Instruction]], forward_time: float = 1
             while pc[r] < len(steps[r]):
                 step = steps[r][pc[r]]
                 if not isinstance(step, tuple):
-                    duration = durations[r].get(step, 0.0)
-                    if duration:
-                        timelines[r].append((clock[r], clock[r] + duration, step))
-                    clock[r] += duration
+                    if step in kinds[r]:
+                        ops.append(("c", r, step, kinds[r][step]))
                     pc[r] += 1
                     progress = True
                     continue
                 if not posted[r]:
-                    posted[r] = [channels.post(op, r, pp_size, clock[r]) for op in step]
+                    for op in step:
+                        ops.append(("p", r, slots))
+                        posted[r].append(channels.post(op, r, pp_size, slots))
+                        slots += 1
                     progress = True
-                times = [channels.done_at(*p) for p in posted[r]]
-                if any(t is None for t in times):
+                parties = [channels.parties(*p) for p in posted[r]]
+                if any(p is None for p in parties):
                     break
-                clock[r] = max([clock[r]] + times)
+                ops.append(("w", r, tuple(parties)))
                 posted[r] = []
                 pc[r] += 1
                 progress = True
@@ -155,7 +168,38 @@ def simulate(schedules: Sequence[Sequence[Instruction]], forward_time: float = 1
             raise ScheduleError(f"pipeline rank {channel[0]} sends "
                                 f"{len(channels.sends[channel])} messages to {channel[1]}, "
                                 f"which receives {len(channels.recvs[channel])}")
-    result = SimulationResult(timelines, max(clock) if clock else 0.0)
+    return StepProgram(pp_size, tuple(ops), slots)
+
+
+def run_step(program: StepProgram, forward_time: float, backward_time: float,
+             weight_time: float, timelines: bool = True) -> SimulationResult:
+    """The program's clocks at these times (a batch ends at the latest of the rank's clock
+    and its ops' parties' posts); `timelines` False: the makespan only."""
+    times = {"F": forward_time, "B": backward_time, "b": backward_time - weight_time,
+             "W": weight_time}
+    clock, posts = [0.0] * program.pp_size, [0.0] * program.slots
+    lines: List[list] = [[] for _ in range(program.pp_size)]
+    for op in program.ops:
+        tag, r = op[0], op[1]
+        if tag == "c":
+            duration = times[op[3]]
+            if duration and timelines:
+                lines[r].append((clock[r], clock[r] + duration, op[2]))
+            clock[r] += duration
+        elif tag == "p":
+            posts[op[2]] = clock[r]
+        else:
+            clock[r] = max([clock[r]] + [max(posts[s] for s in parties) for parties in op[2]])
+    return SimulationResult(lines, max(clock) if clock else 0.0)
+
+
+def simulate(schedules: Sequence[Sequence[Instruction]], forward_time: float = 1.0,
+             backward_time: float = 2.0, weight_time: Optional[float] = None,
+             placement: str = "loop") -> SimulationResult:
+    """Execute all ranks' schedules (`schedules[pp_rank]`) together; raise on deadlock or
+    on passes out of dependency order."""
+    weight = backward_time / 2 if weight_time is None else weight_time
+    result = run_step(compile_step(schedules, placement), forward_time, backward_time, weight)
     check_dependencies(result, placement)
     return result
 

@@ -53,7 +53,7 @@ from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.plan import context, gemm
 from gigatron.training.plan.experts import MoELayerCost, moe_layer_cost
 from gigatron.training.plan.memory import attention_kernel, expert_data_parallel_size
-from gigatron.training.plan.schedules import simulate_step
+from gigatron.training.plan.schedules import step_makespan
 
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
@@ -200,8 +200,8 @@ def _schedule(pp: int, m: int, v: int, forward: float, backward: float,
               schedule: str = "1f1b") -> Tuple[float, float]:
     """(makespan, bubble over busy time) of `schedule` simulated with a chunk's forward and
     backward times (a split backward: half B, half W, as the simulator's default)."""
-    result = simulate_step(pp, m, v, forward, backward, schedule=schedule)
-    return result.makespan, max(0.0, result.makespan / (m * v * (forward + backward)) - 1.0)
+    makespan = step_makespan(pp, m, v, forward, backward, schedule)
+    return makespan, max(0.0, makespan / (m * v * (forward + backward)) - 1.0)
 
 
 def _moe(run: "RunConfig", hw: Hardware, tokens: int) -> Optional[MoELayerCost]:

@@ -2,8 +2,9 @@
 
 `--search` plans thousands of layouts that share a few pipeline shapes; building a
 zero-bubble schedule is a list-scheduling pass over every micro-batch, so each shape is
-built once here and shared (the schedules are read, never changed), and so is what each
-rank holds after each of its passes (`peak_held`: only the distinct states are kept).
+built once here and shared (the schedules are read, never changed), and so are what each
+rank holds after each of its passes (`peak_held`: only the distinct states are kept) and
+the simulator's program of the step (`step_makespan`: each layout's times replayed on it).
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from functools import lru_cache
 from typing import List, Sequence, Tuple
 
 from gigatron.parallel.pipeline.schedules import build_schedule
-from gigatron.parallel.pipeline.simulate import (SimulationResult, held_after_each_pass,
-                                                 peak_of_states, placement_of, simulate)
+from gigatron.parallel.pipeline.simulate import (StepProgram, compile_step,
+                                                 held_after_each_pass, peak_of_states,
+                                                 placement_of, run_step)
 
 
 @lru_cache(maxsize=1024)
@@ -23,13 +25,21 @@ def rank_schedule(pp_rank: int, pp_size: int, num_microbatches: int, virtual_chu
                                 schedule=schedule))
 
 
-def simulate_step(pp_size: int, num_microbatches: int, virtual_chunks: int,
-                  forward_time: float, backward_time: float,
-                  schedule: str = "1f1b") -> SimulationResult:
-    """`simulate.simulate_step` on the cached schedules."""
-    schedules = [rank_schedule(r, pp_size, num_microbatches, virtual_chunks, schedule)
-                 for r in range(pp_size)]
-    return simulate(schedules, forward_time, backward_time, placement=placement_of(schedule))
+@lru_cache(maxsize=32)
+def _program(pp_size: int, num_microbatches: int, virtual_chunks: int,
+             schedule: str) -> StepProgram:
+    """The simulator's program of every rank's cached schedule (`simulate.compile_step`)."""
+    return compile_step([rank_schedule(r, pp_size, num_microbatches, virtual_chunks, schedule)
+                         for r in range(pp_size)], placement_of(schedule))
+
+
+def step_makespan(pp_size: int, num_microbatches: int, virtual_chunks: int,
+                  forward_time: float, backward_time: float, schedule: str = "1f1b") -> float:
+    """`simulate.simulate_step`'s makespan (a split backward: half B, half W), replayed
+    from the shape's compiled program: the same clocks, without matching the messages and
+    checking the passes' order again for every layout's times."""
+    return run_step(_program(pp_size, num_microbatches, virtual_chunks, schedule),
+                    forward_time, backward_time, backward_time / 2, timelines=False).makespan
 
 
 @lru_cache(maxsize=4096)
