@@ -15,7 +15,6 @@ the points where a rank waits, so `poll()` is False until someone waits.
 """
 from __future__ import annotations
 
-import itertools
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -97,7 +96,7 @@ class Controller:
         self.group, self.set_size, self.set_rank = group, set_size, set_rank
         self.global_ranks = list(global_ranks)
         self.pending: Dict[str, Request] = {}
-        self._counters: Dict[str, Any] = defaultdict(itertools.count)
+        self._counters: Dict[str, int] = defaultdict(int)
         self.joined = False
         self._joined_ranks: List[int] = []  # in the order they joined
         self.all_joined = False
@@ -106,7 +105,8 @@ class Controller:
     def submit(self, request: Request, name: Optional[str]) -> Request:
         """Queue `request` under `name`; a name already waiting raises ValueError."""
         if name is None:
-            name = f"{request.kind}.noname.{next(self._counters[request.kind])}"
+            name = f"{request.kind}.noname.{self._counters[request.kind]}"
+            self._counters[request.kind] += 1
         if name in self.pending:
             raise ValueError(f"Requested to {request.kind} a tensor with the same name as "
                              f"another tensor that is currently being processed: {name!r}")
@@ -175,6 +175,7 @@ class Controller:
                             f"submitted (names or call order differ); submitted per rank: "
                             f"{waiting}")
         for name in ready:
+            self._catch_up(name)
             kinds = {r: listed[r][name][0] for r in active}
             metas = {r: listed[r][name][1] for r in active}
             problem = check(kinds, metas)
@@ -196,6 +197,14 @@ class Controller:
                 request.finish = request.start(launch)
             except Exception as err:  # noqa: BLE001 - kept for synchronize() to raise
                 request.error = err
+
+
+    def _catch_up(self, name: str) -> None:
+        """An automatic name every active member submitted moves this rank's counter past
+        it, so a rank that sat it out (joined) keeps naming like the others."""
+        kind, sep, number = name.rpartition(".noname.")
+        if sep and number.isdigit():
+            self._counters[kind] = max(self._counters[kind], int(number) + 1)
 
 
 def _control_device() -> torch.device:
