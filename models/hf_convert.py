@@ -1,6 +1,7 @@
 """Hugging Face <-> gigatron weights: GPT-2 (`GPT2LMHeadModel`), Llama (`LlamaForCausalLM`),
 Mixtral (`MixtralForCausalLM`), Qwen3 (`Qwen3ForCausalLM`), Qwen3-MoE
-(`Qwen3MoeForCausalLM`) and DeepSeek-V3 (`DeepseekV3ForCausalLM`).
+(`Qwen3MoeForCausalLM`), DeepSeek-V3 (`DeepseekV3ForCausalLM`), DeepSeek-V2
+(`DeepseekV2ForCausalLM`) and gpt-oss (`GptOssForCausalLM`).
 
 A Hugging Face folder holds config.json and safetensors (one file or an index of shards); an
 exported one also generation_config.json, and the tokenizer files when the run's tokenizer is
@@ -31,7 +32,9 @@ ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
                  "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3",
                  "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
 FAMILIES["gpt_oss"], ARCHITECTURES["GptOssForCausalLM"] = hf_gpt_oss, "gpt_oss"
-QK_LAYERNORM_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")  # q/k (MLA: latent) norms
+FAMILIES["deepseek_v2"] = hf_deepseek.V2  # type: ignore[assignment]  # V3's module, V2 routing
+ARCHITECTURES["DeepseekV2ForCausalLM"] = "deepseek_v2"
+QK_LAYERNORM_FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v2")  # MLA: latents'
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -99,11 +102,11 @@ def _check_family(config: TransformerConfig, family: str) -> None:
 def default_family(config: TransformerConfig) -> str:
     """The Hugging Face family a config exports to: models with query/key norms as Qwen3 or
     Qwen3-MoE, other MoE models as Mixtral, other RoPE models as Llama, the rest as GPT-2;
-    multi-latent attention as DeepSeek-V3."""
+    multi-latent attention as DeepSeek-V3 (softmax routing: DeepSeek-V2)."""
     if config.softmax_type == "learnable" and config.activation == "quick_geglu":
         return "gpt_oss"
     if config.multi_latent_attention:
-        return "deepseek_v3"
+        return "deepseek_v2" if config.moe_router_score_function == "softmax" else "deepseek_v3"
     if config.qk_layernorm:
         return "qwen3_moe" if config.num_moe_experts is not None else "qwen3"
     if config.num_moe_experts is not None:

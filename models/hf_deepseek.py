@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`: DeepSeek-V3/R1, Kimi K2, Moonlight) <-> gigatron:
-config fields and tensors, at tp=1 / pp=1.
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`: DeepSeek-V3/R1, Kimi K2, Moonlight) and DeepSeek-V2
+(`DeepseekV2ForCausalLM`, family `V2` below) <-> gigatron: config fields and tensors, at
+tp=1 / pp=1.
 
 - attention is multi-latent attention (models/mla/): `q_a_proj` / `q_a_layernorm` /
   `q_b_proj` (or `q_proj` without query compression), `kv_a_proj_with_mqa` /
@@ -21,9 +22,16 @@ config fields and tensors, at tp=1 / pp=1.
   configs where these differ (and more than one group may be left out) are refused.
 - multi-token prediction weights (`num_nextn_predict_layers` layers after the last) are
   not read, as transformers does not read them; exports write none.
+- DeepSeek-V2 has the same tensors but for the correction bias, and routes greedily: top-k
+  of a softmax over all experts, not renormalised, times `routed_scaling_factor`, which is
+  Megatron's --moe-router-pre-softmax with the scaling factor; its `group_limited_greedy`
+  ranks groups by their best expert (not Megatron's rule) and is refused where it limits.
+  `aux_loss_alpha` with `seq_aux` is --moe-aux-loss-coeff of seq_aux_loss (aux_loss without).
 """
 from __future__ import annotations
 
+from functools import partial
+from types import SimpleNamespace
 from typing import Any, Dict
 
 import torch
@@ -70,10 +78,34 @@ def _rope_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
     return fields
 
 
-def _routing_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
+def _v2_routing_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
+    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    method = hf.get("topk_method") or "greedy"
+    require(method == "greedy" or groups in (1, group_topk), f"DeepSeek-V2 topk_method="
+            f"{method!r} with n_group={groups} and topk_group={group_topk} is not supported: "
+            f"it ranks groups by their best expert, Megatron by their best topk/topk_group")
+    require(method in ("greedy", "group_limited_greedy"), f"DeepSeek-V2 topk_method "
+            f"{method!r} is not supported (greedy, group_limited_greedy)")
+    alpha = float(hf.get("aux_loss_alpha") or 0.0)
+    return dict(moe_router_score_function="softmax", moe_router_pre_softmax=True,
+                moe_router_enable_expert_bias=False, moe_router_num_groups=None,
+                moe_router_group_topk=None, moe_aux_loss_coeff=alpha,
+                moe_router_load_balancing_type=("seq_aux_loss" if hf.get("seq_aux") else
+                                                "aux_loss") if alpha else "none")
+
+
+def _routing_fields(hf: Dict[str, Any], version: int = 3) -> Dict[str, Any]:
     experts, topk = hf.get("n_routed_experts") or hf["num_local_experts"], \
         hf["num_experts_per_tok"]
     groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    shared = dict(num_moe_experts=experts, moe_router_topk=topk,
+                  moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                  moe_router_dtype="fp32", moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                  moe_shared_expert_intermediate_size=(
+                      hf["moe_intermediate_size"] * hf["n_shared_experts"]
+                      if hf.get("n_shared_experts") else None))
+    if version == 2:
+        return dict(shared, **_v2_routing_fields(hf))
     require(hf.get("norm_topk_prob", True) or topk == 1, f"{FAMILY} norm_topk_prob=false is "
             f"not supported: Megatron normalises sigmoid top-k weights")
     require(groups in (1, group_topk) or topk // group_topk == 2, f"{FAMILY} n_group={groups}"
@@ -81,20 +113,15 @@ def _routing_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
             f"transformers ranks groups by their best 2 experts, Megatron by their best "
             f"{topk // group_topk}")
     grouped = groups > 1 and group_topk < groups
-    return dict(num_moe_experts=experts, moe_router_topk=topk,
-                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    return dict(shared, moe_router_score_function="sigmoid",
+                moe_router_enable_expert_bias=True,
                 moe_router_num_groups=groups if grouped else None,
                 moe_router_group_topk=group_topk if grouped else None,
-                moe_router_dtype="fp32", moe_router_load_balancing_type="none",
-                moe_ffn_hidden_size=hf["moe_intermediate_size"],
-                moe_shared_expert_intermediate_size=(
-                    hf["moe_intermediate_size"] * hf["n_shared_experts"]
-                    if hf.get("n_shared_experts") else None))
+                moe_router_load_balancing_type="none")
 
 
-def config_from_hf(hf: Dict[str, Any]) -> TransformerConfig:
-    """TransformerConfig of a DeepSeek-V3 config.json."""
+def config_from_hf(hf: Dict[str, Any], version: int = 3) -> TransformerConfig:
+    """TransformerConfig of a DeepSeek-V3 (`version` 2: V2) config.json."""
     require(hf.get("hidden_act", "silu") == "silu", f"{FAMILY} hidden_act must be silu")
     require(not hf.get("attention_bias", False), f"{FAMILY} attention_bias=true is not "
             f"supported: gigatron's MLA projections have no biases")
@@ -120,7 +147,7 @@ def config_from_hf(hf: Dict[str, Any]) -> TransformerConfig:
         kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
         qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
         qk_layernorm=True, moe_layer_freq=[0] * dense + [1] * (layers - dense),
-        **_rope_fields(hf), **_routing_fields(hf))
+        **_rope_fields(hf), **_routing_fields(hf, version))
     return TransformerConfig(**fields)
 
 
@@ -132,16 +159,23 @@ def _first_dense(config: TransformerConfig) -> int:
     return dense
 
 
-def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
-    """DeepSeek-V3 config.json of a TransformerConfig; raises on what it cannot express."""
+def config_to_hf(config: TransformerConfig, version: int = 3) -> Dict[str, Any]:
+    """DeepSeek-V3 (`version` 2: V2) config.json of a TransformerConfig; raises on what it
+    cannot express."""
     c = config
     shared = c.moe_shared_expert_intermediate_size
-    checks = [
+    family = FAMILY if version == 3 else "DeepSeek-V2"
+    routing = (c.moe_router_score_function == "sigmoid" and c.moe_router_enable_expert_bias,
+               "the router must score by sigmoid with the expert bias (DeepSeek-V2: softmax)")
+    if version == 2:
+        routing = (c.moe_router_score_function == "softmax" and c.moe_router_pre_softmax
+                   and c.moe_router_num_groups is None,
+                   "the router must take the top-k of a softmax over all experts "
+                   "(--moe-router-pre-softmax), without groups (DeepSeek-V3: sigmoid)")
+    checks = [routing, 
         (c.multi_latent_attention and c.qk_layernorm, "the model needs multi-latent "
          "attention with its latent norms (--multi-latent-attention --qk-layernorm)"),
         (c.num_moe_experts is not None, "the model is dense (num_moe_experts is None)"),
-        (c.moe_router_score_function == "sigmoid" and c.moe_router_enable_expert_bias,
-         "the router must score by sigmoid with the expert bias"),
         (c.normalization == "RMSNorm" and c.activation == "swiglu" and not c.add_bias_linear,
          "RMSNorm, SwiGLU and no biases are DeepSeek-V3's"),
         (c.layernorm_epsilon == LATENT_NORM_EPS, f"layernorm_epsilon must be "
@@ -153,14 +187,14 @@ def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
          "plain norm weights are DeepSeek-V3's"),
     ]
     for ok, message in checks:
-        require(ok, f"cannot export to {FAMILY}: {message}")
+        require(ok, f"cannot export to {family}: {message}")
     rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": c.rotary_base}
     if c.rope_type == "yarn":
         rope = {"rope_type": "yarn", "rope_theta": c.rotary_base,
                 "truncate": c.yarn_correction_range_round_to_int,
                 **{key: getattr(c, name) for key, name in _YARN_KEYS.items()}}
     groups = c.moe_router_num_groups or 1
-    return {
+    out = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
         "intermediate_size": c.ffn_hidden_size, "moe_intermediate_size": c.moe_ffn_hidden_size,
@@ -180,6 +214,15 @@ def config_to_hf(config: TransformerConfig) -> Dict[str, Any]:
         "tie_word_embeddings": not c.untie_embeddings_and_output_weights,
         "rope_parameters": rope, "rope_interleave": True, "attention_bias": False,
         "attention_dropout": c.attention_dropout, "num_nextn_predict_layers": 0}
+    if version == 2:
+        balancing = c.moe_router_load_balancing_type
+        out.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                   topk_method="greedy", norm_topk_prob=False,
+                   aux_loss_alpha=c.moe_aux_loss_coeff if balancing != "none" else 0.0,
+                   seq_aux=balancing == "seq_aux_loss")
+        for key in ("rope_interleave", "num_nextn_predict_layers"):
+            del out[key]
+    return out
 
 
 def _attention_names(config: TransformerConfig) -> Dict[str, str]:
@@ -217,9 +260,9 @@ def state_dict_from_hf(hf_state: StateDict, config: TransformerConfig) -> StateD
         if not pattern[i]:
             out.update(hf_llama.dense_mlp_from_hf(src, i, config))
             continue
-        # the correction bias stays fp32 (transformers keeps it so; gigatron's buffer is)
-        out[ours + "mlp.router.expert_bias"] = take(
-            src, theirs + "mlp.gate.e_score_correction_bias", FAMILY).float()
+        if config.moe_router_enable_expert_bias:  # fp32, as transformers and gigatron keep it
+            out[ours + "mlp.router.expert_bias"] = take(
+                src, theirs + "mlp.gate.e_score_correction_bias", FAMILY).float()
         if config.moe_shared_expert_intermediate_size is not None:
             gate, up, down = (take(src, f"{theirs}mlp.shared_experts.{p}_proj.weight", FAMILY)
                               for p in ("gate", "up", "down"))
@@ -253,7 +296,9 @@ def state_dict_to_hf(state: StateDict, config: TransformerConfig) -> StateDict:
         if not pattern[i]:
             out.update(hf_llama.dense_mlp_to_hf(state, i, config))
             continue
-        out[theirs + "mlp.gate.e_score_correction_bias"] = state[ours + "mlp.router.expert_bias"]
+        if config.moe_router_enable_expert_bias:
+            out[theirs + "mlp.gate.e_score_correction_bias"] = \
+                state[ours + "mlp.router.expert_bias"]
         if config.moe_shared_expert_intermediate_size is not None:
             gate, up = state[ours + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
             out[theirs + "mlp.shared_experts.gate_proj.weight"] = gate
@@ -263,3 +308,9 @@ def state_dict_to_hf(state: StateDict, config: TransformerConfig) -> StateDict:
         out.update(moe_to_hf(state, i, theirs + "mlp.", _EXPERT_NAMES))
     return {k: v.contiguous() for k, v in out.items()}
 
+
+
+# DeepSeek-V2 as a converter family (models/hf_convert.FAMILIES["deepseek_v2"])
+V2 = SimpleNamespace(config_from_hf=partial(config_from_hf, version=2),
+                     config_to_hf=partial(config_to_hf, version=2),
+                     state_dict_from_hf=state_dict_from_hf, state_dict_to_hf=state_dict_to_hf)

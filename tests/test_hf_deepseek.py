@@ -182,3 +182,59 @@ def test_unsupported_config_is_one_line_naming_the_key(tmp_path, change, named):
     with pytest.raises(ConversionError) as err:
         hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))
     assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def _deepseek_v2(folder=None, **overrides):
+    """DeepSeek-V2 (Lite's shape in small): no query compression, greedy softmax routing
+    (top-3 of 8, not renormalised, scaled by 1.5), two shared experts, the first layer dense."""
+    torch.manual_seed(0)
+    kwargs = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                  moe_intermediate_size=12, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=4, n_shared_experts=2, n_routed_experts=8,
+                  routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=None,
+                  qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16,
+                  topk_method="greedy", num_experts_per_tok=3, first_k_dense_replace=1,
+                  max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=0.707),
+                  bos_token_id=None, eos_token_id=None)
+    kwargs.update(overrides)
+    model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**kwargs))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model.eval()
+
+
+def test_deepseek_v2_imports_as_pre_softmax_routing_and_exports_back(tmp_path):
+    hf = _deepseek_v2(tmp_path / "hf")
+    config = hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))
+    assert config.moe_router_pre_softmax and config.moe_router_score_function == "softmax"
+    assert config.moe_router_topk_scaling_factor == 1.5 and default_family(config) == \
+        "deepseek_v2"
+    ours = _gigatron(*load_model(str(tmp_path / "gig")))
+    tokens = _tokens()
+    torch.testing.assert_close(_logits(ours, tokens), _logits(hf, tokens), rtol=0, atol=1e-5)
+    assert generate(ours, PROMPTS, NEW).tokens == _hf_greedy(hf, PROMPTS, NEW)
+    gigatron_to_hf(str(tmp_path / "gig"), str(tmp_path / "out"))
+    exported, info = transformers.DeepseekV2ForCausalLM.from_pretrained(
+        str(tmp_path / "out"), output_loading_info=True)
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info[kind], (kind, info[kind])
+    torch.testing.assert_close(_logits(exported.eval(), tokens), _logits(ours, tokens),
+                               rtol=0, atol=1e-5)
+    before, after = (load_hf_state_dict(str(tmp_path / d)) for d in ("hf", "out"))
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+
+
+def test_deepseek_v2_group_limited_greedy_that_limits_is_refused(tmp_path):
+    _deepseek_v2(tmp_path / "hf", topk_method="group_limited_greedy", n_group=4, topk_group=2)
+    with pytest.raises(ConversionError) as err:
+        hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))
+    assert "ranks groups by their best expert" in str(err.value)
+    assert "\n" not in str(err.value)
