@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "folder a run saved to (--save; its tracker names the iteration)")
     parser.add_argument("--save", required=True, metavar="DST", help="folder to write")
     parser.add_argument("--family", choices=("auto", "gpt2", "llama", "mixtral", "qwen3",
-                                             "qwen3_moe"), default="auto",
-                        help="gigatron-to-hf: the architecture to write (auto: qwen3 / "
+                                             "qwen3_moe", "deepseek_v3", "deepseek_v2"),
+                        default="auto",
+                        help="gigatron-to-hf: the architecture to write (auto: deepseek_v3 / "
+                             "deepseek_v2 with --multi-latent-attention, qwen3 / "
                              "qwen3_moe with --qk-layernorm, mixtral for other MoE models, "
                              "llama for other RoPE models, else gpt2)")
     for flag, what in (("--tokenizer-type", "the tokenizer type"),
