@@ -78,3 +78,31 @@ def test_gpt_oss_layout_trains_the_one_rank_model(references, tmp_path, layout):
     param_error = max(_relative(params[n], ref_params[n]) for n in ref_params)
     print(f"{layout}: loss error {loss_error:.2e}, param error {param_error:.2e}")
     assert loss_error <= RTOL and param_error <= RTOL, (loss_error, param_error)
+
+
+def _pretrain(rank, world, argv):
+    from gigatron.training.run import pretrain
+
+    return pretrain.main(argv)
+
+
+def _without(argv, flag):
+    """`argv` without `flag` and its value."""
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 2:]
+
+
+def test_use_checkpoint_args_takes_the_gpt_oss_flags(tmp_path):
+    """--use-checkpoint-args takes the window, sink and gated-MLP flags (and --add-qkv-bias,
+    which Megatron takes) from the checkpoint, as every other shape flag: a run given none
+    of them loads a gpt-oss-style checkpoint strictly and fine-tunes it."""
+    ckpt = str(tmp_path / "ckpt")
+    base = _without(BASE, "--train-iters") + ["--train-iters", "1"]
+    first = base + ["--save", ckpt, "--save-interval", "1"]
+    assert run_on_ranks(_pretrain, 1, first, timeout=300) == [0]
+    plain = [f for f in base if f != "--quick-geglu"]
+    for flag in ("--window-size", "--window-attn-skip-freq", "--softmax-type",
+                 "--glu-linear-offset", "--activation-func-clamp-value"):
+        plain = _without(plain, flag)
+    resumed = plain + ["--load", ckpt, "--finetune", "--use-checkpoint-args"]
+    assert run_on_ranks(_pretrain, 1, resumed, timeout=300) == [0]

@@ -24,7 +24,10 @@ FORCED = ("group_query_attention", "num_query_groups", "position_embedding_type"
           "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
           "normalization", "norm_epsilon", "apply_layernorm_1p", "qk_layernorm", "swiglu",
           "squared_relu", "no_bias_gelu_fusion", "disable_bias_linear",
-          "untie_embeddings_and_output_weights")
+          "untie_embeddings_and_output_weights", "add_qkv_bias",
+          # gpt-oss's attention and MLP kinds (not in Megatron's list, which predates them)
+          "window_size", "window_attn_skip_freq", "softmax_type", "quick_geglu",
+          "glu_linear_offset", "activation_func_clamp_value", "enable_gpt_oss")
 VOCABULARY = ("vocab_size", "make_vocab_size_divisible_by")
 
 

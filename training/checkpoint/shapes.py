@@ -28,6 +28,7 @@ _SHAPE_FLAGS: Sequence[Tuple[str, Tuple[str, ...]]] = (
 # flags that decide whether a parameter exists at all
 _PRESENCE_FLAGS: Sequence[Tuple[str, Tuple[str, ...]]] = (
     (r"[qk]_layernorm\.weight$", ("qk_layernorm",)),
+    (r"softmax_offset$", ("softmax_type",)),
     (r"^decoder\.layers\.\d+\.", ("num_layers", "decoder_first_pipeline_num_layers",
                                   "decoder_last_pipeline_num_layers",
                                   "num_layers_per_virtual_pipeline_stage")),
