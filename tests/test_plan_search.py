@@ -145,8 +145,9 @@ def test_text_says_how_ties_are_broken_and_sums_refusals_by_reason(capsys):
     assert plan_cli.main(SMALL + ["--search"]) == 0
     out = capsys.readouterr().out
     head, refusals = out.split("\nrefused")
-    assert "within 5% of each other (the speed model's precision" in head
-    assert "fewer model-parallel ranks (tp x pp x cp), then less memory" in head
+    assert "steps within 5% of each other tie" in head
+    assert "(the speed model's precision, docs/PLAN.md): fewer model-parallel ranks " \
+        "(tp x pp x cp), then less memory, first" in head
     lines = refusals.splitlines()[1:]
     assert 2 <= len(lines) < 10  # one line per reason, not one per layout
     assert any("e.g. " in line and "out of memory: stage" in line for line in lines)

@@ -250,10 +250,10 @@ def describe_search(ranked: Sequence[Candidate], refused: Sequence[Candidate], t
     """Ranked layouts (fastest first, ties broken as ranking.py says, and said so) and the
     refused ones: one line per reason with its count and an example, every one if
     `verbose`."""
-    lines = [f"{len(ranked)} layouts fit, {len(refused)} refused; fastest first, except that "
-             f"steps within {tie_tolerance:.0%} of each other (the speed model's precision, "
-             f"docs/PLAN.md) rank fewer model-parallel ranks (tp x pp x cp), then less "
-             f"memory, first ('~': tied with the line above):"]
+    lines = [f"{len(ranked)} layouts fit, {len(refused)} refused; fastest first, but steps "
+             f"within {tie_tolerance:.0%} of each other tie",
+             "(the speed model's precision, docs/PLAN.md): fewer model-parallel ranks "
+             "(tp x pp x cp), then less memory, first; '~' marks a tie with the line above"]
     shown = rank_with_ties(ranked, tie_tolerance)
     for i, (group, cand) in enumerate(shown[:top], 1):
         assert cand.plan is not None
