@@ -163,17 +163,19 @@ CHECKS = [v for k, v in sorted(globals().items()) if k.startswith("check_")]
 
 
 def main() -> None:
-    """Every check on the launched ranks, then shutdown -> init -> a collective."""
+    """Every check on the launched ranks, then shutdown -> init -> a collective, 3 times."""
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     for check in CHECKS:
         faulthandler.dump_traceback_later(60, exit=True)  # a hang fails, loudly
         check(rank, size)
         hvd.barrier()
-    hvd.shutdown()
-    hvd.init()
-    assert (hvd.rank(), hvd.size()) == (rank, size)
-    assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == size
+    for _ in range(3):  # Horovod's gloo-mode tests shut down and init around every test
+        hvd.shutdown()
+        assert not hvd.is_initialized()
+        hvd.init()
+        assert (hvd.rank(), hvd.size()) == (rank, size)
+        assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == size
     faulthandler.cancel_dump_traceback_later()
     print(f"rank {rank}: {len(CHECKS)} horovod checks passed, re-init ok", flush=True)
     hvd.shutdown()

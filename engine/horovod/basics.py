@@ -60,7 +60,7 @@ class _State:
     cross_rank: int
     cross_size: int
     homogeneous: bool
-    owns_group: bool  # init() created the process group, so shutdown() destroys it
+    owns_group: bool  # init() created the process group, so the exit destroys it
     pid: int
 
 
@@ -83,12 +83,14 @@ def init() -> None:
     global _state
     if _state is not None and _state.pid == os.getpid():
         return
-    launch, owns = read_launch_env(), False
+    global _owned_group_pid
+    launch = read_launch_env()
+    owns = _owned_group_pid == os.getpid() and dist.is_initialized()
     if not dist.is_initialized() and launch.world_size > 1:
         launch, _ = init_distributed()
-        owns = True
-        # as Horovod: leave at exit, so gloo's threads stop before the interpreter tears down
-        atexit.register(shutdown)
+        owns, _owned_group_pid = True, os.getpid()
+        # leave at exit, so gloo's threads stop before the interpreter tears down
+        atexit.register(_destroy_owned_group)
     the_rank, the_size = comm_rank_size()
     local_rank = launch.local_rank if launch.launcher != "none" else -1
     hosts, local_ranks = _gather_hosts(local_rank)
@@ -132,14 +134,24 @@ def comm_device() -> torch.device:
 
 
 def shutdown() -> None:
-    """Leave the job (Horovod's hvd.shutdown); destroys the process group init() created."""
+    """Leave the job (Horovod's hvd.shutdown): queries raise until init() again. The process
+    group init() created stays up for that next init() (a new rendezvous on the launcher's
+    port would race the old one's sockets and keys) and is destroyed at exit."""
     global _state
-    if _state is not None and _state.owns_group and dist.is_initialized():
+    _state = None
+
+
+_owned_group_pid: Optional[int] = None  # the process whose init() made the process group
+
+
+def _destroy_owned_group() -> None:
+    global _state, _owned_group_pid
+    if _owned_group_pid == os.getpid() and dist.is_initialized():
         # Finished collectives caught in reference cycles would otherwise be freed by gloo's
         # threads during interpreter teardown, which aborts the process (torch 2.13).
         gc.collect()
         dist.destroy_process_group()
-    _state = None
+    _state, _owned_group_pid = None, None
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

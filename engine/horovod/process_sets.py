@@ -149,7 +149,6 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
 def shutdown() -> None:
     """Leave the job (Horovod's hvd.shutdown); every process set is dropped."""
     for ps in list(_sets.values()):
-        ps._invalidate()
-    _sets.clear()
+        remove_process_set(ps)
     global_process_set._invalidate()
     basics.shutdown()
