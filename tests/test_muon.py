@@ -255,3 +255,44 @@ def test_tp_duplicated_keeps_the_whole_matrix_update_and_blockwise_each_shards_o
             own = one(MatrixUnit(0, 0, *mine.shape), mine)  # its own norm and scale
             torch.testing.assert_close(out[dim, stride, "blockwise"], own)
             assert not torch.allclose(own, want, rtol=1e-2, atol=1e-3)
+
+
+def _plan_case(extra, world):
+    from gigatron.training.observe.devices import hardware
+    from gigatron.training.plan.muon import muon_cost
+
+    run = _run(["--swiglu", "--group-query-attention", "--num-query-groups", "2"] + extra,
+               world)
+    return run, muon_cost(run, hardware("h100-sxm"))
+
+
+def test_plan_counts_the_newton_schulz_flops_and_state_the_optimizer_has():
+    """The plan's FLOPs are the optimizer's matrices' (q, k, v apart), shared over dp by the
+    layer-wise scheme; its optimizer state is the momentum of the matrices (4 bytes) and
+    AdamW's moments of the rest (8), as the real optimizer holds after a step."""
+    from gigatron.models.gpt import GPTModel
+    from gigatron.parallel.zero.muon.newton_schulz import newton_schulz_flops
+    from gigatron.training.plan.planner import plan_stages
+    from gigatron.training.observe.devices import hardware
+    from gigatron.training.run.builders import mark_embedding_and_output
+
+    run, one = _plan_case([], 1)
+    model = GPTModel(run.model, seed=1)
+    mark_embedding_and_output([model])
+    zero = build_zero(model, run.zero)
+    flops = 0
+    for layout in zero.optimizer.layouts.values():
+        for u in layout.units:
+            shapes = [(u.rows // sum(u.qkv) * r, u.cols) for r in u.qkv] if u.qkv else \
+                [(u.rows, u.cols)]
+            flops += sum(newton_schulz_flops(r, c, 5) for r, c in shapes)
+    assert flops > 0 and one.flops == flops and one.exchange_bytes == 0
+    _, two = _plan_case(["--use-distributed-optimizer"], 2)
+    assert two.flops == flops / 2 and two.exchange_bytes > 0
+    model(torch.randint(0, 100, (2, 16)), labels=torch.randint(0, 100, (2, 16))).mean().backward()
+    zero.step()
+    held = sum(t.numel() * t.element_size() for s in zero.optimizer.state.values()
+               for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
+    planned = plan_stages(run, hardware("h100-sxm"))[0].state.optimizer_state
+    assert planned == held, (planned, held)
+

@@ -53,6 +53,7 @@ from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.plan import context, gemm
 from gigatron.training.plan.experts import MoELayerCost, moe_layer_cost
 from gigatron.training.plan.memory import attention_kernel, expert_data_parallel_size
+from gigatron.training.plan.muon import muon_cost
 from gigatron.training.plan.schedules import step_makespan
 
 if TYPE_CHECKING:
@@ -312,9 +313,11 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
         expert_bytes = m * moe_layers * (moe.exchange_forward_bytes * (1 + full) +
                                          moe.exchange_backward_bytes)
     tp_bytes = m * collectives * 2.0 * (p.tp - 1) / p.tp * tokens * c.hidden_size * width
+    muon = muon_cost(run, hw)  # Newton-Schulz and its exchanges are part of the step
+    optimizer = dp_cost["optimizer"] + (muon.seconds if muon is not None else 0.0)
     return StepCost(forward, backward, collectives * one_collective, makespan, bubble,
-                    dp_cost["total"], dp_cost["exposed"], dp_cost["optimizer"],
-                    makespan + dp_cost["exposed"] + dp_cost["optimizer"], tp_bytes,
+                    dp_cost["total"], dp_cost["exposed"], optimizer,
+                    makespan + dp_cost["exposed"] + optimizer, tp_bytes,
                     dp_cost["bytes"], m * executed, expert_s, expert_bytes,
                     m * layers * cp_traffic["step_s"], m * layers * cp_traffic["exposed_s"],
                     m * layers * cp_traffic["bytes"])

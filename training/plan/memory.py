@@ -121,16 +121,20 @@ def model_state_bytes(chunks: List[List[ParamSpec]], zero: "ZeroConfig", dp: int
     """Bytes of one rank's ZeRO buffers for these chunks' parameters (`offload_to_host`:
     the master weights live on another device than the parameters, i.e. optimizer offload
     on a GPU)."""
+    from gigatron.training.plan.muon import is_matrix
+
     stage, width = zero.zero_stage, _width(params_dtype)
     ordered, unit_ids = _ordered(chunks, stage)
     params = grads = master = state = 0
-    per_element_state = 8 if zero.optimizer in ("adam", "adamw") else \
+    per_element_state = 8 if zero.optimizer in ("adam", "adamw", "muon") else \
         (4 if zero.sgd_momentum else 0)
     for specs in ordered:
-        keyed: Dict[Tuple[str, bool], List[ParamSpec]] = {}
+        # Muon: its matrices (a momentum, 4 bytes) in flat groups apart from AdamW's tensors
+        keyed: Dict[Tuple[str, bool, bool], List[ParamSpec]] = {}
         for s in specs:
-            keyed.setdefault((s.kind, s.ndim >= 2), []).append(s)
-        for (kind, _), group in sorted(keyed.items()):
+            keyed.setdefault((s.kind, s.ndim >= 2, zero.optimizer == "muon" and is_matrix(s)),
+                             []).append(s)
+        for (kind, _, matrices), group in sorted(keyed.items()):
             bucket_size = 1 if kind == "shared_embedding" else zero.reduce_bucket_size
             buckets = plan_buckets([s.numel for s in group], bucket_size,
                                    dp if stage >= 1 else 1,
@@ -142,7 +146,7 @@ def model_state_bytes(chunks: List[List[ParamSpec]], zero: "ZeroConfig", dp: int
             aliases = width == 4 and not offload_to_host and \
                 (stage in (0, 3) or len(buckets) == 1)
             master += 0 if aliases else shard * 4
-            state += shard * per_element_state
+            state += shard * (4 if matrices else per_element_state)
     return ModelStateBytes(params, grads, master, state, offloaded=offload_to_host)
 
 

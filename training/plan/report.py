@@ -113,7 +113,7 @@ def plan_dict(plan: Plan) -> Dict[str, Any]:
                      "dp_communication_s": c.dp_communication, "dp_exposed_s": c.dp_exposed,
                      "dp_bytes": c.dp_bytes, "optimizer_s": c.optimizer, "step_s": c.step,
                      "executed_flops_per_gpu": c.gemm_flops, **_expert_step(plan),
-                     **_context_step(plan)},
+                     **_context_step(plan), **_muon_step(plan)},
             "rates": {"tokens_per_s": r.tokens_per_s,
                       "model_tflops_per_gpu": r.model_tflops_per_gpu,
                       "executed_tflops_per_gpu": r.hardware_tflops_per_gpu, "mfu": r.mfu}}
@@ -124,6 +124,16 @@ def _expert_step(plan: Plan) -> Dict[str, Any]:
         return {}
     return {"expert_communication_s": plan.cost.expert_communication,
             "expert_bytes": plan.cost.expert_bytes}
+
+
+def _muon_step(plan: Plan) -> Dict[str, Any]:
+    from gigatron.training.plan.muon import muon_cost
+
+    muon = muon_cost(plan.run, plan.hardware)
+    if muon is None:
+        return {}
+    return {"muon_newton_schulz_flops": muon.flops, "muon_exchange_bytes": muon.exchange_bytes,
+            "muon_gather_bytes": muon.gather_bytes, "muon_s": muon.seconds}
 
 
 def _context_step(plan: Plan) -> Dict[str, Any]:
@@ -223,6 +233,13 @@ def describe(plan: Plan) -> str:
                          f"{cost.cp_bytes / GIB:.2f} GiB per rank, "
                          f"{cost.cp_communication * 1e3:.1f} ms per step on the link "
                          f"({cost.cp_exposed * 1e3:.1f} ms exposed)")
+    muon = _muon_step(plan)
+    if muon:
+        lines.insert(-1, f"  Muon: Newton-Schulz {muon['muon_newton_schulz_flops'] / 1e12:.2f} "
+                         f"TFLOP per rank, layer-wise exchange "
+                         f"{muon['muon_exchange_bytes'] / GIB:.2f} GiB and tp gathers "
+                         f"{muon['muon_gather_bytes'] / GIB:.2f} GiB per rank, "
+                         f"{muon['muon_s'] * 1e3:.1f} ms of the optimizer step (docs/MUON.md)")
     if lay.get("ep"):
         lines.insert(-1, f"  expert token exchange ({lay['moe_token_dispatcher_type']}) "
                          f"{cost.expert_bytes / GIB:.2f} GiB per rank, "

@@ -2,7 +2,8 @@
 
 As Megatron-Core: every trainable 2-D weight except the word embedding and the output layer
 (tagged `is_embedding_or_output_parameter`, or the tied copy of a last pipeline stage) is a
-matrix; the rest (norms, biases, embeddings) go to the scalar optimizer. A stacked expert
+matrix; the rest (norms, biases, embeddings; stacked expert biases [E, n], one bias per expert
+in Megatron-Core) go to the scalar optimizer. A stacked expert
 weight [experts, in, out] (models/moe/experts.py's layout, x @ W) is one matrix per expert,
 each orthogonalised on its own, as Megatron-Core's per-expert weights are. A fused qkv weight
 (named `linear_qkv.weight`, rows grouped per query group as Megatron's) is split into its q, k
@@ -25,6 +26,7 @@ from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.tensor.init import Stride, shard, unshard
 from gigatron.parallel.zero.muon.config import MuonConfig
+from gigatron.parallel.zero.param_groups import NO_DECAY_ATTR
 from gigatron.parallel.zero.muon.newton_schulz import (newton_schulz, newton_schulz_flops,
                                                        scale_factor, split_rows)
 
@@ -65,7 +67,8 @@ class MatrixUnit:
 
 def is_muon_matrix(param: torch.Tensor) -> bool:
     """Whether Muon (not the scalar optimizer) updates `param`."""
-    if getattr(param, EMBEDDING_OR_OUTPUT, False) or getattr(param, "shared_embedding", False):
+    if getattr(param, EMBEDDING_OR_OUTPUT, False) or getattr(param, "shared_embedding", False) \
+            or getattr(param, NO_DECAY_ATTR, False):  # stacked expert biases [E, n]
         return False
     return param.dim() in (2, 3) and bool(getattr(param, "use_muon", True))
 
