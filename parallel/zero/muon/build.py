@@ -2,10 +2,11 @@
 and the layer-wise plan of every Muon group's shard (Megatron's path: --optimizer muon)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List, cast
 
 import torch
 
+from gigatron.parallel.comm import Group
 from gigatron.parallel.zero.muon.config import MuonConfig
 from gigatron.parallel.zero.muon.layerwise import ShardedMatrices, assign_owners, exchange_plan
 from gigatron.parallel.zero.muon.matrices import is_muon_matrix, units_of
@@ -29,14 +30,15 @@ def build_muon(zero: "ZeroOptimizer") -> Muon:
     c = zero.config
     config = c.muon or MuonConfig()
     groups: List[Dict[str, Any]] = []
+    users = zero.user_groups or []
     for g, user, rule in zip(zero.flat_groups, zero.flat_user_group, zero.flat_rule):
-        options = {} if user is None else dict(zero.user_groups[user].options)
+        options = {} if user is None else dict(users[user].options)
         groups.append({**options, "params": [g.master], "use_muon": rule == MUON,
                        "weight_decay": options.get("weight_decay", g.weight_decay)})
     adam = {"fused": True} if _fusable(groups) else {}
     muon = Muon(groups, lr=c.lr, weight_decay=c.weight_decay, config=config,
                 betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
-                tp_group=zero.process_groups.tp,
+                tp_group=cast(Group, zero.process_groups.tp),
                 expert_tp_group=zero.process_groups.expert_tp, adam_kwargs=adam)
     muon.set_layouts(shard_layouts(zero, config))
     return muon
