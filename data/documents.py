@@ -25,14 +25,15 @@ the same keys: `cu_seqlens_from_lengths` pads a list of document lengths to the 
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Union
 
 import numpy as np
 
 CU_SEQLENS = "cu_seqlens"
 
 
-def cu_seqlens_from_lengths(lengths: Sequence[int], seq_length: int) -> np.ndarray:
+def cu_seqlens_from_lengths(lengths: Union[Sequence[int], np.ndarray],
+                            seq_length: int) -> np.ndarray:
     """The padded `cu_seqlens` [seq_length + 1] of documents of these lengths, laid from
     position 0 (lengths summing to less than seq_length leave a last document of the rest,
     e.g. padding, which then attends only to itself)."""
