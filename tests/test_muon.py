@@ -296,3 +296,31 @@ def test_plan_counts_the_newton_schulz_flops_and_state_the_optimizer_has():
     planned = plan_stages(run, hardware("h100-sxm"))[0].state.optimizer_state
     assert planned == held, (planned, held)
 
+
+
+def test_matrices_are_megatrons_two_d_weights_and_each_experts_own():
+    """Megatron-Core's rule: 2-D weights but the word embedding and the output layer; norms
+    and biases (stacked expert biases [E, n] too: Megatron-Core holds one 1-D bias per expert)
+    are AdamW's; a stacked expert weight is one [in, out] matrix per expert."""
+    from gigatron.parallel.zero.muon.matrices import is_muon_matrix, matrix_units
+    from gigatron.training.run.builders import mark_embedding_and_output
+
+    run = _run("--num-experts 2 --moe-ffn-hidden-size 16 --position-embedding-type "
+               "learned_absolute --untie-embeddings-and-output-weights".split())
+    from gigatron.models.gpt import GPTModel
+
+    model = GPTModel(run.model, seed=1)
+    mark_embedding_and_output([model])
+    muon = {n for n, p in model.named_parameters() if is_muon_matrix(p)}
+    names = {n for n, _ in model.named_parameters()}
+    assert "embedding.word_embeddings.weight" not in muon and "output_layer.weight" in names
+    assert "output_layer.weight" not in muon
+    assert "embedding.position_embeddings.weight" in muon  # 2-D and untagged, as Megatron
+    assert any(n.endswith("router.weight") for n in muon)
+    assert any(n.endswith("experts.weight1") for n in muon)
+    assert not any("bias" in n or "norm" in n for n in muon)
+    assert any(n.endswith("experts.bias1") for n in names)
+    w1 = dict(model.named_parameters())["decoder.layers.0.mlp.experts.weight1"]
+    units = matrix_units(0, w1, "", MuonConfig())
+    assert [(u.offset, u.rows, u.cols, u.input_major) for u in units] == [
+        (e * 32 * 16, 32, 16, True) for e in range(2)]
