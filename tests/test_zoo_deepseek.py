@@ -57,3 +57,11 @@ def test_mfu_counts_mla_parameters_and_attention_width(name):
     width = heads * (q_head + config.v_head_dim)
     assert flops_per_token(config) == 6.0 * n + 6.0 * config.num_layers * width * \
         config.seq_length
+
+
+def test_the_pretrain_banner_prints_the_active_count_of_moe_models():
+    from gigatron.training.run.pretrain import _active_phrase
+
+    config = load_config("moonlight-16b-a3b")
+    assert _active_phrase(config) == " (2,579,230,208 active)"
+    assert _active_phrase(load_config("llama3-8b")) == ""
