@@ -9,7 +9,7 @@ comm types built on it; this module only says which kind each layer is and check
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +84,9 @@ def gated_activation(act: Callable[[torch.Tensor], torch.Tensor], offset: float 
     return glu
 
 
-GATED = {"swiglu": F.silu, "quick_geglu": quick_gelu}
+# the gated activations (fc1 holds [gate, linear]) and what each applies to its gate
+GATED: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"swiglu": F.silu,
+                                                            "quick_geglu": quick_gelu}
 
 
 def attention_kind_problems(config: Any) -> List[str]:

@@ -155,7 +155,7 @@ def _with_dropout(blocks: Sequence[Block], dropout: Optional[Tuple[float, int]],
     if dropout is None:
         return [(block, None) for block in blocks]
     p, seed = dropout
-    out = []
+    out: List[Tuple[Block, Optional[torch.Tensor]]] = []
     for index, (rows, cols, how) in enumerate(blocks):
         shape = (rows.stop - rows.start, cols.stop - cols.start)
         if how == "causal":  # a square block on the diagonal: keys up to the query
