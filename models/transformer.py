@@ -230,6 +230,8 @@ class CoreAttention(nn.Module):
         b, n, s, d = q.shape
         dv = v.shape[-1]
         if self.backend == "sdpa":
+            if dv != d:  # MLA: one head size, or torch falls back to its s x s math kernel
+                return self._attend(*equal_head_dims(q, k, v))[..., :dv]
             if p > 0 and self.tracker is not None:
                 with self.tracker.fork(q.device):
                     out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,

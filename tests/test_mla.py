@@ -124,3 +124,34 @@ def test_mla_config_problems_name_the_field_and_the_fix():
     with pytest.raises(ValueError, match="rope_type='ntk' is not one of"):
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=8,
                           rope_type="ntk")
+
+
+def _graph_names(tensor):
+    seen, stack, names = set(), [tensor.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        stack += [next_fn for next_fn, _ in fn.next_functions]
+    return names
+
+
+def test_narrower_values_run_the_fused_kernel_not_the_s_by_s_math_one():
+    """torch's SDPA falls back to its math kernel (an s x s probability matrix kept for
+    backward) when values are narrower than queries; CoreAttention pads them instead."""
+    from gigatron.models.transformer import CoreAttention
+
+    core = CoreAttention(mla_config(), None, softmax_scale=0.2)
+    q, k = (torch.randn(SEQ, 2, HEADS, 24, requires_grad=True) for _ in range(2))
+    v = torch.randn(SEQ, 2, HEADS, 12, requires_grad=True)
+    out = core(q, k, v)
+    names = _graph_names(out)
+    assert out.shape == (SEQ, 2, HEADS * 12)
+    assert not any(name.startswith("Bmm") for name in names), names
+    reference = torch.softmax((q.permute(1, 2, 0, 3) @ k.permute(1, 2, 3, 0)) * 0.2 +
+                              torch.full((SEQ, SEQ), float("-inf")).triu(1), dim=-1) @ \
+        v.permute(1, 2, 0, 3)
+    torch.testing.assert_close(out, reference.permute(2, 0, 1, 3).reshape(SEQ, 2, -1),
+                               rtol=1e-5, atol=1e-5)
