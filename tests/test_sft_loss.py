@@ -132,3 +132,44 @@ def test_the_sft_checkpoint_exports_with_its_chat_template(base, one_rank, tmp_p
     model.load_state_dict(state)
     ours = generate(model.eval(), [prompt[0].tolist()], max_new_tokens=6).tokens[0]
     assert len(hf_tokens) >= 1 and ours[:len(hf_tokens)] == hf_tokens.tolist()
+
+
+def test_sft_gradient_equals_transformers_gradient(base):
+    """One packed line's gradient (gigatron's GPTModel on the --sft sample, documents and
+    loss mask as the data gives them) is transformers' gradient of the same conversations'
+    assistant-token loss, tensor by tensor (relative 1e-5)."""
+    from gigatron.data.builder import GPTDataConfig, build_train_valid_test_datasets
+    from gigatron.data.sft.conversations import split_conversations
+    from gigatron.models.gpt import GPTModel
+    from gigatron.models.hf_convert import state_dict_from_hf
+    from gigatron.training.checkpoint.convert import load_model
+
+    folder, ckpt, data, hf, lines = base
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    config = GPTDataConfig(seq_length=SEQ, data_path=[data], split="100,0,0", sft=True,
+                           tokenizer_model=folder, eod=tok.eos_token_id)
+    sample = build_train_valid_test_datasets(config, [1, 0, 0])[0][0]
+    batch = {k: torch.from_numpy(v)[None] for k, v in sample.items()}
+    model_config, state = load_model(ckpt)
+    model = GPTModel(model_config)
+    model.load_state_dict(state)
+    loss = model(batch["tokens"], position_ids=batch["position_ids"], labels=batch["labels"],
+                 cu_seqlens=batch["cu_seqlens"])
+    ((loss * batch["loss_mask"]).sum() / batch["loss_mask"].sum()).backward()
+
+    hf.zero_grad()
+    total, count = 0.0, 0
+    for conv in split_conversations(lines[0]):
+        out = tok.apply_chat_template(conv, return_dict=True, return_assistant_tokens_mask=True)
+        ids = torch.tensor([out["input_ids"]])
+        labels = torch.where(torch.tensor([out["assistant_masks"]]) > 0, ids, -100)
+        n = int((labels[0, 1:] != -100).sum())
+        total, count = total + hf(ids, labels=labels).loss * n, count + n
+    (total / count).backward()
+    with open(f"{folder}/config.json") as f:
+        hf_grads = state_dict_from_hf({n: p.grad for n, p in hf.named_parameters()},
+                                      json.load(f))[1]
+    for name, p in model.named_parameters():
+        want = hf_grads[name]
+        got = p.grad[:want.shape[0]]  # the padded vocabulary's rows are not tokens
+        assert ((got - want).norm() / want.norm()).item() <= 1e-5, name
