@@ -210,7 +210,6 @@ def test_megatron_lm_flags_and_defaults_reach_the_optimizer():
 @pytest.mark.parametrize("extra, message", [
     ("--muon-num-ns-steps 4", "--muon-coefficient-type quintic with --muon-num-ns-steps 4"),
     ("--muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec 'low' is not a torch"),
-    ("--muon-tp-mode distributed", "--muon-tp-mode 'distributed' is not built"),
     ("--muon-scalar-optimizer lion", "--muon-scalar-optimizer 'lion' is not built"),
     ("--muon-momentum 1", "--muon-momentum must be in [0, 1)"),
     ("--optimizer-cpu-offload --use-distributed-optimizer",
@@ -233,14 +232,20 @@ def _tp_modes(rank, world):
         unit = MatrixUnit(0, 0, *shard(whole, dim, rank, world, stride).shape,
                           split=TensorSplit(dim, stride))
         mine = shard(whole, dim, rank, world, stride)
-        for mode in ("duplicated", "blockwise"):
+        for mode in ("duplicated", "blockwise", "distributed"):
             update = MatrixUpdate(MuonConfig(tp_mode=mode, fp32_matmul_prec="highest"),
                                   tp_group=None)
             out[dim, stride, mode] = update(unit, mine)
+        # a stacked expert's [in, out] matrix split over expert-tp (dim 1: its outputs)
+        expert = MatrixUnit(0, 0, 12, 8 // world, True, split=TensorSplit(1, 1, expert=True))
+        for mode in ("duplicated", "distributed"):
+            update = MatrixUpdate(MuonConfig(tp_mode=mode, fp32_matmul_prec="highest"),
+                                  expert_tp_group=None)
+            out["expert", mode] = update(expert, shard(whole.T, 1, rank, world))
     return out
 
 
-def test_tp_duplicated_keeps_the_whole_matrix_update_and_blockwise_each_shards_own():
+def test_tp_duplicated_and_distributed_keep_the_whole_matrix_update_blockwise_each_shards():
     from gigatron.parallel.tensor.init import shard
     from gigatron.parallel.zero.muon.matrices import MatrixUpdate
 
@@ -251,10 +256,16 @@ def test_tp_duplicated_keeps_the_whole_matrix_update_and_blockwise_each_shards_o
         for dim, stride in [(0, 1), (1, 1), (0, 2)]:
             want = shard(one(MatrixUnit(0, 0, 8, 12), whole), dim, rank, 2, stride)
             torch.testing.assert_close(out[dim, stride, "duplicated"], want)
+            torch.testing.assert_close(out[dim, stride, "distributed"], want, rtol=1e-4,
+                                       atol=1e-5)
             mine = shard(whole, dim, rank, 2, stride)
             own = one(MatrixUnit(0, 0, *mine.shape), mine)  # its own norm and scale
             torch.testing.assert_close(out[dim, stride, "blockwise"], own)
             assert not torch.allclose(own, want, rtol=1e-2, atol=1e-3)
+        # the expert's update reads its [out, in] = the transpose of what it stores
+        expert = shard(one(MatrixUnit(0, 0, 12, 8, True), whole.T), 1, rank, 2)
+        torch.testing.assert_close(out["expert", "duplicated"], expert)
+        torch.testing.assert_close(out["expert", "distributed"], expert, rtol=1e-4, atol=1e-5)
 
 
 def _plan_case(extra, world):

@@ -8,8 +8,9 @@ rank exactly (losses and parameters equal) and at tp2 x dp2 with the distributed
 (every matrix gathered over tp, owned by one dp rank: the layer-wise scheme) as the
 uninterrupted run (measured 7e-8). Mixture of experts (4 experts, a shared expert, balancing
 losses): ep2 x dp2 with --use-distributed-optimizer (experts' matrices owned over the
-expert-data-parallel group) and tp2 x ep2 with expert-tp 2 and sequence parallelism (every
-expert's matrices gathered over expert-tp) equal the one-rank run."""
+expert-data-parallel group) and tp2 x ep2 with expert-tp 2, sequence parallelism and
+--muon-tp-mode distributed (every matrix left sharded over tp or expert-tp, its norm and Gram
+matrices summed) equal the one-rank run."""
 import pytest
 
 from multirank import run_on_ranks
@@ -29,8 +30,9 @@ DENSE += ["--save-interval", str(SAVED_AT)]
 MOE_LAYOUTS = {
     "ep2_dp2_distributed_optimizer": "--expert-model-parallel-size 2 "
                                      "--use-distributed-optimizer".split(),
-    "tp2_ep2_etp2_sp": "--tensor-model-parallel-size 2 --sequence-parallel "
-                       "--expert-model-parallel-size 2".split(),
+    "tp2_ep2_etp2_sp_distributed": "--tensor-model-parallel-size 2 --sequence-parallel "
+                                   "--expert-model-parallel-size 2 "
+                                   "--muon-tp-mode distributed".split(),
 }
 
 

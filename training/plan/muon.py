@@ -10,8 +10,10 @@ into its q, k and v rows). Per rank and step on the heaviest pipeline stage:
             shared out over the dp x cp ranks (experts: over expert-dp), stage 0 runs all
   exchange  the two all-to-alls of the layer-wise scheme: this rank's shard of the matrices
             out to their owners and the updates back, 2 x 4 bytes x elements x (n-1)/n
-  gathers   duplicated tp: the owner gathers each tp-split matrix it owns, 4 bytes x the
-            matrix x (tp-1)/tp
+  tp        duplicated: the owner gathers each tp-split matrix it owns, 4 bytes x the
+            matrix x (tp-1)/tp; distributed: the norm and every step's Gram matrix (the
+            unsplit side squared) all-reduced over tp, 2 x 4 bytes x m^2 x (tp-1)/tp a step,
+            and each rank's FLOPs 4 m^2 (n/tp) + 2 m^3 a step (m the unsplit side)
 """
 from __future__ import annotations
 
@@ -62,6 +64,22 @@ def _matrices(spec: ParamSpec, qkv: Optional[Tuple[int, ...]]) -> List[Tuple[int
     return [(rows, cols)]
 
 
+def _distributed(whole: List[ParamSpec], local: List[ParamSpec], qkv, steps: int,
+                 tp: int) -> Tuple[float, float]:
+    """(FLOPs, all-reduced bytes) of the 'distributed' mode: a split matrix's Gram matrix is
+    its unsplit side's square, summed over tp every step."""
+    flops = nbytes = 0.0
+    for w, s in zip(whole, local):
+        for (rows, cols), (r, c) in zip(_matrices(w, qkv), _matrices(s, qkv)):
+            if (rows, cols) == (r, c) or tp == 1:
+                flops += newton_schulz_flops(r, c, steps)
+                continue
+            split, other = (r, cols) if r != rows else (c, rows)
+            flops += steps * (4 * other * other * split + 2 * other ** 3)
+            nbytes += steps * 8.0 * other * other * (tp - 1) / tp
+    return flops, nbytes
+
+
 def _flops(specs: List[ParamSpec], qkv, steps: int) -> float:
     return float(sum(newton_schulz_flops(r, c, steps) for s in specs if is_matrix(s)
                      for r, c in _matrices(s, qkv)))
@@ -89,16 +107,23 @@ def muon_cost(run: "RunConfig", hw: "Hardware") -> Optional[MuonCost]:
                  if is_matrix(s)]
         dense_local = [s for s in local if not s.is_expert]
         expert_local = [s for s in local if s.is_expert]
+        reduced = 0.0
         if config.tp_mode == "duplicated":
             dense = _flops([s for s in whole if not s.is_expert], qkv, steps)
             experts = _flops([s for s in whole if s.is_expert], qkv, steps) / p.ep
+        elif config.tp_mode == "distributed":
+            dense, reduced = _distributed([s for s in whole if not s.is_expert], dense_local,
+                                          qkv, steps, p.tp)
+            experts, expert_reduced = _distributed([s for s in whole if s.is_expert],
+                                                   expert_local, qkv, steps, p.etp or p.tp)
+            reduced = reduced / share + expert_reduced / expert_share
         else:
             dense, experts = _flops(dense_local, qkv, steps), _flops(expert_local, qkv, steps)
         flops = dense / share + experts / expert_share
         exchange = sum(8.0 * n * (k - 1) / k / k for n, k in (
             (sum(s.numel for s in dense_local), share),
             (sum(s.numel for s in expert_local), expert_share)) if k > 1)
-        gather = 0.0
+        gather = reduced
         if config.tp_mode == "duplicated":
             split = [(w.numel, s.numel) for w, s in zip(
                 [s for s in whole if not s.is_expert], dense_local) if w.numel > s.numel]

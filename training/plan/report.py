@@ -237,7 +237,7 @@ def describe(plan: Plan) -> str:
     if muon:
         lines.insert(-1, f"  Muon: Newton-Schulz {muon['muon_newton_schulz_flops'] / 1e12:.2f} "
                          f"TFLOP per rank, layer-wise exchange "
-                         f"{muon['muon_exchange_bytes'] / GIB:.2f} GiB and tp gathers "
+                         f"{muon['muon_exchange_bytes'] / GIB:.2f} GiB and tp traffic "
                          f"{muon['muon_gather_bytes'] / GIB:.2f} GiB per rank, "
                          f"{muon['muon_s'] * 1e3:.1f} ms of the optimizer step (docs/MUON.md)")
     if lay.get("ep"):

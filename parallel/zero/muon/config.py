@@ -7,7 +7,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 from gigatron.parallel.zero.muon.newton_schulz import (MATMUL_PRECISIONS, SCALE_MODES,
                                                        coefficient_problem)
 
-TP_MODES = ("duplicated", "blockwise")
+TP_MODES = ("duplicated", "blockwise", "distributed")
 SCALAR_OPTIMIZERS = ("adam",)
 
 
@@ -28,7 +28,8 @@ class MuonConfig:
     fp32_matmul_prec: str = "medium"
     tp_mode: str = "duplicated"
     """A tensor-parallel matrix: 'duplicated' gathers it whole, orthogonalises and keeps this
-    rank's shard (equal to one device); 'blockwise' orthogonalises each shard on its own."""
+    rank's shard (equal to one device); 'blockwise' orthogonalises each shard on its own;
+    'distributed' keeps it sharded and sums the norm and Gram matrices over tp."""
     scalar_optimizer: str = "adam"
     """For embeddings, the output layer, norms and biases (AdamW with the adam flags)."""
     qkv_split_shapes: Optional[Tuple[int, ...]] = None
@@ -61,8 +62,8 @@ def muon_problems(values: Mapping[str, Any],
          f"{n('fp32_matmul_prec')} {v['fp32_matmul_prec']!r} is not a torch float32 matmul "
          f"precision (Megatron-LM fails on 'low' too): use medium (bf16 iterations) or high"),
         (v["tp_mode"] in TP_MODES,
-         f"{n('tp_mode')} {v['tp_mode']!r} is not built: use duplicated (equal to one device) "
-         f"or blockwise (each shard on its own, cheaper)"),
+         f"{n('tp_mode')} must be duplicated, blockwise or distributed, got "
+         f"{v['tp_mode']!r}"),
         (v["scalar_optimizer"] in SCALAR_OPTIMIZERS,
          f"{n('scalar_optimizer')} {v['scalar_optimizer']!r} is not built: use adam"),
     ]

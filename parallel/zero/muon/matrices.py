@@ -13,7 +13,11 @@ Tensor parallelism: a matrix split over tp (its `partition_dim` and stride; an e
 over expert-tp) is gathered whole, orthogonalised and cut back to this rank's shard in the
 'duplicated' mode (every tp rank computes the same whole matrix: equal to one device), or
 orthogonalised shard by shard in 'blockwise' (no communication; each shard normalised and
-scaled by its own shape, so the update depends on the tp size, as Megatron-Core's blockwise).
+scaled by its own shape, so the update depends on the tp size, as Megatron-Core's blockwise),
+or kept sharded in 'distributed' (the norm and every Gram matrix summed over tp, the split
+dimension the contracted one: equal to one device up to the sums' rounding, each rank
+computing its columns; the Gram matrix is the split dimension's square, whichever side is
+smaller, as Megatron-Core's).
 """
 from __future__ import annotations
 
@@ -106,36 +110,53 @@ class MatrixUpdate:
 
     def __call__(self, unit: MatrixUnit, matrix: torch.Tensor) -> torch.Tensor:
         """The scaled orthogonal update of `matrix` ([rows, cols] as stored, this rank's)."""
-        split = unit.split if self.config.tp_mode == "duplicated" else None
+        mode = self.config.tp_mode
+        split = unit.split if mode != "blockwise" else None
         group = None if split is None else \
             (self.expert_tp_group if split.expert else self.tp_group)
-        whole = split is not None and comm.group_size(group) > 1
-        if whole:
-            assert split is not None
-            matrix = _gather(matrix, split, group)
-        out = self._whole(unit, matrix.float())
-        if whole:
-            assert split is not None
-            out = shard(out, split.dim, comm.group_rank(group), comm.group_size(group),
-                        split.stride)
-        return out
+        if split is None or comm.group_size(group) == 1:
+            return self._whole(unit, matrix.float())
+        if mode == "distributed":  # the shard stays; norms and Gram matrices summed over tp
+            # the split dimension of the [out, in] view
+            dim = 1 - split.dim if unit.input_major else split.dim
+            return self._whole(unit, matrix.float(), Sharded(group, dim))
+        out = self._whole(unit, _gather(matrix, split, group).float())
+        return shard(out, split.dim, comm.group_rank(group), comm.group_size(group),
+                     split.stride)
 
-    def _whole(self, unit: MatrixUnit, matrix: torch.Tensor) -> torch.Tensor:
+    def _whole(self, unit: MatrixUnit, matrix: torch.Tensor,
+               sharded: Optional["Sharded"] = None) -> torch.Tensor:
         x = matrix.mT if unit.input_major else matrix  # [out, in]
         rows, cols = x.shape
         if unit.qkv is None:
-            out = self._scaled(x)
+            out = self._scaled(x, sharded)
         else:
             groups = split_rows(rows, unit.qkv)
             pieces = x.reshape(groups, sum(unit.qkv), cols).split(list(unit.qkv), dim=1)
-            out = torch.cat([self._scaled(p.reshape(-1, cols)).view(groups, -1, cols)
+            out = torch.cat([self._scaled(p.reshape(-1, cols), sharded).view(groups, -1, cols)
                              for p in pieces], dim=1).view(rows, cols)
         return out.mT if unit.input_major else out
 
-    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+    def _scaled(self, x: torch.Tensor, sharded: Optional["Sharded"] = None) -> torch.Tensor:
         c = self.config
-        out = newton_schulz(x, c.num_ns_steps, c.coefficient_type, c.fp32_matmul_prec)
-        return out * (scale_factor(x.shape[0], x.shape[1], c.scale_mode) * c.extra_scale_factor)
+        rows, cols = x.shape
+        if sharded is None:
+            out = newton_schulz(x, c.num_ns_steps, c.coefficient_type, c.fp32_matmul_prec)
+        else:  # the split dimension contracted in every Gram matrix
+            n = comm.group_size(sharded.group)
+            rows, cols = (rows * n, cols) if sharded.dim == 0 else (rows, cols * n)
+            out = newton_schulz(x, c.num_ns_steps, c.coefficient_type, c.fp32_matmul_prec,
+                                distributed=True, group=sharded.group,
+                                tall=sharded.dim == 0)
+        return out * (scale_factor(rows, cols, c.scale_mode) * c.extra_scale_factor)
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A matrix left sharded over `group` along `dim` of its [out, in] view."""
+
+    group: Group
+    dim: int
 
 
 def _gather(matrix: torch.Tensor, split: TensorSplit, group: Group) -> torch.Tensor:

@@ -16,9 +16,12 @@ has it); "highest" is full fp32 everywhere.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from gigatron.parallel import comm
+from gigatron.parallel.comm import Group
 
 Coefficients = Tuple[float, float, float]
 
@@ -76,29 +79,37 @@ def _matmul_precision(precision: str) -> Iterator[None]:
 
 
 def newton_schulz(x: torch.Tensor, steps: int = 5, kind: str = "quintic",
-                  precision: str = "medium", eps: float = EPS) -> torch.Tensor:
+                  precision: str = "medium", eps: float = EPS, distributed: bool = False,
+                  group: Group = None, tall: Optional[bool] = None) -> torch.Tensor:
     """The orthogonalised fp32 form of `x` ([m, n] or a stack [k, m, n] of matrices, each on
-    its own)."""
+    its own). `distributed`: `x` is this rank's columns of the matrix (of its transpose with
+    `tall`) and the norm and every Gram matrix are summed over `group` (Megatron-Core's
+    'distributed' tensor-parallel mode)."""
     if x.dim() not in (2, 3):
         raise ValueError(f"Newton-Schulz orthogonalises matrices, got shape {tuple(x.shape)}")
     sets = coefficients(kind, steps)
     x = x.float()
-    tall = x.size(-2) > x.size(-1)
+    tall = x.size(-2) > x.size(-1) if tall is None else tall
     if tall:
         x = x.mT
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    X = x / norm.clamp(min=eps)
+    squares = x.square().sum(dim=(-2, -1), keepdim=True)
+    if distributed:
+        comm.all_reduce(squares, group=group)
+    X = x / squares.sqrt().clamp(min=eps)
     if precision == "medium":
         X = X.to(torch.bfloat16)
     with _matmul_precision(precision):
         for a, b, c in sets:
-            X = _step(X, a, b, c)
+            X = _step(X, a, b, c, distributed, group)
     X = X.float()
     return X.mT if tall else X
 
 
-def _step(X: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
+def _step(X: torch.Tensor, a: float, b: float, c: float, distributed: bool = False,
+          group: Group = None) -> torch.Tensor:
     A = X @ X.mT
+    if distributed:
+        comm.all_reduce(A, group=group)
     if X.dim() == 2:
         B = torch.addmm(A, A, A, beta=b, alpha=c)
         return torch.addmm(X, B, X, beta=a)

@@ -53,8 +53,9 @@ class MuonSettings:
         "--muon-fp32-matmul-prec", choices=("low", "medium", "high"))
     muon_tp_mode: str = setting(
         "duplicated", "a tensor-parallel matrix: duplicated gathers it whole (equal to one "
-        "device), blockwise orthogonalises each shard (cheaper, depends on tp); distributed "
-        "is not built", "--muon-tp-mode", choices=("blockwise", "duplicated", "distributed"))
+        "device), distributed keeps it sharded and sums its Gram matrices over tp (equal to "
+        "one device up to rounding), blockwise orthogonalises each shard (cheaper, depends on "
+        "tp)", "--muon-tp-mode", choices=("blockwise", "duplicated", "distributed"))
     muon_scalar_optimizer: str = setting(
         "adam", "optimizer of embeddings, output layer, norms, biases: adam (AdamW with the "
         "--adam-* flags); lion is not built", "--muon-scalar-optimizer",
