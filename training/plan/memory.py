@@ -41,6 +41,7 @@ from gigatron.training.plan.schedules import peak_held
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.parallel.zero.layout import group_sizes, plan_buckets
 from gigatron.training.plan.context import NONE, ContextLayout, attention_held
+from gigatron.training.plan.mla import mla_attention_bytes
 from gigatron.training.plan.parameters import ParamSpec, is_expert_parallel, stage_parameters
 
 if TYPE_CHECKING:
@@ -269,6 +270,9 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
             core = (2 * w + attn_mask) * (a / t) * s
         else:  # reference softmax: scores, exp (fp32), probabilities, dropout mask
             core = (2 * 4 + w + attn_mask) * (a / t) * s + 8 * a / t
+    if c.multi_latent_attention and kernel == "flash" and context.cp == 1:  # training/plan/mla.py
+        (held, inputs), core, ad = mla_attention_bytes(c, w, t, on_gpu), 0.0, \
+            a * c.v_head_dim / t
     mlp_act = (4 if c.activation in ("swiglu", "quick_geglu") else 2) * w * ffn / t
     common = (2 * norm + 2 * hidden_mask * h) / split + w * h + w * h + w * ad + mlp_act
     layer = common + held + core
