@@ -125,6 +125,25 @@ def check_join_adds_zeros_and_returns_the_last_rank(rank, size):
     assert last != 0 and hvd.allgather_object(last) == [last] * size
 
 
+def check_join_covers_distributed_optimizer_steps(rank, size):
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1, bias=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters())
+    grads = []
+    for step in range(1 if rank == 0 else 2):  # rank 0 runs out of data first
+        opt.zero_grad()
+        model(torch.full((1, 2), float(rank + 1))).sum().backward()
+        opt.step()
+        grads.append(model.weight.grad.clone())
+    hvd.join()
+    everyone = sum(range(1, size + 1))
+    assert torch.equal(grads[0], torch.full((1, 2), everyone / size))
+    if rank > 0:  # the joined rank added zeros, the size still divides
+        assert torch.equal(grads[1], torch.full((1, 2), (everyone - 1) / size))
+
+
 def check_sparse_allreduce_and_sparse_gradients(rank, size):
     hvd.init()
     g = torch.Generator().manual_seed(rank)

@@ -100,7 +100,7 @@ class Controller:
         self.joined = False
         self._joined_ranks: List[int] = []  # in the order they joined
         self.all_joined = False
-        self.stalled: Optional[str] = None
+        self._last_submitted: Dict[int, List[str]] = {}
 
     def submit(self, request: Request, name: Optional[str]) -> Request:
         """Queue `request` under `name`; a name already waiting raises ValueError."""
@@ -121,11 +121,11 @@ class Controller:
         ranks wait, so a round where every active member waits and nothing matches can
         never progress: that raises on every active member instead of hanging."""
         while not request.launched:
-            self.run_round()
-            if self.stalled is not None and not request.launched:
+            if not self.run_round() and not request.launched:
                 self.pending.pop(request.name, None)
-                message, self.stalled = self.stalled, None
-                raise RuntimeError(message)
+                raise RuntimeError(f"Stalled: every rank waits for an operation no other rank "
+                                   f"has submitted (names or call order differ); submitted "
+                                   f"per rank: {self._last_submitted}")
 
     def join(self) -> int:
         """Horovod's join: take part in rounds until every member has joined; the set rank
@@ -156,8 +156,9 @@ class Controller:
         return [pickle.loads(rows[r, :int(n)].numpy().tobytes())
                 for r, n in enumerate(lengths.tolist())]
 
-    def run_round(self) -> None:
-        """One negotiation: launch (or refuse) what every active member has submitted."""
+    def run_round(self) -> bool:
+        """One negotiation: launch (or refuse) what every active member has submitted;
+        whether anything was (or every member has joined)."""
         mine = (self.joined, [(n, r.kind, r.meta) for n, r in self.pending.items()])
         infos = self._exchange(mine)
         newly = [r for r, (j, _) in enumerate(infos) if j and r not in self._joined_ranks]
@@ -166,14 +167,10 @@ class Controller:
         active = [r for r, (j, _) in enumerate(infos) if not j]
         if not active:
             self.all_joined = True
-            return
+            return True
         listed = {r: {n: (k, m) for n, k, m in infos[r][1]} for r in active}
         ready = [n for n, _, _ in infos[active[0]][1] if all(n in listed[r] for r in active)]
-        if not ready and not self.joined:
-            waiting = {r: sorted(listed[r]) for r in active}
-            self.stalled = (f"Stalled: every rank waits for an operation no other rank has "
-                            f"submitted (names or call order differ); submitted per rank: "
-                            f"{waiting}")
+        self._last_submitted = {r: sorted(listed[r]) for r in active}
         for name in ready:
             self._catch_up(name)
             kinds = {r: listed[r][name][0] for r in active}
@@ -197,7 +194,7 @@ class Controller:
                 request.finish = request.start(launch)
             except Exception as err:  # noqa: BLE001 - kept for synchronize() to raise
                 request.error = err
-
+        return bool(ready)
 
     def _catch_up(self, name: str) -> None:
         """An automatic name every active member submitted moves this rank's counter past

@@ -75,7 +75,7 @@ class _Reducescatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         gathered = allgather(grad.contiguous(), process_set=ctx.process_set)
         if ctx.op != Average:
-            gathered = gathered * process_sets.resolve(ctx.process_set).size()
+            gathered = gathered * (process_sets.resolve(ctx.process_set).size() or 1)
         return gathered, None, None, None, None, None
 
 
@@ -150,7 +150,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
                    process_set: Any = global_process_set) -> int:
     """Start sending splits[i] rows of `tensor` to set rank i; synchronize gives (received
     tensor, received splits as int32)."""
-    sends = _splits(tensor, splits, process_sets.resolve(process_set).size())
+    sends = _splits(tensor, splits, process_sets.resolve(process_set).size() or 1)
 
     def start(launch: Launch) -> Callable[[], Tuple[torch.Tensor, torch.Tensor]]:
         receives = [launch.metas[r]["splits"][launch.set_rank] for r in range(launch.set_size)]

@@ -322,7 +322,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
         work = comm.broadcast(buf, root_rank, launch.group, async_op=True)
 
         def finish() -> torch.Tensor:
-            work.wait()
+            if work is not None:
+                work.wait()
             if staged:
                 with torch.no_grad():
                     tensor.copy_(buf)

@@ -12,7 +12,9 @@ backward produces their gradients), into buckets of at most HOROVOD_FUSION_THRES
 post-accumulate-grad hook per parameter counts the gradients in; a bucket whose gradients
 are all in is compressed, concatenated and all-reduced asynchronously while backward goes on.
 Buckets launch strictly in bucket order, so every rank issues the same sequence of
-collectives even when its gradients arrive in another order. `synchronize()` launches what
+collectives even when its gradients arrive in another order; each is a named allreduce
+(`allreduce.<its first parameter's name>`) negotiated with one round at launch, so a rank
+that has called `hvd.join()` adds zeros to it. `synchronize()` launches what
 is left (a parameter backward did not reach sends zeros, as in Horovod), waits, scales and
 writes the results into `p.grad`. With `backward_passes_per_step=k` a parameter's gradient
 is reduced after its k-th backward only (local accumulation in between).
@@ -30,12 +32,12 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 import torch
 
 from gigatron.engine.horovod import process_sets
-from gigatron.engine.horovod.basics import Average, HorovodReduceOp, comm_device
+from gigatron.engine.horovod.basics import Average, HorovodReduceOp, Sum, comm_device
 from gigatron.engine.horovod.process_sets import ProcessSet, global_process_set
 from gigatron.engine.horovod.compression import Compression, Compressor
 from gigatron.engine.horovod.exchange import sparse_allreduce_async
-from gigatron.engine.horovod.ops import TORCH_OPS, resolve_op, scale_
-from gigatron.parallel import comm, timeline
+from gigatron.engine.horovod.ops import allreduce_async_, resolve_op, scale_, synchronize
+from gigatron.parallel import timeline
 
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024  # bytes: Horovod's default fusion buffer
 Groups = Union[None, int, Sequence[Sequence[torch.Tensor]]]
@@ -123,7 +125,8 @@ class _Bucket:
 
     params: List[torch.Tensor]
     ready: int = 0  # parameters whose gradient is complete for this step
-    inflight: Optional[Tuple[Any, torch.Tensor, list]] = field(default=None, repr=False)
+    inflight: Optional[Tuple[Any, Optional[torch.Tensor], List[Any]]] = field(default=None,
+                                                                             repr=False)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -189,7 +192,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket: _Bucket) -> None:
         """Compress the bucket's gradients into one buffer and start its all-reduce."""
-        entries, wires = [], []
+        entries: List[Tuple[torch.Tensor, Any, Any]] = []
+        wires = []
         for p in bucket.params:
             if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
                 entries.append((p, None, sparse_allreduce_async(
@@ -209,9 +213,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             flat = torch.cat(wires).to(comm_device())
             if self.op == Average:
                 scale_(flat, 1.0 / self.gradient_predivide_factor)
-            work = comm.all_reduce(flat, group=self.process_set.group, op=TORCH_OPS[self.op],
-                                   async_op=True)
-        bucket.inflight = (work, flat, entries)
+        # negotiated like any hvd.allreduce, so a rank in hvd.join() adds zeros; one round
+        # right away (every active rank launches its buckets at the same points) starts it
+        # while backward goes on
+        wire_op = Sum if self.op == Average else self.op
+        handle = allreduce_async_(flat, name=f"allreduce.{self._names.get(bucket.params[0])}",
+                                  op=wire_op, process_set=self.process_set)
+        self.process_set.controller().run_round()
+        bucket.inflight = (handle, flat, entries)
 
     def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
         if p.grad is None:  # backward did not reach p here; another rank's may have
@@ -225,10 +234,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Wait for the bucket's all-reduce; write the averaged gradients into p.grad."""
         if bucket.inflight is None:
             return
-        work, flat, entries = bucket.inflight
+        handle, flat, entries = bucket.inflight
         bucket.inflight = None
-        if work is not None:
-            work.wait()
+        if handle is not None:
+            synchronize(handle)
         with torch.no_grad():
             if flat is not None and self.op == Average:
                 scale_(flat, self.gradient_predivide_factor, self.process_set.size() or 1)
@@ -237,6 +246,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if shape is None:  # a sparse gradient, gathered (Horovod's sparse path)
                     p.grad = ctx()
                     continue
+                assert flat is not None  # a dense entry has its place in the buffer
                 n = math.prod(shape)
                 reduced = self._compression.decompress(flat[offset:offset + n].view(shape), ctx)
                 offset += n
@@ -295,7 +305,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The optimizer's load_state_dict; reductions in flight are finished and dropped."""
         for bucket in self._buckets:
             if bucket.inflight is not None:
-                bucket.inflight[0].wait()
+                if bucket.inflight[0] is not None:
+                    synchronize(bucket.inflight[0])
                 bucket.inflight = None
         self._reset()
         super().load_state_dict(state_dict)
