@@ -145,9 +145,31 @@ def test_sft_flag_problems_are_one_line_each(tmp_path):
     missing = str(tmp_path / "missing.jsonl")
     with pytest.raises(ConfigError) as err:
         parse_args(base + ["--sft", "--data-path", missing, "--tokenizer-type",
-                           "NullTokenizer"], 1)
+                           "NullTokenizer", "--reset-position-ids"], 1)
     assert err.value.problems == [
+        "--sft already restarts positions and attention at each conversation: drop "
+        "--reset-position-ids",
         "--sft tokenizes with a chat template: give --tokenizer-type HuggingFaceTokenizer "
         "--tokenizer-model DIR (a Hugging Face tokenizer folder), not NullTokenizer",
         f"--data-path {missing}: no such file (--sft reads JSON-lines conversation files, "
         f"e.g. data/chat.jsonl)"]
+
+
+def test_every_pipeline_stage_reads_the_conversations_boundaries():
+    """A middle pipeline stage (neither inputs nor labels) still attends within the packed
+    conversations: its micro-batches carry cu_seqlens and the restarting positions."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gigatron.training.run.builders import micro_batches
+
+    conv = (np.arange(1, 9, dtype=np.int64), np.arange(8) % 2 == 0)
+    dataset = SFTDataset([[conv, conv]], 4, 24, 0, 0, "convs.jsonl")
+    run = SimpleNamespace(data=GPTDataConfig(seq_length=24, sft=True),
+                          train=SimpleNamespace(micro_batch_size=2, num_workers=0, seed=1),
+                          parallel=SimpleNamespace(dp=1, context_parallel_size=1))
+    middle = SimpleNamespace(needs_inputs=False, needs_labels=False)
+    batch = next(iter(micro_batches(run, dataset, 0, 0, torch.device("cpu"), middle)))
+    assert batch["cu_seqlens"][0, :4].tolist() == [0, 9, 18, 24]
+    assert batch["position_ids"][0, 9:12].tolist() == [0, 1, 2]

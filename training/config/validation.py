@@ -209,6 +209,11 @@ def _check_sft(data: "DataSettings", p: Problems) -> None:
     tokenizer's chat template (data/sft/)."""
     if data.mock_data:
         p.add("--sft reads conversations from --data-path FILE.jsonl: drop --mock-data")
+    resets = [flag for flag, on in (("--reset-position-ids", data.reset_position_ids),
+                                     ("--reset-attention-mask", data.reset_attention_mask)) if on]
+    if resets:  # Megatron-LM's SFTDataset asserts them off
+        p.add(f"--sft already restarts positions and attention at each conversation: drop "
+              f"{' and '.join(resets)}")
     if data.tokenizer_type != "HuggingFaceTokenizer":
         p.add(f"--sft tokenizes with a chat template: give --tokenizer-type "
               f"HuggingFaceTokenizer --tokenizer-model DIR (a Hugging Face tokenizer folder), "

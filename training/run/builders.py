@@ -252,8 +252,9 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
 
     if dataset is None:
         return None
-    # packed documents: every stage attends within them, at their restarted positions
-    documents = run.data.reset_attention_mask or run.data.reset_position_ids
+    # packed documents (--sft's conversations too): every stage attends within them, at their
+    # restarted positions
+    documents = run.data.reset_attention_mask or run.data.reset_position_ids or run.data.sft
     if not (pipeline.needs_inputs or pipeline.needs_labels or documents):
         return _empty_batches()
     mbs = run.train.micro_batch_size
