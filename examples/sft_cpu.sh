@@ -9,9 +9,10 @@
 #   4. gigatron convert gigatron-to-hf,
 #   5. transformers loads the exported folder and answers with its chat template.
 # Re-running starts over. Settable from the environment: OUT (default runs/sft),
-# ITERS (default 300: about 2 minutes on 2 busy cores, 31 of 32 answers right when this was
-# written), MIN_RIGHT (the share of right answers asked for, default 0.75), NPROC (ranks,
-# default 1: one process; more run under torchrun, as data parallelism),
+# ITERS (default 300: under 3 minutes, 38 s of CPU, on 2 busy cores, validation loss 1.26 ->
+# 0.023 and 31 of 32 answers right when this was written), MIN_RIGHT (the share of right
+# answers asked for, default 0.75), NPROC (ranks, default 1: one process; more run under
+# torchrun, as data parallelism),
 # e.g. OUT=/tmp/sft ITERS=100 MIN_RIGHT=0 bash examples/sft_cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,8 +1,8 @@
 """--sft trains on exactly transformers' loss: the loss pretrain_gpt.py logs for a packed line
 of conversations (a tiny random Llama converted with hf-to-gigatron, loaded with --finetune
 --use-checkpoint-args) equals transformers' loss of the same model on each conversation alone
-with labels on the assistant tokens only (1e-4), and tp2, pp2 and dp2 log the one-rank
-losses."""
+with labels on the assistant tokens only (1e-4), and tp2, pp2, dp2 and cp2 (p2p) log the
+one-rank losses."""
 import json
 
 import pytest
@@ -100,10 +100,11 @@ def test_sft_loss_equals_transformers_loss_on_assistant_tokens(base, one_rank):
     assert abs(losses[0] - want) <= 1e-4 * abs(want), (losses[0], want)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "cp2"])
 def test_sft_layouts_log_the_one_rank_losses(base, one_rank, tmp_path, layout):
     flags = {"tp2": ["--tensor-model-parallel-size", "2"],
-             "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}[layout]
+             "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": [],
+             "cp2": ["--context-parallel-size", "2"]}[layout]
     metrics = str(tmp_path / "metrics.jsonl")
     run_on_ranks(_pretrain, 2, _argv(base, metrics) + flags, timeout=300)
     losses = _losses(metrics)
