@@ -10,6 +10,9 @@ DeepSpeed JSON config; each rank writes OUT_DIR/rank{r}.json with, per stage, ev
 micro-batch's loss, each step's lr and the final (gathered) parameters, then leaves the
 process group and exits before interpreter finalization (see
 exit_before_interpreter_finalization).
+The same launch then trains DeepSpeed's Muon at every stage (results "muon/<stage>",
+muon_config). DeepSpeed torch.compiles its muon_update; the script runs it eagerly (dynamo
+disabled: the same operations, without minutes of C++ compilation on 2 cores).
 tests/test_deepspeed_parity.py compares the two. gigatron is reached only through its
 top-level API, so the script keeps working while its modules move.
 Extra config keys (e.g. '{"optimizer": {"params": {"lr": 0.02}}}') may be merged in with
@@ -63,6 +66,20 @@ def ds_config(stage: int) -> Dict[str, Any]:
     }
 
 
+def muon_config(stage: int) -> Dict[str, Any]:
+    """DeepSpeed's Muon with an lr per half (the warm-up without a max lr keeps each group's
+    own), torch's AdamW for the other half; DeepSpeed refuses Muon with ZeRO-3's
+    reduce_scatter (its default), so it is off (gigatron accepts either)."""
+    config = ds_config(stage)
+    config["optimizer"] = {"type": "Muon", "params": {
+        "lr": 0.01, "muon_lr": 0.02, "adam_lr": 0.005, "momentum": 0.9, "weight_decay": 0.1,
+        "betas": [0.9, 0.95], "eps": 1e-8, "torch_adam": True}}
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001,
+                                                         "warmup_num_steps": 4}}
+    config["zero_optimization"]["reduce_scatter"] = False
+    return config
+
+
 def merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
     for key, value in extra.items():
         base[key] = merge(dict(base.get(key, {})), value) if isinstance(value, dict) else value
@@ -90,11 +107,11 @@ def full_parameters(framework: str, engine: Any, stage: int) -> Dict[str, List[f
 
 
 def train(framework: str, initialize: Any, stage: int, rank: int,
-          override: Dict[str, Any]) -> Dict[str, Any]:
+          override: Dict[str, Any], config: Any = ds_config) -> Dict[str, Any]:
     torch.manual_seed(1234)
     model = SmallNet()
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(),
-                                 config=merge(ds_config(stage), override))
+                                 config=merge(config(stage), override))
     losses, lrs, norms = [], [], []
     for index in range(STEPS * ACCUMULATION):
         loss = engine(*micro_batch(rank, index))
@@ -162,6 +179,9 @@ def main() -> None:
         # init_distributed; only inference and tensor-parallel layers call it, never training,
         # so mark it unavailable, as DeepSpeed does itself where it cannot be built.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        from torch._dynamo import config as dynamo_config
+
+        dynamo_config.disable = True  # Muon's torch.compile: see the docstring
         deepspeed.init_distributed(dist_backend="gloo")
         initialize = deepspeed.initialize
     else:
@@ -173,6 +193,8 @@ def main() -> None:
     override = json.loads(args.override)
     results = {str(stage): train(args.framework, initialize, stage, rank, override)
                for stage in STAGES}
+    results.update({f"muon/{stage}": train(args.framework, initialize, stage, rank, override,
+                                           muon_config) for stage in STAGES})
     write_results(os.path.join(args.out_dir, f"rank{rank}.json"), results)
     print(f"rank {rank}: results written", flush=True)
     leave_process_group()

@@ -232,7 +232,7 @@ def test_adam_w_mode_and_torch_adam_as_deepspeed_reads_them():
                 "build torch.optim.RMSprop(model.parameters(), ...) and pass it as "
                 "initialize(optimizer=...)"),
     ("Adamm", "optimizer.type 'Adamm' is not supported: use one of Adam, AdamW, Lamb, SGD, "
-              "Adagrad; did you mean Adam?"),
+              "Adagrad, Muon; did you mean Adam?"),
 ])
 def test_optimizers_not_implemented_name_what_to_use_instead(kind, message):
     lines = problems({**MICRO, "optimizer": {"type": kind}})

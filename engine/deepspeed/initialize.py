@@ -152,6 +152,11 @@ def _build_zero(module: nn.Module, cfg: EngineConfig, optimizer: Any,
     if pipelined:
         raise ValueError(pipelined)
     params = list(model_parameters) if model_parameters is not None else None
+    if cfg.optimizer is not None and cfg.optimizer.type == "muon":  # DeepSpeed's use_muon
+        from gigatron.engine.deepspeed.muon import muon_param_groups, tag_use_muon
+
+        tag_use_muon(module)
+        params = muon_param_groups(params, module, cfg.optimizer)
     # a pipeline: one flat-buffer set per virtual stage, reduced over its own groups
     chunks = pipe.chunks if pipe is not None else module
     groups = pipe.groups if pipe is not None else None

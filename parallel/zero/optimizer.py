@@ -38,9 +38,10 @@ from gigatron.parallel.zero.bucketed_grad_sync import BucketedGradSync
 from gigatron.parallel.zero.lamb import Lamb, TrustRatioLayout
 from gigatron.parallel.zero.layout import shard_pieces
 from gigatron.parallel.zero.loss_scaler import DynamicLossScaler, LossScaler
-from gigatron.parallel.zero.muon.build import build_muon, rule_of
-from gigatron.parallel.zero.optimizers import (OptimizerArg, build_optimizer, make_optimizer,
-                                              spec_from_zero_config)
+from gigatron.parallel.zero.muon.build import (build_deepspeed_muon, build_muon, rule_of,
+                                              tagged_rule_of, updates_into_grads)
+from gigatron.parallel.zero.optimizers import (OptimizerArg, OptimizerSpec, build_optimizer,
+                                              make_optimizer, spec_from_zero_config)
 from gigatron.parallel.zero.param_groups import (FlatGroupPlan, ModelParameters, UserGroup,
                                                  check_in_model, groups_of_optimizer,
                                                  plan_flat_groups,
@@ -151,6 +152,8 @@ class ZeroOptimizer:
         self.param_dtype = self._check_dtypes(model_chunks)
         self.scaler = self._make_scaler()
         units = self._units(model_chunks[0]) if self.stage == 3 else None
+        # DeepSpeed's "type": "Muon": the engine tagged use_muon and split the user groups
+        self._tagged_muon = isinstance(optimizer, OptimizerSpec) and optimizer.type == "muon"
         # one per (chunk, kind, decay) or (chunk, user group, kind): flat buffers
         self.flat_groups: List[FlatGroup] = self._build_groups(model_chunks, units)
         self.optimizer = self._make_optimizer(optimizer)
@@ -203,6 +206,7 @@ class ZeroOptimizer:
             ordered = [trainable_in(self.user_groups, m.parameters())[::-1] for m in chunks]
         muon = self.config.optimizer == "muon"
         plans = plan_flat_groups(ordered, self.user_groups, self.config.weight_decay,
+                                 tagged_rule_of if self._tagged_muon else
                                  rule_of if muon else None)
         self.flat_user_group = [plan.user_group for plan in plans]
         self.flat_rule = [plan.rule for plan in plans]
@@ -238,6 +242,9 @@ class ZeroOptimizer:
         (muon/build.py): one torch group per flat group, matrices apart."""
         if self.config.optimizer == "muon" and optimizer is None:
             return build_muon(self)
+        if self._tagged_muon:
+            assert isinstance(optimizer, OptimizerSpec)
+            return build_deepspeed_muon(self, optimizer)
         if self.user_groups is None:
             return build_optimizer(spec_from_zero_config(self.config),
                                    [{"params": [g.master], "weight_decay": g.weight_decay}
@@ -331,6 +338,12 @@ class ZeroOptimizer:
         scale = self.scaler.scale
         fp16 = self.param_dtype == torch.float16
         check = [v for g in self.flat_groups for v in g.shard_views] if fp16 else []
+        if getattr(self.optimizer, "updates_before_norm", False):  # DeepSpeed's Muon
+            if fp16 and bool(global_norm_and_nonfinite([], check, device=self._device())[1]):
+                self.scaler.update(True)  # the momentum does not see an overflowed step
+                self.skipped_steps += 1
+                return StepResult(False, True, None, scale)
+            updates_into_grads(self, scale)
         norm, nonfinite = global_norm_and_nonfinite(self._norm_views, check,
                                                     device=self._device())
         if fp16 and bool(torch.logical_or(nonfinite > 0, ~torch.isfinite(norm))):

@@ -10,6 +10,8 @@ rank's master shards with `build_optimizer`). What DeepSpeed builds for each typ
   adagrad  torch.optim.Adagrad (DeepSpeed hands its params to torch's class)
   lamb     gigatron.parallel.zero.lamb.Lamb: FusedLamb's update, trust ratio per parameter
            even when ZeRO shards the parameter
+  muon     DeepSpeed's MuonWithAuxAdam: Muon on the parameters tagged use_muon, AdamW on the
+           rest (ZeroOptimizer builds it: muon/build.py; extra holds ns_method)
 A user's torch optimizer instance, or a callable building one from param groups, is adopted
 instead by `make_optimizer` (DeepSpeed wraps a torch optimizer passed to initialize).
 """
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from gigatron.parallel.zero.config import ZeroConfig
 
 # DeepSpeed's optimizer "type" names (case-insensitive) this module builds
-OPTIMIZER_TYPES = ("adam", "adamw", "sgd", "lamb", "adagrad")
+OPTIMIZER_TYPES = ("adam", "adamw", "sgd", "lamb", "adagrad", "muon")
 
 
 @dataclass
@@ -106,6 +108,12 @@ def optimizer_problems(spec: OptimizerSpec) -> List[str]:
          f"optimizer.params needs 0 < min_coeff <= max_coeff, got {spec.min_coeff!r}, "
          f"{spec.max_coeff!r}"),
     ]
+    if t == "muon":
+        rules += [(spec.momentum < 1, f"optimizer.params.momentum must be in [0, 1), got "
+                                      f"{spec.momentum!r}"),
+                  (spec.extra.get("ns_method", "gram") in ("gram", "standard"),
+                   f"optimizer.params.ns_method must be \"gram\" or \"standard\", got "
+                   f"{spec.extra.get('ns_method')!r}")]
     for key, torch_value in _KERNEL_ONLY.get(t, {}).items():
         value = spec.extra.get(key, torch_value)
         rules.append((torch_value is None or value == torch_value,
@@ -119,6 +127,9 @@ def build_optimizer(spec: OptimizerSpec, param_groups: Sequence[Dict[str, Any]]
     """The torch optimizer `spec` names, over `param_groups` (torch's format; a group's own
     options override the spec's)."""
     problems = optimizer_problems(spec)
+    if spec.type == "muon":
+        problems.append("optimizer type 'muon' is built by ZeroOptimizer over its flat groups "
+                        "(its matrices apart), not over param groups alone")
     if problems:
         raise ValueError("\n".join(problems))
     cls, kwargs = _constructor(spec)

@@ -13,6 +13,11 @@ tensor, Megatron-Core's (emerging_optimizers' OrthogonalizedOptimizer) order:
 torch.optim.Muon computes the same with nesterov=True, scale_mode "shape_scaling",
 coefficient_type "simple", extra_scale_factor 1 and bf16 iterations. The state of a Muon
 tensor is "momentum_buffer"; of an AdamW tensor torch's "step", "exp_avg", "exp_avg_sq".
+
+With `ns_method` ("gram" or "standard") this is DeepSpeed's Muon (deepspeed.py): its
+orthogonalisation; with `updates_before_norm` (DeepSpeed's ZeRO 1-3) the momentum and the
+orthogonalisation run before the gradient norm (`update_of`, called by ZeRO), the update
+replaces the gradient and is clipped as one, and step() only decays and applies it.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch
 
 from gigatron.parallel.comm import Group
 from gigatron.parallel.zero.muon.config import MuonConfig
+from gigatron.parallel.zero.muon.deepspeed import DeepSpeedUpdate, deepspeed_units
 from gigatron.parallel.zero.muon.layerwise import ShardedMatrices
 from gigatron.parallel.zero.muon.matrices import MatrixUpdate, matrix_units
 
@@ -32,29 +38,35 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, weight_decay: float = 0.01,
                  config: Optional[MuonConfig] = None, betas=(0.9, 0.999), eps: float = 1e-8,
                  tp_group: Group = None, expert_tp_group: Group = None,
-                 adam_kwargs: Optional[Dict[str, Any]] = None) -> None:
+                 adam_kwargs: Optional[Dict[str, Any]] = None, decoupled: bool = True,
+                 ns_method: Optional[str] = None) -> None:
         self.config = config or MuonConfig()
+        nesterov = self.config.nesterov or ns_method is not None  # DeepSpeed's: always
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=self.config.momentum,
-                        nesterov=self.config.nesterov, use_muon=True, betas=tuple(betas),
-                        eps=eps)
+                        nesterov=nesterov, use_muon=True, betas=tuple(betas), eps=eps)
         super().__init__(params, defaults)
         self.matrix_update = MatrixUpdate(self.config, tp_group, expert_tp_group)
         self.layouts: Dict[int, ShardedMatrices] = {}
-        self._adam = self._make_adam(adam_kwargs or {})
+        self.ns_method = ns_method  # DeepSpeed's Muon; a group's own "ns_method" wins
+        self.updates_before_norm = False  # DeepSpeed's ZeRO 1-3 (see the module docstring)
+        self._adam = self._make_adam(adam_kwargs or {}, decoupled)
 
-    def _make_adam(self, kwargs: Dict[str, Any]) -> Optional[torch.optim.AdamW]:
-        """An AdamW stepping our non-Muon groups, sharing their dicts and our state."""
+    def _make_adam(self, kwargs: Dict[str, Any], decoupled: bool
+                   ) -> Optional[torch.optim.Optimizer]:
+        """An AdamW (Adam with L2 decay unless `decoupled`) stepping our non-Muon groups,
+        sharing their dicts and our state."""
         groups = [g for g in self.param_groups if not g["use_muon"]]
         if not groups:
             return None
-        adam = torch.optim.AdamW([dict(g) for g in groups], **kwargs)
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        adam = cls([dict(g) for g in groups], **kwargs)
         for ours, its in zip(groups, adam.param_groups):
             for key, value in its.items():
                 ours.setdefault(key, value)
         self._link(adam)
         return adam
 
-    def _link(self, adam: torch.optim.AdamW) -> None:
+    def _link(self, adam: torch.optim.Optimizer) -> None:
         adam.param_groups = [g for g in self.param_groups if not g["use_muon"]]
         adam.state = self.state
 
@@ -91,23 +103,36 @@ class Muon(torch.optim.Optimizer):
 
     def _step_matrices(self, p: torch.Tensor, group: Dict[str, Any]) -> None:
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        update = grad if self.updates_before_norm else self.update_of(p, grad, group)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(update, alpha=-group["lr"])
+
+    def update_of(self, p: torch.Tensor, grad: torch.Tensor,
+                  group: Optional[Dict[str, Any]] = None) -> torch.Tensor:
+        """Advance `p`'s momentum with `grad` and return the orthogonalised update."""
+        if group is None:
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
         buf, beta = state["momentum_buffer"], group["momentum"]
-        buf.lerp_(grad, 1 - beta)
+        if self.ns_method is None:
+            buf.lerp_(grad, 1 - beta)
+        else:  # DeepSpeed's: a non-finite gradient leaves the momentum as it was
+            buf.copy_(torch.where(torch.isfinite(grad).all(), buf.lerp(grad, 1 - beta), buf))
         u = grad.lerp(buf, beta) if group["nesterov"] else buf
-        update = self._orthogonalized(p, u)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update, alpha=-group["lr"])
+        return self._orthogonalized(p, u, group)
 
-    def _orthogonalized(self, p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def _orthogonalized(self, p: torch.Tensor, u: torch.Tensor,
+                        group: Dict[str, Any]) -> torch.Tensor:
+        rule = self.matrix_update if self.ns_method is None else \
+            DeepSpeedUpdate(group.get("ns_method") or self.ns_method)
         layout = self.layouts.get(id(p))
         if layout is not None:
-            return layout.update(u, self.matrix_update)
-        units = matrix_units(0, p, "", self.config)
+            return layout.update(u, rule)
+        units = matrix_units(0, p, "", self.config) if self.ns_method is None else \
+            deepspeed_units([p])
         flat = u.reshape(-1)
-        return torch.cat([self.matrix_update(unit, flat[unit.offset:unit.offset + unit.numel]
-                                             .view(unit.rows, unit.cols)).reshape(-1)
+        return torch.cat([rule(unit, flat[unit.offset:unit.offset + unit.numel]
+                               .view(unit.rows, unit.cols)).reshape(-1)
                           for unit in units]).view_as(p)
-

@@ -9,6 +9,9 @@ does. With `torch_adam` DeepSpeed hands the params to torch, whose AdamW default
 to 0.01: so does this reader. Params OptimizerSpec has no field for (bias_correction, amsgrad,
 ...) go to OptimizerSpec.extra when they differ from DeepSpeed's default; what the optimizer
 builder refuses (`optimizer_problems`, e.g. Adam's bias_correction false) is reported here.
+Muon (DeepSpeed 0.19.8's MuonWithAuxAdam): the Muon half's lr is muon_lr, else lr, else 0.02;
+the AdamW half's adam_lr, else lr, else 3e-4; momentum 0.95, ns_method "gram", betas
+(0.9, 0.95), eps 1e-10, weight_decay 0 (both halves) -- its defaults, not Adam's.
 """
 from __future__ import annotations
 
@@ -33,8 +36,14 @@ OPTIMIZER_PARAMS: Dict[str, Dict[str, Any]] = {  # lower-case type -> param -> d
             "nesterov": False, "maximize": False},
     "adagrad": {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0,
                 "initial_accumulator_value": 0.0, "eps": 1e-10, "maximize": False},
+    "muon": {"lr": None, "muon_lr": None, "adam_lr": None, "momentum": 0.95,
+             "weight_decay": 0.0, "ns_method": "gram", "betas": (0.9, 0.95), "eps": 1e-10,
+             "adam_w_mode": True, "torch_adam": False, "fp32_optimizer_states": True,
+             "per_head_muon": False},
 }
-_SPELLED = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "sgd": "SGD", "adagrad": "Adagrad"}
+_MUON_LR, _ADAM_LR = 0.02, 3e-4  # MuonWithAuxAdam's group defaults when no lr is given
+_SPELLED = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "sgd": "SGD", "adagrad": "Adagrad",
+            "muon": "Muon"}
 # keyword arguments that only pick an implementation (torch's and FusedAdam's)
 _IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "set_grad_none")
 _PASS_OWN = "pass it as initialize(optimizer=...) and drop the optimizer section (under ZeRO " \
@@ -48,7 +57,6 @@ DEEPSPEED_ONLY: Dict[str, str] = {  # DeepSpeed's own optimizer types -> what to
     "muadamw": f"build mup.MuAdamW(model.parameters(), ...) yourself and {_PASS_OWN}",
     "musgd": f"build mup.MuSGD(model.parameters(), ...) yourself and {_PASS_OWN}",
     "lion": f"build a Lion optimizer (e.g. from the lion-pytorch package) and {_PASS_OWN}",
-    "muon": f"build a Muon optimizer and {_PASS_OWN}",
 }
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
@@ -88,6 +96,11 @@ def _param(key: str, value: Any, default: Any, problems: List[str]) -> Any:
         if isinstance(value, bool):
             return value
         problems.append(f"{key} must be true or false, got {value!r}")
+        return None
+    if isinstance(default, str):  # ns_method: optimizer_problems checks the value
+        if isinstance(value, str):
+            return value
+        problems.append(f"{key} must be a string, got {value!r}")
         return None
     if isinstance(default, tuple):  # betas
         if isinstance(value, (list, tuple)) and len(value) == 2 and all(
@@ -140,6 +153,8 @@ def read_optimizer(section: Any, info: List[str], problems: List[str]) -> Option
     if kind is None:
         return None
     values = _params(kind, params, info, problems)
+    if kind == "muon":
+        return _muon_spec(values, problems)
     fields = {f.name for f in dataclasses.fields(OptimizerSpec)} - {"type", "extra"}
     defaults = OPTIMIZER_PARAMS[kind]
     spec = OptimizerSpec(type=kind, **{k: v for k, v in values.items() if k in fields},
@@ -148,6 +163,24 @@ def read_optimizer(section: Any, info: List[str], problems: List[str]) -> Option
     refused = optimizer_problems(spec)  # what the ZeRO optimizer builder will not build
     problems += refused
     return None if refused else spec
+
+
+def _muon_spec(values: Dict[str, Any], problems: List[str]) -> Optional[OptimizerSpec]:
+    """Muon's spec: lr is the Muon half's, extra["adam_lr"] the AdamW half's."""
+    if values["per_head_muon"]:
+        problems.append("optimizer.params.per_head_muon is not built (Newton-Schulz per "
+                        "attention head): remove it")
+    lr = values["lr"]
+    spec = OptimizerSpec(
+        type="muon", lr=values["muon_lr"] if values["muon_lr"] is not None else
+        lr if lr is not None else _MUON_LR, betas=values["betas"], eps=values["eps"],
+        weight_decay=values["weight_decay"], momentum=values["momentum"],
+        adam_w_mode=values["adam_w_mode"], torch_adam=values["torch_adam"],
+        extra={"adam_lr": values["adam_lr"] if values["adam_lr"] is not None else
+               lr if lr is not None else _ADAM_LR, "ns_method": values["ns_method"]})
+    refused = optimizer_problems(spec)
+    problems += refused
+    return None if refused or values["per_head_muon"] else spec
 
 
 def read_scheduler(section: Any, problems: List[str]) -> Optional[SchedulerSpec]:
