@@ -110,12 +110,12 @@ BAD_FLAGS = [  # (extra flags, world size, message)
     ("--clip-grad -1", 1, r"--clip-grad must be >= 0"),
     ("--adam-beta2 1.0", 1, r"--adam-beta2 must be in \[0, 1\)"),
     ("--group-query-attention --num-query-groups 3", 1,
-     r"num_attention_heads \(4\) must be divisible by num_query_groups \(3\)"),
+     r"--num-attention-heads \(4\) must be divisible by --num-query-groups \(3\)"),
     ("--num-query-groups 2", 1, r"--num-query-groups is used only with --group-query-attention"),
-    ("--num-attention-heads 3", 1, r"hidden_size \(32\) must be divisible by "
-                                   r"num_attention_heads"),
+    ("--num-attention-heads 3", 1, r"--hidden-size \(32\) must be divisible by "
+                                   r"--num-attention-heads"),
     ("--tensor-model-parallel-size 8 --global-batch-size 2", 8,
-     r"num_attention_heads \(4\) must be divisible by the tensor-parallel size \(8\)"),
+     r"--num-attention-heads \(4\) must be divisible by the tensor-parallel size \(8\)"),
     ("--data-path foo", 1, r"--data-path and --mock-data are exclusive"),
     ("--split 1,2,3,4", 1, r"--split 1,2,3,4: give up to three non-negative weights"),
     ("--hidden-size -32", 1, r"--hidden-size must be > 0"),
