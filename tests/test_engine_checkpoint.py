@@ -2,7 +2,8 @@
 checkpoint loads on 1 rank (and a 1-rank one on 2) and the run continues with the losses of
 the uninterrupted 2-rank run, the global batch kept by gradient accumulation (2 ranks x 1
 micro-batch = 1 rank x 2). Also across stages (saved at s, loaded at 3 - s), in bf16 (fp32
-masters) and fp16 (the dynamic loss scale carries over).
+masters) and fp16 (the dynamic loss scale carries over), and with DeepSpeed's Muon ("muon":
+fp32; its momentum of matrices cut differently by the shards of each layout).
 
 Tolerance on each step's loss: fp32 1e-5 relative (1e-6 absolute), bf16 and fp16 1e-3
 (1e-4): the two layouts sum the same gradients in another order (an all-reduce over ranks
@@ -30,9 +31,10 @@ from multirank import run_on_ranks
 MICRO, GLOBAL_MICRO, STEPS, SAVED_AT = 2, 2, 6, 3
 # (name, ZeRO stage, precision)
 CASES = [("stage0", 0, "fp32"), ("stage1", 1, "fp32"), ("stage2", 2, "fp32"),
-         ("stage3", 3, "fp32"), ("bf16", 2, "bf16"), ("fp16", 1, "fp16")]
+         ("stage3", 3, "fp32"), ("bf16", 2, "bf16"), ("fp16", 1, "fp16"),
+         ("muon", 1, "muon")]
 TOLERANCE = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=1e-3, atol=1e-4),
-             "fp16": dict(rtol=1e-3, atol=1e-4)}
+             "fp16": dict(rtol=1e-3, atol=1e-4), "muon": dict(rtol=1e-5, atol=1e-6)}
 
 
 def model() -> nn.Module:
@@ -50,6 +52,8 @@ def engine_for(stage: int, precision: str, world: int):
                             "params": {"total_num_steps": 10, "warmup_num_steps": 2}},
               # small buckets: ZeRO's shards cut parameters in the middle
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}}
+    if precision == "muon":
+        config["optimizer"] = {"type": "Muon", "params": {"lr": 1e-2, "weight_decay": 0.01}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     if precision == "fp16":  # the scale doubles every 2 steps: it has moved by the save
