@@ -28,13 +28,17 @@ numbers are emulated:
   are the dequantised copies in the run's dtype, not FP8 bytes. The weight is re-quantised
   on every forward (TE keeps one FP8 copy per step and re-casts it on the first
   micro-batch only; the values differ only when the weight scale changed between
-  micro-batches). Activation recomputation is refused with FP8 (TE replays the forward
-  with the scales of the original forward; this emulation does not keep them).
+  micro-batches).
+* Activation recomputation (parallel/tensor/random.checkpoint): as TE, the recomputed
+  forward quantises with the scales its original forward used and records no amax, so a
+  recomputed layer computes what a kept one does (`recording` / `replaying`).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -165,18 +169,57 @@ class FP8LinearState:
         self.backward = ScalingMeta(1, recipe.backward_dtype, recipe, device)
 
 
+Scales = Tuple[torch.Tensor, torch.Tensor]
+_RECORDINGS: List[List[Scales]] = []  # open recordings: forwards that will be recomputed
+_REPLAYS: List[Deque[Scales]] = []  # open replays: recomputations, innermost last
+
+
+@contextlib.contextmanager
+def recording(store: List[Scales]) -> Iterator[None]:
+    """Inside: each FP8 linear's forward appends the (input, weight) scales it used."""
+    _RECORDINGS.append(store)
+    try:
+        yield
+    finally:
+        _RECORDINGS.pop()
+
+
+@contextlib.contextmanager
+def replaying(store: List[Scales]) -> Iterator[None]:
+    """Inside: FP8 linears quantise with `store`'s scales, in the order recorded, and
+    record no amax (TE's recomputation with the original forward's FP8 meta)."""
+    _REPLAYS.append(collections.deque(store))
+    try:
+        yield
+    finally:
+        _REPLAYS.pop()
+
+
+def _forward_operands(x: torch.Tensor, weight: torch.Tensor,
+                      state: FP8LinearState) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x and the weight rounded through FP8 with this forward's scales (recorded for a
+    recomputation, or replayed in one)."""
+    meta = state.forward
+    if _REPLAYS and _REPLAYS[-1]:
+        x_scale, w_scale = _REPLAYS[-1].popleft()
+        x_fp8 = quantize(x, x_scale, meta.dtype)
+        w_fp8 = quantize(weight, w_scale, meta.dtype)
+    else:
+        x_scale, w_scale = meta.scale[state.INPUT].clone(), meta.scale[state.WEIGHT].clone()
+        x_fp8 = meta.quantize(state.INPUT, x)
+        w_fp8 = meta.quantize(state.WEIGHT, weight)
+    for store in _RECORDINGS:
+        store.append((x_scale, w_scale))
+    return dequantize(x_fp8, x_scale, x.dtype), dequantize(w_fp8, w_scale, weight.dtype)
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = dq(q(x)) dq(q(W))^T; dgrad and wgrad from the quantised output-gradient."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                 state: FP8LinearState) -> torch.Tensor:
-        meta = state.forward
-        x_scale, w_scale = meta.scale[state.INPUT].clone(), meta.scale[state.WEIGHT].clone()
-        x_fp8 = meta.quantize(state.INPUT, x)
-        w_fp8 = meta.quantize(state.WEIGHT, weight)
-        x_q = dequantize(x_fp8, x_scale, x.dtype)
-        w_q = dequantize(w_fp8, w_scale, weight.dtype)
+        x_q, w_q = _forward_operands(x, weight, state)
         wgrad_input = x_q if state.recipe.wgrad else x
         ctx.save_for_backward(wgrad_input, w_q)
         ctx.state = state

@@ -12,10 +12,12 @@ Only device-agnostic torch calls are used (`torch.get_device_module`), so it run
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.utils.checkpoint
+
+from gigatron.parallel.tensor import fp8
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Offset so the tracked stream never coincides with the default stream's seed.
@@ -94,25 +96,30 @@ def model_parallel_seed(seed: int, tp_rank: int) -> int:
 
 
 def _tracker_contexts(tracker: Optional[TensorParallelRNGTracker]):
-    """Context pair for torch checkpoint: record tracker states in forward, replay them in
-    recomputation, then put back whatever the tracker held before the replay."""
+    """Context pair for torch checkpoint: record tracker states (and the FP8 scales the
+    forward used) in forward, replay them in recomputation, then put back whatever the
+    tracker held before the replay."""
     recorded: Dict[str, Any] = {}
+    scales: List[Any] = []
 
     @contextlib.contextmanager
     def forward_ctx():
         if tracker is not None:
             recorded["states"] = tracker.get_states()
-        yield
+        with fp8.recording(scales):
+            yield
 
     @contextlib.contextmanager
     def recompute_ctx():
         if tracker is None:
-            yield
+            with fp8.replaying(scales):
+                yield
             return
         current = tracker.get_states()
         tracker.set_states(recorded["states"])
         try:
-            yield
+            with fp8.replaying(scales):
+                yield
         finally:
             tracker.set_states(current)
 
@@ -124,7 +131,8 @@ def checkpoint(function: Callable, tracker: Optional[TensorParallelRNGTracker],
     """Run `function(*args)` without keeping its activations; recompute them in backward.
 
     Default-generator states (CPU and the inputs' device) and the tracker's streams are
-    replayed, so dropout draws the same masks and gradients are bit-identical.
+    replayed, so dropout draws the same masks and gradients are bit-identical; FP8 linears
+    replay the scales of the original forward.
     """
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=True,

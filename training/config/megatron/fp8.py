@@ -84,11 +84,6 @@ def fp8_problems(s: "Settings") -> List[str]:
                    f"delayed scaling only (--fp8-recipe delayed, Megatron's default)")
     if fp8.fp8_amax_history_len < 1:
         out.append(f"--fp8-amax-history-len must be >= 1, got {fp8.fp8_amax_history_len}")
-    if model.recompute_granularity or model.recompute_activations or \
-            model.checkpoint_activations:
-        out.append("--fp8-format with activation recomputation is not supported by the FP8 "
-                   "emulation (the recomputed forward would quantise with updated scales): "
-                   "drop the recomputation flags or --fp8-format")
     return out
 
 
