@@ -65,6 +65,7 @@ def pack_conversations(conversations: Sequence[Tokenized], seq_length: int, eod:
             stats.dropped += len(conversations) - k - 1
             break
     cu_seqlens = cu_seqlens_from_lengths(lengths, seq_length)
-    sample = {"tokens": stream[:-1], "labels": stream[1:], "loss_mask": loss_mask,
-              "position_ids": reset_positions(cu_seqlens), CU_SEQLENS: cu_seqlens}
+    sample: Dict[str, np.ndarray] = {
+        "tokens": stream[:-1], "labels": stream[1:], "loss_mask": loss_mask,
+        "position_ids": reset_positions(cu_seqlens), CU_SEQLENS: cu_seqlens}
     return sample, stats
