@@ -225,6 +225,11 @@ class TransformerConfig:
     yarn_correction_range_round_to_int: bool = True
     """Round YaRN's correction range to whole channels
     (--[no-]yarn-correction-range-round-to-int; Hugging Face's rope_parameters.truncate)."""
+    # Multi-token prediction (DeepSeek-V3, issue 39): Megatron-Core's names and defaults.
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depths on the last pipeline stage (--mtp-num-layers); None: none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the depths' mean loss in the training loss (--mtp-loss-scaling-factor)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -301,6 +306,8 @@ class TransformerConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 out.append(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.mtp_num_layers is not None and not _positive_int(self.mtp_num_layers):
+            out.append(f"mtp_num_layers must be a positive integer, got {self.mtp_num_layers!r}")
         if not ints:  # the shape rules divide by these sizes
             out += self._shape_problems(tp_size) + self._rope_problems()
         return (out + self._recompute_problems() + moe_problems(self, tp_size)

@@ -7,7 +7,7 @@ then sliced for this tp rank, so every layout holds the same full model.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -123,7 +123,14 @@ class GPTModel(nn.Module):
         # losses the layers add during forward (MoE routers' balancing losses)
         self.layer_losses = LayerLosses()
 
-        if pre_process:
+        # multi-token prediction (models/mtp/) sits with the output layer and needs the
+        # embedding there too: a last stage without it keeps a copy, shared as a tied one
+        self.mtp_process = post_process and bool(config.mtp_num_layers)
+        if self.mtp_process and not pre_process and \
+                config.position_embedding_type == "learned_absolute":
+            raise ValueError("multi-token prediction on a pipeline stage without the "
+                             "embedding needs position_embedding_type rope or none")
+        if pre_process or self.mtp_process:
             self.embedding = LanguageModelEmbedding(config, tp_group, self.rng_tracker, device)
         self.decoder = TransformerBlock(config, self.layer_range, tp_group, self.rng_tracker,
                                         post_process, device, self.layer_losses,
@@ -133,8 +140,12 @@ class GPTModel(nn.Module):
                 config.hidden_size, config.padded_vocab_size(tp), tp_group=tp_group,
                 bias=False, sequence_parallel=config.sequence_parallel,
                 init_std=config.init_method_std, valid_rows=config.vocab_size,
-                skip_weight_param=pre_process and self.tied,
+                skip_weight_param=(pre_process or self.mtp_process) and self.tied,
                 params_dtype=config.params_dtype, device=device)
+        if self.mtp_process:
+            from gigatron.models.mtp.block import MultiTokenPredictionBlock  # builds on this
+            self.mtp = MultiTokenPredictionBlock(config, tp_group, self.rng_tracker, device,
+                                                 self.layer_losses, dispatcher_factory)
         self._mark_shared_embedding()
         self._initialize(seed)
         self.cp_size, self.cp_rank = ((comm.group_size(cp_group), comm.group_rank(cp_group))
@@ -146,11 +157,13 @@ class GPTModel(nn.Module):
                 module.set_context_parallel(cp_group)
 
     def _mark_shared_embedding(self) -> None:
-        if not self.tied or (self.pre_process and self.post_process):
+        if self.pre_process and self.post_process:
             return
-        if self.pre_process:
+        if self.pre_process and (self.tied or self.config.mtp_num_layers):
             mark_shared_embedding(self.embedding.word_embeddings.weight)
-        if self.post_process:
+        if self.mtp_process:  # the last stage's copy of the embedding (the output weight if tied)
+            mark_shared_embedding(self.embedding.word_embeddings.weight, copy=True)
+        elif self.post_process and self.tied:
             weight = self.output_layer.weight
             assert weight is not None, "a last stage without the embedding owns its weight"
             mark_shared_embedding(weight)
@@ -211,11 +224,14 @@ class GPTModel(nn.Module):
             if hidden_states is None:
                 raise ValueError("a non-first pipeline stage needs hidden_states [s, b, h]")
             x = hidden_states
-        x = self.decoder(x, self._rotary(x, position_ids), step, documents)
+        rotary = self._rotary(x, position_ids)
+        x = self.decoder(x, rotary, step, documents)
         if step is not None:
             step.cache.commit(step)
         if not self.post_process:
             return x
+        if self.mtp_process and labels is not None:
+            return self._losses_with_mtp(x, input_ids, position_ids, labels, rotary, documents)
         if last_logits_only:
             if self.config.sequence_parallel and tp_size(self.tp_group) > 1:
                 raise ValueError("last_logits_only needs sequence_parallel=False")
@@ -226,6 +242,27 @@ class GPTModel(nn.Module):
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
                                             self.config.vocab_size)
         return loss.transpose(0, 1).contiguous()
+
+    def _losses_with_mtp(self, x: torch.Tensor, input_ids: Optional[torch.Tensor],
+                         position_ids: Optional[torch.Tensor], labels: torch.Tensor,
+                         rotary: Optional[tuple], documents: Any) -> torch.Tensor:
+        """[1 + D, b, s]: the per-token loss, then depth k's against the labels k places
+        further (the last k places' are meaningless: models/mtp/loss.py masks them)."""
+        from gigatron.models.mtp.block import roll_left
+
+        if input_ids is None:
+            raise ValueError("multi-token prediction needs input_ids on the last stage")
+        if position_ids is None and self.embedding.position_embeddings is not None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
+        hidden = [x] + self.mtp(x, input_ids, position_ids, self.embedding, rotary, documents)
+        losses = []
+        for h in hidden:
+            logits = self.output_layer(h, self.output_weight())
+            losses.append(vocab_parallel_cross_entropy(logits, labels.transpose(0, 1),
+                                                       self.tp_group, self.config.vocab_size))
+            labels = roll_left(labels)
+        return torch.stack(losses).transpose(1, 2).contiguous()
 
     def _rotary(self, x: torch.Tensor, position_ids: Optional[torch.Tensor]) -> Optional[tuple]:
         """RoPE's cos/sin tables at `position_ids`, or 0 .. s-1 without them (a non-first

@@ -56,8 +56,13 @@ class GPTMicroBatchStep:
     last, whose chunk returns the per-token loss; the micro-batch loss is its masked mean,
     or its masked sum with `per_token_loss` (--calculate-per-token-loss)."""
 
-    def __init__(self, per_token_loss: bool = False) -> None:
+    def __init__(self, per_token_loss: bool = False,
+                 mtp_loss_scaling_factor: float = 0.1) -> None:
+        """`mtp_loss_scaling_factor`: multi-token prediction's (--mtp-loss-scaling-factor),
+        for a last stage whose output stacks the MTP depths' per-token losses."""
+        self._per_token_loss = per_token_loss
         self._reduce = masked_sum_loss if per_token_loss else masked_mean_loss
+        self._mtp_scale = mtp_loss_scaling_factor
 
     def chunk_inputs(self, batch: GPTMicroBatch, received: Optional[Payload],
                      last: bool) -> Dict[str, Any]:
@@ -75,11 +80,20 @@ class GPTMicroBatchStep:
                 kwargs[key] = batch[key]
         if last and batch.get("labels") is not None:
             kwargs["labels"] = batch["labels"]
+            if received is not None and batch.get("input_ids") is not None:
+                kwargs["input_ids"] = batch["input_ids"]  # multi-token prediction's
         return kwargs
 
     def loss(self, output: torch.Tensor, batch: GPTMicroBatch) -> StageLoss:
-        """The per-token loss reduced over the micro-batch's loss mask."""
-        return StageLoss(self._reduce(output, batch))
+        """The per-token loss reduced over the micro-batch's loss mask; with multi-token
+        prediction (output [1 + D, b, s]) its depths' losses too, back-propagated scaled
+        and reported apart (models/mtp/loss.py)."""
+        if output.dim() == 2:
+            return StageLoss(self._reduce(output, batch))
+        from gigatron.models.mtp.loss import mtp_losses
+
+        return StageLoss(self._reduce(output[0], batch),
+                         mtp_losses(output[1:], batch, self._mtp_scale, self._per_token_loss))
 
     def layer_losses(self, chunk: torch.nn.Module) -> Mapping[str, torch.Tensor]:
         """What the chunk's layers left in its `LayerLosses` during the forward."""

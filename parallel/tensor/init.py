@@ -104,9 +104,12 @@ def set_parallel_attributes(param: torch.Tensor, spec: InitSpec,
         setattr(param, key, value)
 
 
-def mark_shared_embedding(param: torch.Tensor) -> None:
-    """Tag the word-embedding / output weight that the first and last stages keep in sync."""
+def mark_shared_embedding(param: torch.Tensor, copy: bool = False) -> None:
+    """Tag the word-embedding / output weight that the first and last stages keep in sync;
+    `copy`: the last stage's copy of the word embedding (multi-token prediction's), which
+    checkpoints save from the first stage only."""
     setattr(param, "shared_embedding", True)
+    setattr(param, "shared_embedding_copy", copy)
 
 
 @torch.no_grad()

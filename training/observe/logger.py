@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import IO, Callable, Dict, Optional
@@ -51,6 +52,7 @@ _TENSORBOARD_KEYS = ("lm loss", "lr", "grad norm", "loss scale", "skipped", "tok
                      "tflops_per_device", "mfu", "peak_memory_mib", "ms_per_iteration",
                      "load_balancing_loss", "z_loss", "tokens_per_expert_max_over_mean",
                      "dropped_token_share")
+_MTP_LOSS = re.compile(r"mtp_\d+ loss$")
 EVAL_PROGRESS_EVERY_S = 15.0  # seconds between evaluation progress lines in a log
 
 
@@ -66,6 +68,8 @@ def format_train_line(record: Dict, train_iters: int) -> str:
         if key == "tflops_per_device" and value < 0.1:  # a CPU: 0.0 TFLOP/s would say nothing
             label, fmt, value = "throughput per device (GFLOP/s/device)", "{:.2f}", 1e3 * value
         parts.append(f"{label}: {fmt.format(value)}")
+        if key == "lm loss":  # multi-token prediction's depths, as Megatron-Core logs them
+            parts += [f"{k}: {record[k]:.6E}" for k in sorted(record) if _MTP_LOSS.match(k)]
     timers = record.get("timers_ms")
     if timers:
         parts.append(" ".join(f"{k} {v:.1f}" for k, v in timers.items()) + " (ms)")
@@ -208,6 +212,7 @@ class MetricsLogger:
         self.totals.add_train(record)
         if self._tb is not None:
             scalars = {key: record.get(key) for key in _TENSORBOARD_KEYS}
+            scalars.update({key: record[key] for key in record if _MTP_LOSS.match(key)})
             scalars.update({f"timers_ms/{name}": ms
                             for name, ms in (record.get("timers_ms") or {}).items()})
             scalars.update({f"optimizer/{name}": value

@@ -162,6 +162,7 @@ class Pipeline:
     eval_schedule: List[Instruction]
     needs_inputs: bool  # this rank runs the first virtual stage: reads input ids
     needs_labels: bool  # this rank runs the last virtual stage: reads labels and loss mask
+    mtp: bool = False  # multi-token prediction: the last stage reads input ids too
     pp_rank: int = 0
     pp_size: int = 1
     virtual_chunks: int = 1
@@ -201,7 +202,8 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
     name, placement = p.pipeline_schedule, placement_of(p.pipeline_schedule)
     executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
                                 pp_rank, groups.ranks("pp"), grad_sync=grad_sync,
-                                micro_batch_step=GPTMicroBatchStep(per_token_loss(run)),
+                                micro_batch_step=GPTMicroBatchStep(
+                                    per_token_loss(run), m.mtp_loss_scaling_factor),
                                 placement=placement)
     n = run.train.num_microbatches
     train_schedule = build_schedule(pp_rank, p.pp, n, v, schedule=name)
@@ -211,7 +213,8 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
                                      for c in range(v)),
                     needs_labels=any(is_last_stage(pp_rank, c, p.pp, v, placement)
                                      for c in range(v)),
-                    pp_rank=pp_rank, pp_size=p.pp, virtual_chunks=v,
+                    mtp=bool(m.mtp_num_layers), pp_rank=pp_rank, pp_size=p.pp,
+                    virtual_chunks=v,
                     schedules={n: train_schedule}, schedule=name)
 
 
@@ -276,7 +279,7 @@ def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
                  cp_rank: int = 0, documents: bool = False) -> Iterator[dict]:
     for batch in waited_for(loader):
         out = {}
-        if pipeline.needs_inputs:
+        if pipeline.needs_inputs or (pipeline.needs_labels and pipeline.mtp):
             out["input_ids"] = batch["tokens"].to(device)
         if pipeline.needs_inputs or documents:
             out["position_ids"] = batch["position_ids"].to(device)

@@ -39,6 +39,7 @@ from gigatron.training.config.run_config import RunConfig, TrainConfig
 from gigatron.training.run.decoupled_lr import set_decoupled_lr
 from gigatron.training.checkpoint.torch_dist.async_save import SavedCheckpoint
 from gigatron.training.run.moe import MoETraining, moe_training
+from gigatron.training.run.mtp import MTPTraining, mtp_training
 from gigatron.training.run.nan_check import NonFiniteWatch
 from gigatron.training.run.per_token_loss import EvalLoss, loss_divisor, per_token_loss, step_loss
 from gigatron.training.observe.profiling import Profiler
@@ -77,6 +78,7 @@ class Session:
     # followed by the measured peak beside it (then None)
     memory_plan: Optional[Dict[int, float]] = None
     moe: Optional[MoETraining] = None  # an MoE model's step hook and log fields, set by train
+    mtp: Optional[MTPTraining] = None  # multi-token prediction's log fields, set by train
 
 
 @dataclass
@@ -163,6 +165,8 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     s.timers.stop("optimizer")
     if s.moe is not None:
         s.moe.after_step(s.pipeline.executor.aux_losses, len(batches))
+    if s.mtp is not None:
+        s.mtp.after_step(s.pipeline.executor.aux_losses, len(batches))
     return StepOutcome(step_loss(losses, divisor, batches, s.groups["dp-cp"]), lr,
                        step.grad_norm, step.loss_scale, step.skipped)
 
@@ -253,6 +257,8 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
     }
     if s.moe is not None:  # collective: every rank
         record.update(s.moe.log_fields())
+    if s.mtp is not None:  # collective: every rank
+        record.update(s.mtp.log_fields())
     if s.run.logging.log_optimizer_states_to_tensorboard:  # collective: every rank
         record["optimizer"] = optimizer_state_stats(s.zero)
     if "forward" in phases:  # backward is what the measured phases leave of the step
@@ -377,6 +383,7 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
     _start_nonfinite_watch(s, progress)
     s.moe = moe_training(s.chunks, s.run.model, s.groups.dp, s.groups.size("tp-cp") *
                          s.run.parallel.dp, s.device)
+    s.mtp = mtp_training(s.run.model.mtp_num_layers, s.pipeline.needs_labels, s.device)
     ramp = run_rampup(t, s.run.parallel.dp)
     interval, last_count = _Interval(), None
     profiler = Profiler(s.run.settings.profiling, s.run.logging.tensorboard_dir, s.groups.rank,

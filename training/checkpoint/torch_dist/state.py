@@ -93,11 +93,13 @@ def _blocks(full_size: int, stride: Any) -> Tuple[int, ...]:
 
 def global_names(chunks: List[torch.nn.Module]) -> Dict[int, Tuple[str, bool]]:
     """id(parameter) -> (global name, whether this copy is the one saved): the tied output
-    weight of a last stage without the embedding is a copy of the embedding."""
+    weight of a last stage without the embedding is a copy of the embedding, and so is the
+    embedding that multi-token prediction keeps there."""
     names: Dict[int, Tuple[str, bool]] = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
-            if name == TIED_OUTPUT and getattr(param, "shared_embedding", False):
+            if getattr(param, "shared_embedding_copy", False) or (
+                    name == TIED_OUTPUT and getattr(param, "shared_embedding", False)):
                 names[id(param)] = (WORD_EMBEDDING, False)
             elif getattr(param, SAVED_ELSEWHERE, False):
                 names[id(param)] = (name, False)

@@ -38,13 +38,9 @@ _MOE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
      "gigatron's grouped matmul takes any token counts"),
     (("--moe-enable-routing-replay", "--moe-routing-trace"),
      "routing replay and routing traces are not provided"),
-    (("--moe-per-layer-logging",),
-     "per-layer balancing losses are not logged apart: the log line carries "
-     "load_balancing_loss (the mean over MoE layers, as Megatron) and each MoE layer's "
-     "tokens-per-expert imbalance"),
     (("--moe-use-upcycling", "--moe-upcycling-"),
      "upcycling a dense checkpoint into an MoE model is not implemented"),
-    (("--moe-permute-fusion", "--moe-router-fusion", "--moe-use-grouped-tensor",
+    (("--moe-router-fusion", "--moe-use-grouped-tensor",
       "--moe-single-grouped-", "--use-grouped-gemm-for-"),
      "a fused kernel or weight layout of Transformer Engine that is not used: gigatron's "
      "router and experts compute the same numbers (--moe-grouped-gemm picks the grouped "
@@ -82,7 +78,9 @@ REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
     (("--cuda-graph", "--enable-cuda-graph", "--external-cuda-graph", "--optimizer-cuda-graph",
       "--decode-only-cuda-graphs", "--delay-offload-until-cuda-graph"),
      "CUDA graphs are not used"),
-    (("--mtp-",), "multi-token prediction is not implemented"),
+    (("--mtp-",), "multi-token prediction's standalone stage, repeated or detached heads "
+     "and hybrid patterns are not implemented (--mtp-num-layers and "
+     "--mtp-loss-scaling-factor are: its modules on the last pipeline stage)"),
     (("--hybrid-context", "--max-seqlen-per-dp-cp"),
      "hybrid context parallelism is not implemented: --context-parallel-size with "
      "--cp-comm-type p2p, all_gather, a2a or a2a+p2p is"),
