@@ -173,3 +173,19 @@ def test_every_pipeline_stage_reads_the_conversations_boundaries():
     batch = next(iter(micro_batches(run, dataset, 0, 0, torch.device("cpu"), middle)))
     assert batch["cu_seqlens"][0, :4].tolist() == [0, 9, 18, 24]
     assert batch["position_ids"][0, 9:12].tolist() == [0, 1, 2]
+
+
+def test_a_checkpoint_records_the_conversation_files_themselves(tmp_path):
+    """gigatron evaluate/generate of an --sft checkpoint: the recorded --data-path is a
+    file, not a .bin/.idx prefix."""
+    from gigatron.training.checkpoint.recorded_paths import missing_recorded_paths
+
+    data = write_jsonl(tmp_path / "c.jsonl", [conversation(0)])
+    flags = {"sft": True, "data_path": [data], "tokenizer_type": "HuggingFaceTokenizer"}
+    assert missing_recorded_paths(flags, {"tokenizer_type"}, "ckpt") == []
+    gone = str(tmp_path / "gone.jsonl")
+    assert missing_recorded_paths({**flags, "data_path": [gone]}, {"tokenizer_type"},
+                                  "ckpt") == [
+        f"checkpoint ckpt records --data-path prefix {gone}, but {gone} does not exist: give "
+        f"--data-path PREFIX (or --train-data-path ...; a data flag replaces the checkpoint's "
+        f"data)"]

@@ -145,7 +145,9 @@ def missing_recorded_paths(flags: Mapping[str, Any], given: Collection[str],
         return lines
     for dest in (d for d in DATA_PREFIXES if d not in given):
         for prefix in _prefixes(list(flags.get(dest) or [])):
-            gone = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            # --sft's data are the conversation files themselves
+            gone = ([prefix] if not os.path.isfile(prefix) else []) if flags.get("sft") else \
+                [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if gone:
                 lines.append(f"checkpoint {folder} records {flag_name(dest)} prefix {prefix}, but "
                              f"{gone[0]} does not exist{_relative(prefix)}: give --data-path "
