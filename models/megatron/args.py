@@ -26,7 +26,6 @@ _UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
     ("quick_geglu", True, "the quick-GeGLU activation"),
     ("apply_residual_connection_post_layernorm", True, "residuals taken after the norm"),
     ("heterogeneous_layers_config_path", "any", "heterogeneous layers"),
-    ("mtp_num_layers", "any", "multi-token prediction layers"),
     ("hybrid_layer_pattern", "any", "hybrid (Mamba) layers"),
     ("softmax_scale", "any", "a custom attention softmax scale"),
     ("moe_latent_size", "any", "experts in a latent space"),
@@ -152,6 +151,8 @@ def config_from_megatron_args(args: argparse.Namespace, vocab_size: Optional[int
             hidden_dropout=float(_get(args, "hidden_dropout", default=0.1)),
             attention_dropout=float(_get(args, "attention_dropout", default=0.1)),
             init_method_std=float(_get(args, "init_method_std", default=0.02)),
+            mtp_num_layers=_get(args, "mtp_num_layers"),
+            mtp_loss_scaling_factor=float(_get(args, "mtp_loss_scaling_factor", default=0.1)),
             **moe_config_fields(args))
     except ValueError as err:
         raise ConversionError(f"the saved args do not make a valid model: "

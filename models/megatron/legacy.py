@@ -50,9 +50,12 @@ _MODEL_NAMES = ("embedding.word_embeddings.weight", "embedding.position_embeddin
                 "decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
                 "output_layer.weight")
 _COLUMN = ("word_embeddings.weight", "linear_qkv.weight", "linear_qkv.bias",
-           "linear_fc1.weight", "linear_fc1.bias", "output_layer.weight")
+           "linear_fc1.weight", "linear_fc1.bias", "output_layer.weight", "eh_proj.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
+# multi-token prediction (models/mtp/): the same names in gigatron, the layer's mapped as above
+_MTP = re.compile(r"mtp\.layers\.(\d+)\.(?:(?:enorm|hnorm|final_layernorm)\.(?:weight|bias)"
+                  r"|eh_proj\.weight|transformer_layer\.(.+))$")
 _VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 Shards = Dict[str, List[torch.Tensor]]  # gigatron name -> one tensor per tp rank
@@ -72,6 +75,14 @@ def gigatron_name(name: str, offset: int) -> Optional[str]:
             return f"decoder.layers.{offset + int(match.group(1))}.{inner}"
     elif name in _MODEL_NAMES:
         return name
+    elif (mtp := _MTP.match(name)):
+        if mtp.group(2) is None:
+            return name
+        inner = _LAYER_NAMES.get(mtp.group(2))
+        if inner is None and is_routed_expert(mtp.group(2)):
+            inner = mtp.group(2)
+        if inner is not None:
+            return f"mtp.layers.{mtp.group(1)}.transformer_layer.{inner}"
     hint = (" (mixture of experts is read from torch_dist checkpoints only: resave with "
             "--ckpt-format torch_dist)" if ".experts." in name
             else " (legacy, pre-Megatron-Core model: not supported)"
@@ -119,6 +130,8 @@ def collect_shards(models: Dict[Tuple[int, int], List[StateDict]], tp: int, pp: 
         for p in range(pp):
             for v, chunk in enumerate(models[(t, p)]):
                 for name, tensor in chunk.items():
+                    if name.startswith("embedding.") and (p, v) != (0, 0):
+                        continue  # multi-token prediction's copy on the last stage
                     ours = gigatron_name(name, offsets[(p, v)])
                     if ours is not None and isinstance(tensor, torch.Tensor):
                         shards.setdefault(ours, []).append(tensor)
