@@ -112,6 +112,10 @@ SAMPLES = {"window_size": "3,0", "window_attn_skip_freq": "2",
            "ffn_hidden_size": 96, "num_attention_heads": 8, "num_layers": 6,
            "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
            "num_layers_per_virtual_pipeline_stage": 1, "decoder_first_pipeline_num_layers": 2,
+           "num_virtual_stages_per_pipeline_rank": 2,
+           "data_args_path": os.path.join(ROOT, "tests", "data", "data_args", "data_args.txt"),
+           "per_split_data_args_path": os.path.join(ROOT, "tests", "data", "data_args",
+                                                    "per_split.json"),
            "decoder_last_pipeline_num_layers": 2, "zero_stage": 2, "optimizer": "sgd",
            "lr_decay_style": "cosine", "lr_wsd_decay_style": "linear", "ckpt_format":
            "safetensors", "tokenizer_type": "NullTokenizer", "timing_log_level": 2,
@@ -142,6 +146,8 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
          "optimizer_cpu_offload":
          "--zero-stage 1", "sequence_parallel": "--tensor-model-parallel-size 2",
          "num_layers_per_virtual_pipeline_stage": "--pipeline-model-parallel-size 2",
+         "num_virtual_stages_per_pipeline_rank": "--pipeline-model-parallel-size 2 "
+                                                 "--num-layers 4",
          "pipeline_schedule": "--pipeline-model-parallel-size 2 "
                               "--num-layers-per-virtual-pipeline-stage 1",
          "decoder_first_pipeline_num_layers": "--pipeline-model-parallel-size 2 --num-layers 6",
@@ -185,6 +191,7 @@ SAMPLE_BASED = ("train_samples", "lr_decay_samples", "lr_warmup_samples",
 OWNERS = {ParallelConfig: "parallel", TrainConfig: "train", CheckpointConfig: "checkpoint",
           LoggingConfig: "logging"}
 DATA_DESTS = ("data_path", "train_data_path", "valid_data_path", "test_data_path",
+              "data_args_path", "per_split_data_args_path",
               "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "deepspeed_config",
               "tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens",
               "tokenizer_hf_no_include_special_tokens")  # tests/test_tokenizer_megatron.py

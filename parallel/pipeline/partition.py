@@ -5,7 +5,9 @@ Megatron's flags and meanings:
 - `--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers` give the first /
   last stage a different count; the other stages share the rest evenly;
 - `--num-layers-per-virtual-pipeline-stage N` cuts every stage into v chunks of N layers for
-  the interleaved schedule (v = layers per stage / N). Virtual stage (chunk c, rank r) is number
+  the interleaved schedule (v = layers per stage / N); `--num-virtual-stages-per-pipeline-rank
+  v` (Megatron-Core's newer spelling, the two exclusive) gives v itself, and each stage's
+  layers, uneven first/last stages' too, must divide by it (v = 1: no interleaving). Virtual stage (chunk c, rank r) is number
   c * pp + r in the model: activations go rank 0..pp-1 for chunk 0, then wrap to rank 0 for
   chunk 1, and so on. The embedding lives on (rank 0, chunk 0), the final norm + output layer +
   loss on (rank pp-1, chunk v-1).
@@ -22,6 +24,7 @@ PP_FLAG = "--pipeline-model-parallel-size"
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
 VIRTUAL_FLAG = "--num-layers-per-virtual-pipeline-stage"
+STAGES_FLAG = "--num-virtual-stages-per-pipeline-rank"
 
 
 def _check_positive(value: Optional[int], flag: str) -> None:
@@ -98,13 +101,16 @@ class PipelinePartition:
 def partition_layers(num_layers: int, pp_size: int, *, first_stage_layers: Optional[int] = None,
                      last_stage_layers: Optional[int] = None,
                      num_layers_per_virtual_stage: Optional[int] = None,
+                     virtual_stages_per_rank: Optional[int] = None,
                      placement: str = "loop") -> PipelinePartition:
     """Split the decoder over pipeline stages and virtual chunks, Megatron's way; virtual
     stages sit where the schedule's `placement` puts them ("v": rank r holds stages r and
     2pp-1-r)."""
     counts = stage_layer_counts(num_layers, pp_size, first_stage_layers, last_stage_layers)
     virtual = 1
-    if num_layers_per_virtual_stage is not None:
+    if virtual_stages_per_rank is not None:
+        virtual = _virtual_stages(counts, num_layers_per_virtual_stage, virtual_stages_per_rank)
+    elif num_layers_per_virtual_stage is not None:
         _check_positive(num_layers_per_virtual_stage, VIRTUAL_FLAG)
         if pp_size == 1:
             raise ValueError(f"{VIRTUAL_FLAG} (interleaved schedule) needs {PP_FLAG} > 1: "
@@ -121,6 +127,31 @@ def partition_layers(num_layers: int, pp_size: int, *, first_stage_layers: Optio
                                  f"{virtual} virtual chunks set by {VIRTUAL_FLAG}="
                                  f"{num_layers_per_virtual_stage}: change {FIRST_FLAG} / "
                                  f"{LAST_FLAG} or {VIRTUAL_FLAG}")
+    return _assign(counts, virtual, placement)
+
+
+def _virtual_stages(counts: List[int], layers_per_virtual_stage: Optional[int],
+                    stages_per_rank: int) -> int:
+    """--num-virtual-stages-per-pipeline-rank's chunks per rank, as Megatron-LM checks it."""
+    _check_positive(stages_per_rank, STAGES_FLAG)
+    if layers_per_virtual_stage is not None:
+        raise ValueError(f"{VIRTUAL_FLAG} and {STAGES_FLAG} are exclusive (Megatron-LM "
+                         f"asserts it): give one of them")
+    if stages_per_rank > 1 and len(counts) == 1:
+        raise ValueError(f"{STAGES_FLAG}={stages_per_rank} (interleaved schedule) needs "
+                         f"{PP_FLAG} > 1: drop it for a single stage")
+    for stage, n in enumerate(counts):
+        if n % stages_per_rank:
+            raise ValueError(f"stage {stage} has {n} layers, not divisible into {STAGES_FLAG}="
+                             f"{stages_per_rank} chunks: change --num-layers, {FIRST_FLAG} / "
+                             f"{LAST_FLAG} or {STAGES_FLAG}")
+    return stages_per_rank
+
+
+def _assign(counts: List[int], virtual: int, placement: str) -> PipelinePartition:
+    """Each (rank, chunk)'s layer range: virtual stages in model order, where `placement`
+    puts them."""
+    pp_size = len(counts)
     ranges: List[List[range]] = [[range(0)] * virtual for _ in range(pp_size)]
     start = 0
     for stage in range(pp_size * virtual):  # virtual stages in model order

@@ -57,6 +57,7 @@ def parse_flags(argv: Optional[Sequence[str]] = None,
                                                              load_deepspeed_config)
 
     flags = make_parser(prog).parse_args(argv)
+    read_data_args(flags)
     if flags.use_checkpoint_args and flags.load is not None:
         from gigatron.training.checkpoint.checkpoint_args import apply_checkpoint_args
 
@@ -69,6 +70,41 @@ def parse_flags(argv: Optional[Sequence[str]] = None,
             raise type(err)(*_prefixed(err, f"--deepspeed-config {flags.deepspeed_config}: ")) \
                 from None
     return flags
+
+
+def read_data_args(flags: argparse.Namespace) -> None:
+    """--data-args-path / --per-split-data-args-path: the data paths read from a file in
+    place of --data-path / --train/valid/test-data-path, as Megatron-LM's
+    get_blend_and_blend_per_split reads them (the file's words; the JSON's three splits)."""
+    import json
+
+    def words(flag: str, path: str) -> Any:
+        try:
+            with open(path) as f:
+                return f.read() if flag == "--data-args-path" else json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{flag} {path}: cannot read it ({err}): give a readable "
+                             f"file") from None
+
+    if flags.data_args_path is not None:
+        if flags.data_path is not None:
+            raise ValueError("--data-args-path and --data-path are exclusive (Megatron-LM "
+                             "asserts it): give the paths one way")
+        flags.data_path = words("--data-args-path", flags.data_args_path).split()
+    if flags.per_split_data_args_path is not None:
+        given = [f"--{n}-data-path" for n in ("train", "valid", "test")
+                 if getattr(flags, f"{n}_data_path") is not None]
+        if given:
+            raise ValueError(f"--per-split-data-args-path and {', '.join(given)} are "
+                             f"exclusive (Megatron-LM asserts it): give the paths one way")
+        splits = words("--per-split-data-args-path", flags.per_split_data_args_path)
+        for name in ("train", "valid", "test"):
+            if not isinstance(splits, dict) or name not in splits:
+                raise ValueError(f"--per-split-data-args-path {flags.per_split_data_args_path}"
+                                 f": needs the keys train, valid and test")
+            value = splits[name]
+            setattr(flags, f"{name}_data_path",
+                    value.split() if isinstance(value, str) else list(value))
 
 
 def _prefixed(err: ValueError, prefix: str) -> Tuple:

@@ -44,6 +44,12 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = setting(
         None, "layers per virtual stage: interleaved 1F1B schedule",
         "--num-layers-per-virtual-pipeline-stage")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = setting(
+        None, "virtual stages (model chunks) per pipeline rank: interleaved 1F1B schedule; "
+        "each stage's layers (--decoder-first/last-pipeline-num-layers' too) split evenly "
+        "into them (Megatron-Core's newer spelling of the virtual pipeline size; exclusive "
+        "with --num-layers-per-virtual-pipeline-stage)",
+        "--num-virtual-stages-per-pipeline-rank")
     pipeline_schedule: str = setting(
         "1f1b", "pipeline schedule: 1f1b (interleaved 1F1B when virtual stages are given, "
         "as Megatron), interleaved, zb-h1 (zero bubble H1: split backward; 1F1B's activations "

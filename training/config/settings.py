@@ -206,6 +206,10 @@ class PrecisionSettings:
         "the model's dtype, as Megatron's torch softmax); torch's scaled_dot_product_attention "
         "and the fused softmax kernel compute in fp32 either way",
         "--attention-softmax-in-fp32")
+    disable_bf16_reduced_precision_matmul: bool = setting(
+        False, "with --bf16: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"
+        " = False, as Megatron-Core sets it (CUDA's bf16 GEMMs accumulate without reduced-"
+        "precision reductions; CPU GEMMs never use them)", "--disable-bf16-reduced-precision-matmul")
     optimizer_cpu_offload: bool = setting(
         False, "keep master weights and optimizer state on the host (ZeRO >= 1)",
         "--optimizer-cpu-offload", ds="zero_optimization.offload_optimizer",
@@ -284,6 +288,13 @@ class DataSettings:
     data_path: Optional[List[str]] = setting(None, "prefix, or weight prefix weight prefix ...",
                                              "--data-path", metavar="PATH")
     split: str = setting("969,30,1", "train,valid,test weights of --data-path", "--split")
+    data_args_path: Optional[str] = setting(
+        None, "a file holding --data-path's words (prefixes and weights, whitespace-separated),"
+        " read in its place, as Megatron-LM", "--data-args-path", metavar="FILE")
+    per_split_data_args_path: Optional[str] = setting(
+        None, "a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} holding "
+        "--train/valid/test-data-path's words (a list or one string each), read in their "
+        "place, as Megatron-LM", "--per-split-data-args-path", metavar="FILE")
     train_data_path: Optional[List[str]] = setting(None, "training prefixes (weighted)",
                                                    "--train-data-path", metavar="PATH")
     valid_data_path: Optional[List[str]] = setting(None, "validation prefixes (weighted)",

@@ -148,7 +148,8 @@ def check_train(s: "Settings", parallel: ParallelConfig, model: Optional["Transf
     partition = p.run(partition_layers, model.num_layers, parallel.pp,
                       first_stage_layers=parallel.decoder_first_pipeline_num_layers,
                       last_stage_layers=parallel.decoder_last_pipeline_num_layers,
-                      num_layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage)
+                      num_layers_per_virtual_stage=parallel.num_layers_per_virtual_pipeline_stage,
+                      virtual_stages_per_rank=parallel.num_virtual_stages_per_pipeline_rank)
     if partition is not None:
         for count in num_microbatches:
             p.run(check_num_microbatches, count, parallel.pp, partition.virtual_chunks)

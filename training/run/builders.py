@@ -40,6 +40,7 @@ def partition(run: RunConfig) -> "PipelinePartition":
                             first_stage_layers=p.decoder_first_pipeline_num_layers,
                             last_stage_layers=p.decoder_last_pipeline_num_layers,
                             num_layers_per_virtual_stage=p.num_layers_per_virtual_pipeline_stage,
+                            virtual_stages_per_rank=p.num_virtual_stages_per_pipeline_rank,
                             placement=placement_of(p.pipeline_schedule))
 
 

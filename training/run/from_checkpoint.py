@@ -33,7 +33,8 @@ NOT_INHERITED: Dict[str, Any] = {
 # an inference command starts from one rank's layout (the flags of its command line choose
 # another); a per-rank (torch) checkpoint keeps the layout that wrote it
 LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-          "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+          "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+          "decoder_first_pipeline_num_layers",
           "decoder_last_pipeline_num_layers", "sequence_parallel", "context_parallel_size")
 # training settings a converted checkpoint (Hugging Face, Megatron-LM) does not record: the
 # run config needs them, inference never uses them (micro-batch: evaluate's default)

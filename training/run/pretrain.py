@@ -54,6 +54,15 @@ def _seed(seed: int, pp_rank: int) -> None:
     torch.manual_seed(seed)
 
 
+def matmul_precision(precision) -> None:
+    """--disable-bf16-reduced-precision-matmul with --bf16: what Megatron-Core's
+    TransformerConfig sets (CUDA only; CPU GEMMs do not reduce in lower precision)."""
+    if precision.bf16 and precision.disable_bf16_reduced_precision_matmul:
+        import torch
+
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+
 def _build_session(run, tokenizer, launch, device, started: Optional[float] = None):
     """Everything the loop needs; `started`: the program's start (--exit-duration-in-mins)."""
     from gigatron.training.run import builders
@@ -67,6 +76,7 @@ def _build_session(run, tokenizer, launch, device, started: Optional[float] = No
     groups = builders.build_process_groups(run, launch.rank, timeout=timedelta(
         minutes=p.distributed_timeout_minutes))
     _seed(run.train.seed, groups.index("pp"))
+    matmul_precision(run.settings.precision)
     chunks = builders.build_model_chunks(run, groups, device)
     shard = orchestrator.load_model_weights(run, groups, chunks)
     zero = builders.build_optimizer(run, chunks, groups)

@@ -122,6 +122,17 @@ class AcceptedSettings:
         False, "accepted: every gigatron checkpoint carries checksums that each load verifies "
         "(a damaged file stops every rank in one line), with this flag or without",
         "--verify-integrity")
+    moe_permute_fusion: bool = _overlap(
+        "Transformer Engine's fused permute/unpermute kernels for the token dispatcher; "
+        "gigatron's dispatcher permutes the tokens in plain torch", "--moe-permute-fusion")
+    moe_per_layer_logging: bool = setting(
+        False, "accepted without effect: a logging switch (Megatron's per-layer aux-loss and "
+        "z-loss series for TensorBoard/W&B, no number of the run changes); the log line "
+        "carries load_balancing_loss, the mean over MoE layers, and each layer's "
+        "tokens-per-expert imbalance", "--moe-per-layer-logging")
+    export_force_local_attention: bool = _overlap(
+        "a ModelOpt export choice of Megatron's local core attention over Transformer "
+        "Engine's; gigatron has one core attention", "--export-force-local-attention")
     deepspeed_mpi: bool = setting(
         False, "accepted without effect: DeepSpeed's MPI discovery; gigatron reads the rank "
         "and world size from the launcher's environment, Open MPI's included",

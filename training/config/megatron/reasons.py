@@ -18,12 +18,11 @@ MORE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
      "--tensor-model-parallel-size"),
     (("--pipeline-model-parallel-comm-backend", "--use-ring-exchange-p2p",
       "--overlap-p2p-communication-warmup-flush", "--microbatch-group-size-per-virtual",
-      "--account-for-", "--pipeline-model-parallel-layout",
-      "--num-virtual-stages-per-pipeline-rank", "--pipeline-model-parallel-split-rank",
+      "--account-for-", "--pipeline-model-parallel-layout", "--pipeline-model-parallel-split-rank",
       "--standalone-embedding-stage"),
      "this pipeline layout or schedule option is not implemented: layers are split by "
      "--decoder-first/last-pipeline-num-layers and --num-layers-per-virtual-pipeline-stage "
-     "and scheduled by --pipeline-schedule"),
+     "(or --num-virtual-stages-per-pipeline-rank) and scheduled by --pipeline-schedule"),
     (("--defer-embedding-wgrad", "--wgrad-deferral-limit"),
      "weight gradients are deferred by the zero-bubble schedules (--pipeline-schedule zb-h1 "
      "or zbv), not by a separate switch"),
@@ -51,9 +50,8 @@ MORE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("--flash-attention-version", "--use-flash-attn-"),
      "a FlashAttention build is not chosen: torch's scaled_dot_product_attention picks its "
      "kernel (--use-flash-attn, --attention-backend)"),
-    (("--fp16-lm-cross-entropy", "--output-logit-dtype", "--disable-bf16-reduced-precision"),
-     "not implemented: logits and the cross entropy are computed in fp32, and bf16 matmuls "
-     "use torch's defaults"),
+    (("--fp16-lm-cross-entropy", "--output-logit-dtype"),
+     "not implemented: logits and the cross entropy are computed in fp32"),
     (("--high-priority-", "--tensor-parallel-num-weight-shards", "--gtp-"),
      "stream priorities and weight rematerialisation across tensor-parallel ranks are not "
      "implemented"),
@@ -104,8 +102,7 @@ MORE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
       "--validation-set-names"),
      "evaluation runs every --eval-interval for --eval-iters at the training batch sizes "
      "(`gigatron evaluate` for a checkpoint); these variants are not provided"),
-    (("--phase-transition-iterations", "--data-args-path", "--per-split-data-args-path",
-      "--per-dataset-sequences-path", "--dataloader-fast-cache-load",
+    (("--phase-transition-iterations", "--per-dataset-sequences-path", "--dataloader-fast-cache-load",
       "--object-storage-cache-path", "--mid-level-dataset-surplus",
       "--allow-ambiguous-pad-tokens"),
      "this data option is not provided: --data-path (or --train/valid/test-data-path) with "
