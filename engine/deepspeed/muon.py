@@ -26,7 +26,7 @@ def tag_use_muon(module: nn.Module) -> None:
     """Set `use_muon` on every parameter of `module` by DeepSpeed's rule."""
     for name, p in module.named_parameters():
         lowered = name.lower()
-        p.use_muon = p.dim() >= 2 and "embed" not in lowered and "lm_head" not in lowered
+        setattr(p, "use_muon", p.dim() >= 2 and "embed" not in lowered and "lm_head" not in lowered)
 
 
 def muon_param_groups(model_parameters: Optional[Iterable[Any]], module: nn.Module,

@@ -87,6 +87,7 @@ def _gram(x: torch.Tensor, steps: int) -> Tuple[torch.Tensor, torch.Tensor]:
     r, q = x @ x.mT, None
     for i in range(steps):
         if i == GRAM_RESTART:
+            assert q is not None
             x = q @ x
             r, q = x @ x.mT, None
         z = b * r + c * r @ r
@@ -115,9 +116,9 @@ def scale(rows: int, cols: int) -> float:
     return (rows / cols) ** 0.5 if rows > cols else 1.0
 
 
-def deepspeed_units(params: Sequence[torch.Tensor]) -> List[DeepSpeedMatrix]:
+def deepspeed_units(params: Sequence[torch.Tensor]) -> List[MatrixUnit]:
     """Every matrix of `params` (a flat group's, all Muon's) by DeepSpeed's rule."""
-    units: List[DeepSpeedMatrix] = []
+    units: List[MatrixUnit] = []
     for index, p in enumerate(params):
         shape = tuple(p.shape)
         if len(shape) == 3:
