@@ -200,6 +200,9 @@ RUNS = {"mlm_pretrain_gpt": (1, {}),
         # 8 experts, top-2, aux loss, grouped GEMM, alltoall at ep 2 x edp 1 on 2 ranks (its
         # pp 4 shrunk to 1), distributed optimizer, bf16; its split's 0.008% valid share of
         # our 2879 documents is empty
+        # gpt-oss: sinks, alternating sliding windows, clamped quick-GEGLU, 4 experts, FP8
+        # emulation with --recompute-activations, NullTokenizer mock data (its pp 4 -> 1)
+        "mlm_gptoss_train": (1, {}),
         "mlm_mixtral_8x7b_distributed": (2, {"--expert-model-parallel-size": "2",
                                              "--split": "98,1,1"})}
 
