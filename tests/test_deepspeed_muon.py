@@ -65,6 +65,17 @@ def test_three_updates_equal_deepspeeds_muon_update(method, shape):
     torch.testing.assert_close(muon.state[p]["momentum_buffer"], momentum)
 
 
+def test_a_conv_filter_is_orthogonalised_as_out_by_rest():
+    """What DeepSpeed's muon_update means for 4-D tensors (0.19.8 fails on them): [out, rest],
+    scaled by sqrt(max(1, kh / kw)) of the last two dimensions (1 here)."""
+    p = nn.Parameter(torch.randn(4, 2, 3, 3))
+    grad = torch.randn(4, 2, 3, 3, generator=torch.Generator().manual_seed(1))
+    muon = Muon([{"params": [p], "use_muon": True, "momentum": 0.9}], ns_method="gram")
+    nesterov = grad.lerp(0.1 * grad, 0.9)  # the momentum after one step is (1 - beta) grad
+    torch.testing.assert_close(muon.update_of(p, grad),
+                               newton_schulz(nesterov.view(4, -1), "gram").view(4, 2, 3, 3))
+
+
 class Named(nn.Module):
     """Names DeepSpeed's rule reads: embeddings and an output head stay AdamW's."""
 
