@@ -13,7 +13,9 @@ position) are lookups and are not counted. The 12*L*h*s term is attention's QK^T
 matmuls (forward + backward) at sequence length s, without halving for the causal mask;
 with multi-latent attention, whose heads need not add up to h and whose values are narrower,
 it is 6 * L * s * heads * (q/k head + v head), and N counts MLA's own projections.
-These are *model* FLOPs: activation recomputation is not counted, so MFU is comparable
+Multi-token prediction's depths (--mtp-num-layers) count as layers of the last decoder
+layer's kind, each with its 2h -> h projection, three norms and another pass through the
+output layer. These are *model* FLOPs: activation recomputation is not counted, so MFU is comparable
 across recomputation settings.
 """
 from __future__ import annotations
@@ -65,7 +67,12 @@ def matmul_parameter_count(config: "TransformerConfig", tp: int = 1) -> int:
     moe = sum(moe_layer_pattern(config)) if _get(config, "num_moe_experts") else 0
     dense_mlps = (layers - moe) * mlp(ffn)
     moe_mlps = moe * _moe_active(config, mlp) if moe else 0
-    return layers * per_layer + dense_mlps + moe_mlps + norm + vocab * h
+    mtp = 0
+    if _get(config, "mtp_num_layers", 0):  # each depth: a layer of the last one's kind, its
+        last_moe = bool(moe) and moe_layer_pattern(config)[-1]  # 2h -> h projection, 3
+        layer = per_layer + (_moe_active(config, mlp) if last_moe else mlp(ffn))  # norms
+        mtp = config.mtp_num_layers * (layer + 2 * h * h + 3 * norm + vocab * h)  # + output
+    return layers * per_layer + dense_mlps + moe_mlps + norm + vocab * h + mtp
 
 
 def _mla_parameters(config: "TransformerConfig", bias: bool) -> int:
@@ -102,9 +109,11 @@ def _moe_active(config: "TransformerConfig", mlp: Callable[[int], int]) -> int:
 
 
 def flops_per_token(config: "TransformerConfig", tp: int = 1) -> float:
-    """Model FLOPs (forward + backward) per trained token: 6N + 12 L h s."""
+    """Model FLOPs (forward + backward) per trained token: 6N + 12 L h s (L counting the
+    multi-token prediction depths' layers)."""
+    layers = config.num_layers + _get(config, "mtp_num_layers", 0)
     return 6.0 * matmul_parameter_count(config, tp) + \
-        6.0 * config.num_layers * _attention_width(config) * config.seq_length
+        6.0 * layers * _attention_width(config) * config.seq_length
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
