@@ -29,3 +29,22 @@ def test_disable_bf16_reduced_precision_matmul_turns_torch_s_switch_off_under_bf
         assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     finally:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_logging_level_sets_the_root_logger_as_megatron_does(monkeypatch):
+    import logging
+
+    from gigatron.training.run.pretrain import logging_level
+
+    run = parse_args(FLAGS + ["--logging-level", "40", "--enable-experimental",
+                              "--auto-detect-ckpt-format"], 1)
+    root = logging.getLogger()
+    before = root.level
+    try:
+        logging_level(run.logging.logging_level)
+        assert root.level == 40
+        monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "30")
+        logging_level(None)
+        assert root.level == 30
+    finally:
+        root.setLevel(before)

@@ -127,8 +127,6 @@ def test_moe_layer_freq_runs_no_code(tmp_path):
     ("--num-experts 8 --moe-layer-freq [1]+", 1, "--moe-layer-freq '[1]+': give an int N"),
     ("--num-experts 8 --moe-router-load-balancing-type global_aux_loss", 1,
      "--moe-router-load-balancing-type global_aux_loss is not implemented in gigatron"),
-    ("--num-experts 8 --moe-token-dispatcher-type flex", 1,
-     "--moe-token-dispatcher-type flex is not implemented in gigatron"),
     ("--num-experts 8 --moe-router-score-function tanh", 1,
      "argument --moe-router-score-function: invalid choice: 'tanh'"),
     ("--num-experts 8 --expert-model-parallel-size 2 --tensor-model-parallel-size 2", 4,
@@ -205,10 +203,9 @@ def test_expert_parallel_sizes_must_divide_the_ranks_of_a_stage():
 
 
 @pytest.mark.parametrize("flag, reason", [
-    ("--moe-enable-deepep", "DeepEP"), ("--moe-flex-dispatcher-backend", "DeepEP"),
+    ("--moe-enable-deepep", "DeepEP"),
     ("--moe-router-padding-for-fp8", "FP8/FP4"), ("--moe-enable-routing-replay", "replay"),
-    ("--moe-use-upcycling", "upcycling"), ("--moe-permute-fusion", "fused kernel"),
-    ("--moe-per-layer-logging", "load_balancing_loss"),
+    ("--moe-use-upcycling", "upcycling"), ("--moe-router-fusion", "fused kernel"),
     ("--moe-shared-expert-gate", "mixture-of-experts option is not implemented"),
     ("--moe-expert-parallel-size", "DeepSpeed's MoE layer"),
 ])
@@ -232,3 +229,11 @@ def test_a_zoo_moe_model_shows_through_the_flags_left_out():
     assert (model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size,
             model.moe_aux_loss_coeff) == (128, 8, 768, 0.01)  # MoE flags need no --num-experts
     assert parse_args(zoo.split() + ["--moe-router-topk", "2"], 1).model.moe_router_topk == 2
+
+
+def test_the_flex_dispatcher_runs_alltoall_whatever_its_kernel_backend():
+    """Megatron's flex dispatcher moves the tokens with DeepEP/HybridEP kernels in the same
+    all-to-all exchange; its flags are accepted and the layers run alltoall."""
+    run = parse_args(MOE + ["--moe-token-dispatcher-type", "flex",
+                            "--moe-flex-dispatcher-backend", "hybridep"], 1)
+    assert run.model.moe_token_dispatcher_type == "alltoall"

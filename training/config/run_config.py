@@ -242,6 +242,10 @@ class LoggingConfig:
                                 ds="steps_per_print", ds_default=10)
     metrics_file: Optional[str] = setting(
         None, "JSON lines file, one line per logged iteration / eval", "--metrics-file")
+    logging_level: Optional[int] = setting(
+        None, "the Python root logger's level (10 DEBUG ... 50 CRITICAL), as Megatron-LM sets "
+        "it (its MEGATRON_LOGGING_LEVEL environment variable when the flag is not given)",
+        "--logging-level")
     tensorboard_dir: Optional[str] = setting(
         None, "write TensorBoard events here (needs the tensorboard package: checked before "
         "any rank starts)", "--tensorboard-dir")

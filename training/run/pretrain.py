@@ -63,6 +63,17 @@ def matmul_precision(precision) -> None:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
+def logging_level(level: Optional[int]) -> None:
+    """--logging-level (else MEGATRON_LOGGING_LEVEL) on the root logger, as Megatron-LM's
+    initialize does; neither given: left as it is."""
+    import logging
+
+    if level is None and os.environ.get("MEGATRON_LOGGING_LEVEL") is not None:
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    if level is not None:
+        logging.getLogger().setLevel(level)
+
+
 def _build_session(run, tokenizer, launch, device, started: Optional[float] = None):
     """Everything the loop needs; `started`: the program's start (--exit-duration-in-mins)."""
     from gigatron.training.run import builders
@@ -77,6 +88,7 @@ def _build_session(run, tokenizer, launch, device, started: Optional[float] = No
         minutes=p.distributed_timeout_minutes))
     _seed(run.train.seed, groups.index("pp"))
     matmul_precision(run.settings.precision)
+    logging_level(run.logging.logging_level)
     chunks = builders.build_model_chunks(run, groups, device)
     shard = orchestrator.load_model_weights(run, groups, chunks)
     zero = builders.build_optimizer(run, chunks, groups)

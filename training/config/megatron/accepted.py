@@ -125,6 +125,11 @@ class AcceptedSettings:
     moe_permute_fusion: bool = _overlap(
         "Transformer Engine's fused permute/unpermute kernels for the token dispatcher; "
         "gigatron's dispatcher permutes the tokens in plain torch", "--moe-permute-fusion")
+    moe_flex_dispatcher_backend: str = setting(
+        "deepep", "accepted without effect: the kernels of --moe-token-dispatcher-type flex "
+        "(DeepEP, HybridEP or NCCL-EP), which move the tokens as gigatron's alltoall does "
+        "(" + _SAME + ")", "--moe-flex-dispatcher-backend",
+        choices=("deepep", "hybridep", "ncclep"))
     moe_per_layer_logging: bool = setting(
         False, "accepted without effect: a logging switch (Megatron's per-layer aux-loss and "
         "z-loss series for TensorBoard/W&B, no number of the run changes); the log line "
@@ -133,6 +138,13 @@ class AcceptedSettings:
     export_force_local_attention: bool = _overlap(
         "a ModelOpt export choice of Megatron's local core attention over Transformer "
         "Engine's; gigatron has one core attention", "--export-force-local-attention")
+    auto_detect_ckpt_format: bool = setting(
+        False, "accepted: what it asks for is gigatron's behaviour -- --load reads the format "
+        "(torch_dist, torch, safetensors) from the checkpoint's metadata.json, whatever "
+        "--ckpt-format says", "--auto-detect-ckpt-format")
+    enable_experimental: bool = setting(
+        False, "accepted without effect: Megatron-Core's gate for its experimental features; "
+        "no gigatron feature waits behind it", "--enable-experimental")
     deepspeed_mpi: bool = setting(
         False, "accepted without effect: DeepSpeed's MPI discovery; gigatron reads the rank "
         "and world size from the launcher's environment, Open MPI's included",

@@ -90,8 +90,9 @@ class MoESettings:
         "--moe-shared-expert-intermediate-size")
     moe_token_dispatcher_type: Optional[str] = setting(
         None, "how tokens reach their experts' ranks: allgather or alltoall (the same numbers "
-        "at --expert-model-parallel-size 1); flex needs DeepEP/HybridEP, which gigatron does "
-        "not use (default allgather)", "--moe-token-dispatcher-type",
+        "at --expert-model-parallel-size 1); flex (Megatron's DeepEP/HybridEP kernels for the "
+        "same all-to-all exchange) runs gigatron's alltoall (default allgather)",
+        "--moe-token-dispatcher-type",
         choices=("allgather", "alltoall", "flex"))
     moe_router_dtype: Optional[str] = setting(
         None, "dtype of the router's logits and probabilities (default: the model's)",
@@ -105,9 +106,6 @@ MOE_FIELDS["num_experts"] = "num_moe_experts"
 NOT_IMPLEMENTED = {
     ("moe_router_load_balancing_type", "global_aux_loss"):
         "use aux_loss, seq_aux_loss, sinkhorn or none",
-    ("moe_token_dispatcher_type", "flex"): "the flex dispatcher runs DeepEP/HybridEP kernels, "
-                                           "which gigatron does not use: use alltoall or "
-                                           "allgather",
 }
 _POSITIVE = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_num_groups",
              "moe_router_group_topk", "moe_shared_expert_intermediate_size")
@@ -176,6 +174,8 @@ def moe_overrides(s: "Settings", zoo: Optional[Dict[str, Any]],
     for (name, value), fix in NOT_IMPLEMENTED.items():
         if given.get(name) == value:
             p.add(f"{flag_name(name)} {value} is not implemented in gigatron: {fix}")
+    if given.get("moe_token_dispatcher_type") == "flex":  # its kernels move tokens as alltoall
+        given["moe_token_dispatcher_type"] = "alltoall"
     if "moe_layer_freq" in given:
         given["moe_layer_freq"] = p.run(parse_moe_layer_freq, given["moe_layer_freq"])
     if len(p.lines) > n:  # the model's own checks would repeat these lines
