@@ -7,7 +7,9 @@ ends with its full parameters (tp slices gathered), within 1e-4 relative.
 Layouts: pp2 with the word embedding tied (the last stage's MTP embedding is the output
 weight's copy, synced with the first stage's) and untied (DeepSeek-V3's: the last stage keeps
 a copy of the embedding, synced the same way, besides its own output layer), tp2 with
-sequence parallelism (eh_proj gathered over tp, then split back over the sequence).
+sequence parallelism (eh_proj gathered over tp, then split back over the sequence), ep2 with
+DeepSeek-V3's MoE block in small (the last decoder layer MoE, so the MTP layer is one too:
+its experts split over ep, its expert bias updated).
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ import pytest
 
 from multirank import run_on_ranks
 from test_context_parallel import GPT, ROPE, _relative, _train_layout
+from test_mla_parallel import MOE
+from test_moe_parallel import _full_parameters
+from test_moe_parallel import _train_layout as _train_moe_layout
 
 RTOL = 1e-4
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
@@ -28,6 +33,7 @@ LAYOUTS = {
     "pp2_tied": (2, ["--pipeline-model-parallel-size", "2"], ()),
     "pp2_untied": (2, ["--pipeline-model-parallel-size", "2"], UNTIED),
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ()),
+    "ep2_moe": (2, ["--expert-model-parallel-size", "2"], tuple(MOE)),
 }
 
 
@@ -37,6 +43,9 @@ def _records(path):
 
 
 def _run(ranks, argv, metrics):
+    if "--num-experts" in argv:
+        return _full_parameters(run_on_ranks(_train_moe_layout, ranks, argv, metrics,
+                                             timeout=300))
     params = {}
     for rank_params in run_on_ranks(_train_layout, ranks, argv, metrics, timeout=300):
         params.update(rank_params)  # pp stages hold different names
@@ -68,6 +77,9 @@ def test_mtp_layout_trains_the_one_device_model(references, tmp_path, layout):
                      for r, q in zip(records, ref_records) for n in NAMES)
     assert {"mtp.layers.1.eh_proj.weight", "mtp.layers.0.transformer_layer."
             "self_attention.linear_qkv.weight"} <= set(ref_params)
+    if "--num-experts" in shared:
+        assert any(n.startswith("mtp.layers.1.transformer_layer.mlp.experts.")
+                   for n in ref_params)
     assert set(ref_params) <= set(params)
     errors = {n: _relative(params[n], ref_params[n]) for n in ref_params}
     worst = max(errors, key=errors.get)

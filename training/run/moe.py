@@ -38,10 +38,15 @@ class MoETraining:
     def __init__(self, chunks: Sequence[torch.nn.Module], config: "TransformerConfig",
                  dp_group: Group, ranks_per_stage: int, device: torch.device) -> None:
         from gigatron.models.moe.config_checks import moe_layer_pattern
+        from gigatron.models.mtp.block import mtp_layer_config
 
         self.chunks, self.config, self.dp_group = list(chunks), config, dp_group
         self.ranks_per_stage, self.device = ranks_per_stage, device
-        self.layers = [n for n, moe in enumerate(moe_layer_pattern(config)) if moe]
+        # multi-token prediction's MoE layers (numbered after the decoder's) count too, as
+        # Megatron-LM's track_moe_metrics counts them
+        pattern = moe_layer_pattern(mtp_layer_config(config) if config.mtp_num_layers
+                                    else config)
+        self.layers = [n for n, moe in enumerate(pattern) if moe]
         self.loss_sums: Dict[str, torch.Tensor] = {}  # per-step means, summed (device)
         self.steps = 0
 
