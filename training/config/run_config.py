@@ -273,6 +273,14 @@ class LoggingConfig:
         "and the master weights (optimizer/*), every log line, to TensorBoard and the metrics "
         "file; each element of the model counted once (parallel/zero/state_stats.py)",
         "--log-optimizer-states-to-tensorboard")
+    log_params_norm: bool = setting(
+        False, "log the L2 norm of the fp32 master weights, each element of the model counted "
+        "once (Megatron's calc_params_l2_norm): 'params norm' on the console line, the "
+        "metrics file and TensorBoard", "--log-params-norm")
+    log_memory_to_tensorboard: bool = setting(
+        False, "accepted: a logging switch; peak memory (peak_memory_mib) goes to TensorBoard "
+        "on every log line anyway (Megatron's allocator series are not written)",
+        "--log-memory-to-tensorboard")
     log_throughput: bool = setting(
         False, "accepted: gigatron logs tokens/s, TFLOP/s per device and MFU on every log "
         "line", "--log-throughput")

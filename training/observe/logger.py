@@ -45,12 +45,13 @@ _CONSOLE_FIELDS = (
     ("dropped tokens", "dropped_token_share", "{:.2%}"),
     ("loss scale", "loss scale", "{:.1f}"),
     ("grad norm", "grad norm", "{:.3f}"),
+    ("params norm", "params norm", "{:.3f}"),
     ("number of skipped iterations", "skipped", "{:3d}"),
     ("peak memory (MiB)", "peak_memory_mib", "{:.0f}"),
 )
-_TENSORBOARD_KEYS = ("lm loss", "lr", "grad norm", "loss scale", "skipped", "tokens_per_s",
-                     "tflops_per_device", "mfu", "peak_memory_mib", "ms_per_iteration",
-                     "load_balancing_loss", "z_loss", "tokens_per_expert_max_over_mean",
+_TENSORBOARD_KEYS = ("lm loss", "lr", "grad norm", "params norm", "loss scale", "skipped",
+                     "tokens_per_s", "tflops_per_device", "mfu", "peak_memory_mib",
+                     "ms_per_iteration", "load_balancing_loss", "z_loss", "tokens_per_expert_max_over_mean",
                      "dropped_token_share")
 _MTP_LOSS = re.compile(r"mtp_\d+ loss$")
 EVAL_PROGRESS_EVERY_S = 15.0  # seconds between evaluation progress lines in a log

@@ -259,8 +259,13 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
         record.update(s.moe.log_fields())
     if s.mtp is not None:  # collective: every rank
         record.update(s.mtp.log_fields())
-    if s.run.logging.log_optimizer_states_to_tensorboard:  # collective: every rank
-        record["optimizer"] = optimizer_state_stats(s.zero)
+    logging = s.run.logging
+    if logging.log_optimizer_states_to_tensorboard or logging.log_params_norm:
+        stats = optimizer_state_stats(s.zero)  # collective: every rank
+        if logging.log_optimizer_states_to_tensorboard:
+            record["optimizer"] = stats
+        if logging.log_params_norm:
+            record["params norm"] = stats["weight_l2"]
     if "forward" in phases:  # backward is what the measured phases leave of the step
         record["timers_ms"]["backward"] = max(0.0, 1000 * (elapsed - accounted) / n)
     if s.run.logging.log_straggler and not s.run.logging.disable_straggler_on_startup:
