@@ -31,8 +31,7 @@ KNOWN_FAILURES: dict = {
     "mlm_mixtral_moe_rocm": r"--tensorboard-log-interval is a Megatron flag gigatron does not",
     # DeepSeek-V3 (MLA, 256 experts, MTP, flex dispatcher): its benchmark router
     # (--moe-router-force-load-balancing: random logits per rank), --dist-ckpt-strictness
-    # log_all (loads past missing keys), the series --log-params-norm,
-    # --log-num-zeros-in-grad, --log-memory-to-tensorboard and --recompute-modules
+    # log_all (loads past missing keys), --log-num-zeros-in-grad and --recompute-modules
     # mla_up_proj / layernorm are refused
     "mlm_deepseek_v3_mfsdp": r"--moe-router-force-load-balancing is a Megatron flag gigatron",
 }
