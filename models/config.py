@@ -138,6 +138,12 @@ class TransformerConfig:
     """For full: 'uniform' (chunks of N layers) or 'block' (first N layers) (--recompute-method)."""
     recompute_num_layers: Optional[int] = None
     """N of the recompute method (--recompute-num-layers)."""
+    recompute_modules: Optional[List[str]] = None
+    """With selective: what is recomputed (--recompute-modules; Megatron-Core's names, None:
+    its default ['core_attn']); see RECOMPUTE_MODULES."""
+    selective_ac_option: Optional[str] = None
+    """With selective: 'op' recomputes by torchtitan's op-level rule instead of by module
+    (--selective-ac-option; parallel/tensor/selective.py)."""
     # Mixture of experts (issue 27): Megatron-Core's TransformerConfig names and defaults;
     # the checks are in models/moe/config_checks.py.
     num_moe_experts: Optional[int] = None
@@ -365,7 +371,27 @@ class TransformerConfig:
             out.append(f"rotary_seq_len_interpolation_factor must be > 0, got {factor}")
         return out
 
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recomputation checkpoints `module` (a RECOMPUTE_MODULES name)."""
+        modules = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
+        return self.recompute_granularity == "selective" and \
+            self.selective_ac_option is None and module in modules
+
     def _recompute_problems(self) -> List[str]:
+        out = [f"recompute_modules: {m!r} is not one of {', '.join(RECOMPUTE_MODULES)}"
+               if m not in RECOMPUTE_MODULES else f"recompute_modules: {m!r} is "
+               f"{RECOMPUTE_MODULES[m]}" for m in self.recompute_modules or ()
+               if RECOMPUTE_MODULES.get(m, "?")]
+        if self.selective_ac_option not in (None, "op"):
+            out.append(f"selective_ac_option must be None or 'op', got "
+                       f"{self.selective_ac_option!r}")
+        if self.selective_ac_option is not None and self.recompute_modules is not None:
+            out.append("selective_ac_option='op' replaces recompute_modules: set one")
+        if self.selective_ac_option is not None and self.recompute_granularity != "selective":
+            out.append("selective_ac_option needs recompute_granularity='selective'")
+        return out + self._recompute_method_problems()
+
+    def _recompute_method_problems(self) -> List[str]:
         if self.recompute_granularity == "full":
             out = []
             if self.recompute_method is None:
@@ -380,6 +406,16 @@ class TransformerConfig:
             return [f"recompute_method={self.recompute_method!r} needs "
                     f"recompute_granularity='full' (selective takes no method)"]
         return []
+
+
+# Megatron-Core's --recompute-modules -> "" (implemented) or why not
+RECOMPUTE_MODULES = {
+    "core_attn": "", "mlp": "", "moe": "", "shared_experts": "",
+    "moe_act": "not implemented: recompute the whole 'moe' layer",
+    "layernorm": "not implemented (Megatron discards the norm's output after its consumer "
+                 "saved it): use selective_ac_option='op', which recomputes norms",
+    "mla_up_proj": "not implemented: recompute 'core_attn'",
+}
 
 
 def _positive_int(value: Any) -> bool:

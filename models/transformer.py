@@ -31,6 +31,7 @@ from gigatron.parallel.tensor import (
     tp_size,
 )
 from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
+from gigatron.parallel.tensor.selective import op_contexts
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.context.attention import context_parallel_attention
@@ -323,7 +324,7 @@ class SelfAttention(nn.Module):
         self.core_attention = CoreAttention(config, tracker, layer_number, tp, device)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size,
                                              init_std=output_init_std(config), **common)
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = config.recomputes("core_attn")
         self.tracker = tracker
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
@@ -453,13 +454,19 @@ class TransformerLayer(nn.Module):
         self.p = config.hidden_dropout
         # Under SP each rank holds a different slice of the sequence: draw per-rank masks.
         self.dropout_tracker = tracker if sp else None
+        self.tracker = tracker
+        self.recompute_mlp = config.recomputes("moe" if hasattr(self.mlp, "recomputing")
+                                               else "mlp")
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
                 kv_cache: Optional[LayerCache] = None,
                 documents: Optional[Documents] = None) -> torch.Tensor:
         a = self.self_attention(self.input_layernorm(x), rotary, kv_cache, documents)
         x = x + dropout(a, self.p, self.training, self.dropout_tracker)
-        m = self.mlp(self.pre_mlp_layernorm(x))
+        if self.recompute_mlp and torch.is_grad_enabled():  # --recompute-modules mlp, moe
+            m = checkpoint(_run_once(self, self.mlp), self.tracker, self.pre_mlp_layernorm(x))
+        else:
+            m = self.mlp(self.pre_mlp_layernorm(x))
         return x + dropout(m, self.p, self.training, self.dropout_tracker)
 
 
@@ -486,16 +493,11 @@ class TransformerBlock(nn.Module):
         """The layers as one function; `checkpointed`: calls after the first are the
         recomputation in backward, where MoE layers add no losses and count no tokens again
         (a checkpoint's forward and recompute run the same function, with its documents)."""
-        calls = 0
-
         def run(x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
-            nonlocal calls
-            calls += 1
-            with _recomputing(layers, checkpointed and calls > 1):
-                for layer in layers:
-                    x = layer(x, rotary or None, None, documents)
+            for layer in layers:
+                x = layer(x, rotary or None, None, documents)
             return x
-        return run
+        return _run_once(layers, run) if checkpointed else run
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
                 kv_step: Optional[CacheStep] = None,
@@ -509,7 +511,11 @@ class TransformerBlock(nn.Module):
         layers = list(self.layers.values())
         rot = tuple(rotary) if rotary is not None else ()
         cfg = self.config
-        if cfg.recompute_granularity == "full" and torch.is_grad_enabled():
+        if cfg.selective_ac_option == "op" and torch.is_grad_enabled():  # torchtitan's
+            for layer in layers:
+                x = checkpoint(self._run([layer], True, documents), self.tracker, x, *rot,
+                               keep=op_contexts)
+        elif cfg.recompute_granularity == "full" and torch.is_grad_enabled():
             n = cfg.recompute_num_layers
             assert n is not None, "TransformerConfig.validate requires it with 'full'"
             if cfg.recompute_method == "uniform":
@@ -528,6 +534,19 @@ class TransformerBlock(nn.Module):
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x
+
+
+def _run_once(layers: Any, function: Callable) -> Callable:
+    """`function` for a checkpoint: calls after the first are the recomputation, where the
+    MoE layers among `layers` (a layer or a list) add no losses and count no tokens again."""
+    calls = 0
+
+    def run(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        with _recomputing(layers if isinstance(layers, list) else [layers], calls > 1):
+            return function(*args)
+    return run
 
 
 @contextlib.contextmanager

@@ -176,6 +176,9 @@ NEEDS.update({f.name: "--num-experts 6 --disable-bias-linear"
              moe_pad_expert_input_to_capacity="--num-experts 6 --disable-bias-linear "
                                               "--moe-expert-capacity-factor 1.0")
 # flags accepted by the parser whose values other than the default are refused (one line)
+SAMPLES.update(recompute_modules=["mlp", "moe"])  # tests/test_recompute_modules.py
+NEEDS.update(recompute_modules="--recompute-granularity selective",
+             selective_ac_option="--recompute-granularity selective")
 REFUSED = {"use_legacy_models": "--use-legacy-models is not supported",
            "context_parallel_size": "world size 4 is not divisible by tensor x context x "
                                     "pipeline = 1 x 3 x 1 = 3",

@@ -97,7 +97,7 @@ class MultiLatentAttention(nn.Module):
             heads * config.v_head_dim, config.hidden_size, tp_group=tp_group,
             bias=config.add_bias_linear, sequence_parallel=sp,
             init_std=output_init_std(config), params_dtype=config.params_dtype, device=device)
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = config.recomputes("core_attn")
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, local heads, qk_head_dim + qk_pos_emb_head_dim]."""

@@ -38,7 +38,8 @@ from gigatron.models.transformer import MLP, mlp_activation, output_init_std
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.expert.dispatch import LocalDispatcher, TokenDispatcher
-from gigatron.parallel.tensor import gather_from_sequence_parallel_region, tp_size
+from gigatron.parallel.tensor import (checkpoint, gather_from_sequence_parallel_region,
+                                       tp_size)
 from gigatron.parallel.expert.init import mark_expert_parallel
 from gigatron.parallel.tensor.init import InitSpec, set_parallel_attributes
 from gigatron.parallel.tensor.mappings import scatter_to_sequence_parallel_region
@@ -93,6 +94,7 @@ class MoELayer(nn.Module):
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = MLP(config, tp_group, device,
                                       ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+        self.recompute_shared = config.recomputes("shared_experts")
         self._tag(config, etp_rank, etp)
         # set by the block while a checkpointed region re-runs: no losses, no counts again
         self.recomputing = False
@@ -192,9 +194,7 @@ class MoELayer(nn.Module):
         out = self.dispatcher.combine(rows, dispatched).view(s, b, h)
         if self.sequence_parallel:
             out = scatter_to_sequence_parallel_region(out, self.tp_group)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return out + self._shared(x) if self.shared_experts is not None else out
 
     def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens (its sequence slice under tp) routed here and dispatched to the
@@ -205,9 +205,14 @@ class MoELayer(nn.Module):
         dispatched = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
         rows = self.experts.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
         out = self.dispatcher.combine(rows, dispatched).view(s, b, h)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return out + self._shared(x) if self.shared_experts is not None else out
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output (--recompute-modules shared_experts: recomputed)."""
+        assert self.shared_experts is not None
+        if self.recompute_shared and torch.is_grad_enabled():
+            return checkpoint(self.shared_experts, None, x)
+        return self.shared_experts(x)
 
     def _route_sharded(self, tokens: torch.Tensor, s: int, tp_group: Group) -> RouterOutput:
         """The routing of this rank's tokens; in training, the balancing losses and counts

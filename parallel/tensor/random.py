@@ -12,7 +12,7 @@ Only device-agnostic torch calls are used (`torch.get_device_module`), so it run
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -127,13 +127,25 @@ def _tracker_contexts(tracker: Optional[TensorParallelRNGTracker]):
 
 
 def checkpoint(function: Callable, tracker: Optional[TensorParallelRNGTracker],
-               *args: Any) -> Any:
+               *args: Any, keep: Optional[Callable[[], Tuple[Any, Any]]] = None) -> Any:
     """Run `function(*args)` without keeping its activations; recompute them in backward.
 
     Default-generator states (CPU and the inputs' device) and the tracker's streams are
     replayed, so dropout draws the same masks and gradients are bit-identical; FP8 linears
-    replay the scales of the original forward.
+    replay the scales of the original forward. `keep`: a selective policy's context pair
+    (selective.op_contexts), whose kept op outputs are not recomputed.
     """
+    def contexts() -> Tuple[Any, Any]:
+        forward, recompute = _tracker_contexts(tracker)
+        if keep is None:
+            return forward, recompute
+        kept_forward, kept_recompute = keep()
+        return _both(forward, kept_forward), _both(recompute, kept_recompute)
     return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=True,
-        context_fn=lambda: _tracker_contexts(tracker))
+        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+
+
+@contextlib.contextmanager
+def _both(outer: Any, inner: Any) -> Iterator[None]:
+    with outer, inner:
+        yield

@@ -24,6 +24,7 @@ from gigatron.training.config.megatron.gpt_oss import GptOssSettings
 from gigatron.training.config.megatron.mla import MLASettings
 from gigatron.training.config.megatron.moe import MoESettings
 from gigatron.training.config.megatron.mtp import MTPSettings
+from gigatron.training.config.megatron.recompute import RecomputeSettings
 from gigatron.training.config.megatron.muon import MuonSettings
 from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig,
                                                  ParallelConfig, TrainConfig)
@@ -53,6 +54,8 @@ class Settings:
     mla: MLASettings = _concern(
         "multi-latent attention and YaRN RoPE (DeepSeek-V2/V3; flags override --model)")
     mtp: MTPSettings = _concern("multi-token prediction (DeepSeek-V3)")
+    recompute: RecomputeSettings = _concern(
+        "selective recomputation (docs/PERFORMANCE.md, Memory without full recompute)")
     parallel: ParallelConfig = _concern("parallelism")
     precision: PrecisionSettings = _concern("precision and ZeRO")
     fp8: FP8Settings = _concern("FP8 (emulated: docs/FP8.md)")

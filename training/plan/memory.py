@@ -43,6 +43,7 @@ from gigatron.parallel.zero.layout import group_sizes, plan_buckets
 from gigatron.training.plan.context import NONE, ContextLayout, attention_held
 from gigatron.training.plan.mla import mla_attention_bytes
 from gigatron.training.plan.parameters import ParamSpec, is_expert_parallel, stage_parameters
+from gigatron.training.plan.recompute import op_layer_bytes, selective_layer_bytes
 
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
@@ -276,7 +277,9 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
     mlp_act = (4 if c.activation in ("swiglu", "quick_geglu") else 2) * w * ffn / t
     common = (2 * norm + 2 * hidden_mask * h) / split + w * h + w * h + w * ad + mlp_act
     layer = common + held + core
-    selective = common + inputs
+    dropped = {"core_attn": held + core - inputs, "mlp": w * h - w * h / split + mlp_act}
+    selective = op_layer_bytes(c, w, t, split, kernel) if c.selective_ac_option == "op" \
+        else selective_layer_bytes(c, layer, dropped)
     first = 8 * (2 if c.position_embedding_type == "learned_absolute" else 1) + \
         hidden_mask * h / split
     last = norm / split + w * h + 4 * c.padded_vocab_size(tp) / t + 9
@@ -287,8 +290,15 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
                                               if context.cp > 1 else "")]
     moe = selective_moe = 0.0
     if c.num_moe_experts is not None:  # the MoE MLP in the dense one's place (w h: its input)
-        swap = moe_mlp_bytes(c, t, ep, t if etp is None else etp) - (w * h + mlp_act)
-        moe, selective_moe = layer + swap, selective + swap
+        moe_mlp = moe_mlp_bytes(c, t, ep, t if etp is None else etp)
+        shared = c.moe_shared_expert_intermediate_size
+        glu = 4 if c.activation in ("swiglu", "quick_geglu") else 2
+        swap = moe_mlp - (w * h + mlp_act)
+        moe = layer + swap
+        selective_moe = selective_layer_bytes(c, moe, {
+            "core_attn": dropped["core_attn"], "moe": moe_mlp - w * h / split,
+            "shared_experts": 0.0 if c.recomputes("moe") or not shared
+            else glu * w * shared / t})
     return ActivationTerms(layer, selective, w * h / split, first, last, per_layer_constant,
                            per_chunk, moe, selective_moe, notes)
 

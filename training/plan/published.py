@@ -8,8 +8,9 @@ Sources (read from the repositories at the commits named):
   TORCHTITAN  pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md at 820504e2
               (2025-06-13; the runs: torchtitan 9dec370, torch 1963fc8, 2024-12): Llama 3.1
               8B on H100 96 GB HBM2e at 500 W (Grand Teton), FSDP, bf16, selective
-              activation checkpointing (torchtitan's "op" policy: `torchtitan_sac_bytes`,
-              `sac_recompute_seconds`), local
+              activation checkpointing (torchtitan's "op" policy: --selective-ac-option op,
+              whose memory the plan counts (training/plan/recompute.py) and whose recompute
+              time `sac_recompute_seconds` adds), local
               batch 2, sequence 8192. Tables 1 (8 GPUs) and 3 (128 GPUs), eager and
               torch.compile rows; memory is torchtitan's logged `max_reserved` (GiB). The
               eager rows are shown, not compared (`compared`): eager PyTorch's unfused
@@ -51,7 +52,6 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 from gigatron.training.plan.allocator import reserved_bytes
 
 if TYPE_CHECKING:
-    from gigatron.models.config import TransformerConfig
     from gigatron.training.plan.planner import Plan
 
 TORCHTITAN = ("pytorch/torchtitan", "benchmarks/llama3_h100_202412_torchtitan.md",
@@ -80,7 +80,7 @@ class PublishedRun:
     held_out: bool = False
     note: str = ""
     assume: Tuple[str, ...] = ()  # Megatron-Core overlaps the run used (cost.OVERLAPS)
-    torchtitan_sac: bool = False  # torchtitan's op-level SAC in place of Megatron's selective
+    torchtitan_sac: bool = False  # --selective-ac-option op: its recompute time (memory: the plan's)
     compared: bool = True  # False: shown beside its prediction, not held to the tolerances
     memory_kind: str = "reserved"  # which: max_memory_reserved or max_memory_allocated
 
@@ -92,34 +92,9 @@ def megatron_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> 
                                                                             hidden))
 
 
-def torchtitan_sac_bytes(c: "TransformerConfig") -> float:
-    """Bytes per token a Llama layer keeps under torchtitan's selective "op" policy
-    (torchtitan 9dec370, parallelisms/parallelize_llama.py `_save_list`: the outputs of
-    matmuls, except every second one of a layer, and of the flash attention; all else is
-    recomputed): the layer's input, wq's, wv's, the attention's (and its fp32 log-sum-exp),
-    w1's and w2's outputs, in bf16."""
-    kv = c.num_query_groups * c.head_dim
-    return 2 * (4 * c.hidden_size + kv + c.ffn_hidden_size) + 4 * c.num_attention_heads
-
-
-def allocated_bytes(row: PublishedRun, plan: "Plan") -> float:
-    """The plan's peak for `row`'s run: with torchtitan's SAC, each in-flight layer keeps
-    `torchtitan_sac_bytes` per token instead of Megatron's selective recomputation's."""
-    if not row.torchtitan_sac:
-        return plan.peak_bytes
-    from gigatron.training.plan.memory import activation_terms
-
-    c, p, t = plan.run.model, plan.run.parallel, plan.run.train
-    assert c is not None and t.micro_batch_size is not None and p.tp == 1
-    saved = activation_terms(c, p.tp, True).layer_selective - torchtitan_sac_bytes(c)
-    tokens = c.seq_length * t.micro_batch_size
-    return max(m.peak - saved * tokens * c.num_layers // p.pp * sum(m.in_flight)
-               for m in plan.stages)
-
-
 def predicted_memory(row: PublishedRun, plan: "Plan") -> float:
     """The plan's peak as `row` reports it: reserved or allocated (allocator.py)."""
-    allocated = allocated_bytes(row, plan)
+    allocated = plan.peak_bytes
     return reserved_bytes(allocated) if row.memory_kind == "reserved" else allocated
 
 
@@ -127,7 +102,7 @@ def _torchtitan(label: str, gpus: int, tokens: float, memory: float, held_out: b
                 note: str) -> PublishedRun:
     flags = ("--model", "llama3-8b", "--seq-length", "8192", "--micro-batch-size", "2",
              "--global-batch-size", str(2 * gpus), "--bf16", "--zero-stage", "3",
-             "--recompute-granularity", "selective")
+             "--recompute-granularity", "selective", "--selective-ac-option", "op")
     return PublishedRun(TORCHTITAN, label, "h100-hbm2e", gpus, flags, tokens, memory,
                         held_out, note, torchtitan_sac=True, compared=note != "eager")
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 from gigatron.training.config.megatron.gpt_oss import gpt_oss_overrides
 from gigatron.training.config.megatron.mla import mla_overrides
 from gigatron.training.config.megatron.mtp import mtp_overrides
+from gigatron.training.config.megatron.recompute import recompute_overrides
 from gigatron.training.config.megatron.flag_words import in_flag_words
 from gigatron.training.config.megatron.moe import moe_overrides
 from gigatron.training.config.table import flag_name
@@ -166,6 +167,7 @@ def model_overrides(s: "Settings", vocab_size: Optional[int],
     fields.update(mla_overrides(s, zoo, p))
     fields.update(gpt_oss_overrides(s, p))  # after: --enable-gpt-oss's YaRN wins, as Megatron
     fields.update(mtp_overrides(s, fields, zoo, p))
+    fields.update(recompute_overrides(s, fields, p))
     fields["sequence_parallel"] = bool(s.parallel.sequence_parallel and s.parallel.tp > 1)
     fields["params_dtype"] = params_dtype(s.precision)
     fields["attention_softmax_in_fp32"] = (s.precision.attention_softmax_in_fp32 or  # Megatron

@@ -55,9 +55,6 @@ MORE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
     (("--high-priority-", "--tensor-parallel-num-weight-shards", "--gtp-"),
      "stream priorities and weight rematerialisation across tensor-parallel ranks are not "
      "implemented"),
-    (("--recompute-modules",),
-     "per-module recomputation is not implemented: --recompute-granularity selective "
-     "recomputes core attention, full whole layers"),
     (("--config-logger-dir", "--dump-param-to-param-group-map"),
      "Megatron's debugging dumps are not provided"),
     (("--apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type", "--start-weight-decay",
