@@ -137,5 +137,9 @@ def test_plan_of_torchtitans_llama3_8b_run_with_the_op_rule_within_20_percent_of
 
     (row,) = [r for r in ROWS if r.label == "Llama 3.1 8B, FSDP + compile (Table 1)"]
     assert "--selective-ac-option" in row.flags  # the plan reads the user's flag
-    gib = predicted_memory(row, predict(row)) / 2 ** 30
+    from gigatron.training.plan.report import describe
+
+    plan = predict(row)
+    gib = predicted_memory(row, plan) / 2 ** 30
     assert abs(gib / 77.0 - 1) < 0.20, gib
+    assert "recompute selective (op)" in describe(plan)

@@ -17,6 +17,9 @@ def _recompute(plan: Plan) -> str:
     assert c is not None
     if c.recompute_granularity == "full":
         return f"full ({c.recompute_method}, {c.recompute_num_layers})"
+    if c.selective_ac_option or c.recompute_granularity == "selective" and \
+            c.recompute_modules not in (None, ["core_attn"]):  # not Megatron's default
+        return f"selective ({c.selective_ac_option or ', '.join(c.recompute_modules or [])})"
     return c.recompute_granularity or "none"
 
 
