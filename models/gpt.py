@@ -256,10 +256,12 @@ class GPTModel(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
         hidden = [x] + self.mtp(x, input_ids, position_ids, self.embedding, rotary, documents)
+        # one output-layer call over the depths side by side in the batch (dim 1: sequence
+        # parallelism gathers dim 0): a deferred weight gradient (zb-h1) takes one use
+        logits = self.output_layer(torch.cat(hidden, dim=1), self.output_weight())
         losses = []
-        for h in hidden:
-            logits = self.output_layer(h, self.output_weight())
-            losses.append(vocab_parallel_cross_entropy(logits, labels.transpose(0, 1),
+        for part in logits.chunk(len(hidden), dim=1):
+            losses.append(vocab_parallel_cross_entropy(part, labels.transpose(0, 1),
                                                        self.tp_group, self.config.vocab_size))
             labels = roll_left(labels)
         return torch.stack(losses).transpose(1, 2).contiguous()

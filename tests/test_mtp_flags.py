@@ -32,6 +32,10 @@ def test_flags_set_the_fields_with_megatrons_defaults():
      "--mtp-num-layers with --context-parallel-size > 1 is not implemented"),
     ("--mtp-num-layers 1 --pipeline-model-parallel-size 2 --position-embedding-type "
      "learned_absolute", 2, "needs --position-embedding-type rope or none"),
+    ("--mtp-num-layers 1 --pipeline-model-parallel-size 2 --pipeline-schedule zbv "
+     "--num-layers 4 --num-layers-per-virtual-pipeline-stage 1 "
+     "--untie-embeddings-and-output-weights", 2, "--mtp-num-layers with --pipeline-schedule "
+     "zbv is not supported"),
     ("--mtp-standalone", 1, "--mtp-standalone"),
 ])
 def test_what_cannot_run_is_one_line_naming_the_flag(flags, world, line):

@@ -7,7 +7,9 @@ ends with its full parameters (tp slices gathered), within 1e-4 relative.
 Layouts: pp2 with the word embedding tied (the last stage's MTP embedding is the output
 weight's copy, synced with the first stage's) and untied (DeepSeek-V3's: the last stage keeps
 a copy of the embedding, synced the same way, besides its own output layer), tp2 with
-sequence parallelism (eh_proj gathered over tp, then split back over the sequence), ep2 with
+sequence parallelism (eh_proj gathered over tp, then split back over the sequence), pp2
+interleaved (4 layers, 2 virtual stages) and pp2 under zb-h1 (weight gradients deferred)
+untied, ep2 with
 DeepSeek-V3's MoE block in small (the last decoder layer MoE, so the MTP layer is one too:
 its experts split over ep, its expert bias updated).
 """
@@ -26,6 +28,7 @@ from test_moe_parallel import _train_layout as _train_moe_layout
 RTOL = 1e-4
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 UNTIED = ("--untie-embeddings-and-output-weights",)
+FOUR_LAYERS = ("--num-layers", "4")
 NAMES = ("lm loss", "mtp_1 loss", "mtp_2 loss")
 
 # name -> (ranks, flags, flags the one-rank reference shares)
@@ -34,6 +37,11 @@ LAYOUTS = {
     "pp2_untied": (2, ["--pipeline-model-parallel-size", "2"], UNTIED),
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ()),
     "ep2_moe": (2, ["--expert-model-parallel-size", "2"], tuple(MOE)),
+    "pp2_vp2_untied": (2, "--pipeline-model-parallel-size 2 "
+                          "--num-layers-per-virtual-pipeline-stage 1".split(),
+                       UNTIED + FOUR_LAYERS),
+    "pp2_zb_h1_untied": (2, "--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1".split(),
+                         UNTIED + FOUR_LAYERS),
 }
 
 

@@ -42,6 +42,11 @@ def mtp_overrides(s: "Settings", fields: Dict[str, Any], zoo: Optional[Dict[str,
         p.add("--mtp-num-layers with --context-parallel-size > 1 is not implemented (the "
               "rolled tokens would cross context-parallel ranks): use "
               "--context-parallel-size 1")
+    if s.parallel.pp > 1 and s.parallel.pipeline_schedule == "zbv":
+        # the V puts the embedding and the last stage (with MTP's copy of it) on rank 0 as
+        # two chunks: the copies' grads would need a local sum the embedding group does not do
+        p.add("--mtp-num-layers with --pipeline-schedule zbv is not supported (the first and "
+              "last stages share rank 0): use --pipeline-schedule zb-h1, 1f1b or interleaved")
     position = fields.get("position_embedding_type",
                           (zoo or {}).get("position_embedding_type", "learned_absolute"))
     if s.parallel.pp > 1 and position == "learned_absolute":
