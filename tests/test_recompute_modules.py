@@ -2,7 +2,7 @@
 
 Each choice (core_attn, mlp, both, moe, shared_experts; --selective-ac-option op) trains the
 same losses and gradients as no recomputation (fp32, one rank, hidden dropout on, so the
-recompute replays the RNG), holds less than keeping everything (the bytes autograd keeps,
+recompute replays the RNG; core_attn+mlp and op also at tp 2 with sequence parallelism), holds less than keeping everything (the bytes autograd keeps,
 measured as tests/test_plan_memory.py measures them, plus the outputs the op rule's cache
 keeps), and `gigatron plan`'s activation bytes are within 10% of that measure. The plan of
 torchtitan's published Llama 3.1 8B run (8 H100 HBM2e, FSDP, local batch 2, seq 8192, op
@@ -107,6 +107,39 @@ def test_each_choice_trains_as_no_recompute_holds_less_and_is_planned_within_10_
                                      True, True, 2 * c.seq_length,
                                      [c.num_moe_experts is not None] * c.num_layers)
     assert abs(predicted / held - 1) < 0.10, (predicted, held)
+
+
+TP2_CHOICES = ({}, CHOICES["core_attn+mlp"], CHOICES["op"])
+
+
+def _tp2_steps(rank, world):
+    """(loss, grads) of no recompute and of each TP2_CHOICES entry on this tp rank."""
+    import torch.distributed as dist
+
+    from gigatron.parallel.tensor import allreduce_sequence_parallel_grads
+
+    group, out = dist.new_group(list(range(world))), []
+    for kw in TP2_CHOICES:
+        c = TransformerConfig(**{**DENSE, **LLAMA, "sequence_parallel": True, **kw})
+        model = GPTModel(c, tp_group=group, seed=3).train()
+        ids = torch.randint(0, c.vocab_size, (2, c.seq_length),
+                            generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(5)
+        loss = model(input_ids=ids, labels=ids).mean()
+        loss.backward()
+        allreduce_sequence_parallel_grads(model.parameters(), group)
+        out.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    return out
+
+
+def test_tp2_sequence_parallel_core_attn_mlp_and_op_train_as_no_recompute():
+    from multirank import run_on_ranks
+
+    for (ref_loss, ref_grads), *choices in run_on_ranks(_tp2_steps, 2):
+        for loss, grads in choices:
+            assert torch.equal(loss, ref_loss)
+            for n, g in ref_grads.items():
+                torch.testing.assert_close(grads[n], g, rtol=0, atol=1e-7, msg=n)
 
 
 def test_flags_set_the_modules_and_the_op_rule_and_refuse_with_one_line_each():
