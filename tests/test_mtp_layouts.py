@@ -9,7 +9,7 @@ weight's copy, synced with the first stage's) and untied (DeepSeek-V3's: the las
 a copy of the embedding, synced the same way, besides its own output layer), tp2 with
 sequence parallelism (eh_proj gathered over tp, then split back over the sequence), pp2
 interleaved (4 layers, 2 virtual stages) and pp2 under zb-h1 (weight gradients deferred)
-untied, ep2 with
+untied, dp2 with ZeRO 3 and full recomputation, ep2 with
 DeepSeek-V3's MoE block in small (the last decoder layer MoE, so the MTP layer is one too:
 its experts split over ep, its expert bias updated).
 """
@@ -37,6 +37,8 @@ LAYOUTS = {
     "pp2_untied": (2, ["--pipeline-model-parallel-size", "2"], UNTIED),
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ()),
     "ep2_moe": (2, ["--expert-model-parallel-size", "2"], tuple(MOE)),
+    "dp2_zero3_recompute": (2, "--zero-stage 3 --recompute-granularity full "
+                               "--recompute-method uniform --recompute-num-layers 1".split(), ()),
     "pp2_vp2_untied": (2, "--pipeline-model-parallel-size 2 "
                           "--num-layers-per-virtual-pipeline-stage 1".split(),
                        UNTIED + FOUR_LAYERS),

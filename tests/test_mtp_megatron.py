@@ -32,7 +32,7 @@ def _batch(vocab=100, b=2, s=16):
     return tokens, labels, mask
 
 
-def _megatron(rank, world, args, root, tokens, labels, mask):
+def _megatron(rank, world, args, root, tokens, labels, mask, per_token=False):
     """Megatron-Core's model with MTP: its checkpoint, main per-token loss, tracked depth
     losses and the parameters' gradients (by Megatron-Core's names)."""
     import megatron_reference as ref
@@ -44,6 +44,7 @@ def _megatron(rank, world, args, root, tokens, labels, mask):
     ref.init_parallel(args)
     config = ref.core_config(args)
     config.mtp_num_layers, config.mtp_loss_scaling_factor = DEPTHS, FACTOR
+    config.calculate_per_token_loss = per_token
     spec = get_gpt_layer_local_spec(normalization=args.normalization)
     model = GPTModel(config, spec, vocab_size=args.padded_vocab_size,
                      max_sequence_length=args.max_position_embeddings,
@@ -54,15 +55,16 @@ def _megatron(rank, world, args, root, tokens, labels, mask):
     ref.save_like_megatron(root, 10, args, [model])
     b, s = tokens.shape
     causal = torch.triu(torch.ones(s, s), diagonal=1).bool()[None, None]
-    per_token = model(tokens, torch.arange(s).expand(b, s), causal, labels=labels,
-                      loss_mask=mask)
-    ((per_token * mask).sum() / mask.sum()).backward()
+    losses = model(tokens, torch.arange(s).expand(b, s), causal, labels=labels,
+                   loss_mask=mask)
+    masked = (losses * mask).sum()  # --calculate-per-token-loss: the step divides later
+    (masked if per_token else masked / mask.sum()).backward()
     tracked = MTPLossLoggingHelper.tracker["values"].clone()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return per_token.detach(), tracked, grads
+    return losses.detach(), tracked, grads
 
 
-def _gigatron(root, tokens, labels, mask):
+def _gigatron(root, tokens, labels, mask, per_token=False):
     from gigatron.models.gpt import GPTModel
     from gigatron.models.megatron.legacy import read_megatron
     from gigatron.models.pipeline_chunks import GPTMicroBatchStep
@@ -72,19 +74,22 @@ def _gigatron(root, tokens, labels, mask):
     model = GPTModel(config)
     model.load_state_dict(state, strict=True)
     out = model(input_ids=tokens, labels=labels)
-    stage = GPTMicroBatchStep(False, FACTOR).loss(out, {"labels": labels, "loss_mask": mask})
+    stage = GPTMicroBatchStep(per_token, FACTOR).loss(out, {"labels": labels, "loss_mask": mask})
     (stage.loss + sum(stage.aux_losses.values())).backward()
     return out.detach(), stage, model
 
 
-def test_mtp_matches_megatron_core_losses_and_gradients(tmp_path):
+@pytest.mark.parametrize("per_token", [False, True], ids=["mean", "per_token_loss"])
+def test_mtp_matches_megatron_core_losses_and_gradients(tmp_path, per_token):
+    """per_token_loss: Megatron-Core's calculate_per_token_loss (the MTP terms are masked
+    sums x factor / depths, like the main loss divided by the step's tokens later)."""
     args = megatron_args(num_layers=2, mtp_num_layers=DEPTHS, mtp_loss_scaling_factor=FACTOR)
     tokens, labels, mask = _batch()
     root = str(tmp_path / "meg")
-    per_token, tracked, grads = run_on_ranks(_megatron, 1, args, root, tokens, labels, mask,
-                                             timeout=240)[0]
-    out, stage, model = _gigatron(root, tokens, labels, mask)
-    torch.testing.assert_close(out[0], per_token, rtol=0, atol=1e-5)
+    per_token_loss, tracked, grads = run_on_ranks(_megatron, 1, args, root, tokens, labels,
+                                                  mask, per_token, timeout=240)[0]
+    out, stage, model = _gigatron(root, tokens, labels, mask, per_token)
+    torch.testing.assert_close(out[0], per_token_loss, rtol=0, atol=1e-5)
     ours = torch.stack([stage.aux_losses[f"mtp_{k} loss"] for k in range(1, DEPTHS + 1)])
     torch.testing.assert_close(ours.detach(), tracked, rtol=0, atol=1e-5)
     params = dict(model.named_parameters())
