@@ -56,13 +56,14 @@ class GPTMicroBatchStep:
     last, whose chunk returns the per-token loss; the micro-batch loss is its masked mean,
     or its masked sum with `per_token_loss` (--calculate-per-token-loss)."""
 
-    def __init__(self, per_token_loss: bool = False,
+    def __init__(self, per_token_loss: bool = False, mtp: bool = False,
                  mtp_loss_scaling_factor: float = 0.1) -> None:
-        """`mtp_loss_scaling_factor`: multi-token prediction's (--mtp-loss-scaling-factor),
-        for a last stage whose output stacks the MTP depths' per-token losses."""
+        """`mtp`: the model has multi-token prediction (its last stage reads the input ids
+        too and its output stacks the depths' per-token losses), weighted by
+        `mtp_loss_scaling_factor` (--mtp-loss-scaling-factor)."""
         self._per_token_loss = per_token_loss
         self._reduce = masked_sum_loss if per_token_loss else masked_mean_loss
-        self._mtp_scale = mtp_loss_scaling_factor
+        self._mtp, self._mtp_scale = mtp, mtp_loss_scaling_factor
 
     def chunk_inputs(self, batch: GPTMicroBatch, received: Optional[Payload],
                      last: bool) -> Dict[str, Any]:
@@ -80,7 +81,7 @@ class GPTMicroBatchStep:
                 kwargs[key] = batch[key]
         if last and batch.get("labels") is not None:
             kwargs["labels"] = batch["labels"]
-            if received is not None and batch.get("input_ids") is not None:
+            if self._mtp and received is not None:
                 kwargs["input_ids"] = batch["input_ids"]  # multi-token prediction's
         return kwargs
 

@@ -74,7 +74,8 @@ def _gigatron(root, tokens, labels, mask, per_token=False):
     model = GPTModel(config)
     model.load_state_dict(state, strict=True)
     out = model(input_ids=tokens, labels=labels)
-    stage = GPTMicroBatchStep(per_token, FACTOR).loss(out, {"labels": labels, "loss_mask": mask})
+    stage = GPTMicroBatchStep(per_token, True, FACTOR).loss(out, {"labels": labels,
+                                                                   "loss_mask": mask})
     (stage.loss + sum(stage.aux_losses.values())).backward()
     return out.detach(), stage, model
 

@@ -79,7 +79,7 @@ def dispatcher_factory(run: RunConfig, groups: "ProcessGroups") -> Optional[Call
 def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
                        device: torch.device) -> List[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`; with
-    --fp8-format their transformer layers' linears run in FP8 emulation."""
+    --fp8-format their transformer layers' linears run in FP8."""
     from gigatron.models.pipeline_chunks import build_model_chunks as build
     from gigatron.training.config.megatron.fp8 import fp8_recipe
 
@@ -89,7 +89,7 @@ def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
                    cp_group=groups.cp_group, cp_comm_type=run.parallel.cp_comm_type)
     recipe = fp8_recipe(run.settings.fp8)
     if recipe is not None:
-        apply_fp8(chunks, recipe, fp8_amax_group(groups))
+        apply_fp8(chunks, recipe, fp8_amax_group(groups, recipe.scaling))
     mark_embedding_and_output(chunks)
     return chunks
 
@@ -132,7 +132,7 @@ def transformer_linears(chunk: torch.nn.Module) -> List[torch.nn.Module]:
 
 
 def apply_fp8(chunks: List[torch.nn.Module], recipe: "FP8Recipe", amax_group: Any) -> None:
-    """FP8 emulation on each chunk's transformer layers, one FP8 region per chunk (as
+    """FP8 on each chunk's transformer layers, one FP8 region per chunk (as
     Megatron-Core's fp8_autocast around the transformer block)."""
     from gigatron.parallel.tensor.fp8 import enable_fp8
 
@@ -140,14 +140,18 @@ def apply_fp8(chunks: List[torch.nn.Module], recipe: "FP8Recipe", amax_group: An
         enable_fp8(getattr(chunk, "decoder"), transformer_linears(chunk), recipe, amax_group)
 
 
-def fp8_amax_group(groups: "ProcessGroups") -> Any:
-    """This rank's FP8 amax-reduction group: its pipeline stage's tensor-, context- and
-    data-parallel ranks (Megatron's default amax reduction group). Collective: every rank
-    creates every such group, in the same order."""
+def fp8_amax_group(groups: "ProcessGroups", scaling: str = "delayed") -> Any:
+    """This rank's FP8 amax-reduction group. Delayed scaling: its pipeline stage's tensor-,
+    context- and data-parallel ranks (Megatron's default amax reduction group). Tensorwise:
+    its tensor- and context-parallel ranks, which hold pieces of the same tensors (a
+    micro-batch's tokens, a weight), so each is quantised as one rank quantises it whole.
+    Blockwise: none. Collective: every rank creates every such group, in the same order."""
     import torch.distributed as dist
 
+    if scaling == "blockwise":
+        return None
     mine = None
-    for ranks in groups.topology.groups("tp-cp-dp"):
+    for ranks in groups.topology.groups("tp-cp-dp" if scaling == "delayed" else "tp-cp"):
         group = dist.new_group(ranks, timeout=groups.timeout)
         if groups.rank in ranks:
             mine = group
@@ -204,7 +208,8 @@ def build_pipeline(run: RunConfig, groups: "ProcessGroups", chunks: List[torch.n
     executor = PipelineExecutor(chunks, p2p if timers is None else TimedP2P(p2p, timers),
                                 pp_rank, groups.ranks("pp"), grad_sync=grad_sync,
                                 micro_batch_step=GPTMicroBatchStep(
-                                    per_token_loss(run), m.mtp_loss_scaling_factor),
+                                    per_token_loss(run), bool(m.mtp_num_layers),
+                                    m.mtp_loss_scaling_factor),
                                 placement=placement)
     n = run.train.num_microbatches
     train_schedule = build_schedule(pp_rank, p.pp, n, v, schedule=name)
