@@ -46,11 +46,9 @@ _MOE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
      "router and experts compute the same numbers (--moe-grouped-gemm picks the grouped "
      "matmul)"),
     (("--overlap-moe-expert-parallel-comm", "--overlap-dispatch-backward",
-      "--ep-overlap-early", "--moe-paged-stash", "--moe-pad-experts-for-cuda-graph",
-      "--moe-layer-recompute"),
-     "overlap of the expert-parallel communication, paged stashing, CUDA graphs and MoE-only "
-     "recomputation are not implemented (--recompute-granularity full recomputes MoE layers "
-     "whole)"),
+      "--ep-overlap-early", "--moe-paged-stash", "--moe-pad-experts-for-cuda-graph"),
+     "overlap of the expert-parallel communication, paged stashing and CUDA graphs are not "
+     "implemented"),
     (("--moe-expert-parallel-size", "--enable-expert-tensor-parallelism",
       "--disable-moe-token-dropping", "--create-moe", "--use-tutel", "--topk", "--mlp-type",
       "--num-experts-switch", "--moe-train-capacity-factor", "--moe-eval-capacity-factor",

@@ -9,6 +9,7 @@ shared_experts are implemented; moe_act, layernorm and mla_up_proj are refused w
 --recompute-granularity selective): each layer is checkpointed and keeps only its matmul
 outputs except every second one and the attention kernel's (parallel/tensor/selective.py).
 torchtitan's other value, an integer (every n-th layer recomputed whole), is not taken.
+Megatron's deprecated --moe-layer-recompute is selective with 'moe' added to the modules.
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ class RecomputeSettings:
         "instead of by module (each layer keeps its matmul outputs except every second one "
         "and the attention kernel's; torchtitan's activation_checkpoint.selective_ac_option)",
         "--selective-ac-option", choices=("op",))
+    moe_layer_recompute: bool = setting(
+        False, "Megatron's deprecated spelling of --recompute-granularity selective "
+        "--recompute-modules with moe added (default core_attn moe)", "--moe-layer-recompute")
 
 
 def recompute_overrides(s: "Settings", fields: Dict[str, Any], p: "Problems") -> Dict[str, Any]:
@@ -49,11 +53,20 @@ def recompute_overrides(s: "Settings", fields: Dict[str, Any], p: "Problems") ->
     for module in r.recompute_modules or ():
         if RECOMPUTE_MODULES.get(module):
             p.add(f"--recompute-modules {module}: {RECOMPUTE_MODULES[module]}")
+    modules = None if r.recompute_modules is None else list(r.recompute_modules)
+    out: Dict[str, Any] = {}
+    if r.moe_layer_recompute:  # as Megatron-Core's TransformerConfig.__post_init__
+        if fields.get("recompute_granularity") == "full":
+            p.add("--moe-layer-recompute with --recompute-granularity full: drop one "
+                  "(Megatron refuses the pair too)")
+        modules = ["core_attn"] if modules is None else modules
+        modules = modules + ([] if "moe" in modules else ["moe"])
+        out["recompute_granularity"] = "selective"
     if r.selective_ac_option is None:
-        return {} if r.recompute_modules is None else {"recompute_modules":
-                                                       list(r.recompute_modules)}
-    if r.recompute_modules is not None:
-        p.add("--selective-ac-option op replaces --recompute-modules: drop one")
+        return out if modules is None else {**out, "recompute_modules": modules}
+    if modules is not None:
+        p.add("--selective-ac-option op replaces --recompute-modules (and "
+              "--moe-layer-recompute): drop one")
     if fields.get("recompute_granularity") != "selective":
         p.add("--selective-ac-option needs --recompute-granularity selective: add it")
-    return {"selective_ac_option": r.selective_ac_option}
+    return {**out, "selective_ac_option": r.selective_ac_option}
