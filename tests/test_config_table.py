@@ -184,7 +184,6 @@ REFUSED = {"use_legacy_models": "--use-legacy-models is not supported",
                                     "pipeline = 1 x 3 x 1 = 3",
            "ds_sequence_parallel_size": "--ds-sequence-parallel-size 3: Megatron-DeepSpeed's "
                                         "Ulysses sequence parallelism is not supported",
-           "fp8_recipe": "--fp8-recipe tensorwise is not emulated",
            "expert_model_parallel_size": "--expert-model-parallel-size 3 x",
            "expert_tensor_parallel_size": "--expert-tensor-parallel-size 3 = 3 does not divide"}
 # flags of BASE a sample-based row replaces

@@ -1,7 +1,7 @@
-"""FP8 emulation (Megatron's --fp8-format through Transformer Engine's delayed scaling, emulated
-in the tensor-parallel linears): rounding and scale arithmetic against values computed by
-hand, the amax history, the GEMM's forward and backward against the formula, which layers
-run in FP8, a GPT trained in FP8 against bf16, and tp=2 against tp=1."""
+"""FP8 in the tensor-parallel linears (Megatron's --fp8-format; here Transformer Engine's
+delayed scaling, the GEMMs through torch._scaled_mm): rounding and scale arithmetic against
+values computed by hand, the amax history, the GEMM's forward and backward against the
+formula, which layers run in FP8, a GPT trained in FP8 against bf16, and tp=2 against tp=1."""
 import dataclasses
 import math
 
@@ -155,7 +155,7 @@ def _train(fp8, steps=25, dtype=torch.bfloat16):
     return losses
 
 
-def test_gpt_trains_in_fp8_emulation_close_to_bf16():
+def test_gpt_trains_in_fp8_close_to_bf16():
     """Tolerance: E4M3 keeps 4 significant bits, a relative rounding error of at most 2**-4
     per operand (E5M2: 2**-3 for output-gradients); each GEMM output averages many such
     independent errors, so a step's loss moves by well under 1%, and over 25 AdamW steps the
@@ -191,7 +191,7 @@ def _tp_run(rank, world, steps):
     return losses, scales, params
 
 
-def test_tp2_equals_tp1_under_fp8_emulation():
+def test_tp2_equals_tp1_under_delayed_fp8():
     """The amaxes are MAX-reduced over tp, so both layouts quantise with the same scales
     (asserted equal up to float noise) and the same FP8 operands; what remains is the GEMMs'
     summation order (tp splits the reductions of the row-parallel layers), which can move a
@@ -215,7 +215,7 @@ FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 1
          "--micro-batch-size 2 --train-iters 4 --lr 1e-3 --mock-data --vocab-size 64").split()
 
 
-def test_flags_map_to_the_recipe_and_refuse_what_is_not_emulated():
+def test_flags_map_to_the_recipe_and_refuse_what_is_not_supported():
     from gigatron.training.config.arguments import parse_args
     from gigatron.training.config.megatron.fp8 import fp8_recipe
     from gigatron.training.config.validation import ConfigError
@@ -226,11 +226,15 @@ def test_flags_map_to_the_recipe_and_refuse_what_is_not_emulated():
     assert fp8_recipe(parse_args(FLAGS, 1).settings.fp8) is None
     defaults = fp8_recipe(parse_args(FLAGS + ["--fp8-format", "hybrid"], 1).settings.fp8)
     assert defaults == FP8Recipe("hybrid", 0, 1, "most_recent", wgrad=True)  # Megatron's
+    for scaling in ("tensorwise", "blockwise"):  # --no-fp8-wgrad is delayed scaling's only
+        run = parse_args(FLAGS + f"--fp8-format hybrid --fp8-recipe {scaling} "
+                                 "--no-fp8-wgrad".split(), 1)
+        assert fp8_recipe(run.settings.fp8) == FP8Recipe("hybrid", scaling=scaling)
     with pytest.raises(ConfigError) as err:
         parse_args(FLAGS + "--fp8-format hybrid --fp8-recipe mxfp8 --recompute-activations "
                            "--fp8-param-gather".split(), 1)
     assert "recomputation" not in str(err.value)  # replayed with the forward's scales
-    for message in ("--fp8-recipe mxfp8 is not emulated",
+    for message in ("--fp8-recipe mxfp8 is not supported",
                     "--fp8-param-gather needs the distributed optimizer"):
         assert message in str(err.value)
     with pytest.raises(ConfigError, match="--fp8-param-gather needs --fp8-format"):

@@ -75,8 +75,8 @@ def test_megatron_defaults_a_user_notices_are_megatrons():
 
 
 def test_an_unknown_megatron_flag_says_why_it_is_not_supported():
-    assert "FP4, the other FP8 recipes" in megatron_flag_note("--fp4-format")
-    assert megatron_flag_note("--fp8-format") is None  # emulated (docs/FP8.md)
+    assert "FP4, mxfp8 and the other FP8 knobs" in megatron_flag_note("--fp4-format")
+    assert megatron_flag_note("--fp8-format") is None  # supported (docs/FP8.md)
     assert megatron_flag_note("--use-tutel").startswith(
         "--use-tutel is a Megatron-DeepSpeed flag gigatron does not support: mixture of experts")
     assert megatron_flag_note("--num-layers") is None  # supported
@@ -85,4 +85,4 @@ def test_an_unknown_megatron_flag_says_why_it_is_not_supported():
         parse_flags(["--fp4-format", "nvfp4", "--bogus", "1"])
     text = str(err.value)
     assert "unknown flag(s) --fp4-format nvfp4 --bogus 1" in text
-    assert "--fp4-format is a Megatron flag gigatron does not support: not emulated" in text
+    assert "--fp4-format is a Megatron flag gigatron does not support: not provided" in text

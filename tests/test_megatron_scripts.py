@@ -199,7 +199,7 @@ RUNS = {"mlm_pretrain_gpt": (1, {}),
                                           "--rampup-batch-size": "2 2 2"}),
         "mlm_pretrain_gpt_distributed_with_mp": (1, {}),
         "mds_uc_run_bf16": (1, {}),
-        # FP8 emulation, --decoupled-lr, --calculate-per-token-loss, --profile (nsys: a note)
+        # FP8, --decoupled-lr, --calculate-per-token-loss, --profile (nsys: a note)
         "mlm_llama3_8b_h100_fp8": (2, {}),
         "mlm_llama3_8b_h100_fp8_real": (1, {}),
         # 8 experts, top-2, aux loss, grouped GEMM, alltoall at ep 2 x edp 1 on 2 ranks (its
@@ -230,7 +230,7 @@ def test_script_trains_two_iterations_on_the_cpu(name, files, tmp_path):
     assert [r["iteration"] for r in train] == [1, 2]
     assert all(np.isfinite(r["lm loss"]) for r in train)
     if "--fp8-format" in argv:  # rank 0's banner says what runs instead of TE's FP8
-        assert "FP8 is emulated" in results[0][2], results[0][2][-3000:]
+        assert "FP8 through torch._scaled_mm" in results[0][2], results[0][2][-3000:]
     if "--rampup-batch-size" in argv:  # the batch grows as Megatron's ramp says
         assert [r["global_batch_size"] for r in train] == [2, 4]
     if "--num-experts" in argv:  # the MoE layers ran and logged their balancing loss

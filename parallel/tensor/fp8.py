@@ -1,37 +1,31 @@
-"""FP8 *emulation* of Transformer Engine's delayed-scaling recipe for the tensor-parallel linears.
+"""FP8 training of the tensor-parallel linears: Megatron's --fp8-format and --fp8-recipe.
 
 Megatron-Core with `--fp8-format` runs the GEMMs of its transformer layers (linear_qkv,
 linear_proj, linear_fc1, linear_fc2; not the embedding, not the output layer, not core
-attention) through Transformer Engine in FP8. There is no FP8 hardware and no TE here, so the
-numbers are emulated:
+attention) through Transformer Engine in FP8. Here the three GEMMs of each such linear --
+fprop (x W^T), dgrad (g W) and wgrad (g^T x) -- run as FP8 GEMMs through `torch._scaled_mm`
+(`fp8_gemm`), with the scales of the recipe (docs/FP8.md):
 
-* What is emulated exactly: every GEMM operand of those layers is rounded through a real
-  torch FP8 dtype with a per-tensor scale, as TE does: forward activations and weights in
-  E4M3 (torch.float8_e4m3fn, max 448); output-gradients in backward in E5M2
-  (torch.float8_e5m2, max 57344) with `hybrid`, in E4M3 with `e4m3`. Quantising is
-  q = saturate(x * scale) cast to FP8 (round to nearest even), dequantising q / scale.
-  dgrad uses the quantised output-gradient and weight; wgrad the quantised output-gradient
-  and input, or both in the run's precision with `wgrad=False` (Megatron's --no-fp8-wgrad).
-* The delayed-scaling recipe, as TE computes it: each operand's amax is recorded in the
-  current row of an amax history of `amax_history_len` rows; at the end of every forward
-  of a model chunk (TE: leaving fp8_autocast) and at the end of its backward, the current
-  amaxes of all layers are reduced with MAX over the amax group (Megatron's default: the
-  stage's tensor- and data-parallel ranks) in one all-reduce, the amax is taken from the
-  history (`max` over the window or the `most_recent` row), the history rolls, and the
-  next scale is fp8_max / amax / 2**margin (kept when the amax is 0 or not finite). The
-  first step runs with scale 1 (empty history), as TE does.
-* What differs from TE on an H100: the GEMM itself runs in the run's dtype on the
-  dequantised operands (the operands are rounded to FP8 values, then to the run's dtype,
-  which adds at most half an ulp of bf16 to the FP8 error, and the product accumulates in
-  fp32 or the run's dtype, not in the tensor cores' FP8 pipeline) -- so it is *slower*
-  than the same GEMM in bf16, never faster, and it saves no memory: the saved activations
-  are the dequantised copies in the run's dtype, not FP8 bytes. The weight is re-quantised
-  on every forward (TE keeps one FP8 copy per step and re-casts it on the first
-  micro-batch only; the values differ only when the weight scale changed between
-  micro-batches).
+* Formats: activations and weights in E4M3 (max 448); output-gradients in E5M2 (max 57344)
+  with `hybrid`, in E4M3 with `e4m3`. Quantising is saturate(x * scale) cast to FP8 (round
+  to nearest even); `_scaled_mm` multiplies by the inverse scales. The FP8 operands, not
+  the inputs, are kept for backward; `wgrad=False` (--no-fp8-wgrad, delayed only) keeps x.
+* delayed (TE's DelayedScaling): each operand's amax joins the current row of an amax
+  history; at the end of every forward of a model chunk (TE: leaving fp8_autocast) and of
+  its backward, the current amaxes of all layers are MAX-reduced over the amax group (the
+  stage's tensor-, context- and data-parallel ranks) in one all-reduce, the amax is the
+  history's `max` or `most_recent` row, the history rolls and the next scale is
+  fp8_max / amax / 2**margin (kept when the amax is 0 or not finite). The first step runs
+  with scale 1, as TE does.
+* tensorwise (TE's Float8CurrentScaling): each operand is quantised with its own amax,
+  MAX-reduced over the state's `current_amax_group` (tp x cp) so a shard is quantised as
+  the whole tensor is on one rank.
+* blockwise (TE's Float8BlockScaling, DeepSeek-V3): power-of-two scales per 1x128 tile of
+  activations and output-gradients (along each GEMM's K: x's rows for fprop, x^T's for
+  wgrad) and per 128x128 tile of weights.
 * Activation recomputation (parallel/tensor/random.checkpoint): as TE, the recomputed
-  forward quantises with the scales its original forward used and records no amax, so a
-  recomputed layer computes what a kept one does (`recording` / `replaying`).
+  forward quantises with the delayed scales its original forward used and records no amax
+  (`recording` / `replaying`); current and blockwise scales follow from the same input.
 """
 from __future__ import annotations
 
@@ -41,30 +35,38 @@ from dataclasses import dataclass
 from typing import Any, Deque, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
+from gigatron.parallel.tensor.fp8_gemm import (E4M3, E5M2, FP8Operand, current_scale, fp8_gemm,
+                                               fp8_max, quantize_1x128, quantize_128x128,
+                                               quantize_tensorwise)
+from gigatron.parallel.tensor.fp8_gemm import cast as quantize
 
 FORMATS = ("e4m3", "hybrid")
+SCALINGS = ("delayed", "tensorwise", "blockwise")  # Megatron's --fp8-recipe choices done here
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 @dataclass(frozen=True)
 class FP8Recipe:
-    """Transformer Engine's DelayedScaling recipe, as Megatron-Core builds it from its flags."""
+    """Transformer Engine's FP8 recipe as Megatron-Core builds it from its flags: delayed
+    (DelayedScaling), tensorwise (Float8CurrentScaling) or blockwise (Float8BlockScaling).
+    margin and the amax history are delayed scaling's."""
 
     format: str = "hybrid"  # e4m3: E4M3 everywhere; hybrid: E5M2 for output-gradients
     margin: int = 0
     amax_history_len: int = 1
     amax_compute_algo: str = "most_recent"
     wgrad: bool = True  # the weight-gradient GEMM in FP8 (False: in the run's precision)
+    scaling: str = "delayed"
 
     def __post_init__(self) -> None:
         problems = [msg for ok, msg in (
             (self.format in FORMATS, f"format must be one of {FORMATS}, got {self.format!r}"),
+            (self.scaling in SCALINGS,
+             f"scaling must be one of {SCALINGS}, got {self.scaling!r}"),
             (self.amax_history_len >= 1,
              f"amax_history_len must be >= 1, got {self.amax_history_len}"),
             (self.amax_compute_algo in AMAX_COMPUTE_ALGOS,
@@ -82,17 +84,6 @@ class FP8Recipe:
     def backward_dtype(self) -> torch.dtype:
         """Output-gradients."""
         return E5M2 if self.format == "hybrid" else E4M3
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
-    return float(torch.finfo(dtype).max)
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x * scale, saturated to the FP8 range and rounded to `dtype` (computed in fp32)."""
-    top = fp8_max(dtype)
-    return (x.float() * scale).clamp_(-top, top).to(dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,11 +126,15 @@ class ScalingMeta:
         self.amax_history = torch.zeros(recipe.amax_history_len, n, device=device)
         self.scale = torch.ones(n, device=device)
 
-    def quantize(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Operand i of this step: its amax joins the current row; quantised with the
-        scale the history gave (delayed scaling)."""
+    def record_amax(self, i: int, x: torch.Tensor) -> None:
+        """Operand i of this step: its amax joins the current row."""
         row = self.amax_history[0]
         row[i] = torch.maximum(row[i], amax(x))
+
+    def quantize(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Operand i of this step: its amax recorded, quantised with the scale the history
+        gave (delayed scaling)."""
+        self.record_amax(i, x)
         return quantize(x, self.scale[i], self.dtype)
 
     def update(self) -> None:
@@ -159,12 +154,16 @@ class ScalingMeta:
 
 class FP8LinearState:
     """The FP8 state of one linear layer: forward meta (input, weight), backward meta
-    (output-gradient)."""
+    (output-gradient) of delayed scaling; tensorwise scaling's amax group (the ranks whose
+    amaxes every current amax is MAX-reduced over, so that a tensor split over them is
+    quantised as the whole tensor)."""
 
     INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 0
 
-    def __init__(self, recipe: FP8Recipe, device: Optional[torch.device] = None) -> None:
+    def __init__(self, recipe: FP8Recipe, device: Optional[torch.device] = None,
+                 current_amax_group: Group = None) -> None:
         self.recipe = recipe
+        self.current_amax_group = current_amax_group
         self.forward = ScalingMeta(2, recipe.forward_dtype, recipe, device)
         self.backward = ScalingMeta(1, recipe.backward_dtype, recipe, device)
 
@@ -195,58 +194,102 @@ def replaying(store: List[Scales]) -> Iterator[None]:
         _REPLAYS.pop()
 
 
-def _forward_operands(x: torch.Tensor, weight: torch.Tensor,
-                      state: FP8LinearState) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x and the weight rounded through FP8 with this forward's scales (recorded for a
+def _delayed_operands(x2d: torch.Tensor, weight: torch.Tensor,
+                      state: FP8LinearState) -> Tuple[FP8Operand, FP8Operand]:
+    """x and the weight in FP8 with the delayed scales of this forward (recorded for a
     recomputation, or replayed in one)."""
     meta = state.forward
     if _REPLAYS and _REPLAYS[-1]:
         x_scale, w_scale = _REPLAYS[-1].popleft()
-        x_fp8 = quantize(x, x_scale, meta.dtype)
-        w_fp8 = quantize(weight, w_scale, meta.dtype)
     else:
         x_scale, w_scale = meta.scale[state.INPUT].clone(), meta.scale[state.WEIGHT].clone()
-        x_fp8 = meta.quantize(state.INPUT, x)
-        w_fp8 = meta.quantize(state.WEIGHT, weight)
+        meta.record_amax(state.INPUT, x2d)
+        meta.record_amax(state.WEIGHT, weight)
     for store in _RECORDINGS:
         store.append((x_scale, w_scale))
-    return dequantize(x_fp8, x_scale, x.dtype), dequantize(w_fp8, w_scale, weight.dtype)
+    return (quantize_tensorwise(x2d, x_scale, meta.dtype),
+            quantize_tensorwise(weight, w_scale, meta.dtype))
+
+
+def _current(x2d: torch.Tensor, dtype: torch.dtype, state: FP8LinearState) -> FP8Operand:
+    """x2d in FP8 with its own amax, MAX-reduced over the state's group (tensorwise)."""
+    top = amax(x2d)
+    comm.all_reduce(top, state.current_amax_group, op=comm.ReduceOp.MAX)
+    return quantize_tensorwise(x2d, current_scale(top, dtype), dtype)
+
+
+def _forward_operands(x2d: torch.Tensor, weight: torch.Tensor,
+                      state: FP8LinearState) -> Tuple[FP8Operand, FP8Operand]:
+    """The fprop GEMM's FP8 operands under the state's recipe."""
+    recipe = state.recipe
+    if recipe.scaling == "delayed":
+        return _delayed_operands(x2d, weight, state)
+    if recipe.scaling == "tensorwise":
+        return _current(x2d, E4M3, state), _current(weight, E4M3, state)
+    return quantize_1x128(x2d, E4M3), quantize_128x128(weight, E4M3)
+
+
+def _grad_operand(g2d: torch.Tensor, state: FP8LinearState) -> FP8Operand:
+    """The output-gradient in FP8 for dgrad (and, but for blockwise, wgrad)."""
+    dtype = state.recipe.backward_dtype
+    if state.recipe.scaling == "delayed":
+        meta = state.backward
+        scale = meta.scale[state.GRAD_OUTPUT].clone()
+        meta.record_amax(state.GRAD_OUTPUT, g2d)
+        return quantize_tensorwise(g2d, scale, dtype)
+    if state.recipe.scaling == "tensorwise":
+        return _current(g2d, dtype, state)
+    return quantize_1x128(g2d, dtype)
 
 
 class _FP8Linear(torch.autograd.Function):
-    """y = dq(q(x)) dq(q(W))^T; dgrad and wgrad from the quantised output-gradient."""
+    """y = x W^T with fprop, dgrad and wgrad as FP8 GEMMs through torch._scaled_mm
+    (fp8_gemm); the FP8 operands, not the inputs, are kept for backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                 state: FP8LinearState) -> torch.Tensor:
-        x_q, w_q = _forward_operands(x, weight, state)
-        wgrad_input = x_q if state.recipe.wgrad else x
-        ctx.save_for_backward(wgrad_input, w_q)
-        ctx.state = state
-        return F.linear(x_q, w_q)
+        x2d = x.reshape(-1, x.shape[-1])
+        x_fp8, w_fp8 = _forward_operands(x2d, weight, state)
+        y = fp8_gemm(x_fp8, w_fp8, x.dtype)
+        if not state.recipe.wgrad:  # --no-fp8-wgrad: wgrad in the run's precision
+            x_in = FP8Operand(x2d, torch.ones(()), "unquantised")
+        elif state.recipe.scaling == "blockwise":  # wgrad's K is the tokens: x^T's 1x128 tiles
+            x_in = quantize_1x128(x2d.t(), E4M3)
+        else:
+            x_in = x_fp8.t()
+        ctx.save_for_backward(x_in.data, x_in.scale_inv, w_fp8.data, w_fp8.scale_inv)
+        ctx.layouts = (x_in.layout, w_fp8.layout)
+        ctx.state, ctx.x_shape, ctx.w_dtype = state, x.shape, weight.dtype
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor  # type: ignore[override]
                  ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], None]:
-        wgrad_input, w_q = ctx.saved_tensors
         state: FP8LinearState = ctx.state
-        meta = state.backward
-        g_scale = meta.scale[state.GRAD_OUTPUT].clone()
-        g_q = dequantize(meta.quantize(state.GRAD_OUTPUT, grad), g_scale, grad.dtype)
+        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        x_in = FP8Operand(x_data, x_scale_inv, ctx.layouts[0])
+        w_fp8 = FP8Operand(w_data, w_scale_inv, ctx.layouts[1])
+        g2d = grad.reshape(-1, grad.shape[-1])
+        g_fp8 = _grad_operand(g2d, state)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = g_q.matmul(w_q)
+            grad_x = fp8_gemm(g_fp8, w_fp8.t(), grad.dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            g = g_q if state.recipe.wgrad else grad
-            grad_w = g.reshape(-1, g.shape[-1]).t().matmul(
-                wgrad_input.reshape(-1, wgrad_input.shape[-1]))
+            if not state.recipe.wgrad:
+                grad_w = g2d.t().matmul(x_in.data).to(ctx.w_dtype)
+            elif state.recipe.scaling == "blockwise":
+                grad_w = fp8_gemm(quantize_1x128(g2d.t(), state.recipe.backward_dtype), x_in,
+                                  ctx.w_dtype)
+            else:
+                grad_w = fp8_gemm(g_fp8.t(), x_in, ctx.w_dtype)
         return grad_x, grad_w, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                state: FP8LinearState) -> torch.Tensor:
-    """F.linear(x, weight, bias) with the GEMM's operands rounded through FP8 (the bias is
-    added in the run's precision, as TE's epilogue does)."""
+    """F.linear(x, weight, bias) as FP8 GEMMs (the bias is added in the run's precision, as
+    TE's epilogue does)."""
     y = _FP8Linear.apply(x, weight, state)
     return y if bias is None else y + bias
 
@@ -285,10 +328,12 @@ class FP8Region:
             m.update()
 
     def after_forward(self) -> None:
-        self._reduce_and_update([s.forward for s in self.states])
+        self._reduce_and_update([s.forward for s in self.states
+                                 if s.recipe.scaling == "delayed"])
 
     def after_backward(self) -> None:
-        self._reduce_and_update([s.backward for s in self.states])
+        self._reduce_and_update([s.backward for s in self.states
+                                 if s.recipe.scaling == "delayed"])
 
     def attach(self, module: nn.Module) -> "FP8Region":
         """Open the region on `module`'s first input (its backward closes the backward
@@ -310,7 +355,8 @@ class FP8Region:
 def enable_fp8(region_module: nn.Module, linears: Iterable[nn.Module], recipe: FP8Recipe,
                amax_group: Group = None) -> FP8Region:
     """Give each of `linears` (Column/RowParallelLinear) an FP8LinearState and run them under
-    one FP8Region on `region_module` (which must contain them)."""
+    one FP8Region on `region_module` (which must contain them). `amax_group`: the recipe's
+    -- delayed scaling's history reduction, tensorwise scaling's current amaxes."""
     inside = {id(m) for m in region_module.modules()}
     states = []
     for layer in linears:
@@ -318,7 +364,8 @@ def enable_fp8(region_module: nn.Module, linears: Iterable[nn.Module], recipe: F
             raise ValueError(f"enable_fp8: {type(layer).__name__} is not an FP8-capable "
                              f"tensor-parallel linear inside {type(region_module).__name__}")
         weight = getattr(layer, "weight", None)
-        state = FP8LinearState(recipe, None if weight is None else weight.device)
+        state = FP8LinearState(recipe, None if weight is None else weight.device,
+                               amax_group if recipe.scaling == "tensorwise" else None)
         setattr(layer, "fp8", state)  # Column/RowParallelLinear.fp8
         states.append(state)
     return FP8Region(states, amax_group).attach(region_module)

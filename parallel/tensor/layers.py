@@ -3,7 +3,7 @@
 Weights are created empty (on `device`, possibly meta) and tagged with an `InitSpec`; the
 model fills them afterwards from name-seeded full tensors (see `init.py`), so a layer
 never needs to know its own parameter name. `tp_group=None` means no tensor parallelism.
-The linears' `fp8` (None: off) holds their FP8-emulation state when `fp8.enable_fp8` gave
+The linears' `fp8` (None: off) holds their FP8 state when `fp8.enable_fp8` gave
 them one (Megatron's --fp8-format on the transformer layers). Inside `wgrad.deferring` the
 linears defer their weight gradients to the zero-bubble schedules' W step (not under FP8);
 biases, the embedding and everything else compute theirs in the input-gradient backward.

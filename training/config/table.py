@@ -58,7 +58,7 @@ class Settings:
         "selective recomputation (docs/PERFORMANCE.md, Memory without full recompute)")
     parallel: ParallelConfig = _concern("parallelism")
     precision: PrecisionSettings = _concern("precision and ZeRO")
-    fp8: FP8Settings = _concern("FP8 (emulated: docs/FP8.md)")
+    fp8: FP8Settings = _concern("FP8 (torch._scaled_mm: docs/FP8.md)")
     optimizer: OptimizerSettings = _concern("optimizer and learning-rate schedule")
     muon: MuonSettings = _concern("Muon (--optimizer muon: docs/MUON.md)")
     decoupled_lr: DecoupledLRSettings = _concern(

@@ -58,9 +58,9 @@ _MOE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
      "--moe-expert-capacity-factor, --moe-aux-loss-coeff, --expert-model-parallel-size)"),
     (("--moe-", "--expert-"), _MOE),
 )
-_FP8 = ("not emulated: gigatron emulates FP8 with delayed scaling in the transformer layers "
-        "(--fp8-format, docs/FP8.md); FP4, the other FP8 recipes and their knobs need "
-        "Transformer Engine")
+_FP8 = ("not provided: gigatron runs FP8 with delayed, tensorwise or blockwise scaling in the "
+        "transformer layers (--fp8-format, --fp8-recipe, docs/FP8.md); FP4, mxfp8 and the "
+        "other FP8 knobs need Transformer Engine")
 _TE = "Transformer Engine and its communication overlap are not used"
 _CLUSTER = ("NVIDIA cluster tooling is not part of gigatron (its watchdog names hung or dead "
             "ranks and ends the job: --distributed-timeout-minutes)")

@@ -1,10 +1,10 @@
-"""Megatron's FP8 flags (--fp8-format and its family) -> the FP8 emulation's recipe.
+"""Megatron's FP8 flags (--fp8-format and its family) -> the FP8 recipe of the linears.
 
-Megatron-Core hands these flags to Transformer Engine's DelayedScaling recipe; gigatron
-emulates that recipe in its tensor-parallel linears (`gigatron.parallel.tensor.fp8`,
-docs/FP8.md): the same layers, formats, scales and amax histories, the GEMMs in the run's
-dtype. Only delayed scaling (Megatron's default --fp8-recipe) is emulated; the other recipes
-are refused with the reason. --fp8-param-gather changes where the FP8 copy of the weights
+Megatron-Core hands these flags to Transformer Engine's recipes (DelayedScaling,
+Float8CurrentScaling, Float8BlockScaling); gigatron runs the same recipes in its
+tensor-parallel linears (`gigatron.parallel.tensor.fp8`, docs/FP8.md): the same layers,
+formats and scales, the GEMMs in FP8 through torch._scaled_mm. mxfp8 and custom are refused
+with the reason. --fp8-param-gather changes where the FP8 copy of the weights
 lives and what the distributed optimizer all-gathers (memory and communication only): it is
 accepted, under Megatron's own conditions, without effect.
 """
@@ -20,20 +20,23 @@ if TYPE_CHECKING:
     from gigatron.training.config.table import Settings
 
 RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")  # Megatron's choices
+SCALINGS = ("delayed", "tensorwise", "blockwise")  # the ones gigatron runs
 
 
 @dataclass(frozen=True)
 class FP8Settings:
-    """FP8 training through Transformer Engine in Megatron, emulated here (docs/FP8.md)."""
+    """FP8 training through Transformer Engine in Megatron, through torch._scaled_mm here
+    (docs/FP8.md)."""
 
     fp8_format: Optional[str] = setting(
-        None, "FP8 GEMMs in the transformer layers' linears (emulated, docs/FP8.md): e4m3 "
+        None, "FP8 GEMMs in the transformer layers' linears (torch._scaled_mm, docs/FP8.md): e4m3 "
         "everywhere, or hybrid (E4M3 activations and weights, E5M2 output-gradients); the "
         "embedding and output layer stay in the run's dtype, as in Megatron-Core",
         "--fp8-format", choices=("e4m3", "hybrid"))
     fp8_recipe: str = setting(
-        "delayed", "FP8 scaling recipe: delayed (scales from the amax history) is emulated; "
-        "tensorwise, mxfp8, blockwise and custom are refused", "--fp8-recipe",
+        "delayed", "FP8 scaling recipe: delayed (scales from the amax history), tensorwise "
+        "(each tensor's current amax) or blockwise (DeepSeek-V3's 1x128 activation and "
+        "gradient tiles, 128x128 weight tiles); mxfp8 and custom are refused", "--fp8-recipe",
         choices=RECIPES)
     fp8_margin: int = setting(0, "scale = FP8 max / amax / 2**margin", "--fp8-margin")
     fp8_interval: int = setting(
@@ -45,7 +48,8 @@ class FP8Settings:
         "most_recent", "the amax of the history: its max, or the most recent step's",
         "--fp8-amax-compute-algo", choices=("max", "most_recent"))
     no_fp8_wgrad: bool = setting(
-        False, "compute the weight-gradient GEMM in the run's precision, not in FP8",
+        False, "compute the weight-gradient GEMM in the run's precision, not in FP8 "
+        "(delayed recipe only, as in Megatron)",
         "--no-fp8-wgrad", "--disable-fp8-wgrad")
     fp8_param_gather: bool = setting(
         False, "accepted without effect (needs --fp8-format and the distributed optimizer, "
@@ -55,19 +59,22 @@ class FP8Settings:
 
 
 def fp8_recipe(fp8: FP8Settings) -> Optional["FP8Recipe"]:
-    """The emulated DelayedScaling recipe of these (validated) settings; None without
-    --fp8-format."""
+    """The FP8 recipe of these (validated) settings; None without --fp8-format.
+    --no-fp8-wgrad acts on delayed scaling only (Megatron passes it to DelayedScaling's
+    override_linear_precision, not to the other recipes)."""
     from gigatron.parallel.tensor.fp8 import FP8Recipe
 
     if not fp8.fp8_format:
         return None
     return FP8Recipe(format=fp8.fp8_format, margin=fp8.fp8_margin,
                      amax_history_len=fp8.fp8_amax_history_len,
-                     amax_compute_algo=fp8.fp8_amax_compute_algo, wgrad=not fp8.no_fp8_wgrad)
+                     amax_compute_algo=fp8.fp8_amax_compute_algo,
+                     wgrad=not (fp8.no_fp8_wgrad and fp8.fp8_recipe == "delayed"),
+                     scaling=fp8.fp8_recipe)
 
 
 def fp8_problems(s: "Settings") -> List[str]:
-    """What Megatron (or this emulation) refuses in the FP8 flags, one line each."""
+    """What Megatron (or gigatron) refuses in the FP8 flags, one line each."""
     out: List[str] = []
     fp8, precision, model = s.fp8, s.precision, s.model
     if fp8.fp8_param_gather:
@@ -79,9 +86,9 @@ def fp8_problems(s: "Settings") -> List[str]:
                        "--use-distributed-optimizer (or --zero-stage 1, 2 or 3)")
     if not fp8.fp8_format:
         return out
-    if fp8.fp8_recipe != "delayed":
-        out.append(f"--fp8-recipe {fp8.fp8_recipe} is not emulated: gigatron emulates "
-                   f"delayed scaling only (--fp8-recipe delayed, Megatron's default)")
+    if fp8.fp8_recipe not in SCALINGS:
+        out.append(f"--fp8-recipe {fp8.fp8_recipe} is not supported: gigatron runs "
+                   f"delayed, tensorwise and blockwise scaling; choose one of those")
     if fp8.fp8_amax_history_len < 1:
         out.append(f"--fp8-amax-history-len must be >= 1, got {fp8.fp8_amax_history_len}")
     return out
@@ -91,12 +98,12 @@ def fp8_notes(fp8: FP8Settings) -> List[str]:
     """The banner's lines for the FP8 flags."""
     notes = []
     if fp8.fp8_format:
-        wgrad = "" if not fp8.no_fp8_wgrad else ", weight gradients in full precision"
-        notes.append(f"--fp8-format {fp8.fp8_format}: FP8 is emulated (docs/FP8.md): the "
-                     f"transformer layers' GEMM operands are rounded through FP8 with delayed "
-                     f"scaling (amax history {fp8.fp8_amax_history_len}, "
-                     f"{fp8.fp8_amax_compute_algo}){wgrad}; the GEMMs run in the "
-                     f"run's dtype, so it is slower than without FP8 and saves no memory")
+        delayed = fp8.fp8_recipe == "delayed"
+        wgrad = ", weight gradients in full precision" if fp8.no_fp8_wgrad and delayed else ""
+        how = (f"delayed scaling (amax history {fp8.fp8_amax_history_len}, "
+               f"{fp8.fp8_amax_compute_algo})" if delayed else f"{fp8.fp8_recipe} scaling")
+        notes.append(f"--fp8-format {fp8.fp8_format}: the transformer layers' GEMMs run in "
+                     f"FP8 through torch._scaled_mm with {how}{wgrad} (docs/FP8.md)")
     if fp8.fp8_param_gather:
         notes.append("--fp8-param-gather: no effect here (memory and communication only): "
                      "parameters are gathered in the run's dtype")
