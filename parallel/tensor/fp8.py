@@ -253,7 +253,7 @@ class _FP8Linear(torch.autograd.Function):
         x_fp8, w_fp8 = _forward_operands(x2d, weight, state)
         y = fp8_gemm(x_fp8, w_fp8, x.dtype)
         if not state.recipe.wgrad:  # --no-fp8-wgrad: wgrad in the run's precision
-            x_in = FP8Operand(x2d, torch.ones(()), "unquantised")
+            x_in = FP8Operand(x2d, torch.ones((), device=x.device), "unquantised")
         elif state.recipe.scaling == "blockwise":  # wgrad's K is the tokens: x^T's 1x128 tiles
             x_in = quantize_1x128(x2d.t(), E4M3)
         else:
