@@ -127,8 +127,12 @@ def test_one_rank_distributed_optimizer_checkpoint_continues_with_megatron_losse
     metrics = str(tmp_path / "direct.jsonl")
     assert run_on_ranks(_pretrain, 1, flags + ["--load", str(tmp_path / "full"),
                                                "--metrics-file", metrics]) == [0]
-    assert _losses(metrics) == dict(zip(range(SAVE_AFTER + 1, ITERS + 1),
-                                        megatron["losses"][SAVE_AFTER:]))
+    direct = _losses(metrics)
+    assert sorted(direct) == list(range(SAVE_AFTER + 1, ITERS + 1))
+    # within the converted run's tolerance: gigatron's and Megatron's kernels sum in their own
+    # orders (equal to the bit on the old mock data by luck; 1 ulp apart on Megatron-Core's)
+    torch.testing.assert_close(torch.tensor([direct[i] for i in sorted(direct)]),
+                               torch.tensor(megatron["losses"][SAVE_AFTER:]), rtol=0, atol=1e-5)
     # --finetune: Megatron's weights from iteration 0 on batch 0 (its loss from the logits)
     batch = _batches(flags)[0]
     expected = torch.nn.functional.cross_entropy(megatron["logits"].flatten(0, 1),
