@@ -43,7 +43,11 @@ class ChatTemplateTokenizer:
     template (nothing is downloaded, no code from the folder runs)."""
 
     def __init__(self, tokenizer_model: Optional[str]) -> None:
-        from transformers import AutoTokenizer
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as err:  # optional: only --sft's chat templates need it
+            raise ImportError("--sft tokenizes with the tokenizer's chat template through "
+                              "transformers: pip install transformers") from err
 
         folder = tokenizer_folder(tokenizer_model)
         self.tokenizer: Any = AutoTokenizer.from_pretrained(folder, local_files_only=True)

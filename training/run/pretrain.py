@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from gigatron.parallel.world import LaunchEnv
     from gigatron.parallel.watchdog import Watchdog
     from gigatron.training.config.run_config import ParallelConfig, RunConfig
+    from gigatron.training.config.settings import PrecisionSettings
 
 
 def _configure(argv: Optional[List[str]], launch: "LaunchEnv", prog: str = "pretrain_gpt.py"
@@ -54,7 +55,7 @@ def _seed(seed: int, pp_rank: int) -> None:
     torch.manual_seed(seed)
 
 
-def matmul_precision(precision) -> None:
+def matmul_precision(precision: "PrecisionSettings") -> None:
     """--disable-bf16-reduced-precision-matmul with --bf16: what Megatron-Core's
     TransformerConfig sets (CUDA only; CPU GEMMs do not reduce in lower precision)."""
     if precision.bf16 and precision.disable_bf16_reduced_precision_matmul:

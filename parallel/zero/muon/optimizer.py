@@ -21,7 +21,7 @@ replaces the gradient and is clipped as one, and step() only decays and applies 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -36,7 +36,8 @@ class Muon(torch.optim.Optimizer):
     """Muon for groups with use_muon=True (the default), AdamW for the others."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, weight_decay: float = 0.01,
-                 config: Optional[MuonConfig] = None, betas=(0.9, 0.999), eps: float = 1e-8,
+                 config: Optional[MuonConfig] = None,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  tp_group: Group = None, expert_tp_group: Group = None,
                  adam_kwargs: Optional[Dict[str, Any]] = None, decoupled: bool = True,
                  ns_method: Optional[str] = None) -> None:
@@ -88,7 +89,7 @@ class Muon(torch.optim.Optimizer):
             self._link(self._adam)
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
