@@ -196,7 +196,8 @@ DATA_DESTS = ("data_path", "train_data_path", "valid_data_path", "test_data_path
               "data_args_path", "per_split_data_args_path",
               "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "deepspeed_config",
               "tiktoken_pattern", "tiktoken_num_special_tokens", "tokenizer_special_tokens",
-              "tokenizer_hf_no_include_special_tokens")  # tests/test_tokenizer_megatron.py
+              "tokenizer_hf_no_include_special_tokens",  # tests/test_tokenizer_megatron.py
+              "sft")  # conversation files and a chat-template tokenizer: tests/test_sft_data.py
 
 
 def _sample(row):
