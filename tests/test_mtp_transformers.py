@@ -29,9 +29,10 @@ def test_depth_one_equals_transformers_mtp_model():
 
     hf = _deepseek_v3(num_mtp_layers=1)  # the last layer MoE, and so the MTP block
     mtp = MtpModel(hf, 1).eval()
-    with torch.no_grad():
-        for p in mtp.layers.parameters():
-            p.add_(0.2 * torch.randn_like(p))
+    with torch.no_grad():  # fresh values: MtpModel leaves some tensors uninitialised
+        for name, p in mtp.layers.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else
+                    0.2 * torch.randn_like(p))
         mtp.layers[0].mtp_block.mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(8))
     hf_config = hf.config.to_dict()
     config, state = state_dict_from_hf(hf.state_dict(), hf_config)
