@@ -4,6 +4,12 @@ With causal attention the last tokens of a sequence attend to many more keys tha
 so a plain split in cp pieces gives the last rank most of the work. The sequence is cut into
 2 x cp chunks instead, and rank i holds chunks i and 2cp-1-i: an early chunk and a late one,
 so every rank does the same attention work. Positions (learned or RoPE) stay the global ones.
+
+Packed documents whose lengths all divide by 2 x cp (SFT's conversations padded to a multiple
+of 2 x cp, as Megatron-LM's --sft does under cp) can be split per document instead, as
+Megatron-Core splits packed (THD) sequences: each document in 2 x cp chunks, rank i holding
+chunks i and 2cp-1-i of every document, so each rank holds the same tokens of every document
+however unequal the documents are. `document_split_applies` is the one rule that picks it.
 """
 from __future__ import annotations
 
@@ -99,6 +105,45 @@ def global_order_index(seq_length: int, cp: int) -> torch.Tensor:
     """Index that puts the rank-order concatenation of the pieces into global order."""
     gathered = torch.cat([rank_positions(seq_length, cp, r) for r in range(cp)])
     return torch.argsort(gathered)
+
+
+def document_split_applies(cu_seqlens: Sequence[int], cp: int) -> bool:
+    """The rule: the per-document split when cp > 1 and every document of the sample (a
+    padded `cu_seqlens`, data/documents.py) has a length divisible by 2 x cp; otherwise the
+    whole-sequence split above."""
+    bounds = [int(b) for b in cu_seqlens]
+    return cp > 1 and all((end - start) % (2 * cp) == 0
+                          for start, end in zip(bounds, bounds[1:]))
+
+
+def document_chunks(cu_seqlens: Sequence[int], cp: int, rank: int) -> List[Tuple[int, int]]:
+    """(global start, length) of the chunks `rank` holds under the per-document split, in
+    its local order: chunk i then chunk 2cp-1-i of each document in turn (Megatron-Core's
+    THD order)."""
+    if not document_split_applies(cu_seqlens, cp):
+        raise ValueError(f"the per-document context-parallel split needs every document "
+                         f"length divisible by 2 x --context-parallel-size = {2 * cp}; pad "
+                         f"the documents (--sft does) or use the whole-sequence split")
+    bounds = [int(b) for b in cu_seqlens]
+    out = []
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            chunk = (end - start) // (2 * cp)
+            out += [(start + c * chunk, chunk) for c in rank_chunks(cp, rank)]
+    return out
+
+
+def document_rank_positions(cu_seqlens: Sequence[int], cp: int, rank: int) -> torch.Tensor:
+    """Global token positions held by `rank` under the per-document split, in local order."""
+    return torch.cat([torch.arange(start, start + n)
+                      for start, n in document_chunks(cu_seqlens, cp, rank)])
+
+
+def split_documents_for_rank(x: torch.Tensor, cu_seqlens: Sequence[int], cp: int, rank: int,
+                             seq_dim: int) -> torch.Tensor:
+    """`rank`'s piece of a full-sequence tensor under the per-document split."""
+    index = document_rank_positions(cu_seqlens, cp, rank).to(x.device)
+    return x.index_select(seq_dim, index)
 
 
 def _check_divisible(seq_length: int, cp: int) -> None:
