@@ -36,6 +36,7 @@ class GPTDataConfig:
     vocab_size: Optional[int] = None  # tokenizer.vocab_size; mock data draws tokens below it
     sft: bool = False  # --sft: the paths are conversations (JSON lines; data/sft/)
     tokenizer_model: Optional[str] = None  # --sft: the tokenizer folder with a chat template
+    context_parallel_size: int = 1  # --sft pads each conversation to a multiple of 2 x it
 
     def validate(self) -> None:
         if self.seq_length is None or self.seq_length <= 0:

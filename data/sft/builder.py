@@ -17,14 +17,16 @@ Lines = List[List[Conversation]]
 
 def _split(chat: ChatTemplateTokenizer, files: Sequence[Tuple[str, Lines, Tuple[int, int]]],
            weights: Optional[List[float]], num_samples: int, seq_length: int, eod: int,
-           name: str) -> Any:
+           name: str, cp: int = 1) -> Any:
     """One split over (path, lines, [start, end)) of each file."""
     pad = chat.pad if chat.pad is not None else eod
+    # under cp each conversation is padded to a multiple of 2 x cp (Megatron-LM's --sft)
+    multiple = 2 * cp if cp > 1 else 1
 
     def one(path: str, lines: Lines, span: Tuple[int, int], n: int) -> SFTDataset:
         start, end = span
         dataset = SFTDataset(tokenize_lines(lines[start:end], chat, path, start), n,
-                             seq_length, eod, pad, path, name)
+                             seq_length, eod, pad, path, name, multiple)
         dataset.note = "" if chat.has_generation_blocks else FALLBACK_RULE
         return dataset
 
@@ -56,7 +58,8 @@ def build_sft_datasets(config: Any, wanted: Sequence[int]) -> List[Optional[Any]
                                  f"it none of the {sum(len(v) for v in read.values())} "
                                  f"conversation lines: give it a larger share")
             result.append(None if n == 0 or empty else
-                          _split(chat, files, weights, n, config.seq_length, config.eod, name))
+                          _split(chat, files, weights, n, config.seq_length, config.eod, name,
+                                 config.context_parallel_size))
         return result
     for name, n, values in zip(SPLIT_NAMES, wanted, (config.train_data_path,
                                                      config.valid_data_path,
@@ -69,5 +72,6 @@ def build_sft_datasets(config: Any, wanted: Sequence[int]) -> List[Optional[Any]
         for p in paths:
             lines = read_conversations(p)
             files.append((p, lines, (0, len(lines))))
-        result.append(_split(chat, files, weights, n, config.seq_length, config.eod, name))
+        result.append(_split(chat, files, weights, n, config.seq_length, config.eod, name,
+                             config.context_parallel_size))
     return result

@@ -22,18 +22,19 @@ class SFTDataset:
 
     def __init__(self, tokenized: Sequence[Sequence[Tokenized]], num_samples: int,
                  seq_length: int, eod: int, pad: int, source: str = "",
-                 name: str = "train") -> None:
+                 name: str = "train", pad_multiple: int = 1) -> None:
         if not tokenized:
             raise ValueError(f"the {name} split of {source} has no conversations; adjust "
                              f"--split")
         self.lines, self.num_samples = list(tokenized), int(num_samples)
         self.seq_length, self.eod, self.pad = seq_length, eod, pad
         self.source, self.name = source, name
+        self.pad_multiple = pad_multiple  # 2 x cp under context parallelism (packing.py)
         self.stats = PackStats()
         self.note: str = ""  # said once in the run's data summary (the assistant-token rule)
         self.tokens_per_epoch = 0
         for line in self.lines:
-            _, stats = pack_conversations(line, seq_length, eod, pad)
+            _, stats = pack_conversations(line, seq_length, eod, pad, pad_multiple)
             self.stats.truncated += stats.truncated
             self.stats.dropped += stats.dropped
             self.tokens_per_epoch += sum(len(ids) for ids, _ in line)
@@ -48,7 +49,8 @@ class SFTDataset:
             raise IndexError(f"sample {idx} out of range for {self.num_samples} {self.name} "
                              f"samples")
         line = self.lines[idx % len(self.lines)]
-        return pack_conversations(line, self.seq_length, self.eod, self.pad)[0]
+        return pack_conversations(line, self.seq_length, self.eod, self.pad,
+                                  self.pad_multiple)[0]
 
     def describe(self) -> str:
         """' from N lines, C conversations, T tokens of FILE' and what the sequence length

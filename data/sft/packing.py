@@ -9,6 +9,11 @@ is an assistant token of the same conversation: the last position of a conversat
 label is the next conversation's first token, or padding) has none, and neither has the
 appended end-of-document id (it is not the template's).
 
+Under context parallelism (`pad_multiple` 2 x cp) each conversation, its end-of-document id
+included, is padded with the pad id to a multiple of 2 x cp, without loss, as Megatron-LM's
+--sft does: every document then splits per document over the cp ranks
+(parallel/context/split.py).
+
 A conversation that does not fit the room left is cut there (`truncated`) and the line's
 later conversations are left out (`dropped`), as Megatron-LM does; the dataset counts them.
 """
@@ -40,10 +45,18 @@ def with_eod(ids: np.ndarray, assistant: np.ndarray, eod: int) -> Tokenized:
     return np.append(ids, np.int64(eod)), np.append(assistant, False)
 
 
+def padded_to(ids: np.ndarray, assistant: np.ndarray, pad: int, multiple: int) -> Tokenized:
+    """The conversation padded with `pad` (no loss) to a multiple of `multiple` tokens."""
+    extra = -len(ids) % multiple
+    return (np.append(ids, np.full(extra, pad, dtype=np.int64)),
+            np.append(assistant, np.zeros(extra, dtype=bool)))
+
+
 def pack_conversations(conversations: Sequence[Tokenized], seq_length: int, eod: int,
-                       pad: int) -> Tuple[Dict[str, np.ndarray], PackStats]:
+                       pad: int, pad_multiple: int = 1
+                       ) -> Tuple[Dict[str, np.ndarray], PackStats]:
     """{tokens, labels, loss_mask, position_ids, cu_seqlens} of one sample and what did not
-    fit."""
+    fit (`pad_multiple`: each conversation padded to a multiple of it)."""
     stream = np.full(seq_length + 1, pad, dtype=np.int64)
     loss_mask = np.zeros(seq_length, dtype=np.float32)
     lengths: List[int] = []
@@ -51,6 +64,8 @@ def pack_conversations(conversations: Sequence[Tokenized], seq_length: int, eod:
     at = 0
     for k, (ids, assistant) in enumerate(conversations):
         ids, assistant = with_eod(ids, assistant, eod)
+        real = len(ids)  # cutting only the padding truncates nothing
+        ids, assistant = padded_to(ids, assistant, pad, pad_multiple)
         room = seq_length - at
         if room <= 0:
             stats.dropped += len(conversations) - k
@@ -61,7 +76,7 @@ def pack_conversations(conversations: Sequence[Tokenized], seq_length: int, eod:
         lengths.append(n)
         at += n
         if n < len(ids):
-            stats.truncated += 1
+            stats.truncated += int(n < real)
             stats.dropped += len(conversations) - k - 1
             break
     cu_seqlens = cu_seqlens_from_lengths(lengths, seq_length)

@@ -285,7 +285,8 @@ def _run_config(s: Settings, model: "TransformerConfig", parallel: ParallelConfi
                          data_cache_path=d.data_cache_path, eod_mask_loss=d.eod_mask_loss,
                          reset_position_ids=d.reset_position_ids,
                          reset_attention_mask=d.reset_attention_mask, vocab_size=d.vocab_size,
-                         sft=d.sft, tokenizer_model=d.tokenizer_model)
+                         sft=d.sft, tokenizer_model=d.tokenizer_model,
+                         context_parallel_size=parallel.context_parallel_size)
     mbs, gbs, num_mb = batches
     # --train-samples: the iterations counted as Megatron counts them
     train = dataclasses.replace(s.train, micro_batch_size=mbs, global_batch_size=gbs,
