@@ -43,26 +43,30 @@ def query_blocks(seq_length: int, cp: int, rank: int, causal: bool) -> List[List
     return out
 
 
-def _gather_global(kv: torch.Tensor, group: Group) -> torch.Tensor:
+def _gather_global(kv: torch.Tensor, group: Group,
+                   order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The cp group's keys/values [2, b, h, s, d] in global sequence order, from the local
-    [2, b, h, s/cp, d]."""
+    [2, b, h, s/cp, d] (`order`: the split's rank-order-to-global index; None: the
+    whole-sequence split's)."""
     cp, local = comm.group_size(group), kv.shape[3]
     if cp == 1:
         return kv
     rows = kv.permute(3, 0, 1, 2, 4).contiguous()  # sequence first: all_gather's dim 0
     gathered = rows.new_empty((cp * local,) + tuple(rows.shape[1:]))
     comm.all_gather(gathered, rows, group)
-    order = global_order_index(cp * local, cp).to(kv.device)
-    return gathered.index_select(0, order).permute(1, 2, 3, 0, 4)
+    order = global_order_index(cp * local, cp) if order is None else order
+    return gathered.index_select(0, order.to(kv.device)).permute(1, 2, 3, 0, 4)
 
 
-def _reduce_scatter_global(dkv: torch.Tensor, group: Group) -> torch.Tensor:
+def _reduce_scatter_global(dkv: torch.Tensor, group: Group,
+                           order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sum every rank's gradients of the global keys/values [2, b, h, s, d] and keep this
     rank's load-balanced piece [2, b, h, s/cp, d]."""
     cp, seq = comm.group_size(group), dkv.shape[3]
     if cp == 1:
         return dkv
-    inverse = torch.argsort(global_order_index(seq, cp)).to(dkv.device)
+    order = global_order_index(seq, cp) if order is None else order
+    inverse = torch.argsort(order).to(dkv.device)
     rows = dkv.permute(3, 0, 1, 2, 4).index_select(0, inverse).contiguous()
     mine = rows.new_empty((seq // cp,) + tuple(rows.shape[1:]))
     comm.reduce_scatter(mine, rows, group)

@@ -13,7 +13,9 @@ masked, and only the blocks straddling the band's edges are masked (block-sized 
               with this rank's slice of the sinks.
   a2a+p2p     heads over the inner group, the band ring over the outer (hierarchical.py).
 Packed documents (boundaries in global positions) only change the plan: pieces of different
-documents are never paired (band.py's `plan_blocks`). The sink (one logit per head) merges
+documents are never paired (band.py's `plan_blocks`). Where split.py's rule picks the
+per-document split (every document's length a multiple of 2 x cp), the local rows are each
+document's chunks i and 2cp-1-i: the plan reads them from the boundaries (`by_document`). The sink (one logit per head) merges
 after the last block; its gradient on each rank covers
 its local queries (and heads), so summing the gradients over cp, as for every replicated
 parameter, gives the whole.
@@ -31,22 +33,30 @@ from gigatron.parallel.context.all_gather import _gather_global, _reduce_scatter
 from gigatron.parallel.context.band import Block, Chunk, band_attention
 from gigatron.parallel.context.kernels import BlockContext
 from gigatron.parallel.context.ring import _Ring
-from gigatron.parallel.context.split import global_order_index, rank_chunks
+from gigatron.parallel.context.split import (document_local_chunks, document_order_index,
+                                             document_split_applies, global_order_index,
+                                             rank_chunks)
 from gigatron.parallel.context.ulysses import heads_to_sequence, kv_to_heads, sequence_to_heads
 
 
-def local_chunks(local_length: int, cp: int, rank: int) -> List[Chunk]:
-    """The two load-balanced chunks rank `rank` holds: (local row, rows, global start)."""
+def local_chunks(local_length: int, cp: int, rank: int,
+                 documents: Optional[Sequence[int]] = None) -> List[Chunk]:
+    """The chunks rank `rank` holds: (local row, rows, global start); with `documents`,
+    those of the per-document split."""
+    if documents is not None:
+        return document_local_chunks(documents, cp, rank)
     half = local_length // 2
     return [(i * half, half, c * half) for i, c in enumerate(rank_chunks(cp, rank))]
 
 
 def _ring_plan(q: torch.Tensor, group: Group, window: Optional[int],
-               documents: Optional[Sequence[int]] = None) -> List[List[Block]]:
+               documents: Optional[Sequence[int]] = None,
+               by_document: bool = False) -> List[List[Block]]:
     """Per ring step, the blocks of the local queries against the source's keys."""
     cp, me, local = comm.group_size(group), comm.group_rank(group), q.shape[2]
-    mine = local_chunks(local, cp, me)
-    return [band.plan_blocks(mine, local_chunks(local, cp, (me - step) % cp), window,
+    split = documents if by_document else None
+    mine = local_chunks(local, cp, me, split)
+    return [band.plan_blocks(mine, local_chunks(local, cp, (me - step) % cp, split), window,
                              q.device, documents) for step in range(cp)]
 
 
@@ -56,9 +66,9 @@ class BandRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 sink: Optional[torch.Tensor], group: Group, window: Optional[int],
-                scale: Optional[float], documents: Optional[Sequence[int]] = None
-                ) -> torch.Tensor:
-        plan = _ring_plan(q, group, window, documents)
+                scale: Optional[float], documents: Optional[Sequence[int]] = None,
+                by_document: bool = False) -> torch.Tensor:
+        plan = _ring_plan(q, group, window, documents, by_document)
         block_ctx = BlockContext(kernels.pick_kernel(q), scale)
         kv, cp = torch.stack([k, v]), len(plan)
         ring = _Ring(group) if cp > 1 else None
@@ -101,7 +111,7 @@ class BandRingAttention(torch.autograd.Function):
         dsink = (band.sink_grad(grad_out, out, lse, sink)
                  if sink is not None and ctx.needs_input_grad[3] else None)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsink, None, None,
-                None, None)
+                None, None, None)
 
 
 class BandAllGatherAttention(torch.autograd.Function):
@@ -110,20 +120,24 @@ class BandAllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
                 sink: Optional[torch.Tensor], group: Group, window: Optional[int],
-                scale: Optional[float], documents: Optional[Sequence[int]] = None
-                ) -> torch.Tensor:
+                scale: Optional[float], documents: Optional[Sequence[int]] = None,
+                by_document: bool = False) -> torch.Tensor:
         cp, local = comm.group_size(group), q.shape[2]
-        half = local // 2
+        half, split = local // 2, documents if by_document else None
         keys = [(c * half, half, c * half) for c in range(2 * cp)]
-        blocks = band.plan_blocks(local_chunks(local, cp, comm.group_rank(group)), keys,
+        order = None
+        if split is not None:  # the gathered keys in global order, cut as the documents
+            keys = [(a, e - a, a) for a, e in zip(split, split[1:])]
+            order = document_order_index(split, cp)
+        blocks = band.plan_blocks(local_chunks(local, cp, comm.group_rank(group), split), keys,
                                   window, q.device, documents)
         block_ctx = BlockContext(kernels.pick_kernel(q), scale)
-        kv = _gather_global(torch.stack([k, v]), group)
+        kv = _gather_global(torch.stack([k, v]), group, order)
         out, lse = band.merge_sink(*band.band_forward(q, kv[0], kv[1], blocks, block_ctx),
                                    sink)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sink)  # local pieces only
-        ctx.group, ctx.blocks, ctx.block_ctx = group, blocks, block_ctx
+        ctx.group, ctx.blocks, ctx.block_ctx, ctx.order = group, blocks, block_ctx, order
         return out
 
     @staticmethod
@@ -131,16 +145,16 @@ class BandAllGatherAttention(torch.autograd.Function):
                  ) -> Tuple[Optional[torch.Tensor], ...]:
         q, k, v, out, lse, sink = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        kv = _gather_global(torch.stack([k, v]), ctx.group)
+        kv = _gather_global(torch.stack([k, v]), ctx.group, ctx.order)
         dq = torch.zeros_like(q, dtype=torch.float32)
         dkv = torch.zeros_like(kv, dtype=torch.float32)
         band.band_backward(grad_out, q, kv[0], kv[1], out, lse, ctx.blocks, ctx.block_ctx,
                            dq, dkv[0], dkv[1])
-        dkv = _reduce_scatter_global(dkv, ctx.group)
+        dkv = _reduce_scatter_global(dkv, ctx.group, ctx.order)
         dsink = (band.sink_grad(grad_out, out, lse, sink)
                  if sink is not None and ctx.needs_input_grad[3] else None)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsink, None, None,
-                None, None)
+                None, None, None)
 
 
 def _head_slice(sink: Optional[torch.Tensor], group: Group) -> Optional[torch.Tensor]:
@@ -158,13 +172,17 @@ def band_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     """Local queries [b, h, s/cp, d] over the cp group's keys/values inside the band, with
     sinks [h] (None: none); `subgroups`: a2a+p2p's (inner, outer); `documents`: the whole
     sequence's boundaries (global positions, shared by the b sequences; None: one)."""
+    cp = comm.group_size(group)
+    by_document = documents is not None and document_split_applies(documents, cp, comm_type)
     if comm_type == "p2p":
-        return BandRingAttention.apply(q, k, v, sink, group, window, scale, documents)
+        return BandRingAttention.apply(q, k, v, sink, group, window, scale, documents,
+                                       by_document)
     if comm_type == "all_gather":
-        return BandAllGatherAttention.apply(q, k, v, sink, group, window, scale, documents)
+        return BandAllGatherAttention.apply(q, k, v, sink, group, window, scale, documents,
+                                            by_document)
     if comm_type == "a2a":
-        cp = comm.group_size(group)
-        order = global_order_index(q.shape[2] * cp, cp).to(q.device)
+        order = (document_order_index(documents, cp) if by_document and documents is not None
+                 else global_order_index(q.shape[2] * cp, cp)).to(q.device)
         q_heads = sequence_to_heads(q, group).index_select(2, order)
         k_heads, v_heads = kv_to_heads(k, v, group, order)
         out = band_attention(q_heads, k_heads, v_heads, window, _head_slice(sink, group),

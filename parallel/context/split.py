@@ -107,12 +107,16 @@ def global_order_index(seq_length: int, cp: int) -> torch.Tensor:
     return torch.argsort(gathered)
 
 
-def document_split_applies(cu_seqlens: Sequence[int], cp: int) -> bool:
-    """The rule: the per-document split when cp > 1 and every document of the sample (a
-    padded `cu_seqlens`, data/documents.py) has a length divisible by 2 x cp; otherwise the
-    whole-sequence split above."""
+DOCUMENT_SPLIT_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def document_split_applies(cu_seqlens: Sequence[int], cp: int, comm_type: str = "p2p") -> bool:
+    """The rule: the per-document split when cp > 1, the comm type is p2p, all_gather or a2a
+    (a2a+p2p keeps its own order) and every document of the sample (a padded `cu_seqlens`,
+    data/documents.py) has a length divisible by 2 x cp; otherwise the whole-sequence split
+    above. The data's shard and the attention both ask it, so they agree."""
     bounds = [int(b) for b in cu_seqlens]
-    return cp > 1 and all((end - start) % (2 * cp) == 0
+    return cp > 1 and comm_type in DOCUMENT_SPLIT_COMM_TYPES and all((end - start) % (2 * cp) == 0
                           for start, end in zip(bounds, bounds[1:]))
 
 
@@ -144,6 +148,23 @@ def split_documents_for_rank(x: torch.Tensor, cu_seqlens: Sequence[int], cp: int
     """`rank`'s piece of a full-sequence tensor under the per-document split."""
     index = document_rank_positions(cu_seqlens, cp, rank).to(x.device)
     return x.index_select(seq_dim, index)
+
+
+def document_local_chunks(cu_seqlens: Sequence[int], cp: int,
+                          rank: int) -> List[Tuple[int, int, int]]:
+    """`rank`'s chunks under the per-document split as (local row, rows, global start)."""
+    out, row = [], 0
+    for start, n in document_chunks(cu_seqlens, cp, rank):
+        out.append((row, n, start))
+        row += n
+    return out
+
+
+def document_order_index(cu_seqlens: Sequence[int], cp: int) -> torch.Tensor:
+    """Index that puts the rank-order concatenation of the per-document pieces into global
+    order."""
+    return torch.argsort(torch.cat([document_rank_positions(cu_seqlens, cp, r)
+                                    for r in range(cp)]))
 
 
 def _check_divisible(seq_length: int, cp: int) -> None:
