@@ -273,7 +273,7 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
                                            num_workers=run.train.num_workers,
                                            seed=run.train.seed)
     return _to_executor(loader, device, pipeline, run.parallel.context_parallel_size, cp_rank,
-                        documents)
+                        documents, run.parallel.cp_comm_type)
 
 
 def _empty_batches() -> Iterator[dict]:
@@ -282,7 +282,9 @@ def _empty_batches() -> Iterator[dict]:
 
 
 def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
-                 cp_rank: int = 0, documents: bool = False) -> Iterator[dict]:
+                 cp_rank: int = 0, documents: bool = False,
+                 comm_type: str = "p2p") -> Iterator[dict]:
+    said = False
     for batch in waited_for(loader):
         out = {}
         if pipeline.needs_inputs or (pipeline.needs_labels and pipeline.mtp):
@@ -294,18 +296,53 @@ def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
         if pipeline.needs_labels:
             out["labels"] = batch["labels"].to(device)
             out["loss_mask"] = batch["loss_mask"].to(device)
-        yield out if cp == 1 else context_parallel_shard(out, cp, cp_rank)
+        if cp > 1 and "cu_seqlens" in out and not said:
+            said = True
+            _say_split(out["cu_seqlens"], cp, cp_rank, comm_type)
+        yield out if cp == 1 else context_parallel_shard(out, cp, cp_rank, comm_type)
 
 
-def context_parallel_shard(batch: Dict[str, torch.Tensor], cp: int,
-                           cp_rank: int) -> Dict[str, torch.Tensor]:
-    """`cp_rank`'s load-balanced chunks of a micro-batch's [b, s] tensors (position ids stay
-    the global ones), with the whole sequence's loss-token count / cp (models/losses.py);
-    packed documents' `cu_seqlens` stay whole (global positions, read by attention)."""
-    from gigatron.parallel.context.split import split_for_rank
+def _say_split(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, comm_type: str) -> None:
+    """Print once which context-parallel split the run's packed documents use."""
+    from gigatron.parallel.context.split import document_split_applies
 
-    out = {key: value if key == "cu_seqlens" else split_for_rank(value, cp, cp_rank, seq_dim=1)
-           for key, value in batch.items()}
+    rows = cu_seqlens.reshape(-1, cu_seqlens.shape[-1]).tolist()
+    if cp_rank == 0 and (not torch.distributed.is_initialized()
+                         or torch.distributed.get_rank() == 0):
+        which = ("per document (every document a multiple of 2 x cp: each split as "
+                 "Megatron-Core splits packed sequences)"
+                 if all(document_split_applies(r, cp, comm_type) for r in rows)
+                 else "of the whole sequence (a document length is no multiple of 2 x cp, "
+                      "or --cp-comm-type a2a+p2p)")
+        print(f"context parallel split of packed documents: {which}; decided per sample by "
+              f"parallel/context/split.py's document_split_applies", flush=True)
+
+
+def context_parallel_shard(batch: Dict[str, torch.Tensor], cp: int, cp_rank: int,
+                           comm_type: str = "p2p") -> Dict[str, torch.Tensor]:
+    """`cp_rank`'s chunks of a micro-batch's [b, s] tensors (position ids stay the global
+    ones), with the whole sequence's loss-token count / cp (models/losses.py); packed
+    documents' `cu_seqlens` stay whole (global positions, read by attention). A sample whose
+    documents all divide by 2 x cp is split per document, the rest load-balanced over the
+    whole sequence (split.py's `document_split_applies`, which attention asks too)."""
+    from gigatron.parallel.context.split import (document_rank_positions,
+                                                 document_split_applies, rank_positions,
+                                                 split_for_rank)
+
+    index = None
+    if "cu_seqlens" in batch:
+        rows = batch["cu_seqlens"].reshape(-1, batch["cu_seqlens"].shape[-1]).tolist()
+        if any(document_split_applies(r, cp, comm_type) for r in rows):
+            index = torch.stack([document_rank_positions(r, cp, cp_rank)
+                                 if document_split_applies(r, cp, comm_type)
+                                 else rank_positions(r[-1], cp, cp_rank) for r in rows])
+
+    def piece(value: torch.Tensor) -> torch.Tensor:
+        if index is None:
+            return split_for_rank(value, cp, cp_rank, seq_dim=1)
+        return torch.gather(value, 1, index.to(value.device))
+
+    out = {key: value if key == "cu_seqlens" else piece(value) for key, value in batch.items()}
     if "loss_mask" in batch:
         total = batch["loss_mask"].sum().clamp(min=1).to(torch.float32)
         out["loss_tokens_share"] = total / cp

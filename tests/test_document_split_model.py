@@ -1,0 +1,67 @@
+"""GPTModel under the per-document context-parallel split: packed documents whose lengths all
+divide by 2 x cp are sharded per document (training/run/builders.py's context_parallel_shard,
+split.py's rule), and the per-token losses and parameter grads at cp2 with p2p, all_gather and
+a2a equal one rank's (fp32, 1e-5; forked gloo ranks)."""
+import torch
+
+from gigatron.data.documents import CU_SEQLENS
+from gigatron.models.config import TransformerConfig
+from gigatron.models.gpt import GPTModel
+from gigatron.parallel.context.split import document_rank_positions, split_documents_for_rank
+from multirank import run_on_ranks
+from test_packed_documents import BASE, _loss, documents, packed_batch
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+def _batch():
+    return packed_batch([documents((12, 4))[1], documents((4, 8, 4), seed=1)[1]])
+
+
+def _cp_run(rank, cp):
+    from gigatron.training.run.builders import context_parallel_shard
+
+    batch = _batch()
+    out = {}
+    for comm_type in COMM_TYPES:
+        model = GPTModel(TransformerConfig(**BASE), seed=7,
+                         cp_group=torch.distributed.group.WORLD, cp_comm_type=comm_type)
+        shard = context_parallel_shard(batch, cp, rank, comm_type)
+        for i in range(2):  # each sample split per document
+            assert torch.equal(shard["position_ids"][i], split_documents_for_rank(
+                batch["position_ids"][i], batch[CU_SEQLENS][i].tolist(), cp, rank, 0))
+        loss = _loss(model, shard)
+        (loss * shard["loss_mask"]).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out[comm_type] = loss.detach(), grads
+    return out
+
+
+def test_cp2_per_document_split_trains_as_one_rank():
+    per_rank = run_on_ranks(_cp_run, 2)
+    batch = _batch()
+    model = GPTModel(TransformerConfig(**BASE), seed=7)
+    want = _loss(model, batch)
+    (want * batch["loss_mask"]).sum().backward()
+    rows = [batch[CU_SEQLENS][i].tolist() for i in range(2)]
+    for comm_type in COMM_TYPES:
+        got = torch.zeros_like(want)
+        for rank, result in enumerate(per_rank):
+            for i, row in enumerate(rows):
+                got[i, document_rank_positions(row, 2, rank)] = result[comm_type][0][i]
+        err = ((got - want).abs() * batch["loss_mask"]).max().item()
+        assert err < 1e-5, (comm_type, err)
+        for name, param in model.named_parameters():
+            grad = sum(result[comm_type][1][name] for result in per_rank)
+            assert torch.allclose(grad, param.grad, atol=1e-5), (comm_type, name)
+
+
+def test_the_run_says_which_split_it_uses(capsys):
+    from gigatron.training.run.builders import _say_split
+
+    _say_split(_batch()[CU_SEQLENS], 2, 0, "p2p")
+    _say_split(packed_batch([documents((7, 9))[1]])[CU_SEQLENS], 2, 0, "p2p")
+    _say_split(_batch()[CU_SEQLENS], 2, 0, "a2a+p2p")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(": ")[1].split(" (")[0] for line in lines] == [
+        "per document", "of the whole sequence", "of the whole sequence"]
