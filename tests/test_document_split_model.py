@@ -1,7 +1,7 @@
 """GPTModel under the per-document context-parallel split: packed documents whose lengths all
 divide by 2 x cp are sharded per document (training/run/builders.py's context_parallel_shard,
-split.py's rule), and the per-token losses and parameter grads at cp2 with p2p, all_gather and
-a2a equal one rank's (fp32, 1e-5; forked gloo ranks)."""
+split.py's rule), and the per-token losses and parameter grads at cp2 with p2p and all_gather
+equal one rank's (fp32, 1e-5; forked gloo ranks)."""
 import torch
 
 from gigatron.data.documents import CU_SEQLENS
@@ -11,7 +11,7 @@ from gigatron.parallel.context.split import document_rank_positions, split_docum
 from multirank import run_on_ranks
 from test_packed_documents import BASE, _loss, documents, packed_batch
 
-COMM_TYPES = ("p2p", "all_gather", "a2a")
+COMM_TYPES = ("p2p", "all_gather")  # a2a: tests/test_document_split_attention.py
 
 
 def _batch():
