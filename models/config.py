@@ -197,6 +197,8 @@ class TransformerConfig:
     moe_router_dtype: Optional[str] = None
     """Dtype of the router logits and routing: None (the input's), 'fp32' or 'fp64'
     (--moe-router-dtype)."""
+    moe_router_force_load_balancing: bool = False
+    """Random router logits for benchmarking (--moe-router-force-load-balancing)."""
     # Multi-latent attention and YaRN (DeepSeek-V2/V3, issue 39): Megatron-Core's
     # MLATransformerConfig names, Megatron-LM's flag defaults; checks in models/mla/checks.py.
     multi_latent_attention: bool = False
@@ -410,11 +412,9 @@ class TransformerConfig:
 
 # Megatron-Core's --recompute-modules -> "" (implemented) or why not
 RECOMPUTE_MODULES = {
-    "core_attn": "", "mlp": "", "moe": "", "shared_experts": "",
+    "core_attn": "", "mlp": "", "moe": "", "shared_experts": "", "layernorm": "",
+    "mla_up_proj": "",
     "moe_act": "not implemented: recompute the whole 'moe' layer",
-    "layernorm": "not implemented (Megatron discards the norm's output after its consumer "
-                 "saved it): use selective_ac_option='op', which recomputes norms",
-    "mla_up_proj": "not implemented: recompute 'core_attn'",
 }
 
 

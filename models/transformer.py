@@ -71,8 +71,14 @@ class Norm(nn.Module):
             self.bias = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
             set_parallel_attributes(self.bias, InitSpec("zeros", (h,)),
                                     sequence_parallel=sequence_parallel)
+        self.recompute = False  # --recompute-modules layernorm (TransformerLayer's two)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._normalize, None, x)
+        return self._normalize(x)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.zero_centered else self.weight
         if self.rms:
             return ops.rms_norm(x, weight, self.eps)
@@ -457,6 +463,8 @@ class TransformerLayer(nn.Module):
         self.tracker = tracker
         self.recompute_mlp = config.recomputes("moe" if hasattr(self.mlp, "recomputing")
                                                else "mlp")
+        self.input_layernorm.recompute = self.pre_mlp_layernorm.recompute = \
+            config.recomputes("layernorm")
 
     def forward(self, x: torch.Tensor, rotary: Optional[tuple] = None,
                 kv_cache: Optional[LayerCache] = None,

@@ -43,6 +43,7 @@ CASES = [
     ("--moe-layer-freq ([1]*1+[0]*1)*2", "moe_layer_freq", [1, 0, 1, 0]),
     ("--moe-token-dispatcher-type alltoall", "moe_token_dispatcher_type", "alltoall"),
     ("--moe-router-dtype fp64", "moe_router_dtype", "fp64"),
+    ("--moe-router-force-load-balancing", "moe_router_force_load_balancing", True),
 ]
 
 
@@ -70,7 +71,8 @@ def test_defaults_left_out_are_megatrons():
             expected = model.ffn_hidden_size  # Megatron-Core: --ffn-hidden-size when None
         elif expected is None and name in ("moe_router_pre_softmax", "moe_grouped_gemm",
                                            "moe_router_enable_expert_bias",
-                                           "moe_pad_expert_input_to_capacity"):
+                                           "moe_pad_expert_input_to_capacity",
+                                           "moe_router_force_load_balancing"):
             expected = False  # store_true flags
         assert getattr(model, field) == expected, (flag, getattr(model, field), expected)
     assert megatron["--expert-model-parallel-size"] == 1

@@ -158,7 +158,7 @@ def test_flags_set_the_modules_and_the_op_rule_and_refuse_with_one_line_each():
     assert m.recompute_modules == ["mlp", "moe"] and not m.recomputes("core_attn")
     assert model("--selective-ac-option", "op").selective_ac_option == "op"
     assert model("--moe-layer-recompute").recompute_modules == ["core_attn", "moe"]
-    for extra, words in ((["--recompute-modules", "layernorm"], "--recompute-modules layernorm"),
+    for extra, words in ((["--recompute-modules", "moe_act"], "--recompute-modules moe_act"),
                          (["--recompute-modules", "mlp", "--selective-ac-option", "op"],
                           "--selective-ac-option op replaces --recompute-modules")):
         with pytest.raises((ConfigError, ValueError)) as e:

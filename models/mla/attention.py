@@ -98,18 +98,32 @@ class MultiLatentAttention(nn.Module):
             bias=config.add_bias_linear, sequence_parallel=sp,
             init_std=output_init_std(config), params_dtype=config.params_dtype, device=device)
         self.recompute_core = config.recomputes("core_attn")
+        self.recompute_up = config.recomputes("mla_up_proj")
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        """[s, b, local heads, qk_head_dim + qk_pos_emb_head_dim]."""
+    def _query_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What linear_q_up_proj reads (the normalised query latent), or linear_q_proj's
+        output where queries have no latent."""
         if self.linear_q_proj is not None:
-            q = self.linear_q_proj(x)
-        else:
-            assert self.linear_q_down_proj is not None and self.linear_q_up_proj is not None
-            latent = self.linear_q_down_proj(x)
-            if self.q_layernorm is not None:
-                latent = self.q_layernorm(latent)
-            q = self.linear_q_up_proj(latent)
-        return q.view(*q.shape[:2], self.local_heads, self.q_head_dim)
+            return self.linear_q_proj(x)
+        assert self.linear_q_down_proj is not None
+        latent = self.linear_q_down_proj(x)
+        return latent if self.q_layernorm is None else self.q_layernorm(latent)
+
+    def _query(self, q_input: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """Rotated queries [s, b, local heads, qk_head_dim + qk_pos_emb_head_dim]."""
+        c = self.config
+        q = q_input if self.linear_q_up_proj is None else self.linear_q_up_proj(q_input)
+        q = q.view(*q.shape[:2], self.local_heads, self.q_head_dim)
+        q_nope, q_pos = torch.split(q, [c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)
+        return torch.cat([q_nope, mla_rotary(q_pos, cos, sin)], dim=-1)
+
+    def _up_projections(self, q_input: torch.Tensor, latent: torch.Tensor,
+                        k_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(queries, keys, values) of the latents: the up-projections and RoPE, the part
+        --recompute-modules mla_up_proj recomputes in backward."""
+        k, v = self._expand(latent, mla_rotary(k_pos, cos, sin))
+        return self._query(q_input, cos, sin), k, v
 
     def _expand(self, latent: torch.Tensor, k_pos: torch.Tensor):
         """Keys [s, b, local heads, q_head_dim] and values [s, b, local heads, v_head_dim]
@@ -130,25 +144,29 @@ class MultiLatentAttention(nn.Module):
         latents (this step's are appended); `documents`: packed documents' boundaries."""
         c = self.config
         assert rotary is not None, "MLA needs the RoPE tables of its positional channels"
-        q = self._query(x)
-        q_nope, q_pos = torch.split(q, [c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)
+        q_input = self._query_input(x)
         latent, k_pos = torch.split(self.linear_kv_down_proj(x),
                                     [c.kv_lora_rank, c.qk_pos_emb_head_dim], dim=-1)
         if self.kv_layernorm is not None:
             latent = self.kv_layernorm(latent)
         # every local head reads the shared positional key: sum its grad over tp
         k_pos = copy_to_tensor_parallel_region(k_pos, self.tp_group)[:, :, None, :]
-        query = torch.cat([q_nope, mla_rotary(q_pos, *rotary)], dim=-1)
-        k_pos = mla_rotary(k_pos, *rotary)
         if kv_cache is not None:
-            latents, k_positions = kv_cache.append(latent[:, :, None, :], k_pos)
+            query = self._query(q_input, *rotary)
+            latents, k_positions = kv_cache.append(latent[:, :, None, :],
+                                                   mla_rotary(k_pos, *rotary))
             k, v = self._expand(latents[:, 0].transpose(0, 1), k_positions.permute(2, 0, 1, 3))
             out = self.core_attention.forward_masked(
                 query, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), kv_cache.mask)
+            return self.linear_proj(out)
+        grad = torch.is_grad_enabled()
+        if self.recompute_up and grad:
+            query, k, v = checkpoint(self._up_projections, self.tracker, q_input, latent, k_pos,
+                                     *rotary)
         else:
-            k, v = self._expand(latent, k_pos)
-            if self.recompute_core and torch.is_grad_enabled():
-                out = checkpoint(self.core_attention, self.tracker, query, k, v, documents)
-            else:
-                out = self.core_attention(query, k, v, documents)
+            query, k, v = self._up_projections(q_input, latent, k_pos, *rotary)
+        if self.recompute_core and grad:
+            out = checkpoint(self.core_attention, self.tracker, query, k, v, documents)
+        else:
+            out = self.core_attention(query, k, v, documents)
         return self.linear_proj(out)

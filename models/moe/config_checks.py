@@ -46,7 +46,8 @@ def router_config(config: "TransformerConfig") -> RouterConfig:
         bias_update_rate=config.moe_router_bias_update_rate,
         capacity_factor=config.moe_expert_capacity_factor,
         drop_policy=config.moe_token_drop_policy,  # type: ignore[arg-type]
-        pad_to_capacity=config.moe_pad_expert_input_to_capacity)
+        pad_to_capacity=config.moe_pad_expert_input_to_capacity,
+        force_load_balancing=config.moe_router_force_load_balancing)
 
 
 def moe_problems(config: "TransformerConfig", tp_size: int = 1) -> List[str]:

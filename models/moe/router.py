@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Literal, Optional
+from typing import Any, Dict, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,8 @@ class RouterConfig:
     """--moe-token-drop-policy: over capacity, drop the lowest probs or the latest positions."""
     pad_to_capacity: bool = False
     """--moe-pad-expert-input-to-capacity: fill every expert up to its capacity."""
+    force_load_balancing: bool = False
+    """--moe-router-force-load-balancing: random logits replace the gating's (benchmarking)."""
 
     def __post_init__(self) -> None:
         problems = router_config_problems(self)
@@ -309,6 +311,20 @@ class RouterOutput:
     """The balancing losses by layer-loss name, already multiplied by their coefficients."""
 
 
+class RandomLogits(torch.autograd.Function):
+    """--moe-router-force-load-balancing, as Megatron-Core's RandomSTE: standard-normal logits
+    of this rank's RNG in forward (every expert equally likely: balanced load for benchmarks),
+    the gradient passed straight through to the gating's logits in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(logits).normal_()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class Router(nn.Module):
     """The gating linear (weight [E, h]; with `add_bias` also ``bias`` [E], as Megatron-Core's
     router under --add-bias-linear), the routing, and the balancing losses; the expert bias
@@ -350,7 +366,8 @@ class Router(nn.Module):
         """Logits [T, E] of hidden [T, h], in --moe-router-dtype (else the input's dtype)."""
         dtype = self.router_dtype or hidden.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
+        logits = F.linear(hidden.to(dtype), self.weight.to(dtype), bias)
+        return RandomLogits.apply(logits) if self.config.force_load_balancing else logits
 
     def forward(self, hidden: torch.Tensor, seq_length: int,
                 with_losses: bool = False) -> RouterOutput:

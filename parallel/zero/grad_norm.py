@@ -49,6 +49,18 @@ def global_norm_and_nonfinite(norm_views: Iterable[torch.Tensor],
     return terms[0].sqrt(), terms[1]
 
 
+def count_zeros(views: Iterable[torch.Tensor], group: Group = None,
+                device: Optional[torch.device] = None) -> torch.Tensor:
+    """Number of zero elements in the counted grad `views` over `group` (Megatron's
+    --log-num-zeros-in-grad "num zeros"), a 0-dim float64 device tensor: one all-reduce, no
+    host read; the counting rule is the norm's, so each element of the model counts once."""
+    zeros = torch.zeros((), dtype=torch.float64, device=device)
+    for v in views:
+        zeros += (v == 0).sum()
+    comm.all_reduce(zeros, group=group)
+    return zeros
+
+
 def _by_device_and_dtype(views: Iterable[torch.Tensor]
                          ) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
     """Views grouped so that each group can go through one multi-tensor kernel."""

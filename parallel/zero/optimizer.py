@@ -32,7 +32,7 @@ from torch import nn
 from gigatron.parallel import comm
 from gigatron.parallel.zero.config import ZeroConfig, zero3_pipeline_problem
 from gigatron.parallel.zero.flat_group import FlatGroup
-from gigatron.parallel.zero.grad_norm import (clip_coefficient, counts_in_norm,
+from gigatron.parallel.zero.grad_norm import (clip_coefficient, count_zeros, counts_in_norm,
                                              global_norm_and_nonfinite)
 from gigatron.parallel.zero.bucketed_grad_sync import BucketedGradSync
 from gigatron.parallel.zero.lamb import Lamb, TrustRatioLayout
@@ -63,6 +63,7 @@ class StepResult:
     skipped: bool  # known on the host: fp16 reads its overflow flag, bf16/fp32 never skip
     grad_norm: Optional[torch.Tensor]  # 0-dim, on the device (read it at log time); None if skipped
     loss_scale: float
+    num_zeros: Optional[torch.Tensor] = None  # 0-dim, with count_zeros_in_grad (not skipped)
 
 
 @dataclass
@@ -166,6 +167,7 @@ class ZeroOptimizer:
             process_groups.tp, process_groups.embedding,
             self.gatherer.on_param_grad if self.gatherer else None)
         self._norm_views = self._counted_views()
+        self.count_zeros_in_grad = False  # --log-num-zeros-in-grad: StepResult.num_zeros
         self._host_grads: Dict[int, torch.Tensor] = {}  # offload: one grad buffer per group
         self.skipped_steps = 0
 
@@ -350,6 +352,8 @@ class ZeroOptimizer:
             self.scaler.update(True)
             self.skipped_steps += 1
             return StepResult(False, True, None, scale)
+        zeros = (count_zeros(self._norm_views, device=self._device())
+                 if self.count_zeros_in_grad else None)
         if scale != 1.0:
             norm = norm / scale
         factor = (clip_coefficient(norm, self.config.clip_grad) / scale
@@ -365,7 +369,7 @@ class ZeroOptimizer:
             g.master.grad = None
         self._publish_params()
         self.scaler.update(False)
-        return StepResult(True, False, norm, scale)
+        return StepResult(True, False, norm, scale, zeros)
 
     def _master_grad(self, g: FlatGroup, pieces: List[torch.Tensor]) -> torch.Tensor:
         """The gradient the optimizer steps `g.master` with, from the fp32 `pieces` of its

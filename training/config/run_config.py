@@ -277,6 +277,11 @@ class LoggingConfig:
         False, "log the L2 norm of the fp32 master weights, each element of the model counted "
         "once (Megatron's calc_params_l2_norm): 'params norm' on the console line, the "
         "metrics file and TensorBoard", "--log-params-norm")
+    log_num_zeros_in_grad: bool = setting(
+        False, "log the number of zero entries in the gradients of each step (after the "
+        "reduction over data-parallel ranks, each element of the model counted once, as the "
+        "grad norm counts it): Megatron's 'num zeros' on the console line, the metrics file "
+        "and TensorBoard", "--log-num-zeros-in-grad")
     log_memory_to_tensorboard: bool = setting(
         False, "accepted: a logging switch; peak memory (peak_memory_mib) goes to TensorBoard "
         "on every log line anyway (Megatron's allocator series are not written)",

@@ -46,10 +46,12 @@ _CONSOLE_FIELDS = (
     ("loss scale", "loss scale", "{:.1f}"),
     ("grad norm", "grad norm", "{:.3f}"),
     ("params norm", "params norm", "{:.3f}"),
+    ("num zeros", "num zeros", "{:.0f}"),
     ("number of skipped iterations", "skipped", "{:3d}"),
     ("peak memory (MiB)", "peak_memory_mib", "{:.0f}"),
 )
-_TENSORBOARD_KEYS = ("lm loss", "lr", "grad norm", "params norm", "loss scale", "skipped",
+_TENSORBOARD_KEYS = ("lm loss", "lr", "grad norm", "params norm", "num zeros", "loss scale",
+                     "skipped",
                      "tokens_per_s", "tflops_per_device", "mfu", "peak_memory_mib",
                      "ms_per_iteration", "load_balancing_loss", "z_loss", "tokens_per_expert_max_over_mean",
                      "dropped_token_share")

@@ -90,6 +90,7 @@ class StepOutcome:
     grad_norm: Optional[torch.Tensor]
     loss_scale: float
     skipped: bool
+    num_zeros: Optional[torch.Tensor] = None  # --log-num-zeros-in-grad
 
 
 class ExitSignal:
@@ -168,7 +169,7 @@ def train_step(s: Session, batches: List[dict], progress: TrainProgress) -> Step
     if s.mtp is not None:
         s.mtp.after_step(s.pipeline.executor.aux_losses, len(batches))
     return StepOutcome(step_loss(losses, divisor, batches, s.groups["dp-cp"]), lr,
-                       step.grad_norm, step.loss_scale, step.skipped)
+                       step.grad_norm, step.loss_scale, step.skipped, step.num_zeros)
 
 
 def advance(progress: TrainProgress, outcome: StepOutcome, global_batch_size: int) -> None:
@@ -255,6 +256,8 @@ def _log(s: Session, progress: TrainProgress, outcome: StepOutcome, interval: _I
         **rates, "peak_memory_mib": memory / 2 ** 20,
         "timers_ms": {name: 1000 * sec / n for name, sec in sorted(phases.items())},
     }
+    if outcome.num_zeros is not None:
+        record["num zeros"] = float(outcome.num_zeros)
     if s.moe is not None:  # collective: every rank
         record.update(s.moe.log_fields())
     if s.mtp is not None:  # collective: every rank

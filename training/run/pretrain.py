@@ -93,6 +93,7 @@ def _build_session(run, tokenizer, launch, device, started: Optional[float] = No
     chunks = builders.build_model_chunks(run, groups, device)
     shard = orchestrator.load_model_weights(run, groups, chunks)
     zero = builders.build_optimizer(run, chunks, groups)
+    zero.count_zeros_in_grad = run.logging.log_num_zeros_in_grad
     progress = orchestrator.restore_training_state(run, shard, chunks, zero, device)
     schedule, schedule_note = orchestrator.resumed_schedule(run, shard)
     run = replace(run, lr_schedule=schedule)

@@ -142,6 +142,16 @@ class AcceptedSettings:
         False, "accepted: what it asks for is gigatron's behaviour -- --load reads the format "
         "(torch_dist, torch, safetensors) from the checkpoint's metadata.json, whatever "
         "--ckpt-format says", "--auto-detect-ckpt-format")
+    dist_ckpt_strictness: str = setting(
+        "assume_ok_unexpected", "accepted, one behaviour for every value: --load of a "
+        "torch_dist checkpoint stops with an error naming a tensor the model needs that the "
+        "checkpoint lacks (Megatron's 'unexpected' keys: raised, as assume_ok_unexpected and "
+        "raise_* do) and ignores tensors of the checkpoint the model does not use (Megatron's "
+        "'missing' keys). log_*, return_* and ignore_all, which let Megatron go on with such a "
+        "model tensor left as initialised, stop here instead; a matching checkpoint loads the "
+        "same either way", "--dist-ckpt-strictness",
+        choices=("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                 "raise_all", "return_unexpected", "return_all", "ignore_all"))
     enable_experimental: bool = setting(
         False, "accepted without effect: Megatron-Core's gate for its experimental features; "
         "no gigatron feature waits behind it", "--enable-experimental")

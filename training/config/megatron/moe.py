@@ -97,6 +97,11 @@ class MoESettings:
     moe_router_dtype: Optional[str] = setting(
         None, "dtype of the router's logits and probabilities (default: the model's)",
         "--moe-router-dtype", choices=("fp32", "fp64"))
+    moe_router_force_load_balancing: Optional[bool] = setting(
+        None, "for benchmarking: each rank routes by standard-normal random logits of its "
+        "own RNG instead of the router's (balanced load; the gradient passes straight through "
+        "to the router, as Megatron-Core's RandomSTE; default off)",
+        "--moe-router-force-load-balancing")
 
 
 # MoESettings field -> TransformerConfig field (Megatron-Core's names)

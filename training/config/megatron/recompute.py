@@ -2,9 +2,10 @@
 
 --recompute-modules keeps Megatron-Core's name, choices and default (None: ['core_attn'])
 and, as there, applies only with --recompute-granularity selective (without it the list is
-ignored, as Megatron-Core ignores it). Of Megatron-Core's choices core_attn, mlp, moe and
-shared_experts are implemented; moe_act, layernorm and mla_up_proj are refused with a reason
-(models/config.py RECOMPUTE_MODULES). --selective-ac-option op is torchtitan's
+ignored, as Megatron-Core ignores it). Of Megatron-Core's choices core_attn, mlp, moe,
+shared_experts, layernorm and mla_up_proj are implemented (the last two as a checkpoint of
+the submodule, numerically identical); moe_act is refused with a reason (models/config.py
+RECOMPUTE_MODULES). --selective-ac-option op is torchtitan's
 `activation_checkpoint.selective_ac_option = "op"` (with its `mode = "selective"`: here
 --recompute-granularity selective): each layer is checkpointed and keeps only its matmul
 outputs except every second one and the attention kernel's (parallel/tensor/selective.py).
@@ -31,8 +32,16 @@ class RecomputeSettings:
 
     recompute_modules: Optional[List[str]] = setting(
         None, "with --recompute-granularity selective: the modules recomputed, of core_attn "
-        "(core attention), mlp (dense MLP), moe (MoE layer), shared_experts (Megatron-Core's "
-        "default: core_attn; moe_act, layernorm and mla_up_proj are not implemented)",
+        "(core attention), mlp (dense MLP), moe (MoE layer), shared_experts, layernorm (each "
+        "layer's input_layernorm and pre_mlp_layernorm) and mla_up_proj (multi-latent "
+        "attention's up-projections and RoPE: queries, keys and values from the latents) "
+        "(Megatron-Core's default: core_attn; moe_act is not implemented). layernorm and "
+        "mla_up_proj run as a checkpoint of that submodule, with the same numbers: its "
+        "intermediates are dropped and recomputed in backward, but its output stays saved by "
+        "the layer that reads it, where Megatron's output-discarding checkpoint frees that "
+        "output too (layernorm: one [s, b, h] tensor per norm less there, next to nothing "
+        "here; mla_up_proj: the up-projections' outputs before RoPE and the split are saved "
+        "neither here nor there, the queries, keys and values there only)",
         "--recompute-modules", choices=MODULES)
     selective_ac_option: Optional[str] = setting(
         None, "with --recompute-granularity selective: op recomputes by torchtitan's op rule "
