@@ -21,7 +21,13 @@ tp=1 / pp=1.
   transformers ranks a group by its best 2 scores, Megatron by its best topk / topk_group:
   configs where these differ (and more than one group may be left out) are refused.
 - multi-token prediction weights (`num_nextn_predict_layers` layers after the last) are
-  not read, as transformers does not read them; exports write none.
+  read and written when the gigatron config has --mtp-num-layers (depth d is HF's layer
+  `num_layers + d`: its decoder layer converts as one more decoder layer of the last layer's
+  kind; `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` are MultiTokenPredictionLayer's
+  enorm, hnorm, eh_proj and final_layernorm; `shared_head.head` and `embed_tokens`, copies
+  of the model's output layer and embedding that gigatron's MTP shares, are not read, and
+  exports write them as those copies); without it they are not read, as transformers does
+  not read them, and exports write none.
 - DeepSeek-V2 has the same tensors but for the correction bias, and routes greedily: top-k
   of a softmax over all experts, not renormalised, times `routed_scaling_factor`, which is
   Megatron's --moe-router-pre-softmax with the scaling factor; its `group_limited_greedy`
@@ -213,7 +219,8 @@ def config_to_hf(config: TransformerConfig, version: int = 3) -> Dict[str, Any]:
         "initializer_range": c.init_method_std, "rms_norm_eps": c.layernorm_epsilon,
         "tie_word_embeddings": not c.untie_embeddings_and_output_weights,
         "rope_parameters": rope, "rope_interleave": True, "attention_bias": False,
-        "attention_dropout": c.attention_dropout, "num_nextn_predict_layers": 0}
+        "attention_dropout": c.attention_dropout,
+        "num_nextn_predict_layers": c.mtp_num_layers or 0}
     if version == 2:
         balancing = c.moe_router_load_balancing_type
         out.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
@@ -254,25 +261,81 @@ def state_dict_from_hf(hf_state: StateDict, config: TransformerConfig) -> StateD
         src.pop("lm_head.weight", None)
     pattern = moe_layer_pattern(config)
     for i in range(config.num_layers):
-        ours, theirs = layer_prefix(i), f"model.layers.{i}."
-        for name, hf_name in _attention_names(config).items():
-            out[ours + name] = take(src, theirs + hf_name, FAMILY)
-        if not pattern[i]:
-            out.update(hf_llama.dense_mlp_from_hf(src, i, config))
-            continue
-        if config.moe_router_enable_expert_bias:  # fp32, as transformers and gigatron keep it
-            out[ours + "mlp.router.expert_bias"] = take(
-                src, theirs + "mlp.gate.e_score_correction_bias", FAMILY).float()
-        if config.moe_shared_expert_intermediate_size is not None:
-            gate, up, down = (take(src, f"{theirs}mlp.shared_experts.{p}_proj.weight", FAMILY)
-                              for p in ("gate", "up", "down"))
-            out[ours + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([gate, up])
-            out[ours + "mlp.shared_experts.linear_fc2.weight"] = down
-        out.update(moe_from_hf(src, i, config, theirs + "mlp.", _EXPERT_NAMES, FAMILY))
-    mtp = [k for k in src if _layer_number(k) >= config.num_layers]  # MTP: not read
+        out.update(_layer_from_hf(src, i, config, pattern[i]))
+    out.update(_mtp_from_hf(src, config))
+    mtp = [k for k in src if _layer_number(k) >= config.num_layers]  # MTP not asked for
     leftover = [k for k in src if k not in mtp and not k.endswith("rotary_emb.inv_freq")]
     require(not leftover, f"{FAMILY} tensors not understood: {', '.join(sorted(leftover))}")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _layer_from_hf(src: StateDict, i: int, config: TransformerConfig, moe: bool
+                   ) -> StateDict:
+    """Decoder layer i's tensors (taken out of `src`) by gigatron's names."""
+    out: StateDict = {}
+    ours, theirs = layer_prefix(i), f"model.layers.{i}."
+    for name, hf_name in _attention_names(config).items():
+        out[ours + name] = take(src, theirs + hf_name, FAMILY)
+    if not moe:
+        out.update(hf_llama.dense_mlp_from_hf(src, i, config))
+        return out
+    if config.moe_router_enable_expert_bias:  # fp32, as transformers and gigatron keep it
+        out[ours + "mlp.router.expert_bias"] = take(
+            src, theirs + "mlp.gate.e_score_correction_bias", FAMILY).float()
+    if config.moe_shared_expert_intermediate_size is not None:
+        gate, up, down = (take(src, f"{theirs}mlp.shared_experts.{p}_proj.weight", FAMILY)
+                          for p in ("gate", "up", "down"))
+        out[ours + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([gate, up])
+        out[ours + "mlp.shared_experts.linear_fc2.weight"] = down
+    out.update(moe_from_hf(src, i, config, theirs + "mlp.", _EXPERT_NAMES, FAMILY))
+    return out
+
+
+# MultiTokenPredictionLayer's own tensors <-> those of HF's MTP layer
+_MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+              "eh_proj.weight": "eh_proj.weight",
+              "final_layernorm.weight": "shared_head.norm.weight"}
+
+
+def _mtp_from_hf(src: StateDict, config: TransformerConfig) -> StateDict:
+    """The --mtp-num-layers depths from HF's layers num_layers, num_layers + 1, ..."""
+    from gigatron.models.mtp.block import mtp_layer_config  # mtp/ builds on the transformer
+
+    out: StateDict = {}
+    depth, extended = config.mtp_num_layers or 0, mtp_layer_config(config)
+    pattern = moe_layer_pattern(extended)
+    for d in range(depth):
+        n, ours = config.num_layers + d, f"mtp.layers.{d}."
+        theirs = f"model.layers.{n}."
+        layer = _layer_from_hf(src, n, extended, pattern[n])
+        out.update({ours + "transformer_layer." + k[len(layer_prefix(n)):]: v
+                    for k, v in layer.items()})
+        for name, hf_name in _MTP_NAMES.items():
+            out[ours + name] = take(src, theirs + hf_name, FAMILY)
+        for copy in ("shared_head.head.weight", "embed_tokens.weight"):
+            src.pop(theirs + copy, None)  # the model's own output layer and embedding
+    return out
+
+
+def _mtp_to_hf(state: StateDict, config: TransformerConfig, lm_head: torch.Tensor,
+               embedding: torch.Tensor) -> StateDict:
+    """HF's MTP layers num_layers, ... from the --mtp-num-layers depths."""
+    from gigatron.models.mtp.block import mtp_layer_config
+
+    out: StateDict = {}
+    depth, extended = config.mtp_num_layers or 0, mtp_layer_config(config)
+    pattern = moe_layer_pattern(extended)
+    for d in range(depth):
+        n, ours = config.num_layers + d, f"mtp.layers.{d}."
+        theirs = f"model.layers.{n}."
+        layer = {layer_prefix(n) + k[len(ours + "transformer_layer."):]: v
+                 for k, v in state.items() if k.startswith(ours + "transformer_layer.")}
+        out.update(_layer_to_hf(layer, n, extended, pattern[n]))
+        for name, hf_name in _MTP_NAMES.items():
+            out[theirs + hf_name] = state[ours + name]
+        out[theirs + "shared_head.head.weight"] = lm_head
+        out[theirs + "embed_tokens.weight"] = embedding
+    return out
 
 
 def _layer_number(name: str) -> int:
@@ -290,24 +353,32 @@ def state_dict_to_hf(state: StateDict, config: TransformerConfig) -> StateDict:
         out["lm_head.weight"] = unpad_vocab(state["output_layer.weight"], config)
     pattern = moe_layer_pattern(config)
     for i in range(config.num_layers):
-        ours, theirs = layer_prefix(i), f"model.layers.{i}."
-        for name, hf_name in _attention_names(config).items():
-            out[theirs + hf_name] = state[ours + name]
-        if not pattern[i]:
-            out.update(hf_llama.dense_mlp_to_hf(state, i, config))
-            continue
-        if config.moe_router_enable_expert_bias:
-            out[theirs + "mlp.gate.e_score_correction_bias"] = \
-                state[ours + "mlp.router.expert_bias"]
-        if config.moe_shared_expert_intermediate_size is not None:
-            gate, up = state[ours + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
-            out[theirs + "mlp.shared_experts.gate_proj.weight"] = gate
-            out[theirs + "mlp.shared_experts.up_proj.weight"] = up
-            out[theirs + "mlp.shared_experts.down_proj.weight"] = \
-                state[ours + "mlp.shared_experts.linear_fc2.weight"]
-        out.update(moe_to_hf(state, i, theirs + "mlp.", _EXPERT_NAMES))
+        out.update(_layer_to_hf(state, i, config, pattern[i]))
+    head = out.get("lm_head.weight", out["model.embed_tokens.weight"])
+    out.update(_mtp_to_hf(state, config, head, out["model.embed_tokens.weight"]))
     return {k: v.contiguous() for k, v in out.items()}
 
+
+
+def _layer_to_hf(state: StateDict, i: int, config: TransformerConfig, moe: bool) -> StateDict:
+    """Decoder layer i's tensors by transformers' names."""
+    out: StateDict = {}
+    ours, theirs = layer_prefix(i), f"model.layers.{i}."
+    for name, hf_name in _attention_names(config).items():
+        out[theirs + hf_name] = state[ours + name]
+    if not moe:
+        out.update(hf_llama.dense_mlp_to_hf(state, i, config))
+        return out
+    if config.moe_router_enable_expert_bias:
+        out[theirs + "mlp.gate.e_score_correction_bias"] = state[ours + "mlp.router.expert_bias"]
+    if config.moe_shared_expert_intermediate_size is not None:
+        gate, up = state[ours + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
+        out[theirs + "mlp.shared_experts.gate_proj.weight"] = gate
+        out[theirs + "mlp.shared_experts.up_proj.weight"] = up
+        out[theirs + "mlp.shared_experts.down_proj.weight"] = \
+            state[ours + "mlp.shared_experts.linear_fc2.weight"]
+    out.update(moe_to_hf(state, i, theirs + "mlp.", _EXPERT_NAMES))
+    return out
 
 
 # DeepSeek-V2 as a converter family (models/hf_convert.FAMILIES["deepseek_v2"])

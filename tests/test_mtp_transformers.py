@@ -25,7 +25,7 @@ def test_depth_one_equals_transformers_mtp_model():
 
     from gigatron.models.gpt import GPTModel
     from gigatron.models.hf_convert import state_dict_from_hf
-    from gigatron.models.mtp.block import mtp_layer_config
+    from gigatron.models.hf_deepseek import state_dict_from_hf as deepseek_from_hf
 
     hf = _deepseek_v3(num_mtp_layers=1)  # the last layer MoE, and so the MTP block
     mtp = MtpModel(hf, 1).eval()
@@ -37,22 +37,14 @@ def test_depth_one_equals_transformers_mtp_model():
     hf_config = hf.config.to_dict()
     config, state = state_dict_from_hf(hf.state_dict(), hf_config)
     config = dataclasses.replace(config, mtp_num_layers=1)
-    # the MTP block's decoder layer converts as a decoder layer numbered after the others
-    last = config.num_layers
-    block = {f"model.layers.{last}.{k}": v
-             for k, v in mtp.layers[0].mtp_block.state_dict().items()}
-    extended = mtp_layer_config(config)
-    from gigatron.models.hf_deepseek import state_dict_from_hf as deepseek_from_hf
-
-    converted = deepseek_from_hf({**hf.state_dict(), **block}, extended)
-    prefix = f"decoder.layers.{last}."
-    state.update({f"mtp.layers.0.transformer_layer.{k[len(prefix):]}": v
-                  for k, v in converted.items() if k.startswith(prefix)})
-    layer = mtp.layers[0]
-    state.update({"mtp.layers.0.enorm.weight": layer.enorm.weight,
-                  "mtp.layers.0.hnorm.weight": layer.hnorm.weight,
-                  "mtp.layers.0.eh_proj.weight": layer.eh_proj.weight,
-                  "mtp.layers.0.final_layernorm.weight": layer.post_norm.weight})
+    # the MTP block by a DeepSeek-V3 checkpoint's names: HF's layer num_layers
+    last, layer = f"model.layers.{config.num_layers}.", mtp.layers[0]
+    block = {last + k: v for k, v in layer.mtp_block.state_dict().items()}
+    block.update({last + "enorm.weight": layer.enorm.weight,
+                  last + "hnorm.weight": layer.hnorm.weight,
+                  last + "eh_proj.weight": layer.eh_proj.weight,
+                  last + "shared_head.norm.weight": layer.post_norm.weight})
+    state = deepseek_from_hf({**hf.state_dict(), **block}, config)
     model = GPTModel(config)
     model.load_state_dict(state, strict=True)
     model.eval()
@@ -71,3 +63,30 @@ def test_depth_one_equals_transformers_mtp_model():
     unrolled = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, :-1],
                                                  reduction="none")
     assert (ours - unrolled).abs().max() > 1e-2  # the labels' roll is seen
+
+
+def test_deepseek_converter_maps_the_mtp_layer_both_ways_with_mtp_num_layers():
+    from gigatron.models.gpt import GPTModel
+    from gigatron.models.hf_deepseek import config_from_hf, config_to_hf, state_dict_from_hf
+    from gigatron.models.hf_deepseek import state_dict_to_hf
+
+    hf = _deepseek_v3(num_mtp_layers=1)
+    config = dataclasses.replace(config_from_hf(hf.config.to_dict()), mtp_num_layers=1)
+    model = GPTModel(config, seed=4)
+    state = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+    exported = state_dict_to_hf(state, config)
+    last = f"model.layers.{config.num_layers}."
+    block = {k[len(last):] for k in exported if k.startswith(last)}
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+            "shared_head.head.weight", "embed_tokens.weight", "input_layernorm.weight",
+            "self_attn.kv_b_proj.weight", "mlp.gate.weight",
+            "mlp.gate.e_score_correction_bias"} <= block, block
+    dense = dataclasses.replace(config, mtp_num_layers=None)
+    assert set(exported) - {last + k for k in block} == set(state_dict_to_hf(
+        {k: v for k, v in state.items() if not k.startswith("mtp.")}, dense))
+    assert config_to_hf(config)["num_nextn_predict_layers"] == 1
+    back = state_dict_from_hf(exported, config)
+    assert set(back) == set(state)
+    for k, v in state.items():
+        assert torch.equal(back[k], v), k
+    model.load_state_dict(back, strict=False)  # the non-float buffers stay the model's
