@@ -168,7 +168,8 @@ def test_every_pipeline_stage_reads_the_conversations_boundaries():
     dataset = SFTDataset([[conv, conv]], 4, 24, 0, 0, "convs.jsonl")
     run = SimpleNamespace(data=GPTDataConfig(seq_length=24, sft=True),
                           train=SimpleNamespace(micro_batch_size=2, num_workers=0, seed=1),
-                          parallel=SimpleNamespace(dp=1, context_parallel_size=1))
+                          parallel=SimpleNamespace(dp=1, context_parallel_size=1,
+                                                    cp_comm_type="p2p"))
     middle = SimpleNamespace(needs_inputs=False, needs_labels=False)
     batch = next(iter(micro_batches(run, dataset, 0, 0, torch.device("cpu"), middle)))
     assert batch["cu_seqlens"][0, :4].tolist() == [0, 9, 18, 24]
