@@ -43,7 +43,7 @@ def build_deepspeed_muon(zero: "ZeroOptimizer", spec: "OptimizerSpec") -> Muon:
         masters = [g.master for g, u in zip(zero.flat_groups, zero.flat_user_group) if u == i]
         groups.append({**user.options, "params": masters})
     muon = Muon(groups, lr=spec.lr, weight_decay=spec.weight_decay, config=config,
-                betas=tuple(spec.betas), eps=spec.eps, decoupled=spec.adam_w_mode,
+                betas=(spec.betas[0], spec.betas[1]), eps=spec.eps, decoupled=spec.adam_w_mode,
                 ns_method=str(spec.extra.get("ns_method", "gram")))
     muon.set_layouts(shard_layouts(zero, config, deepspeed=True))
     muon.updates_before_norm = zero.stage >= 1
