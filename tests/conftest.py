@@ -1,8 +1,15 @@
 """Shared test setup: GPU-only tests are skipped (with the reason) where CUDA is absent, and
 the longest files run first, so that the README's `pytest -n 2 --dist loadfile` ends with
 short files filling in on both workers instead of one long file running alone."""
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the README's command runs 2 workers on 2 cores: a second intra-op thread per worker
+    # would only spin against the other worker (forked ranks already run single-threaded)
+    torch.set_num_threads(1)
 
 # The files that take longest on 2 cores (`pytest --durations=0`, summed per file), longest
 # first. Only the order changes: a file missing here runs after these, in collection order.
