@@ -75,7 +75,7 @@ setup(
     install_requires=["torch>=2.4", "numpy", "sentencepiece", "tokenizers", "safetensors"],
     extras_require={
         # the tests cover every optional path, so they need the optional packages too
-        # pytest-xdist: the README's test command runs the files on 3 workers (--dist loadfile)
+        # pytest-xdist: the README's test command runs the files on 2 workers (--dist loadfile)
         "test": ["pytest>=7", "pytest-xdist", "tensorboard", "matplotlib", "transformers",
                  "tiktoken", "megatron-core==0.16.1",  # megatron-core: the import oracle
                  "import-linter",  # the import contracts in pyproject.toml

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # the README's command runs 3 workers on 2 cores: a second intra-op thread per worker
+    # the README's command runs 2 workers on 2 cores: a second intra-op thread per worker
     # would only spin against the other worker (forked ranks already run single-threaded)
     torch.set_num_threads(1)
 
