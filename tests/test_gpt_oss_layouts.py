@@ -8,10 +8,9 @@ form (4 quick-GeGLU experts with biases, a router with a bias, top-2) trains the
 (alltoall) and tp2 x ep2 with sequence parallelism."""
 import pytest
 
+from test_context_parallel import GPT, ITERS, RTOL, ROPE, _losses, _relative
 from multirank import run_on_ranks
-from test_context_parallel import GPT, ITERS, RTOL, ROPE, _losses, _relative, _train_layout
-from test_moe_parallel import _full_parameters
-from test_moe_parallel import _train_layout as _train_moe_layout
+from test_moe_parallel import train_and_gather
 
 GPT_OSS = ("--window-size 3,0 --window-attn-skip-freq 2 --softmax-type learnable --quick-geglu "
            "--glu-linear-offset 1 --activation-func-clamp-value 7 --normalization RMSNorm "
@@ -35,17 +34,6 @@ MOE_LAYOUTS = {
 }
 
 
-def _run(moe, ranks, argv, metrics):
-    """The full parameters after training `argv` on `ranks` (experts gathered over ep)."""
-    if moe:
-        return _full_parameters(run_on_ranks(_train_moe_layout, ranks, argv, metrics,
-                                             timeout=300))
-    params = {}
-    for rank_params in run_on_ranks(_train_layout, ranks, argv, metrics, timeout=300):
-        params.update(rank_params)  # pp stages hold different names
-    return params
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """dense or MoE -> (one rank's full parameters, its losses), built on first use."""
@@ -55,7 +43,7 @@ def references(tmp_path_factory):
         if moe not in cache:
             metrics = str(tmp_path_factory.mktemp("one") / "one.jsonl")
             argv = BASE + (MOE if moe else [])
-            params = _run(moe, 1, argv, metrics)
+            params = train_and_gather(1, argv, metrics)
             assert any(n.endswith("softmax_offset") for n in params)
             assert not moe or any(n.endswith("experts.bias1") for n in params)
             cache[moe] = params, _losses(metrics)
@@ -70,7 +58,7 @@ def test_gpt_oss_layout_trains_the_one_rank_model(references, tmp_path, layout):
     ranks, flags = (MOE_LAYOUTS if moe else LAYOUTS)[layout]
     metrics = str(tmp_path / "metrics.jsonl")
     argv = BASE + (MOE if moe else []) + flags
-    params = _run(moe, ranks, argv, metrics)
+    params = train_and_gather(ranks, argv, metrics)
     losses = _losses(metrics)
     assert len(losses) == ITERS == len(ref_losses)
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))

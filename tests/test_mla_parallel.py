@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-from multirank import run_on_ranks
-from test_context_parallel import GPT, _losses, _relative, _train_layout
-from test_moe_parallel import _full_parameters
-from test_moe_parallel import _train_layout as _train_moe_layout
+from test_context_parallel import GPT, _losses, _relative
+from test_moe_parallel import train_and_gather
 
 RTOL = 1e-4
 MLA = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 "
@@ -58,17 +56,6 @@ LAYOUTS = {
 }
 
 
-def _run(ranks, argv, metrics):
-    """The full parameters after training `argv` on `ranks` (experts gathered over ep)."""
-    if "--num-experts" in argv:
-        return _full_parameters(run_on_ranks(_train_moe_layout, ranks, argv, metrics,
-                                             timeout=300))
-    params = {}
-    for rank_params in run_on_ranks(_train_layout, ranks, argv, metrics, timeout=300):
-        params.update(rank_params)  # pp stages hold different names
-    return params
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     cache = {}
@@ -76,7 +63,7 @@ def references(tmp_path_factory):
     def get(shared):
         if shared not in cache:
             metrics = str(tmp_path_factory.mktemp("one") / "one.jsonl")
-            params = _run(1, GPT + MLA + list(shared), metrics)
+            params = train_and_gather(1, GPT + MLA + list(shared), metrics)
             cache[shared] = params, _losses(metrics)
         return cache[shared]
     return get
@@ -87,7 +74,7 @@ def test_mla_layout_trains_the_one_device_model(references, tmp_path, layout):
     ranks, flags, shared = LAYOUTS[layout]
     ref_params, ref_losses = references(shared)
     metrics = str(tmp_path / "metrics.jsonl")
-    params = _run(ranks, GPT + MLA + list(shared) + flags, metrics)
+    params = train_and_gather(ranks, GPT + MLA + list(shared) + flags, metrics)
     losses = _losses(metrics)
     assert len(losses) == len(ref_losses) > 0
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))

@@ -94,6 +94,19 @@ class _nothing:
         return False
 
 
+def train_and_gather(ranks, argv, metrics):
+    """The full parameters after training `argv` on `ranks` (experts gathered over ep when
+    argv has --num-experts; pp stages' names merged), for tests that compare layouts."""
+    if "--num-experts" in argv:
+        return _full_parameters(run_on_ranks(_train_layout, ranks, argv, metrics, timeout=300))
+    from test_context_parallel import _train_layout as _train_dense_layout
+
+    params = {}
+    for rank_params in run_on_ranks(_train_dense_layout, ranks, argv, metrics, timeout=300):
+        params.update(rank_params)  # pp stages hold different names
+    return params
+
+
 def _full_parameters(per_rank):
     """Every rank's pieces -> name -> full tensor (expert boxes placed into the full one)."""
     from gigatron.parallel.tensor.init import unshard

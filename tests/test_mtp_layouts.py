@@ -19,11 +19,9 @@ import json
 
 import pytest
 
-from multirank import run_on_ranks
-from test_context_parallel import GPT, ROPE, _relative, _train_layout
+from test_context_parallel import GPT, ROPE, _relative
 from test_mla_parallel import MOE
-from test_moe_parallel import _full_parameters
-from test_moe_parallel import _train_layout as _train_moe_layout
+from test_moe_parallel import train_and_gather
 
 RTOL = 1e-4
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
@@ -52,16 +50,6 @@ def _records(path):
         return [r for r in map(json.loads, f) if r["type"] == "train"]
 
 
-def _run(ranks, argv, metrics):
-    if "--num-experts" in argv:
-        return _full_parameters(run_on_ranks(_train_moe_layout, ranks, argv, metrics,
-                                             timeout=300))
-    params = {}
-    for rank_params in run_on_ranks(_train_layout, ranks, argv, metrics, timeout=300):
-        params.update(rank_params)  # pp stages hold different names
-    return params
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     cache = {}
@@ -69,7 +57,7 @@ def references(tmp_path_factory):
     def get(shared):
         if shared not in cache:
             metrics = str(tmp_path_factory.mktemp("one") / "one.jsonl")
-            params = _run(1, GPT + ROPE + MTP + list(shared), metrics)
+            params = train_and_gather(1, GPT + ROPE + MTP + list(shared), metrics)
             cache[shared] = params, _records(metrics)
         return cache[shared]
     return get
@@ -80,7 +68,7 @@ def test_mtp_layout_trains_the_one_device_model(references, tmp_path, layout):
     ranks, flags, shared = LAYOUTS[layout]
     ref_params, ref_records = references(shared)
     metrics = str(tmp_path / "metrics.jsonl")
-    params = _run(ranks, GPT + ROPE + MTP + list(shared) + flags, metrics)
+    params = train_and_gather(ranks, GPT + ROPE + MTP + list(shared) + flags, metrics)
     records = _records(metrics)
     assert len(records) == len(ref_records) > 0
     loss_error = max(abs(r[n] - q[n]) / abs(q[n])
