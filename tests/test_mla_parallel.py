@@ -7,18 +7,22 @@ with its full parameters (tp slices gathered), within 1e-4 relative.
 Layouts: tp2 without and with --sequence-parallel (the shared positional key's gradient
 summed over tp: without that sum, as Megatron-Core's column-parallel down-projections
 have it, tried: linear_kv_down_proj 2.3e-2 off at tp2), cp2 under p2p, all_gather and a2a
-(the narrower values padded to the query/key head size for the cp blocks), cp2 a2a x tp2
-with sequence parallelism, pp2 interleaved (4 layers, 2 virtual stages), pp2 under the
-zero-bubble zb-h1 schedule (MLA's weight gradients deferred), dp2 with ZeRO 3 and full
-recomputation, tp2 with selective recomputation, ep2 with DeepSeek-V3's MoE block in small
-(sigmoid group-limited routing with the expert bias and its updates, a shared expert, the
-first layer dense).
+(the narrower values padded to the query/key head size for the cp blocks), cp4 under
+a2a+p2p (--hierarchical-context-parallel-sizes 2 2: the padded heads through the all-to-all
+and the ring), cp2 a2a x tp2 with sequence parallelism, pp2 with multi-token prediction (the
+MTP layer an MLA layer on the last stage; its "mtp_1 loss" compared too), pp2 interleaved
+(4 layers, 2 virtual stages), pp2 under the zero-bubble zb-h1 schedule (MLA's weight
+gradients deferred), dp2 with ZeRO 3 and full recomputation, tp2 with selective
+recomputation, ep2 with DeepSeek-V3's MoE block in small (sigmoid group-limited routing with
+the expert bias and its updates, a shared expert, the first layer dense).
 """
 from __future__ import annotations
 
 import pytest
 
-from test_context_parallel import GPT, _losses, _relative
+import json
+
+from test_context_parallel import GPT, _relative
 from test_moe_parallel import train_and_gather
 
 RTOL = 1e-4
@@ -27,6 +31,8 @@ MLA = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-di
        "--position-embedding-type rope --rope-type yarn --rotary-scaling-factor 4 "
        "--mscale-all-dim 1 --yarn-original-max-position-embeddings 8").split()
 FOUR_LAYERS = ["--num-layers", "4"]
+MTP = ("--mtp-num-layers 1 --mtp-loss-scaling-factor 0.3 "
+       "--untie-embeddings-and-output-weights").split()
 # DeepSeek-V3's MoE block in small: a dense first layer, sigmoid routing with the expert bias,
 # group-limited top-2 from 2 of 4 groups, scaled weights, a shared expert
 MOE = ("--num-experts 8 --moe-ffn-hidden-size 16 --moe-shared-expert-intermediate-size 16 "
@@ -42,6 +48,9 @@ LAYOUTS = {
     "cp2_all_gather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
                        ()),
     "cp2_a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], ()),
+    "cp4_a2a_p2p_2x2": (4, "--context-parallel-size 4 --cp-comm-type a2a+p2p "
+                           "--hierarchical-context-parallel-sizes 2 2".split(), ()),
+    "pp2_mtp": (2, ["--pipeline-model-parallel-size", "2"], tuple(MTP)),
     "pp2_vp2": (2, "--pipeline-model-parallel-size 2 "
                    "--num-layers-per-virtual-pipeline-stage 1".split(), tuple(FOUR_LAYERS)),
     "dp2_zero3_recompute": (2, "--zero-stage 3 --recompute-granularity full "
@@ -54,6 +63,13 @@ LAYOUTS = {
     "tp2_selective": (2, ["--tensor-model-parallel-size", "2", "--recompute-granularity",
                           "selective"], ()),
 }
+
+
+def _losses(path):
+    """Each logged iteration's (lm loss, mtp_1 loss) (the second None without MTP)."""
+    with open(path) as f:
+        return [(r["lm loss"], r.get("mtp_1 loss"))
+                for r in map(json.loads, f) if r["type"] == "train"]
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +93,15 @@ def test_mla_layout_trains_the_one_device_model(references, tmp_path, layout):
     params = train_and_gather(ranks, GPT + MLA + list(shared) + flags, metrics)
     losses = _losses(metrics)
     assert len(losses) == len(ref_losses) > 0
-    loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    assert all((mtp is None) == ("--mtp-num-layers" not in shared) for _, mtp in ref_losses)
+    loss_error = max(abs(a - b) / abs(b) for pair, ref in zip(losses, ref_losses)
+                     for a, b in zip(pair, ref) if b is not None)
     assert set(params) - set(ref_params) <= {"output_layer.weight"}
     assert set(ref_params) <= set(params)
     assert any("linear_kv_down_proj" in name for name in params)
+    if "--mtp-num-layers" in shared:  # the MTP layer is an MLA layer too
+        assert "mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj.weight" \
+            in ref_params
     errors = {n: _relative(params[n], ref_params[n]) for n in ref_params}
     worst = max(errors, key=errors.get)
     print(f"{layout}: loss error {loss_error:.2e}, param error {errors[worst]:.2e} ({worst})")
