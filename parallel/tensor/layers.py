@@ -7,6 +7,9 @@ The linears' `fp8` (None: off) holds their FP8 state when `fp8.enable_fp8` gave
 them one (Megatron's --fp8-format on the transformer layers). Inside `wgrad.deferring` the
 linears defer their weight gradients to the zero-bubble schedules' W step (not under FP8);
 biases, the embedding and everything else compute theirs in the input-gradient backward.
+Their `tp_comm_overlap` (None: off; a `TPCommOverlap` from `async_tp.enable_tp_comm_overlap`,
+Megatron's --tp-comm-overlap) pipelines the sequence-parallel all-gather / reduce-scatter
+with the GEMM in chunks (async_tp.py); it needs sequence parallelism and is not run with FP8.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gigatron.parallel.tensor.async_tp import (TPCommOverlap, all_gather_linear,
+                                               check_overlap, linear_reduce_scatter)
 from gigatron.parallel.tensor.fp8 import FP8LinearState, fp8_linear
 from gigatron.parallel.tensor.init import InitSpec, Stride, set_parallel_attributes
 from gigatron.parallel.tensor.mappings import (
@@ -49,6 +54,7 @@ class ColumnParallelLinear(nn.Module):
     weight: Optional[nn.Parameter]
     bias: Optional[nn.Parameter]
     fp8: Optional[FP8LinearState]
+    tp_comm_overlap: Optional[TPCommOverlap]
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
@@ -58,6 +64,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         self.fp8 = None
+        self.tp_comm_overlap = None
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp_size(tp_group) > 1
         self.output_size_per_partition = divide(output_size, tp_size(tp_group),
@@ -83,6 +90,11 @@ class ColumnParallelLinear(nn.Module):
         if weight is None:
             raise ValueError("ColumnParallelLinear built with skip_weight_param needs the "
                              "weight passed to forward (tied output layer)")
+        if self.tp_comm_overlap is not None:
+            check_overlap(self)
+            y = all_gather_linear(x, weight, self.bias, self.tp_group, self.tp_comm_overlap)
+            return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output \
+                else y
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
@@ -106,6 +118,7 @@ class RowParallelLinear(nn.Module):
     weight: nn.Parameter
     bias: Optional[nn.Parameter]
     fp8: Optional[FP8LinearState]
+    tp_comm_overlap: Optional[TPCommOverlap]
 
     def __init__(self, input_size: int, output_size: int, *, tp_group: Group = None, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
@@ -114,6 +127,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         self.fp8 = None
+        self.tp_comm_overlap = None
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and tp_size(tp_group) > 1
         if self.sequence_parallel and not input_is_parallel:
@@ -134,6 +148,10 @@ class RowParallelLinear(nn.Module):
         """x: [s, b, in/tp] -> [s(/tp), b, out]."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
+        if self.tp_comm_overlap is not None:
+            check_overlap(self)
+            y = linear_reduce_scatter(x, self.weight, self.tp_group, self.tp_comm_overlap)
+            return y if self.bias is None else y + self.bias
         y = deferrable_linear(x, self.weight) if self.fp8 is None else \
             fp8_linear(x, self.weight, None, self.fp8)
         if self.sequence_parallel:

@@ -70,6 +70,12 @@ def deferring(queue: Optional[WeightGradQueue]) -> Iterator[None]:
         _active = saved
 
 
+def active_queue() -> Optional[WeightGradQueue]:
+    """The queue a linear called now defers its weight gradient to (None: not deferring);
+    the overlapped tensor-parallel linears (async_tp.py) defer through it too."""
+    return _active
+
+
 def _accumulate_weight_grad(weight: torch.Tensor, x: torch.Tensor,
                             grad_output: torch.Tensor) -> None:
     grad = grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(
