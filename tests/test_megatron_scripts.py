@@ -78,6 +78,9 @@ def files(tmp_path_factory):
         assert preprocess(["--input", str(jsonl), "--output-prefix", prefix, "--append-eod",
                            "--log-interval", "100000"] + tokenizer) == 0
         paths[key] = prefix + "_text_document"
+    # a --data-args-path file as Megatron-LM reads it: --data-path's words, weights and prefixes
+    (root / "data_args.txt").write_text(f"1.0 {paths['DATA1']} 1.0 {paths['DATA2']} ")
+    paths["DATA_ARGS"] = str(root / "data_args.txt")
     return root, paths
 
 
@@ -210,6 +213,15 @@ RUNS = {"mlm_pretrain_gpt": (1, {}),
                                       "--q-lora-rank": "32", "--kv-lora-rank": "16",
                                       "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8",
                                       "--v-head-dim": "16"}),
+        # DeepSeek-V2-Lite as a user wrote it for Megatron-LM: MLA without query compression
+        # (latents shrunk), 16 of its 64 experts with its shared ones, its dense first layer of
+        # a --moe-layer-freq list, --data-args-path, an HF tokenizer, and its pp2 with two
+        # virtual stages per rank (Megatron-Core's newer spelling) on 2 ranks
+        "user_mlm_deepseek_v2_lite": (2, {"--num-layers": "4", "--moe-layer-freq": "([0]+[1]*3)",
+                                          "--num-experts": "16",
+                                          "--pipeline-model-parallel-size": "2",
+                                          "--kv-lora-rank": "16", "--qk-head-dim": "16",
+                                          "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16"}),
         "mlm_mixtral_8x7b_distributed": (2, {"--expert-model-parallel-size": "2",
                                              "--split": "98,1,1"})}
 

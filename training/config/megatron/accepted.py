@@ -125,6 +125,12 @@ class AcceptedSettings:
     moe_permute_fusion: bool = _overlap(
         "Transformer Engine's fused permute/unpermute kernels for the token dispatcher; "
         "gigatron's dispatcher permutes the tokens in plain torch", "--moe-permute-fusion")
+    moe_router_fusion: bool = _overlap(
+        "Transformer Engine's fused top-k routing and aux-loss kernels; gigatron's router "
+        "computes the same scores, top-k and losses in plain torch", "--moe-router-fusion")
+    moe_shared_expert_overlap: bool = _overlap(
+        "when the shared experts run relative to the token dispatcher's communication; their "
+        "output is added to the routed experts' as without it", "--moe-shared-expert-overlap")
     moe_flex_dispatcher_backend: str = setting(
         "deepep", "accepted without effect: the kernels of --moe-token-dispatcher-type flex "
         "(DeepEP, HybridEP or NCCL-EP), which move the tokens as gigatron's alltoall does "
