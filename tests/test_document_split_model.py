@@ -61,7 +61,39 @@ def test_the_run_says_which_split_it_uses(capsys):
 
     _say_split(_batch()[CU_SEQLENS], 2, 0, "p2p")
     _say_split(packed_batch([documents((7, 9))[1]])[CU_SEQLENS], 2, 0, "p2p")
-    _say_split(_batch()[CU_SEQLENS], 2, 0, "a2a+p2p")
+    _say_split(_batch()[CU_SEQLENS], 2, 0, "a2a+p2p")  # per document too (hierarchical)
+    _say_split(packed_batch([documents((12, 4))[1], documents((7, 9))[1]])[CU_SEQLENS], 2, 0,
+               "p2p")
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(": ")[1].split(" (")[0] for line in lines] == [
-        "per document", "of the whole sequence", "of the whole sequence"]
+    assert [line.split(": ")[1].split(" (")[0].split(" for ")[0] for line in lines] == [
+        "per document", "of the whole sequence", "per document", "per document"]
+    assert "of the whole sequence for the others" in lines[3]
+
+
+def test_a_run_says_its_split_once_over_training_and_evaluations(capsys):
+    """Each evaluation starts a new data iterator; the run still says its split once, and
+    says the fallback (the whole-sequence split) when a conversation is no multiple of 2cp."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from gigatron.data.builder import GPTDataConfig
+    from gigatron.data.sft.dataset import SFTDataset
+    from gigatron.training.run.builders import micro_batches
+
+    def said(n, pad_multiple):
+        conv = (np.arange(1, n + 1, dtype=np.int64), np.arange(n) % 2 == 0)
+        dataset = SFTDataset([[conv, conv]], 4, 24, 0, 0, "c.jsonl", pad_multiple=pad_multiple)
+        run = SimpleNamespace(data=GPTDataConfig(seq_length=24, sft=True),
+                              train=SimpleNamespace(micro_batch_size=2, num_workers=0, seed=1),
+                              parallel=SimpleNamespace(dp=1, context_parallel_size=2,
+                                                        cp_comm_type="a2a+p2p"))
+        stage = SimpleNamespace(needs_inputs=True, needs_labels=True, mtp=False)
+        for _ in range(3):  # training, then two evaluations
+            next(iter(micro_batches(run, dataset, 0, 0, torch.device("cpu"), stage)))
+        return [line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("context parallel split")]
+
+    padded, fallback = said(8, 4), said(8, 1)  # 9 tokens with the eod: padded to 12, or not
+    assert len(padded) == 1 and ": per document (" in padded[0]
+    assert len(fallback) == 1 and ": of the whole sequence (" in fallback[0]

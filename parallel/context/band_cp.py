@@ -11,7 +11,8 @@ masked, and only the blocks straddling the band's edges are masked (block-sized 
               against the 2 x cp key chunks; reduce-scatter of their gradients (all_gather.py).
   a2a         heads split over cp (ulysses.py): the whole sequence on one rank, band.py as is,
               with this rank's slice of the sinks.
-  a2a+p2p     heads over the inner group, the band ring over the outer (hierarchical.py).
+  a2a+p2p     heads over the inner group, the band ring over the outer (hierarchical.py;
+              under the per-document split the ring holds each document's chunks).
 Packed documents (boundaries in global positions) only change the plan: pieces of different
 documents are never paired (band.py's `plan_blocks`). Where split.py's rule picks the
 per-document split (every document's length a multiple of 2 x cp), the local rows are each
@@ -188,13 +189,19 @@ def band_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
         out = band_attention(q_heads, k_heads, v_heads, window, _head_slice(sink, group),
                              scale, documents)
         return heads_to_sequence(out.index_select(2, torch.argsort(order)), group)
-    from gigatron.parallel.context.hierarchical import coarse_order_index
+    from gigatron.parallel.context.hierarchical import (coarse_order_index,
+                                                        document_coarse_order_index)
 
     assert subgroups is not None
     inner, outer = subgroups
-    order = coarse_order_index(q.shape[2], comm.group_size(inner)).to(q.device)
+    sizes = comm.group_size(inner), comm.group_size(outer)
+    # per document: the ring holds each document's chunks k and 2P-1-k (one ring rank: all)
+    ring_by_document = by_document and sizes[1] > 1
+    order = (document_coarse_order_index(documents, *sizes, comm.group_rank(outer))
+             if by_document and documents is not None
+             else coarse_order_index(q.shape[2], sizes[0])).to(q.device)
     q_heads = sequence_to_heads(q, inner).index_select(2, order)
     k_heads, v_heads = kv_to_heads(k, v, inner, order)
     out = BandRingAttention.apply(q_heads, k_heads, v_heads, _head_slice(sink, inner), outer,
-                                  window, scale, documents)
+                                  window, scale, documents, ring_by_document)
     return heads_to_sequence(out.index_select(2, torch.argsort(order)), inner)

@@ -12,19 +12,26 @@ put into the coarse order (early chunks in rank order, then late chunks in rever
 ring (ring.py) attends them over the outer group, and the inverse steps return the local
 queries' output. Inner traffic is the all-to-all's, outer traffic the ring's over P ranks.
 
+Under the per-document split (split.py: every packed document's length a multiple of 2 x cp)
+the same holds document by document: inner group k holds chunks kA..kA+A-1 and
+2cp-A-kA..2cp-1-kA of every document, i.e. chunks k and 2P-1-k of each document cut in 2P,
+which is the per-document split over the P ranks of the outer ring
+(`document_coarse_order_index`); the ring then plans each document's chunks (band_cp.py).
+
 The model carries only the cp group and the comm type down to the attention, so the
 sub-groups are looked up by the cp group they split (`register_subgroups`, called by the
 ProcessGroups that create them).
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
 from gigatron.parallel import comm
 from gigatron.parallel.comm import Group
 from gigatron.parallel.context.ring import RingAttention
+from gigatron.parallel.context.split import document_rank_positions
 from gigatron.parallel.context.ulysses import heads_to_sequence, kv_to_heads, sequence_to_heads
 
 _SUBGROUPS: Dict[object, Tuple[Group, Group]] = {}
@@ -53,6 +60,21 @@ def coarse_order_index(local_length: int, inner: int) -> torch.Tensor:
     late = [torch.arange(i * local_length + chunk, (i + 1) * local_length)
             for i in reversed(range(inner))]
     return torch.cat(early + late)
+
+
+def document_coarse_order_index(cu_seqlens: Sequence[int], inner: int, outer: int,
+                                outer_rank: int) -> torch.Tensor:
+    """Under the per-document split, the index putting the inner group's gathered pieces
+    (rank order) into the outer ring's per-document split over `outer` ranks, for the inner
+    group at place `outer_rank` of its outer group."""
+    cp = inner * outer
+    gathered = torch.cat([document_rank_positions(cu_seqlens, cp, outer_rank * inner + i)
+                          for i in range(inner)])
+    wanted = (document_rank_positions(cu_seqlens, outer, outer_rank) if outer > 1
+              else torch.arange(int(cu_seqlens[-1])))  # one ring rank: the whole sequence
+    where = torch.full((int(cu_seqlens[-1]),), -1, dtype=torch.long)
+    where[gathered] = torch.arange(len(gathered))
+    return where[wanted]
 
 
 def hierarchical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inner: Group,

@@ -107,17 +107,14 @@ def global_order_index(seq_length: int, cp: int) -> torch.Tensor:
     return torch.argsort(gathered)
 
 
-DOCUMENT_SPLIT_COMM_TYPES = ("p2p", "all_gather", "a2a")
-
-
 def document_split_applies(cu_seqlens: Sequence[int], cp: int, comm_type: str = "p2p") -> bool:
-    """The rule: the per-document split when cp > 1, the comm type is p2p, all_gather or a2a
-    (a2a+p2p keeps its own order) and every document of the sample (a padded `cu_seqlens`,
-    data/documents.py) has a length divisible by 2 x cp; otherwise the whole-sequence split
-    above. The data's shard and the attention both ask it, so they agree."""
+    """The rule: the per-document split when cp > 1 (any comm type) and every document of the
+    sample (a padded `cu_seqlens`, data/documents.py) has a length divisible by 2 x cp;
+    otherwise the whole-sequence split above. The data's shard and the attention both ask
+    it, so they agree."""
     bounds = [int(b) for b in cu_seqlens]
-    return cp > 1 and comm_type in DOCUMENT_SPLIT_COMM_TYPES and all((end - start) % (2 * cp) == 0
-                          for start, end in zip(bounds, bounds[1:]))
+    return cp > 1 and comm_type in COMM_TYPES and all((end - start) % (2 * cp) == 0
+                                                      for start, end in zip(bounds, bounds[1:]))
 
 
 def document_chunks(cu_seqlens: Sequence[int], cp: int, rank: int) -> List[Tuple[int, int]]:

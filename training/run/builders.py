@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set
 
 import torch
 
@@ -273,7 +273,7 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
                                            num_workers=run.train.num_workers,
                                            seed=run.train.seed)
     return _to_executor(loader, device, pipeline, run.parallel.context_parallel_size, cp_rank,
-                        documents, run.parallel.cp_comm_type)
+                        documents, run.parallel.cp_comm_type, id(run))
 
 
 def _empty_batches() -> Iterator[dict]:
@@ -283,8 +283,7 @@ def _empty_batches() -> Iterator[dict]:
 
 def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
                  cp_rank: int = 0, documents: bool = False,
-                 comm_type: str = "p2p") -> Iterator[dict]:
-    said = False
+                 comm_type: str = "p2p", run_key: int = 0) -> Iterator[dict]:
     for batch in waited_for(loader):
         out = {}
         if pipeline.needs_inputs or (pipeline.needs_labels and pipeline.mtp):
@@ -296,10 +295,13 @@ def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
         if pipeline.needs_labels:
             out["labels"] = batch["labels"].to(device)
             out["loss_mask"] = batch["loss_mask"].to(device)
-        if cp > 1 and "cu_seqlens" in out and not said:
-            said = True
+        if cp > 1 and "cu_seqlens" in out and run_key not in _SAID_SPLIT:
+            _SAID_SPLIT.add(run_key)
             _say_split(out["cu_seqlens"], cp, cp_rank, comm_type)
         yield out if cp == 1 else context_parallel_shard(out, cp, cp_rank, comm_type)
+
+
+_SAID_SPLIT: Set[int] = set()  # the runs that said it (each evaluation starts its data over)
 
 
 def _say_split(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, comm_type: str) -> None:
@@ -309,11 +311,13 @@ def _say_split(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, comm_type: str) 
     rows = cu_seqlens.reshape(-1, cu_seqlens.shape[-1]).tolist()
     if cp_rank == 0 and (not torch.distributed.is_initialized()
                          or torch.distributed.get_rank() == 0):
+        split = [document_split_applies(r, cp, comm_type) for r in rows]
         which = ("per document (every document a multiple of 2 x cp: each split as "
-                 "Megatron-Core splits packed sequences)"
-                 if all(document_split_applies(r, cp, comm_type) for r in rows)
-                 else "of the whole sequence (a document length is no multiple of 2 x cp, "
-                      "or --cp-comm-type a2a+p2p)")
+                 "Megatron-Core splits packed sequences)" if all(split)
+                 else "of the whole sequence (a document length is no multiple of 2 x cp)"
+                 if not any(split) else
+                 "per document for samples whose documents are all multiples of 2 x cp, "
+                 "of the whole sequence for the others")
         print(f"context parallel split of packed documents: {which}; decided per sample by "
               f"parallel/context/split.py's document_split_applies", flush=True)
 
