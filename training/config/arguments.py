@@ -149,7 +149,8 @@ def zero_config(s: Settings, p: Problems, model: Optional["TransformerConfig"] =
         grad_reduce_dtype=megatron_grad_dtype(
             "bf16" if precision.bf16 else "fp16" if precision.fp16 else "fp32",
             precision.accumulate_allreduce_grads_in_fp32, precision.grad_reduce_in_bf16),
-        offload_optimizer="cpu" if precision.optimizer_cpu_offload else "none")
+        offload_optimizer="cpu" if precision.optimizer_cpu_offload else "none",
+        overlap_param_gather=precision.overlap_param_gather)
     for field in ("reduce_bucket_size", "overlap_comm", "consecutive_hysteresis"):
         if s.value(ZERO_FLAGS[field]) is not None:  # else ZeroConfig's default
             kw[field] = s.value(ZERO_FLAGS[field])

@@ -189,9 +189,11 @@ class PrecisionSettings:
         "--overlap-grad-reduce", ds="zero_optimization.overlap_comm",
         ds_doc="gigatron.initialize, as DeepSpeed: default true at stage 3 only")
     overlap_param_gather: bool = setting(
-        False, "accepted (needs --use-distributed-optimizer or --zero-stage >= 1, and "
-        "--overlap-grad-reduce, as in Megatron): ZeRO 1-2 all-gather the updated parameters "
-        "right after the step, ZeRO 3 gathers each layer just in time with prefetch",
+        False, "overlap the updated parameters' all-gather with the next forward (needs "
+        "--use-distributed-optimizer or --zero-stage >= 1, and --overlap-grad-reduce, as in "
+        "Megatron): ZeRO 1-2 launch each bucket's all-gather after the step and wait for it "
+        "just before the bucket's first use; ZeRO 3 gathers each layer just in time with "
+        "prefetch either way",
         "--overlap-param-gather")
     grad_reduce_in_bf16: bool = setting(
         False, "with --bf16: accumulate and reduce gradients in bf16, not fp32 (Megatron's "

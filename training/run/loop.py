@@ -192,6 +192,8 @@ def evaluate(s: Session, split: int, consumed: int, iterations: int,
         return None
     it = micro_batches(s.run, dataset, consumed, s.groups.index("dp"), s.device, s.pipeline,
                        cp_rank(s))
+    if s.zero is not None:  # (`gigatron evaluate` builds no optimizer)
+        s.zero.finish_param_sync()  # --overlap-param-gather: the step's gathers, all waited
     for chunk in s.chunks:
         chunk.eval()
     terms = EvalLoss(s.pipeline.needs_labels and per_token_loss(s.run), s.groups["dp-cp"])
@@ -309,6 +311,7 @@ def _save(s: Session, progress: TrainProgress, persistent: bool = True) -> None:
     if s.run.checkpoint.save is None or progress.iteration in s.saved_iterations:
         return
     activity.at(progress.iteration, "saving checkpoint")
+    s.zero.finish_param_sync()  # --overlap-param-gather: save the gathered parameters
     with timeline.span("checkpoint save"):
         finished = s.checkpointer.save(s.run, s.groups, progress, s.chunks, s.zero, s.device,
                                        persistent)
