@@ -161,7 +161,7 @@ NEEDS = {"recompute_method": "--recompute-granularity full --recompute-num-layer
          "rampup_batch_size": "--train-samples 160", "overlap_param_gather":
          "--overlap-grad-reduce --zero-stage 1", "wandb_project": "--wandb-exp-name x",
          "fp8_param_gather": "--fp8-format e4m3 --zero-stage 1",
-         "fp8_recipe": "--fp8-format hybrid",
+         "fp8_recipe": "--fp8-format hybrid", "tp_comm_overlap": "--sequence-parallel",
          "non_persistent_save_interval": "--non-persistent-ckpt-type global --save ckpt"}
 # MoE flags set MoE layers: a model with experts (and without biases, which they lack)
 NEEDS.update({f.name: "--num-experts 6 --disable-bias-linear"

@@ -11,6 +11,8 @@ a ring step's issue and its wait.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,3 +104,175 @@ def test_only_the_all_gathers_overlap_when_reduce_scatters_are_off():
     assert ref_calls["all_gather"] - calls.get("all_gather", 0) == 4 * layers
     assert calls["reduce_scatter"] == ref_calls["reduce_scatter"]
     assert calls["send"] == 2 * 2 * layers
+
+
+# -- the real program: pretrain.main on forked ranks -----------------------------------------
+TRAIN_TOL = 1e-5  # losses (absolute) and every full parameter (relative L2), as the zero-bubble
+# tests; measured (CPU, torch 2.13): tp2 0 (bit-for-bit), pp2 x tp2 zb-h1 within 1e-7
+GPT = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+       "--micro-batch-size 2 --global-batch-size 8 --lr 0.05 --optimizer sgd --mock-data "
+       "--vocab-size 128 --eval-iters 0 --no-progress --make-vocab-size-divisible-by 8 "
+       "--init-method-std 0.1 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 "
+       "--train-iters 3 --lr-warmup-iters 0 --tensor-model-parallel-size 2 "
+       "--sequence-parallel").split()
+
+
+def _pretrain(rank, world, argv, metrics):
+    """pretrain.main(argv): this rank's full parameters after training (tp gathered) and how
+    many of its linears ran overlapped."""
+    import contextlib
+    import io
+
+    from gigatron.parallel.tensor import gather_full_parameter
+    from gigatron.training.run import loop, pretrain
+
+    real_train, captured = loop.train, {}
+
+    def train(session, progress):
+        result = real_train(session, progress)
+        captured["params"] = {
+            name: gather_full_parameter(p, session.groups.tp).detach().clone()
+            for chunk in session.chunks for name, p in chunk.named_parameters()}
+        captured["overlapped"] = sum(getattr(m, "tp_comm_overlap", None) is not None
+                                     for chunk in session.chunks for m in chunk.modules())
+        return result
+
+    loop.train = train
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        assert pretrain.main(argv + ["--metrics-file", metrics]) == 0
+    return captured["params"], captured["overlapped"], out.getvalue()
+
+
+def _losses(path):
+    with open(path) as f:
+        return [r["lm loss"] for r in map(json.loads, f) if r["type"] == "train"]
+
+
+def _compare_runs(got, ref):
+    (params, losses), (ref_params, ref_losses) = got, ref
+    assert len(losses) == 3 and losses[0] != losses[-1]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TRAIN_TOL, (losses, ref_losses)
+    assert set(ref_params) <= set(params)
+    for name, ref in ref_params.items():
+        error = ((params[name] - ref).norm() / ref.norm()).item()
+        assert error <= TRAIN_TOL, (name, error)
+
+
+def _train(tmp_path, name, ranks, flags):
+    metrics = str(tmp_path / f"{name}.jsonl")
+    per_rank = run_on_ranks(_pretrain, ranks, GPT + flags, metrics, timeout=300)
+    params = {}
+    for p, _, _ in per_rank:
+        params.update(p)
+    return per_rank, (params, _losses(metrics))
+
+
+def test_tp2_sp_and_pp2_zero_bubble_train_the_same_model_with_overlap_and_trace_it(tmp_path):
+    _, reference = _train(tmp_path, "plain", 2, [])
+    trace = str(tmp_path / "t.json")
+    per_rank, overlapped = _train(tmp_path, "overlap", 2, ["--tp-comm-overlap",
+                                                           "--timeline", trace])
+    assert [n for _, n, _ in per_rank] == [4 * 2] * 2  # 2 layers x qkv, proj, fc1, fc2
+    assert "--tp-comm-overlap: the transformer layers' sequence-parallel all-gathers and " \
+           "reduce-scatters run as rings" in per_rank[0][2]
+    _compare_runs(overlapped, reference)
+    _check_overlap_in_trace(trace)
+    # pp2 with zb-h1: the overlapped linears' weight gradients deferred to W
+    per_rank, pipelined = _train(tmp_path, "zb", 4, [
+        "--tp-comm-overlap", "--pipeline-model-parallel-size", "2",
+        "--pipeline-schedule", "zb-h1"])
+    assert [n for _, n, _ in per_rank] == [4] * 4
+    _compare_runs(pipelined, reference)
+
+
+def _check_overlap_in_trace(path):
+    """On each rank, some GEMM chunk runs inside a tp-group send/recv in flight."""
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    for pid in (0, 1):
+        gemms = [e for e in events if e["pid"] == pid and e["name"] == async_tp.GEMM_SPAN]
+        rings = [e for e in events if e["pid"] == pid and e["tid"] >= 1000
+                 and e["name"].startswith("send/recv") and "tp group" in e["args"]["group"]]
+        assert gemms and rings, (pid, len(gemms), len(rings))
+        inside = [g for g in gemms if any(
+            r["ts"] <= g["ts"] and g["ts"] + g["dur"] <= r["ts"] + r["dur"] for r in rings)]
+        # every ring step but the last runs its GEMM under the exchange: half of them at tp2
+        assert len(inside) * 2 >= len(gemms), (pid, len(inside), len(gemms))
+
+
+def _problems(argv):
+    from gigatron.training.config.arguments import build_run_config, parse_flags
+    from gigatron.training.config.validation import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        build_run_config(parse_flags(argv, "pretrain_gpt.py"), 2, None)
+    return str(error.value)
+
+
+def test_tp_comm_overlap_without_sequence_parallel_or_with_fp8_is_refused_in_one_line():
+    no_sp = [f for f in GPT if f != "--sequence-parallel"] + ["--tp-comm-overlap"]
+    assert _problems(no_sp) == (
+        "--tp-comm-overlap needs --sequence-parallel (as in Megatron: the overlapped "
+        "collectives are its all-gathers and reduce-scatters): add --sequence-parallel")
+    message = _problems(GPT + ["--tp-comm-overlap", "--fp8-format", "hybrid"])
+    assert "--tp-comm-overlap with --fp8-format is not supported here" in message
+
+
+def test_megatron_family_flags_are_accepted_and_the_halves_honoured():
+    from gigatron.training.config.arguments import build_run_config, parse_flags
+    from gigatron.training.config.megatron.tp_comm import tp_comm_overlap
+
+    run = build_run_config(parse_flags(GPT + [
+        "--tp-comm-overlap", "--disable-tp-comm-overlap-rs", "--tp-comm-overlap-rs-dgrad",
+        "--disable-tp-comm-bulk-wgrad", "--disable-tp-comm-bulk-dgrad",
+        "--disable-tp-comm-split-ag", "--no-tp-comm-split-rs", "--tp-comm-overlap-cfg",
+        "ub.yaml", "--tp-comm-bootstrap-backend", "mpi"], "pretrain_gpt.py"), 2, None)
+    assert tp_comm_overlap(run.settings.tp_comm) == TPCommOverlap(ag=True, rs=False)
+
+
+def test_a_linear_with_fp8_or_without_sequence_parallel_refuses_overlap():
+    layer = ColumnParallelLinear(8, 8)  # no tp group: no sequence parallelism
+    with pytest.raises(ValueError, match="needs sequence_parallel"):
+        async_tp.check_overlap(layer)
+    assert enable_tp_comm_overlap([layer]) == 0 and layer.tp_comm_overlap is None
+    layer.sequence_parallel, layer.fp8 = True, object()
+    with pytest.raises(ValueError, match="tp_comm_overlap and fp8 are not composed"):
+        enable_tp_comm_overlap([layer])
+
+
+def _split_backward(rank, world_size):
+    from gigatron.parallel.tensor.wgrad import WeightGradQueue, deferring
+
+    group = dist.new_group(list(range(world_size)))
+    torch.manual_seed(rank)
+    col = ColumnParallelLinear(8, 16, tp_group=group, sequence_parallel=True)
+    row = RowParallelLinear(16, 8, tp_group=group, sequence_parallel=True)
+    params = [col.weight, col.bias, row.weight, row.bias]
+    with torch.no_grad():
+        for p in params:
+            p.normal_()
+    enable_tp_comm_overlap([col, row])
+    x = torch.randn(4, 2, 8, requires_grad=True)  # this rank's 4 of 8 positions
+
+    def step(queue):
+        for t in params + [x]:
+            t.grad = None
+        with deferring(queue):
+            row(col(x)).square().sum().backward()
+        after_b = [p.grad is None for p in params]
+        if queue is not None:
+            queue.run()
+        return after_b, [t.grad.clone() for t in params + [x]]
+
+    queue = WeightGradQueue()
+    _, plain = step(None)
+    after_b, deferred = step(queue)
+    assert after_b == [True, False, True, False]  # weights wait for W, biases do not
+    for a, b in zip(plain, deferred):
+        assert torch.equal(a, b)
+    return len(queue)
+
+
+def test_overlapped_linears_defer_their_weight_gradients_to_the_zero_bubble_w_step():
+    assert run_on_ranks(_split_backward, 2) == [0, 0]

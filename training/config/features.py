@@ -35,10 +35,11 @@ def check_operational(s: "Settings", p: "Problems",
     (`has_package`, `has_cuda`: what this machine has; default: look)."""
     from gigatron.training.run.decoupled_lr import check_decoupled_lr
     from gigatron.training.config.megatron.fp8 import fp8_problems
+    from gigatron.training.config.megatron.tp_comm import tp_comm_problems
     from gigatron.training.observe.profiling import check_profiling
 
     has_package = has_package or installed
-    p.lines += fp8_problems(s)
+    p.lines += fp8_problems(s) + tp_comm_problems(s)
     check_decoupled_lr(s.decoupled_lr, p)
     check_profiling(s.profiling, p)
     log, precision, parallel = s.logging, s.precision, s.parallel
@@ -155,8 +156,9 @@ def flag_notes(s: "Settings", backend: str,
     """One banner line per accepted flag that maps to something else here."""
     from gigatron.training.run.decoupled_lr import decoupled_lr_notes
     from gigatron.training.config.megatron.fp8 import fp8_notes
+    from gigatron.training.config.megatron.tp_comm import tp_comm_notes
     from gigatron.training.observe.profiling import profiling_notes
 
     return _impl_notes(s, has_package or installed) + _run_notes(s, backend) + \
-        fp8_notes(s.fp8) + decoupled_lr_notes(s.decoupled_lr) + \
+        fp8_notes(s.fp8) + tp_comm_notes(s) + decoupled_lr_notes(s.decoupled_lr) + \
         profiling_notes(s.profiling, "cuda" if backend == "nccl" else "cpu")

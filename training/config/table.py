@@ -25,6 +25,7 @@ from gigatron.training.config.megatron.mla import MLASettings
 from gigatron.training.config.megatron.moe import MoESettings
 from gigatron.training.config.megatron.mtp import MTPSettings
 from gigatron.training.config.megatron.recompute import RecomputeSettings
+from gigatron.training.config.megatron.tp_comm import TPCommSettings
 from gigatron.training.config.megatron.muon import MuonSettings
 from gigatron.training.config.run_config import (CheckpointConfig, LoggingConfig,
                                                  ParallelConfig, TrainConfig)
@@ -57,6 +58,8 @@ class Settings:
     recompute: RecomputeSettings = _concern(
         "selective recomputation (docs/PERFORMANCE.md, Memory without full recompute)")
     parallel: ParallelConfig = _concern("parallelism")
+    tp_comm: TPCommSettings = _concern(
+        "tensor-parallel communication overlap (docs/PERFORMANCE.md)")
     precision: PrecisionSettings = _concern("precision and ZeRO")
     fp8: FP8Settings = _concern("FP8 (torch._scaled_mm: docs/FP8.md)")
     optimizer: OptimizerSettings = _concern("optimizer and learning-rate schedule")

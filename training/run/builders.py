@@ -79,9 +79,11 @@ def dispatcher_factory(run: RunConfig, groups: "ProcessGroups") -> Optional[Call
 def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
                        device: torch.device) -> List[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual pipeline chunk), on `device`; with
-    --fp8-format their transformer layers' linears run in FP8."""
+    --fp8-format their transformer layers' linears run in FP8, with --tp-comm-overlap their
+    sequence-parallel collectives run chunked under the GEMMs."""
     from gigatron.models.pipeline_chunks import build_model_chunks as build
     from gigatron.training.config.megatron.fp8 import fp8_recipe
+    from gigatron.training.config.megatron.tp_comm import tp_comm_overlap
 
     chunks = build(run.model, partition(run), groups.index("pp"), tp_group=groups.tp,
                    seed=run.train.seed, device=device,
@@ -90,6 +92,12 @@ def build_model_chunks(run: RunConfig, groups: "ProcessGroups",
     recipe = fp8_recipe(run.settings.fp8)
     if recipe is not None:
         apply_fp8(chunks, recipe, fp8_amax_group(groups, recipe.scaling))
+    overlap = tp_comm_overlap(run.settings.tp_comm)
+    if overlap is not None:
+        from gigatron.parallel.tensor.async_tp import enable_tp_comm_overlap
+
+        for chunk in chunks:
+            enable_tp_comm_overlap(transformer_linears(chunk), overlap)
     mark_embedding_and_output(chunks)
     return chunks
 

@@ -71,7 +71,7 @@ _FSDP = "Megatron's FSDP is not provided: --zero-stage 3 shards parameters the s
 REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = _MOE_REASONS + (
     (("--fp8", "--fp4", "--first-last-layers-bf16", "--num-layers-at-", "--keep-fp8",
       "--reuse-grad-buf-for-mxfp8"), _FP8),
-    (("--te-", "--use-te-", "--use-transformer-engine", "--tp-comm", "--no-tp-comm",
+    (("--te-", "--use-te-", "--use-transformer-engine",
       "--use-kitchen", "--kitchen-", "--fused-residual-rmsnorm", "--symmetric-ar"), _TE),
     (("--cuda-graph", "--enable-cuda-graph", "--external-cuda-graph", "--optimizer-cuda-graph",
       "--decode-only-cuda-graphs", "--delay-offload-until-cuda-graph"),
