@@ -255,6 +255,23 @@ def test_bad_context_parallel_flags_get_one_line(flags, message):
     assert any(message in line for line in err.value.problems), err.value.problems
 
 
+def test_sequence_parallel_needs_each_cp_ranks_tokens_divisible_by_tp():
+    """--seq-length 20 divides by 2 x cp = 4 and by tp = 4, but a cp rank's 10 tokens do not
+    split over tp 4: one line before any rank starts, not an error inside the sp scatter."""
+    from gigatron.training.config.arguments import parse_args
+    from gigatron.training.config.validation import ConfigError
+
+    flags = ("--context-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel "
+             "--seq-length {0} --max-position-embeddings {0}")
+    with pytest.raises(ConfigError) as err:
+        parse_args(GPT + flags.format(20).split(), 8)
+    assert [line for line in err.value.problems if "--seq-length 20" in line] == [
+        "--seq-length 20 / --context-parallel-size 2 = 10 tokens per cp rank are not divisible "
+        "by --tensor-model-parallel-size 4 (--sequence-parallel splits them over tp): pick a "
+        "--seq-length that is a multiple of 8"]
+    parse_args(GPT + flags.format(24).split(), 8)
+
+
 def _eval_losses(path):
     with open(path) as f:
         return [r["lm loss"] for r in map(json.loads, f) if r["type"] == "eval"]

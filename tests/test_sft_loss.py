@@ -1,8 +1,8 @@
 """--sft trains on exactly transformers' loss: the loss pretrain_gpt.py logs for a packed line
 of conversations (a tiny random Llama converted with hf-to-gigatron, loaded with --finetune
 --use-checkpoint-args) equals transformers' loss of the same model on each conversation alone
-with labels on the assistant tokens only (1e-4), and tp2, pp2, dp2 and cp2 (p2p) log the
-one-rank losses."""
+with labels on the assistant tokens only (1e-4), and tp2, pp2, dp2, cp2 (p2p), tp2 with
+sequence parallelism and cp2 x tp2 with sequence parallelism log the one-rank losses."""
 import json
 
 import pytest
@@ -100,13 +100,21 @@ def test_sft_loss_equals_transformers_loss_on_assistant_tokens(base, one_rank):
     assert abs(losses[0] - want) <= 1e-4 * abs(want), (losses[0], want)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "cp2"])
+LAYOUTS = {"tp2": (2, "--tensor-model-parallel-size 2"),
+           "pp2": (2, "--pipeline-model-parallel-size 2"), "dp2": (2, ""),
+           "cp2": (2, "--context-parallel-size 2"),
+           "tp2_sp": (2, "--tensor-model-parallel-size 2 --sequence-parallel"),
+           # each conversation padded to 2 x cp, split per document, then each cp rank's
+           # tokens split over tp
+           "cp2_tp2_sp": (4, "--context-parallel-size 2 --tensor-model-parallel-size 2 "
+                             "--sequence-parallel")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sft_layouts_log_the_one_rank_losses(base, one_rank, tmp_path, layout):
-    flags = {"tp2": ["--tensor-model-parallel-size", "2"],
-             "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": [],
-             "cp2": ["--context-parallel-size", "2"]}[layout]
+    ranks, flags = LAYOUTS[layout]
     metrics = str(tmp_path / "metrics.jsonl")
-    run_on_ranks(_pretrain, 2, _argv(base, metrics) + flags, timeout=300)
+    run_on_ranks(_pretrain, ranks, _argv(base, metrics) + flags.split(), timeout=300)
     losses = _losses(metrics)
     error = max(abs(a - b) / abs(b) for a, b in zip(losses, one_rank[0]))
     assert len(losses) == ITERS and error <= 1e-5, (layout, losses, one_rank[0])

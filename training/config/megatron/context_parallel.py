@@ -8,6 +8,7 @@ process group exists.
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
@@ -45,6 +46,12 @@ def context_parallel_problems(s: "Settings", model: Optional["TransformerConfig"
               f"--num-attention-heads {heads} / --tensor-model-parallel-size {tp} = "
               f"{heads // tp} is not divisible by {_FLAG} {cp}: pick a cp that divides it, or "
               f"--cp-comm-type p2p")
+    seq = model.seq_length
+    if model.sequence_parallel and tp > 1 and seq % (2 * cp) == 0 and (seq // cp) % tp:
+        multiple = math.lcm(2 * cp, cp * tp)
+        p.add(f"--seq-length {seq} / {_FLAG} {cp} = {seq // cp} tokens per cp rank are not "
+              f"divisible by --tensor-model-parallel-size {tp} (--sequence-parallel splits "
+              f"them over tp): pick a --seq-length that is a multiple of {multiple}")
     if model.attention_dropout:
         p.add(f"--attention-dropout {model.attention_dropout} with {_FLAG} {cp}: attention "
               f"dropout under context parallelism is not supported; set --attention-dropout 0")
