@@ -8,6 +8,7 @@ and is waited by the first module's pre-hook, which issues the next; an fp16 ove
 launches nothing; ZeRO 3's prefetch issues unit i+1's gather before unit i computes.
 """
 import contextlib
+import os
 
 import pytest
 import torch
@@ -152,3 +153,83 @@ def _skipped_step(rank, world):
 def test_a_skipped_fp16_step_leaves_no_gather_in_flight():
     for seen in run_on_ranks(_skipped_step, 2, timeout=60):
         assert seen == [(False, True, False), (True, False, True), (False, True, False)]
+
+
+# ---- pretrain_gpt.py runs: evaluation and a checkpoint save/resume between steps -----------
+RUN = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+       "--max-position-embeddings 16 --micro-batch-size 2 --lr 1e-2 --mock-data "
+       "--vocab-size 128 --hidden-dropout 0 --attention-dropout 0 --log-interval 1 "
+       "--eval-iters 1 --eval-interval 2 --no-progress --make-vocab-size-divisible-by 8 "
+       "--train-iters 4 --save-interval 2 --ddp-bucket-size 2000 --overlap-grad-reduce").split()
+LAYOUTS = {  # world size, flags
+    "dp2_zero1": (2, "--zero-stage 1 --global-batch-size 8".split()),
+    "dp2_zero2": (2, "--zero-stage 2 --global-batch-size 8".split()),
+    "dp2_zero3": (2, "--zero-stage 3 --global-batch-size 8".split()),
+    "dp2_pp2_zero1": (4, "--zero-stage 1 --pipeline-model-parallel-size 2 "
+                         "--global-batch-size 16".split()),  # 4 micro-batches a step
+}
+
+
+def _pretrain(argv, metrics):
+    """pretrain.main(argv): (this rank's parameters at the end, the logged losses)."""
+    import json
+
+    from gigatron.training.run import loop, pretrain
+
+    real_train, captured = loop.train, {}
+
+    def train(session, progress):
+        result = real_train(session, progress)
+        with session.zero.gathered_parameters():
+            captured["params"] = {f"{c}.{name}": p.detach().clone()
+                                  for c, chunk in enumerate(session.chunks)
+                                  for name, p in chunk.named_parameters()}
+        return result
+
+    loop.train = train
+    try:
+        assert pretrain.main(argv + ["--metrics-file", metrics]) == 0
+    finally:
+        loop.train = real_train
+    losses = []
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            losses = [(r["type"], r["iteration"], r["lm loss"]) for r in map(json.loads, f)
+                      if "lm loss" in r]
+    return captured["params"], losses
+
+
+def _three_runs(rank, world, flags, folder):
+    """Without the flag, with it (both save at 2 of 4 iterations), and with it resumed from
+    iteration 2: one launch (the process group is kept between the runs)."""
+    import torch.distributed as dist
+
+    keep, dist.destroy_process_group = dist.destroy_process_group, lambda *a, **k: None
+    try:
+        runs = {}
+        for name, extra in (("plain", []), ("overlap", ["--overlap-param-gather"])):
+            runs[name] = _pretrain(RUN + flags + extra + ["--save", f"{folder}/{name}"],
+                                   f"{folder}/{name}.jsonl")
+            dist.barrier()
+        runs["resumed"] = _pretrain(RUN + flags + ["--overlap-param-gather", "--load",
+                                                   f"{folder}/overlap", "--ckpt-step", "2"],
+                                    f"{folder}/resumed.jsonl")
+        return runs
+    finally:
+        dist.destroy_process_group = keep
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pretrain_with_overlap_equals_without_through_eval_and_resume(tmp_path, layout):
+    world, flags = LAYOUTS[layout]
+    per_rank = run_on_ranks(_three_runs, world, flags, str(tmp_path), timeout=300)
+    for rank, runs in enumerate(per_rank):
+        plain, overlap, resumed = (runs[k] for k in ("plain", "overlap", "resumed"))
+        assert plain[1] == overlap[1]
+        assert [x for x in overlap[1] if x[1] > 2] == resumed[1]
+        for params in (overlap[0], resumed[0]):
+            assert params.keys() == plain[0].keys()
+            bad = [n for n in params if not torch.equal(params[n], plain[0][n])]
+            assert not bad, (rank, bad)
+    logged = [runs["plain"][1] for runs in per_rank if runs["plain"][1]]
+    assert {kind for kind, _, _ in logged[0]} >= {"train"} and len(logged[0]) >= 6, logged
