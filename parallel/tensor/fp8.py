@@ -26,6 +26,9 @@ fprop (x W^T), dgrad (g W) and wgrad (g^T x) -- run as FP8 GEMMs through `torch.
 * Activation recomputation (parallel/tensor/random.checkpoint): as TE, the recomputed
   forward quantises with the delayed scales its original forward used and records no amax
   (`recording` / `replaying`); current and blockwise scales follow from the same input.
+* --fp8-param-gather (parallel/zero/fp8_gather.py): the distributed optimizer publishes the
+  weight in FP8 (`FP8LinearState.param_fp8`) and the forward uses it as it is, quantising
+  only x (delayed scaling records the published weight's amax, as TE's optimizer cast does).
 """
 from __future__ import annotations
 
@@ -152,11 +155,22 @@ class ScalingMeta:
                                          self.recipe.margin))
 
 
+@dataclass
+class FP8Weight:
+    """A weight published in FP8 by the distributed optimizer (--fp8-param-gather): its
+    bytes and factors as the recipe quantises the weight, the scale delayed scaling used and
+    the weight's amax (MAX over its shards), which delayed scaling records in each forward."""
+
+    operand: FP8Operand
+    scale: torch.Tensor
+    amax: torch.Tensor
+
+
 class FP8LinearState:
     """The FP8 state of one linear layer: forward meta (input, weight), backward meta
     (output-gradient) of delayed scaling; tensorwise scaling's amax group (the ranks whose
     amaxes every current amax is MAX-reduced over, so that a tensor split over them is
-    quantised as the whole tensor)."""
+    quantised as the whole tensor); the weight in FP8 when the optimizer published it."""
 
     INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 0
 
@@ -166,6 +180,7 @@ class FP8LinearState:
         self.current_amax_group = current_amax_group
         self.forward = ScalingMeta(2, recipe.forward_dtype, recipe, device)
         self.backward = ScalingMeta(1, recipe.backward_dtype, recipe, device)
+        self.param_fp8: Optional[FP8Weight] = None  # --fp8-param-gather's current weight
 
 
 Scales = Tuple[torch.Tensor, torch.Tensor]
@@ -198,17 +213,19 @@ def _delayed_operands(x2d: torch.Tensor, weight: torch.Tensor,
                       state: FP8LinearState) -> Tuple[FP8Operand, FP8Operand]:
     """x and the weight in FP8 with the delayed scales of this forward (recorded for a
     recomputation, or replayed in one)."""
-    meta = state.forward
+    meta, published = state.forward, state.param_fp8
     if _REPLAYS and _REPLAYS[-1]:
         x_scale, w_scale = _REPLAYS[-1].popleft()
     else:
-        x_scale, w_scale = meta.scale[state.INPUT].clone(), meta.scale[state.WEIGHT].clone()
+        x_scale = meta.scale[state.INPUT].clone()
+        w_scale = meta.scale[state.WEIGHT].clone() if published is None else published.scale
         meta.record_amax(state.INPUT, x2d)
-        meta.record_amax(state.WEIGHT, weight)
+        meta.record_amax(state.WEIGHT, weight if published is None else published.amax)
     for store in _RECORDINGS:
         store.append((x_scale, w_scale))
-    return (quantize_tensorwise(x2d, x_scale, meta.dtype),
-            quantize_tensorwise(weight, w_scale, meta.dtype))
+    w_fp8 = (quantize_tensorwise(weight, w_scale, meta.dtype) if published is None
+             else published.operand)
+    return quantize_tensorwise(x2d, x_scale, meta.dtype), w_fp8
 
 
 def _current(x2d: torch.Tensor, dtype: torch.dtype, state: FP8LinearState) -> FP8Operand:
@@ -221,12 +238,14 @@ def _current(x2d: torch.Tensor, dtype: torch.dtype, state: FP8LinearState) -> FP
 def _forward_operands(x2d: torch.Tensor, weight: torch.Tensor,
                       state: FP8LinearState) -> Tuple[FP8Operand, FP8Operand]:
     """The fprop GEMM's FP8 operands under the state's recipe."""
-    recipe = state.recipe
+    recipe, published = state.recipe, state.param_fp8
     if recipe.scaling == "delayed":
         return _delayed_operands(x2d, weight, state)
     if recipe.scaling == "tensorwise":
-        return _current(x2d, E4M3, state), _current(weight, E4M3, state)
-    return quantize_1x128(x2d, E4M3), quantize_128x128(weight, E4M3)
+        return _current(x2d, E4M3, state), (_current(weight, E4M3, state) if published is None
+                                             else published.operand)
+    return quantize_1x128(x2d, E4M3), (quantize_128x128(weight, E4M3) if published is None
+                                       else published.operand)
 
 
 def _grad_operand(g2d: torch.Tensor, state: FP8LinearState) -> FP8Operand:

@@ -121,7 +121,8 @@ def plan_flat_groups(ordered: List[List[nn.Parameter]], groups: Optional[List[Us
                      ) -> List[FlatGroupPlan]:
     """Flat groups per chunk: by (kind, ndim >= 2) with Megatron's decay rule when `groups` is
     None, else by (user group, kind); and by `rule_of` (the update rule a parameter takes:
-    Muon's matrices apart from the rest) when given. `ordered` is each chunk's trainable
+    Muon's matrices apart from the rest) when given; weights tagged FP8_PARAM_ATTR apart
+    from the rest. `ordered` is each chunk's trainable
     parameters in the order backward produces their grads (buckets fill front to back)."""
     rule = rule_of or (lambda p: "")
     plans = []
@@ -130,23 +131,33 @@ def plan_flat_groups(ordered: List[List[nn.Parameter]], groups: Optional[List[Us
             plans += _megatron_plans(chunk, params, weight_decay, rule)
             continue
         group_of = {id(p): i for i, g in enumerate(groups) for p in g.params}
-        keyed: Dict[Tuple[int, str, str], List[nn.Parameter]] = {}
+        keyed: Dict[Tuple[int, str, bool, str], List[nn.Parameter]] = {}
         for p in params:
             if id(p) in group_of:
-                keyed.setdefault((group_of[id(p)], param_kind(p), rule(p)), []).append(p)
+                keyed.setdefault((group_of[id(p)], param_kind(p), _fp8(p), rule(p)),
+                                 []).append(p)
         # weight decay: the torch optimizer's group says (ZeroOptimizer reads it back)
         plans += [FlatGroupPlan(chunk, kind, ps, 0.0, index, name)
-                  for (index, kind, name), ps in sorted(keyed.items())]
+                  for (index, kind, _, name), ps in sorted(keyed.items())]
     return plans
 
 
 def _megatron_plans(chunk: int, params: List[nn.Parameter], weight_decay: float,
                     rule: Callable[[nn.Parameter], str]) -> List[FlatGroupPlan]:
-    keyed: Dict[Tuple[str, bool, str], List[nn.Parameter]] = {}
+    keyed: Dict[Tuple[str, bool, bool, str], List[nn.Parameter]] = {}
     for p in params:
-        keyed.setdefault((param_kind(p), decays(p), rule(p)), []).append(p)
+        keyed.setdefault((param_kind(p), decays(p), _fp8(p), rule(p)), []).append(p)
     return [FlatGroupPlan(chunk, kind, ps, weight_decay if decay else 0.0, None, name)
-            for (kind, decay, name), ps in sorted(keyed.items())]
+            for (kind, decay, _, name), ps in sorted(keyed.items())]
+
+
+# a parameter tag: a weight --fp8-param-gather gathers in FP8; such weights get flat buffers
+# of their own (as Megatron-Core's FP8 parameter buffers), so a shard is all FP8 bytes
+FP8_PARAM_ATTR = "fp8_param_gather"
+
+
+def _fp8(p: nn.Parameter) -> bool:
+    return bool(getattr(p, FP8_PARAM_ATTR, False))
 
 
 DECOUPLED_ATTR = "is_embedding_or_output_parameter"  # Megatron-Core's tag

@@ -160,5 +160,6 @@ def flag_notes(s: "Settings", backend: str,
     from gigatron.training.observe.profiling import profiling_notes
 
     return _impl_notes(s, has_package or installed) + _run_notes(s, backend) + \
-        fp8_notes(s.fp8) + tp_comm_notes(s) + decoupled_lr_notes(s.decoupled_lr) + \
+        fp8_notes(s.fp8, s.precision.overlap_param_gather) + tp_comm_notes(s) + \
+        decoupled_lr_notes(s.decoupled_lr) + \
         profiling_notes(s.profiling, "cuda" if backend == "nccl" else "cpu")

@@ -119,14 +119,40 @@ def mark_embedding_and_output(chunks: List[torch.nn.Module]) -> None:
 def build_optimizer(run: RunConfig, chunks: List[torch.nn.Module],
                     groups: "ProcessGroups") -> "ZeroOptimizer":
     """The ZeRO optimizer of the run: Megatron's parameter groups; with --decoupled-lr the
-    embedding and output weights in groups of their own (their lr: `decoupled_lr`)."""
+    embedding and output weights in groups of their own (their lr: `decoupled_lr`); with
+    --fp8-param-gather the FP8 linears' weights gathered in FP8."""
     from gigatron.parallel.zero import build_zero
+    from gigatron.parallel.zero.fp8_gather import FP8ParamGather
     from gigatron.parallel.zero.param_groups import megatron_param_groups
 
+    config, states = run.zero, None
+    if run.settings.fp8.fp8_param_gather:
+        states = fp8_param_states(chunks)
+        if getattr(config, "overlap_param_gather", False):  # the FP8 gather: after the step
+            config = replace(config, overlap_param_gather=False)
     if run.settings.decoupled_lr.decoupled_lr is None:
-        return build_zero(chunks, run.zero, groups)
-    return build_zero(chunks, run.zero, groups, param_groups=megatron_param_groups(
-        chunks, run.zero.weight_decay, decoupled=True))
+        zero = build_zero(chunks, config, groups)
+    else:
+        zero = build_zero(chunks, config, groups, param_groups=megatron_param_groups(
+            chunks, config.weight_decay, decoupled=True))
+    if states is not None:
+        zero.fp8_param_gather = FP8ParamGather(zero.flat_groups, states)
+    return zero
+
+
+def fp8_param_states(chunks: List[torch.nn.Module]) -> Dict[int, Any]:
+    """--fp8-param-gather, before ZeRO is built (after `apply_fp8`): id(weight) -> FP8 state
+    of each FP8 linear's weight, the weights tagged so that ZeRO gives them flat buffers of
+    their own (parallel/zero/fp8_gather.py gathers those in FP8)."""
+    from gigatron.parallel.zero.param_groups import FP8_PARAM_ATTR
+
+    states = {}
+    for chunk in chunks:
+        for layer in transformer_linears(chunk):
+            if getattr(layer, "fp8", None) is not None:
+                setattr(layer.weight, FP8_PARAM_ATTR, True)
+                states[id(layer.weight)] = layer.fp8
+    return states
 
 
 def transformer_linears(chunk: torch.nn.Module) -> List[torch.nn.Module]:

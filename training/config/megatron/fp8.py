@@ -4,9 +4,9 @@ Megatron-Core hands these flags to Transformer Engine's recipes (DelayedScaling,
 Float8CurrentScaling, Float8BlockScaling); gigatron runs the same recipes in its
 tensor-parallel linears (`gigatron.parallel.tensor.fp8`, docs/FP8.md): the same layers,
 formats and scales, the GEMMs in FP8 through torch._scaled_mm. mxfp8 and custom are refused
-with the reason. --fp8-param-gather changes where the FP8 copy of the weights
-lives and what the distributed optimizer all-gathers (memory and communication only): it is
-accepted, under Megatron's own conditions, without effect.
+with the reason. --fp8-param-gather makes the distributed optimizer (ZeRO 1-2) quantise its
+shards of the updated weights and all-gather the FP8 linears' weights in FP8, which the
+linears then use as they are (`gigatron.parallel.zero.fp8_gather`).
 """
 from __future__ import annotations
 
@@ -52,10 +52,12 @@ class FP8Settings:
         "(delayed recipe only, as in Megatron)",
         "--no-fp8-wgrad", "--disable-fp8-wgrad")
     fp8_param_gather: bool = setting(
-        False, "accepted without effect (needs --fp8-format and the distributed optimizer, "
-        "as in Megatron): Megatron keeps the weights in FP8 and all-gathers them in FP8, "
-        "which saves memory and communication only; gigatron gathers them in the run's "
-        "dtype and quantises them in each forward", "--fp8-param-gather")
+        False, "the distributed optimizer (ZeRO 1-2) quantises its shards of the FP8 linears' "
+        "updated weights with the recipe's scales and all-gathers them in FP8 (one byte per "
+        "element); the linears use the gathered FP8 weights without quantising them again "
+        "(needs --fp8-format and the distributed optimizer, as in Megatron; the weights in "
+        "the run's dtype are kept, holding the FP8 values: communication is saved, not "
+        "Megatron's memory)", "--fp8-param-gather")
 
 
 def fp8_recipe(fp8: FP8Settings) -> Optional["FP8Recipe"]:
@@ -83,7 +85,11 @@ def fp8_problems(s: "Settings") -> List[str]:
                        "used together with fp8 mode)")
         if not (precision.use_distributed_optimizer or (precision.zero_stage or 0) >= 1):
             out.append("--fp8-param-gather needs the distributed optimizer: add "
-                       "--use-distributed-optimizer (or --zero-stage 1, 2 or 3)")
+                       "--use-distributed-optimizer (or --zero-stage 1 or 2)")
+        if precision.zero_stage == 3:
+            out.append("--fp8-param-gather is not built for --zero-stage 3 (its per-layer "
+                       "gathers are in the run's dtype): use --zero-stage 1 or 2, or drop "
+                       "--fp8-param-gather")
     if not fp8.fp8_format:
         return out
     if fp8.fp8_recipe not in SCALINGS:
@@ -94,7 +100,7 @@ def fp8_problems(s: "Settings") -> List[str]:
     return out
 
 
-def fp8_notes(fp8: FP8Settings) -> List[str]:
+def fp8_notes(fp8: FP8Settings, overlap_param_gather: bool = False) -> List[str]:
     """The banner's lines for the FP8 flags."""
     notes = []
     if fp8.fp8_format:
@@ -105,6 +111,10 @@ def fp8_notes(fp8: FP8Settings) -> List[str]:
         notes.append(f"--fp8-format {fp8.fp8_format}: the transformer layers' GEMMs run in "
                      f"FP8 through torch._scaled_mm with {how}{wgrad} (docs/FP8.md)")
     if fp8.fp8_param_gather:
-        notes.append("--fp8-param-gather: no effect here (memory and communication only): "
-                     "parameters are gathered in the run's dtype")
+        notes.append("--fp8-param-gather: the distributed optimizer all-gathers the FP8 "
+                     "linears' weights in FP8 (one byte per element) and the linears use them "
+                     "as gathered (parallel/zero/fp8_gather.py)")
+        if overlap_param_gather:
+            notes.append("--fp8-param-gather with --overlap-param-gather: the FP8 weights are "
+                         "gathered right after the step, not under the next forward")
     return notes
