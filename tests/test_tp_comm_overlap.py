@@ -2,12 +2,20 @@
 reduce-scatters of the transformer layers' linears run as rings of async point-to-point
 chunks under the GEMMs (parallel/tensor/async_tp.py), with the same numbers.
 
-Tolerance (fp32, dropout 0): losses and every gradient equal the plain collectives' with
-rtol 1e-6 / atol 1e-7; the rings sum the tp partials in another order (bit-for-bit at tp 2
-but for the chunked GEMM's rows). Measured on CPU (torch 2.13): tp2 and tp4, the largest
-difference is 0 to a few 1e-8. The chunking is checked by counting: every overlapped linear
-trades one all-gather or reduce-scatter for tp - 1 sends, and each GEMM chunk runs between
-a ring step's issue and its wait.
+Model level (GPTModel on forked gloo ranks, fp32, dropout 0): the loss and every gradient
+equal the plain collectives' with rtol 1e-6 / atol 1e-7; the rings sum the tp partials in
+another order. Measured (CPU, torch 2.13): tp2 bit for bit, tp4 within 1.5e-8. The chunking
+is checked by counting: every overlapped linear trades one all-gather or reduce-scatter for
+tp - 1 sends, and each GEMM chunk but the last of a ring runs between a ring step's issue and
+its wait; multi-latent attention and the ag-only half too; the weight gradients defer to
+the zero-bubble W queue.
+
+The real program (pretrain.main, --mock-data, 3 iterations, SGD): tp2 + sp with the flag
+trains the losses and parameters of tp2 + sp without it (measured: bit for bit), pp2 x tp2
+with zb-h1 too (tolerance 1e-5 as tests/test_zero_bubble_training.py; measured: losses
+equal, parameters within 1.6e-7); the merged --timeline shows GEMM chunks inside tp-group
+send/recv spans. Removing the overlap from the builders, breaking a ring's chunk order or
+computing the weight gradient in B under deferral (tried) fails these tests.
 """
 from __future__ import annotations
 
@@ -41,17 +49,17 @@ def _train_step(model, ids, labels):
                                                     for n, p in model.named_parameters()}
 
 
-def _compare(rank, world_size, style, overlap):
+def _compare(rank, world_size, style, overlap, **overrides):
     group = dist.new_group(list(range(world_size)))
-    cfg = load_config(style, sequence_parallel=True, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = load_config(style, sequence_parallel=True, hidden_dropout=0.0, attention_dropout=0.0,
+                      **overrides)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
     plain = GPTModel(cfg, tp_group=group)
     ref_loss, ref_calls, ref_grads = _train_step(plain, ids, labels)
     model = GPTModel(cfg, tp_group=group)
-    linears = _linears(model)
-    assert enable_tp_comm_overlap(linears, overlap) == len(linears) == 4 * cfg.num_layers
+    overlapped = enable_tp_comm_overlap(_linears(model), overlap)
     events = []
     _log_ring(events)
     loss, calls, grads = _train_step(model, ids, labels)
@@ -59,7 +67,7 @@ def _compare(rank, world_size, style, overlap):
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL,
                                    msg=lambda m: f"{style} tp{world_size} {name}: {m}")
-    return calls, ref_calls, events, cfg.num_layers
+    return calls, ref_calls, events, cfg.num_layers, overlapped
 
 
 def _log_ring(events):
@@ -85,8 +93,9 @@ def _log_ring(events):
 @pytest.mark.parametrize("world_size,style", [(2, "debug-gpt2"), (4, "debug-llama")])
 def test_overlapped_sequence_parallel_linears_give_the_same_loss_and_grads(world_size, style):
     per_rank = run_on_ranks(_compare, world_size, style, TPCommOverlap())
-    for calls, ref_calls, events, layers in per_rank:
+    for calls, ref_calls, events, layers, overlapped in per_rank:
         linears = 4 * layers  # qkv and fc1 (column), proj and fc2 (row) per layer
+        assert overlapped == linears
         # forward: column all-gathers, row reduce-scatters; backward: the mirror
         assert ref_calls["all_gather"] - calls.get("all_gather", 0) == 2 * layers * 2
         assert ref_calls["reduce_scatter"] - calls.get("reduce_scatter", 0) == 2 * layers * 2
@@ -98,9 +107,21 @@ def test_overlapped_sequence_parallel_linears_give_the_same_loss_and_grads(world
         assert steps.count("g") == 2 * linears * world_size
 
 
+# multi-latent attention: its sequence-parallel linears (q_proj or the q/kv down-projections,
+# which gather their latents, and proj) run overlapped; the up-projections have no sp
+MLA = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=8,
+           qk_pos_emb_head_dim=4, v_head_dim=6)
+
+
+def test_multi_latent_attention_overlapped_gives_the_same_loss_and_grads():
+    per_rank = run_on_ranks(_compare, 2, "debug-llama", TPCommOverlap(), **MLA)
+    # per layer: q and kv down-projections, proj, fc1, fc2
+    assert [r[4] for r in per_rank] == [5 * per_rank[0][3]] * 2
+
+
 def test_only_the_all_gathers_overlap_when_reduce_scatters_are_off():
     per_rank = run_on_ranks(_compare, 2, "debug-gpt2", TPCommOverlap(ag=True, rs=False))
-    calls, ref_calls, _, layers = per_rank[0]
+    calls, ref_calls, _, layers, _ = per_rank[0]
     assert ref_calls["all_gather"] - calls.get("all_gather", 0) == 4 * layers
     assert calls["reduce_scatter"] == ref_calls["reduce_scatter"]
     assert calls["send"] == 2 * 2 * layers
