@@ -214,6 +214,10 @@ class TransformerConfig:
     (--qk-pos-emb-head-dim)."""
     v_head_dim: int = 128
     """Value channels per head (--v-head-dim)."""
+    mla_latent_norm_epsilon: Optional[float] = None
+    """Epsilon of the latent norms q_layernorm and kv_layernorm (--mla-latent-norm-epsilon);
+    None: layernorm_epsilon, as Megatron-Core builds them. Hugging Face's DeepSeek-V2/V3 give
+    them 1e-6 whatever rms_norm_eps is (Moonlight: 1e-5 for the others)."""
     rope_type: str = _DERIVED
     """MLA's RoPE: 'rope' or 'yarn' (--rope-type); default yarn with MLA (Megatron-Core's
     MLATransformerConfig), else rope."""

@@ -8,8 +8,9 @@ tp=1 / pp=1.
   q_layernorm / linear_q_up_proj (linear_q_proj), linear_kv_down_proj / kv_layernorm /
   linear_kv_up_proj and linear_proj, one to one (same row order: transformers'
   `rope_interleave` layout is Megatron-Core's MLA RoPE layout); the latent norms are
-  --qk-layernorm. transformers gives them epsilon 1e-6 whatever `rms_norm_eps` says, so
-  other epsilons are refused (gigatron's norms share one).
+  --qk-layernorm. transformers gives them epsilon 1e-6 whatever `rms_norm_eps` says
+  (Moonlight's 1e-5 is the other norms'): `rms_norm_eps` is --norm-epsilon, and the latent
+  norms' 1e-6 is --mla-latent-norm-epsilon where the two differ.
 - RoPE: `rope_parameters` default (--rope-type rope) or yarn (--rope-type yarn with factor,
   original_max_position_embeddings, beta_fast/slow, mscale, mscale_all_dim, truncate).
 - the first `first_k_dense_replace` layers are dense SwiGLU MLPs (`intermediate_size`), the
@@ -133,10 +134,7 @@ def config_from_hf(hf: Dict[str, Any], version: int = 3) -> TransformerConfig:
             f"supported: gigatron's MLA projections have no biases")
     require(hf.get("rope_interleave", True), f"{FAMILY} rope_interleave=false is not "
             f"supported (Megatron-Core's MLA reads RoPE channels interleaved)")
-    eps = hf.get("rms_norm_eps", 1e-6)
-    require(eps == LATENT_NORM_EPS, f"{FAMILY} rms_norm_eps={eps} is not supported: "
-            f"transformers' latent norms use {LATENT_NORM_EPS} and gigatron's norms share one "
-            f"epsilon")
+    eps = float(hf.get("rms_norm_eps", 1e-6))
     heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
     dense = min(hf.get("first_k_dense_replace") or 0, layers)
     require(dense < layers, f"{FAMILY} first_k_dense_replace={dense} leaves no MoE layer")
@@ -152,7 +150,8 @@ def config_from_hf(hf: Dict[str, Any], version: int = 3) -> TransformerConfig:
         multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
         qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-        qk_layernorm=True, moe_layer_freq=[0] * dense + [1] * (layers - dense),
+        qk_layernorm=True, mla_latent_norm_epsilon=None if eps == LATENT_NORM_EPS
+        else LATENT_NORM_EPS, moe_layer_freq=[0] * dense + [1] * (layers - dense),
         **_rope_fields(hf), **_routing_fields(hf, version))
     return TransformerConfig(**fields)
 
@@ -184,8 +183,10 @@ def config_to_hf(config: TransformerConfig, version: int = 3) -> Dict[str, Any]:
         (c.num_moe_experts is not None, "the model is dense (num_moe_experts is None)"),
         (c.normalization == "RMSNorm" and c.activation == "swiglu" and not c.add_bias_linear,
          "RMSNorm, SwiGLU and no biases are DeepSeek-V3's"),
-        (c.layernorm_epsilon == LATENT_NORM_EPS, f"layernorm_epsilon must be "
-         f"{LATENT_NORM_EPS} (transformers' latent norms)"),
+        ((c.mla_latent_norm_epsilon or c.layernorm_epsilon) == LATENT_NORM_EPS,
+         f"the latent norms' epsilon must be {LATENT_NORM_EPS}, transformers' (got "
+         f"{c.mla_latent_norm_epsilon or c.layernorm_epsilon}: --mla-latent-norm-epsilon, "
+         f"else --norm-epsilon)"),
         (shared is None or shared % c.moe_ffn_hidden_size == 0, "the shared experts' width "
          "must be a multiple of moe_ffn_hidden_size"),
         (c.rotary_percent == 1.0 and c.moe_expert_capacity_factor is None

@@ -5,6 +5,7 @@ transformers' logits in gigatron (fp32, 1e-5) and its greedy tokens through the 
 cache (and from `gigatron generate` at tp1 and tp2); exports load with no missing or
 unexpected keys and the same logits, and round-trip the tensors exactly; what the
 converter cannot express is refused in one line naming the key."""
+import dataclasses
 import json
 import os
 import sys
@@ -164,8 +165,40 @@ def test_converted_checkpoint_generates_transformers_tokens_at_tp1_and_tp2(tmp_p
             assert [json.loads(line)["tokens"] for line in f] == expected
 
 
+def test_moonlight_norm_epsilon_imports_and_exports_with_transformers_logits(tmp_path):
+    """Moonlight's rms_norm_eps 1e-5 is the layer and final norms' (--norm-epsilon); the
+    latent norms keep transformers' 1e-6 (--mla-latent-norm-epsilon). The latents are made
+    small (their mean square near the epsilons) so that either epsilon shows in the logits."""
+    hf = _deepseek_v3(q_lora_rank=None, rms_norm_eps=1e-5)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.kv_a_proj_with_mqa.weight.mul_(3e-3)
+    hf.save_pretrained(tmp_path / "hf")
+    config = hf_to_gigatron(str(tmp_path / "hf"), str(tmp_path / "gig"))
+    assert (config.layernorm_epsilon, config.mla_latent_norm_epsilon) == (1e-5, 1e-6)
+    assert unexpressed_fields(config, config_from_flags(parse_model_flags(
+        model_flags(config)))) == []
+    tokens = _tokens()
+    config, state = load_model(str(tmp_path / "gig"))
+    ours = _gigatron(config, state)
+    torch.testing.assert_close(_logits(ours, tokens), _logits(hf, tokens), rtol=0, atol=1e-5)
+    one_epsilon = _gigatron(dataclasses.replace(config, mla_latent_norm_epsilon=None), state)
+    assert (_logits(one_epsilon, tokens) - _logits(hf, tokens)).abs().max() > 1e-3
+    gigatron_to_hf(str(tmp_path / "gig"), str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rms_norm_eps"] == 1e-5
+    exported, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        str(tmp_path / "out"), output_loading_info=True)
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        assert not info[kind], (kind, info[kind])
+    torch.testing.assert_close(_logits(exported.eval(), tokens), _logits(ours, tokens),
+                               rtol=0, atol=1e-5)
+    # a latent epsilon transformers cannot hold is refused on export, naming the flag
+    with pytest.raises(ConversionError, match="--mla-latent-norm-epsilon") as err:
+        config_to_hf(dataclasses.replace(config, mla_latent_norm_epsilon=None), "deepseek_v3")
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("change, named", [
-    ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05 is not supported"),
     ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, "ranks groups by their best 2"),
     ({"norm_topk_prob": False}, "norm_topk_prob=false"),
     ({"attention_bias": True}, "attention_bias=true"),

@@ -54,6 +54,16 @@ def mla_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return apply_rotary(deinterleave(x, cos.shape[-1]), cos, sin)
 
 
+def _latent_norm(config: TransformerConfig, device: Optional[torch.device],
+                 size: int) -> Norm:
+    """A latent's norm (replicated over tp, whole sequence) with its own epsilon when the
+    config gives one (Hugging Face's DeepSeek models: 1e-6 whatever rms_norm_eps says)."""
+    norm = Norm(config, False, device, size)
+    if config.mla_latent_norm_epsilon is not None:
+        norm.eps = config.mla_latent_norm_epsilon
+    return norm
+
+
 class MultiLatentAttention(nn.Module):
     """Causal self-attention through compressed query and key/value latents."""
 
@@ -84,12 +94,12 @@ class MultiLatentAttention(nn.Module):
             self.linear_q_up_proj = ColumnParallelLinear(config.q_lora_rank,
                                                          heads * self.q_head_dim, **common)
             if config.qk_layernorm:
-                self.q_layernorm = Norm(config, False, device, config.q_lora_rank)
+                self.q_layernorm = _latent_norm(config, device, config.q_lora_rank)
         self.linear_kv_down_proj = ColumnParallelLinear(
             config.hidden_size, config.kv_lora_rank + config.qk_pos_emb_head_dim, **down)
         self.linear_kv_up_proj = ColumnParallelLinear(
             config.kv_lora_rank, heads * (config.qk_head_dim + config.v_head_dim), **common)
-        self.kv_layernorm = (Norm(config, False, device, config.kv_lora_rank)
+        self.kv_layernorm = (_latent_norm(config, device, config.kv_lora_rank)
                              if config.qk_layernorm else None)
         self.core_attention = CoreAttention(config, tracker, layer_number, tp, device,
                                             softmax_scale=mla_softmax_scale(config))

@@ -2,11 +2,14 @@
 
 Each flag keeps Megatron-LM's name, meaning and default and sets the Megatron-Core
 MLATransformerConfig field of that meaning (--yarn-beta-fast: `beta_fast`); a flag left out
-is None here so a --model zoo config shows through. Megatron-LM's defaults, held by the
-TransformerConfig: --kv-lora-rank 32, --qk-head-dim 128, --qk-pos-emb-head-dim 64,
---v-head-dim 128, --rotary-scaling-factor 1, --mscale 1, --mscale-all-dim 0; --rope-type
-unset takes MLATransformerConfig's yarn with MLA. The model's own rules (ranks against tp,
-even RoPE channels) are `TransformerConfig.problems`; this module adds the flag-level ones.
+is None here so a --model zoo config shows through. One is gigatron's own:
+--mla-latent-norm-epsilon (Megatron-Core's latent norms take --norm-epsilon; Hugging Face's
+DeepSeek models keep 1e-6 for them whatever their other norms use). Megatron-LM's
+defaults, held by the TransformerConfig: --kv-lora-rank 32, --qk-head-dim 128,
+--qk-pos-emb-head-dim 64, --v-head-dim 128, --rotary-scaling-factor 1, --mscale 1,
+--mscale-all-dim 0; --rope-type unset takes MLATransformerConfig's yarn with MLA. The
+model's own rules (ranks against tp, even RoPE channels) are `TransformerConfig.problems`;
+this module adds the flag-level ones.
 """
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ class MLASettings:
         "(default 64)", "--qk-pos-emb-head-dim")
     v_head_dim: Optional[int] = setting(
         None, "value channels per head (default 128)", "--v-head-dim")
+    mla_latent_norm_epsilon: Optional[float] = setting(
+        None, "gigatron's: epsilon of the latent norms of --qk-layernorm (default: "
+        "--norm-epsilon, as Megatron-Core has them; Hugging Face's DeepSeek-V2/V3 models use "
+        "1e-6 whatever their rms_norm_eps, e.g. Moonlight's 1e-5)", "--mla-latent-norm-epsilon")
     rope_type: Optional[str] = setting(
         None, "RoPE of multi-latent attention: rope or yarn (default yarn, Megatron-Core's "
         "MLA default; other attention takes rope only)", "--rope-type",
@@ -70,7 +77,7 @@ MLA_FIELDS: Dict[str, str] = {f.name: f.name for f in fields(MLASettings)}
 MLA_FIELDS.update(yarn_original_max_position_embeddings="original_max_position_embeddings",
                   yarn_beta_fast="beta_fast", yarn_beta_slow="beta_slow")
 _POSITIVE = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-             "v_head_dim", "yarn_original_max_position_embeddings")
+             "v_head_dim", "yarn_original_max_position_embeddings", "mla_latent_norm_epsilon")
 
 
 def mla_overrides(s: "Settings", zoo: Optional[Dict[str, Any]],
