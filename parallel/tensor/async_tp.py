@@ -24,7 +24,7 @@ trace shows the communication under the compute.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -92,20 +92,19 @@ def all_gather_apply(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
         full = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
                            device=x.device)
         comm.all_gather(full, x, group=group)
-        chunks = list(full.chunk(n))
-        return full, [_gemm(fn, c) for c in chunks]
-    chunks: List[Optional[torch.Tensor]] = [None] * n
-    outs: List[Optional[torch.Tensor]] = [None] * n
+        return full, [_gemm(fn, c) for c in full.chunk(n)]
+    held: Dict[int, torch.Tensor] = {}
+    outs: Dict[int, torch.Tensor] = {}
     ring, current = _Ring(group), x
     for k in range(n):
         c = (me - k) % n  # the chunk held at step k: rank me - k's
-        chunks[c] = current
+        held[c] = current
         if k < n - 1:
             ring.start(current)
         outs[c] = _gemm(fn, current)
         if k < n - 1:
             current = ring.wait()
-    return torch.cat(chunks), outs  # type: ignore[arg-type]
+    return torch.cat([held[c] for c in range(n)]), [outs[c] for c in range(n)]
 
 
 def reduce_scatter_apply(fn: Callable[[int], torch.Tensor], group: Group,
