@@ -30,7 +30,6 @@ _UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
     ("softmax_scale", "any", "a custom attention softmax scale"),
     ("moe_latent_size", "any", "experts in a latent space"),
     ("moe_apply_probs_on_input", True, "router probabilities applied to the experts' input"),
-    ("moe_router_force_load_balancing", True, "forced (random) routing"),
     ("moe_input_jitter_eps", "any", "router input jitter"),
     ("moe_router_topk_limited_devices", "any", "device-limited routing (use "
                                                "--moe-router-num-groups)"),
