@@ -54,13 +54,23 @@ def _train(rank, world, stage, overlap, steps=3, micro=2):
         return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def _equal_with_and_without(rank, world, stage):
-    return _train(rank, world, stage, False), _train(rank, world, stage, True)
+def _optimizer_checks(rank, world):
+    """Every optimizer-level check of this file in one launch of 2 ranks (forks are slow)."""
+    return {"equal": {stage: (_train(rank, world, stage, False),
+                              _train(rank, world, stage, True)) for stage in (1, 2)},
+            "events": _async_events(rank, world), "skipped": _skipped_step(rank, world),
+            "zero3": _stage3_states(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return run_on_ranks(_optimizer_checks, 2, timeout=120)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_dp2_losses_and_parameters_equal_those_without_overlap(stage):
-    for plain, overlapped in run_on_ranks(_equal_with_and_without, 2, stage, timeout=60):
+def test_dp2_losses_and_parameters_equal_those_without_overlap(checks, stage):
+    for rank in checks:
+        plain, overlapped = rank["equal"][stage]
         assert plain[0] == overlapped[0]
         assert all(torch.equal(a, b) for a, b in zip(plain[1], overlapped[1]))
 
@@ -92,7 +102,7 @@ def _async_events(rank, world):
         events.append(f"issue {name}")
         return _Logged(real(group, bucket), events, name)
 
-    FlatGroup.start_gather = start_gather
+    FlatGroup.start_gather = start_gather  # (put back below)
     for i, m in enumerate(linears):  # registered after ZeRO's pre-hooks: runs after them
         m.register_forward_pre_hook(lambda m, args, i=i: events.append(f"compute {i}"))
     (x, y), = _batches(rank, world, 1, 1)[0]
@@ -105,12 +115,11 @@ def _async_events(rank, world):
     model(x)
     after_forward = zero.param_gather.pending
     FlatGroup.start_gather = real
-    return events, pending, after_forward, [(len(g.buckets), g.weight_decay)
-                                            for g in zero.flat_groups]
+    return events, pending, after_forward
 
 
-def test_the_gather_is_in_flight_after_step_and_waited_in_the_first_pre_hook():
-    events, pending, after_forward, groups = run_on_ranks(_async_events, 2, timeout=60)[0]
+def test_the_gather_is_in_flight_after_step_and_waited_in_the_first_pre_hook(checks):
+    events, pending, after_forward = checks[0]["events"]
     assert pending and not after_forward, events
     returned = events.index("step returned")
     issued_by_step = [e for e in events[:returned] if e.startswith("issue")]
@@ -150,8 +159,8 @@ def _skipped_step(rank, world):
     return seen
 
 
-def test_a_skipped_fp16_step_leaves_no_gather_in_flight():
-    for seen in run_on_ranks(_skipped_step, 2, timeout=60):
+def test_a_skipped_fp16_step_leaves_no_gather_in_flight(checks):
+    for seen in (rank["skipped"] for rank in checks):
         assert seen == [(False, True, False), (True, False, True), (False, True, False)]
 
 
@@ -199,31 +208,52 @@ def _pretrain(argv, metrics):
     return captured["params"], losses
 
 
-def _three_runs(rank, world, flags, folder):
-    """Without the flag, with it (both save at 2 of 4 iterations), and with it resumed from
-    iteration 2: one launch (the process group is kept between the runs)."""
+def _three_runs(layouts, folder):
+    """Per layout: without the flag, with it (both save at 2 of 4 iterations; traced), and
+    with it resumed from iteration 2. All in one launch: the process group is kept."""
     import torch.distributed as dist
 
     keep, dist.destroy_process_group = dist.destroy_process_group, lambda *a, **k: None
     try:
-        runs = {}
-        for name, extra in (("plain", []), ("overlap", ["--overlap-param-gather"])):
-            runs[name] = _pretrain(RUN + flags + extra + ["--save", f"{folder}/{name}"],
-                                   f"{folder}/{name}.jsonl")
-            dist.barrier()
-        runs["resumed"] = _pretrain(RUN + flags + ["--overlap-param-gather", "--load",
-                                                   f"{folder}/overlap", "--ckpt-step", "2"],
-                                    f"{folder}/resumed.jsonl")
-        return runs
+        out = {}
+        for layout in layouts:
+            flags, at = LAYOUTS[layout][1], f"{folder}/{layout}"
+            traced = ["--overlap-param-gather", "--timeline", f"{at}/t.json"]
+            runs = {}
+            for name, extra in (("plain", []), ("overlap", traced)):
+                runs[name] = _pretrain(RUN + flags + extra + ["--save", f"{at}/{name}"],
+                                       f"{at}/{name}.jsonl")
+                dist.barrier()
+            runs["resumed"] = _pretrain(RUN + flags + ["--overlap-param-gather", "--load",
+                                                       f"{at}/overlap", "--ckpt-step", "2"],
+                                        f"{at}/resumed.jsonl")
+            out[layout] = runs
+        return out
     finally:
         dist.destroy_process_group = keep
 
 
+def _in_one_launch(rank, world, layouts, folder):
+    return _three_runs(layouts, folder)
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("dp2"))
+    layouts = [name for name, (world, _) in LAYOUTS.items() if world == 2]
+    return folder, run_on_ranks(_in_one_launch, 2, layouts, folder, timeout=300)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_pretrain_with_overlap_equals_without_through_eval_and_resume(tmp_path, layout):
-    world, flags = LAYOUTS[layout]
-    per_rank = run_on_ranks(_three_runs, world, flags, str(tmp_path), timeout=300)
-    for rank, runs in enumerate(per_rank):
+def test_pretrain_with_overlap_equals_without_through_eval_and_resume(dp2_runs, tmp_path,
+                                                                      layout):
+    world, _ = LAYOUTS[layout]
+    folder, per_rank = dp2_runs
+    if world != 2:
+        folder = str(tmp_path)
+        per_rank = run_on_ranks(_in_one_launch, world, [layout], folder, timeout=300)
+    for rank, by_layout in enumerate(per_rank):
+        runs = by_layout[layout]
         plain, overlap, resumed = (runs[k] for k in ("plain", "overlap", "resumed"))
         assert plain[1] == overlap[1]
         assert [x for x in overlap[1] if x[1] > 2] == resumed[1]
@@ -231,5 +261,76 @@ def test_pretrain_with_overlap_equals_without_through_eval_and_resume(tmp_path, 
             assert params.keys() == plain[0].keys()
             bad = [n for n in params if not torch.equal(params[n], plain[0][n])]
             assert not bad, (rank, bad)
-    logged = [runs["plain"][1] for runs in per_rank if runs["plain"][1]]
-    assert {kind for kind, _, _ in logged[0]} >= {"train"} and len(logged[0]) >= 6, logged
+    logged = [by_layout[layout]["plain"][1] for by_layout in per_rank
+              if by_layout[layout]["plain"][1]]
+    assert {"train"} < {kind for kind, _, _ in logged[0]} and len(logged[0]) >= 6, logged
+    if layout != "dp2_zero3":  # ZeRO 3's gathers are its own prefetch (test below)
+        _check_gathers_under_forward(f"{folder}/{layout}/t.json", world)
+
+
+def _check_gathers_under_forward(path, world):
+    """The overlapped run's merged timeline: on every rank, parameter all-gathers over dp
+    (the async rows) run inside a forward span: issued by one module's pre-hook, waited by a
+    later one's."""
+    import json
+
+    with open(path) as f:
+        spans = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    for rank in range(world):
+        mine = [e for e in spans if e["pid"] == rank]
+        forwards = [e for e in mine if e["name"].startswith("forward mb")]
+        gathers = [e for e in mine if e["name"] == "all_gather" and e["tid"] >= 1000
+                   and e["args"]["group"].startswith("dp")]
+        under = [g for g in gathers if any(f["ts"] <= g["ts"] and g["ts"] + g["dur"] <=
+                                           f["ts"] + f["dur"] for f in forwards)]
+        assert forwards and under, (rank, gathers)
+
+
+# ---- ZeRO 3: the prefetch overlaps -------------------------------------------------------
+class _Layers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _stage3_states(rank, world):
+    """Per iteration, at each layer's compute: (layer, its unit's state, the next unit's
+    state and handles in flight)."""
+    model = _Layers()
+    zero = build_zero(model, ZeroConfig(zero_stage=3, lr=0.05, overlap_param_gather=True))
+    units = zero.gatherer.units
+    index = {id(u.module): i for i, u in enumerate(units)}
+    seen = []
+    for k, layer in enumerate(model.layers):  # after ZeRO's pre-hook: the compute's start
+        def note(m, args, k=k):
+            mine = index[id(m)]
+            nxt = units[mine + 1] if mine + 1 < len(units) and k < 2 else None
+            seen[-1].append((k, units[mine].state, None if nxt is None else
+                             (nxt.state, len(nxt.handles) > 0)))
+        layer.register_forward_pre_hook(note)
+    (x, y), = _batches(rank, world, 1, 1)[0]
+    x = torch.cat([x, x], dim=1)[:, :8]
+    for _ in range(3):
+        seen.append([])
+        zero.zero_grad()
+        zero.backward(((model(x) - y) ** 2).mean())
+        zero.step()
+    return seen
+
+
+def test_zero3_issues_the_next_units_gather_before_this_unit_computes(checks):
+    for seen in (rank["zero3"] for rank in checks):
+        # the first forward records the units' order (no prefetch yet); from the second on,
+        # unit i+1's all-gathers are in flight (issued, not waited) while unit i computes
+        assert seen[0] == [(0, "ready", ("free", False)), (1, "ready", ("free", False)),
+                           (2, "ready", None)], seen
+        for iteration in seen[1:]:
+            assert iteration == [(0, "ready", ("inflight", True)),
+                                 (1, "ready", ("inflight", True)), (2, "ready", None)], seen
