@@ -12,7 +12,7 @@ the zero-bubble W queue.
 
 The real program (pretrain.main, --mock-data, 3 iterations, SGD): tp2 + sp with the flag
 trains the losses and parameters of tp2 + sp without it (measured: bit for bit), pp2 x tp2
-with zb-h1 too (tolerance 1e-5 as tests/test_zero_bubble_training.py; measured: losses
+with zb-h1 and full recomputation too (tolerance 1e-5 as tests/test_zero_bubble_training.py; measured: losses
 equal, parameters within 1.6e-7); the merged --timeline shows GEMM chunks inside tp-group
 send/recv spans. Removing the overlap from the builders, breaking a ring's chunk order or
 computing the weight gradient in B under deferral (tried) fails these tests.
@@ -199,10 +199,12 @@ def test_tp2_sp_and_pp2_zero_bubble_train_the_same_model_with_overlap_and_trace_
            "reduce-scatters run as rings" in per_rank[0][2]
     _compare_runs(overlapped, reference)
     _check_overlap_in_trace(trace)
-    # pp2 with zb-h1: the overlapped linears' weight gradients deferred to W
+    # pp2 with zb-h1: the overlapped linears' weight gradients deferred to W, their forward
+    # recomputed inside B (the rings run again there)
     per_rank, pipelined = _train(tmp_path, "zb", 4, [
         "--tp-comm-overlap", "--pipeline-model-parallel-size", "2",
-        "--pipeline-schedule", "zb-h1"])
+        "--pipeline-schedule", "zb-h1", "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1"])
     assert [n for _, n, _ in per_rank] == [4] * 4
     _compare_runs(pipelined, reference)
 
