@@ -207,7 +207,7 @@ def test_expert_parallel_sizes_must_divide_the_ranks_of_a_stage():
 @pytest.mark.parametrize("flag, reason", [
     ("--moe-enable-deepep", "DeepEP"),
     ("--moe-router-padding-for-fp8", "FP8/FP4"), ("--moe-enable-routing-replay", "replay"),
-    ("--moe-use-upcycling", "upcycling"), ("--moe-router-fusion", "fused kernel"),
+    ("--moe-use-upcycling", "upcycling"), ("--moe-use-grouped-tensor", "fused kernel"),
     ("--moe-shared-expert-gate", "mixture-of-experts option is not implemented"),
     ("--moe-expert-parallel-size", "DeepSpeed's MoE layer"),
 ])
@@ -231,6 +231,18 @@ def test_a_zoo_moe_model_shows_through_the_flags_left_out():
     assert (model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size,
             model.moe_aux_loss_coeff) == (128, 8, 768, 0.01)  # MoE flags need no --num-experts
     assert parse_args(zoo.split() + ["--moe-router-topk", "2"], 1).model.moe_router_topk == 2
+
+
+def test_a_zoo_moe_model_that_does_not_build_is_not_also_called_dense():
+    """Another problem (MTP under cp) leaves no model: expert parallelism is still checked
+    against the zoo's experts, so the answer is that one line (`gigatron plan --search`
+    listed the spurious 'the model is dense' for every such layout of moonlight-16b-a3b)."""
+    zoo = ("--model qwen3-30b-a3b --micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data "
+           "--mtp-num-layers 1 --context-parallel-size 2 --expert-model-parallel-size 2")
+    with pytest.raises(ConfigError) as error:
+        parse_args(zoo.split(), 4)
+    assert str(error.value).splitlines()[-1].startswith("--mtp-num-layers with --context")
+    assert "dense" not in str(error.value)
 
 
 def test_the_flex_dispatcher_runs_alltoall_whatever_its_kernel_backend():

@@ -267,9 +267,16 @@ def build_run(s: Settings, world_size: int, tokenizer: Optional["Tokenizer"] = N
 
 
 def _num_experts(s: Settings, model: Optional["TransformerConfig"]) -> Optional[int]:
-    """The model's routed experts per MoE layer (the flag's when the model did not build)."""
-    return getattr(model, "num_moe_experts", None) if model is not None \
-        else s.moe.num_experts
+    """The model's routed experts per MoE layer (when the model did not build: the flag's,
+    else the --model zoo config's, so that its other problems do not also call it dense)."""
+    if model is not None:
+        return getattr(model, "num_moe_experts", None)
+    if s.moe.num_experts is not None or s.model.model is None:
+        return s.moe.num_experts
+    from gigatron.models.zoo import list_models, model_fields
+
+    return model_fields(s.model.model).get("num_moe_experts") \
+        if s.model.model in list_models() else None
 
 
 def _run_config(s: Settings, model: "TransformerConfig", parallel: ParallelConfig,

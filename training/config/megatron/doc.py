@@ -40,8 +40,7 @@ _MOE_REASONS: Tuple[Tuple[Tuple[str, ...], str], ...] = (
      "routing replay and routing traces are not provided"),
     (("--moe-use-upcycling", "--moe-upcycling-"),
      "upcycling a dense checkpoint into an MoE model is not implemented"),
-    (("--moe-router-fusion", "--moe-use-grouped-tensor",
-      "--moe-single-grouped-", "--use-grouped-gemm-for-"),
+    (("--moe-use-grouped-tensor", "--moe-single-grouped-", "--use-grouped-gemm-for-"),
      "a fused kernel or weight layout of Transformer Engine that is not used: gigatron's "
      "router and experts compute the same numbers (--moe-grouped-gemm picks the grouped "
      "matmul)"),
