@@ -64,8 +64,12 @@ class ZeroConfig:
     'deepspeed' (DeepSpeed's, one clean step later; gigatron.initialize): loss_scaler.py."""
 
     offload_optimizer: str = "none"
-    """'cpu': fp32 master weights and optimizer state live (pinned on CUDA) in host memory
-    and the step runs there (DeepSpeed offload_optimizer.device). Needs zero_stage >= 1."""
+    """'cpu': fp32 master weights and optimizer state live in host memory and the step runs
+    there, streamed bucket by bucket (offload.py; DeepSpeed offload_optimizer.device).
+    Needs zero_stage >= 1."""
+    offload_bucket_size: int = 32_000_000
+    """Elements per bucket of the offloaded step: two fp32 grad buffers and two weight
+    buffers of this size are the host memory it adds to the 12 bytes per parameter."""
     grad_reduce_dtype: str = "fp32"
     """Dtype gradients are accumulated and reduced in ('fp32', 'bf16', 'fp16'): the grad
     buffers' dtype and the wire's, as Megatron-Core's grad buffer (fp32 with
@@ -111,6 +115,9 @@ def zero_problems(values: Mapping[str, Any],
          f"{', '.join(_OPTIMIZERS)}"),
         (v["offload_optimizer"] in ("none", "cpu"),
          f"{n('offload_optimizer')} must be 'none' or 'cpu', got {v['offload_optimizer']!r}"),
+        (v["offload_bucket_size"] >= 1,
+         f"{n('offload_bucket_size')} must be a positive element count, got "
+         f"{v['offload_bucket_size']!r}"),
         (v["offload_optimizer"] != "cpu" or v["optimizer"] != "muon",
          f"{n('offload_optimizer')} is not built with {n('optimizer')} muon (Newton-Schulz on "
          f"host shards): leave it off"),

@@ -24,10 +24,13 @@ class FlatGroup:
     def __init__(self, params: Sequence[torch.nn.Parameter], *, chunk: int, kind: str,
                  weight_decay: float, stage: int, dp_group: Group, bucket_size: int,
                  unit_ids: Optional[Sequence[int]], master_device: torch.device,
-                 reduce_dtype: torch.dtype, average_over: Optional[int] = None) -> None:
+                 reduce_dtype: torch.dtype, average_over: Optional[int] = None,
+                 offloaded: bool = False) -> None:
         """`dp_group`: the ranks that reduce (and shard) these grads; `average_over`: the
         ranks whose losses the grads average (default the group's size; expert weights
-        reduced over the expert-data-parallel group average over the dense dp size)."""
+        reduced over the expert-data-parallel group average over the dense dp size);
+        `offloaded`: the master is a host copy apart from the parameters (offload.py), even
+        where both are on the CPU."""
         self.params = list(params)
         self.chunk, self.kind, self.weight_decay, self.stage = chunk, kind, weight_decay, stage
         self.dp_group, self.reduce_dtype = dp_group, reduce_dtype
@@ -40,7 +43,7 @@ class FlatGroup:
         self.full_numel, self.shard_numel = group_sizes(self.buckets)
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
         self._place_params()
-        self.master = self._make_master(master_device)
+        self.master = self._make_master(master_device, offloaded)
         self._make_grad_storage()
 
     # ---- construction -------------------------------------------------------------
@@ -79,22 +82,21 @@ class FlatGroup:
         start = b.group_offset + self.rank_in_shard * S
         return self.param_buffer[start:start + S]
 
-    def _make_master(self, device: torch.device) -> torch.Tensor:
+    def _make_master(self, device: torch.device, offloaded: bool) -> torch.Tensor:
         """This rank's fp32 master shard. fp32 params on the optimizer's device need no
         second copy where the shard is contiguous in the parameter storage (stage 0: the
         whole buffer; stage 3: the persistent shard; stages 1-2: a single-bucket group), so
         the optimizer steps the parameters in place (1x parameter memory, like torch DDP)."""
         contiguous = self.stage in (0, 3) or len(self.buckets) == 1
         self.master_aliases_params = (self.dtype == torch.float32 and device == self.device
-                                      and contiguous)
+                                      and contiguous and not offloaded)
         if self.master_aliases_params:
             if self.stage == 0:
                 return self.param_buffer
             return self.param_shard if self.stage == 3 else \
                 self.param_shard_piece(self.buckets[0])
-        pin = device.type == "cpu" and self.device.type == "cuda"
-        master = torch.empty(self.shard_numel, dtype=torch.float32, device=device,
-                             pin_memory=pin)
+        # an offloaded master is not copied to the GPU itself (offload.py's pinned buffers are)
+        master = torch.empty(self.shard_numel, dtype=torch.float32, device=device)
         self.master = master
         self.refresh_master()
         return master
@@ -184,10 +186,12 @@ class FlatGroup:
         return views
 
     # ---- parameters after the step ----------------------------------------------------
-    def write_back(self) -> List[comm.Work]:
-        """Copy the updated master shard into the parameters; stages 1-2 all-gather the
-        full buckets (returns the handles to wait on)."""
-        self.copy_master_to_shard()
+    def write_back(self, copy_master: bool = True) -> List[comm.Work]:
+        """Copy the updated master shard into the parameters (unless the offloaded step
+        did: `copy_master` False); stages 1-2 all-gather the full buckets (returns the
+        handles to wait on)."""
+        if copy_master:
+            self.copy_master_to_shard()
         return [self.start_gather(b) for b in self.buckets] if self.stage in (1, 2) else []
 
     def copy_master_to_shard(self) -> None:

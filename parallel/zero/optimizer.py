@@ -39,6 +39,7 @@ from gigatron.parallel.zero.bucketed_grad_sync import BucketedGradSync
 from gigatron.parallel.zero.lamb import Lamb, TrustRatioLayout
 from gigatron.parallel.zero.layout import shard_pieces
 from gigatron.parallel.zero.loss_scaler import DynamicLossScaler, LossScaler
+from gigatron.parallel.zero.offload import OffloadStep
 from gigatron.parallel.zero.muon.build import (build_deepspeed_muon, build_muon, rule_of,
                                               tagged_rule_of, updates_into_grads)
 from gigatron.parallel.zero.param_gather import OverlappedParamGather
@@ -172,7 +173,8 @@ class ZeroOptimizer:
                              if config.overlap_param_gather and self.stage in (1, 2) else None)
         self._norm_views = self._counted_views()
         self.count_zeros_in_grad = False  # --log-num-zeros-in-grad: StepResult.num_zeros
-        self._host_grads: Dict[int, torch.Tensor] = {}  # offload: one grad buffer per group
+        self.offload = (OffloadStep(self.flat_groups, self.optimizer, config.offload_bucket_size)
+                        if config.offload_optimizer == "cpu" else None)
         self.skipped_steps = 0
         self.fp8_param_gather: Optional[FP8ParamGather] = None  # set by --fp8-param-gather
 
@@ -232,7 +234,7 @@ class ZeroOptimizer:
                          stage=self.stage, dp_group=dp_group,
                          bucket_size=bucket_size, unit_ids=unit_ids,
                          master_device=master_device, reduce_dtype=c.reduce_dtype,
-                         average_over=average_over)
+                         average_over=average_over, offloaded=c.offload_optimizer == "cpu")
 
     def _expert_dp(self) -> Group:
         """The expert-data-parallel group expert weights are reduced and sharded over."""
@@ -364,50 +366,41 @@ class ZeroOptimizer:
             norm = norm / scale
         factor = (clip_coefficient(norm, self.config.clip_grad) / scale
                   if self.config.clip_grad > 0 else 1.0 / scale)
-        for g in self.flat_groups:
-            pieces = _fp32(g.grad_shard_pieces())  # unscaled in fp32: fp16 would underflow
-            if not (isinstance(factor, float) and factor == 1.0):
-                for piece in pieces:
-                    piece.mul_(factor)
-            g.master.grad = self._master_grad(g, pieces)
-        self.optimizer.step()
-        for g in self.flat_groups:
-            g.master.grad = None
+        if self.offload is not None:  # grads down, weights up, bucket by bucket
+            self.offload.step(factor)
+        else:
+            self._step_on_device(factor)
         if self.param_gather is not None:  # waited by the next forward's pre-hooks
             self.param_gather.launch()
         else:
-            self._publish_params()
+            self._publish_params(copied=self.offload is not None)
         self.scaler.update(False)
         return StepResult(True, False, norm, scale, zeros)
 
-    def _master_grad(self, g: FlatGroup, pieces: List[torch.Tensor]) -> torch.Tensor:
-        """The gradient the optimizer steps `g.master` with, from the fp32 `pieces` of its
-        grad shard. Offloaded masters get it copied piece by piece into one host buffer kept
-        across steps (pinned where the grads are on a GPU): no device-side concatenation and
-        no fresh 4 bytes per parameter of pageable host memory each step (a GPT 6.7B step on
-        an H200 took 20 s with them)."""
-        if pieces[0].device == g.master.device:
-            return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        host = self._host_grads.get(id(g))
-        if host is None:
-            host = torch.empty(g.master.numel(), dtype=pieces[0].dtype, device=g.master.device,
-                               pin_memory=g.master.is_pinned())
-            self._host_grads[id(g)] = host
-        offset = 0
-        for piece in pieces:
-            host[offset:offset + piece.numel()].copy_(piece.reshape(-1))
-            offset += piece.numel()
-        return host.view_as(g.master)
+    def _step_on_device(self, factor: Union[float, torch.Tensor]) -> None:
+        """Unscale and clip the grad shards in fp32 (fp16 would underflow) and step the
+        masters where they live, beside the grads."""
+        for g in self.flat_groups:
+            pieces = _fp32(g.grad_shard_pieces())
+            if not (isinstance(factor, float) and factor == 1.0):
+                for piece in pieces:
+                    piece.mul_(factor)
+            g.master.grad = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        self.optimizer.step()
+        for g in self.flat_groups:
+            g.master.grad = None
 
     def _device(self) -> Optional[torch.device]:
         return self.flat_groups[0].device if self.flat_groups else None
 
-    def _publish_params(self) -> None:
+    def _publish_params(self, copied: bool = False) -> None:
+        """Updated masters into the parameters (`copied`: the offloaded step already wrote
+        this rank's slices); stages 1-2 all-gather them."""
         if self.fp8_param_gather is not None:  # FP8 weights gathered in FP8 (fp8_gather.py)
             self.fp8_param_gather.publish(self.flat_groups)
             return
         self.finish_param_sync()
-        handles = [h for g in self.flat_groups for h in g.write_back()]
+        handles = [h for g in self.flat_groups for h in g.write_back(copy_master=not copied)]
         for h in handles:
             h.wait()
 
