@@ -5,7 +5,9 @@ dataset of short documents (3 to 12 tokens, each ending in eod, so a 16-token sa
 parameters (relative 1e-4; with ep2, those outside the experts, which each rank holds
 half of) under cp2 (p2p; the other comm types: test_packed_documents.py), tp2 (sequence
 parallel) x pp2, pp2 interleaved and MoE with ep2; --reset-position-ids alone (RoPE across documents, positions
-restarting) under pp2, where the last stage must take the data's positions.
+restarting) under pp2, where the last stage must take the data's positions. The newer
+attention kinds: gpt-oss's sliding window with sinks and MoE under pp2 interleaved with full
+recomputation, multi-latent attention under cp2 with selective recomputation.
 """
 import numpy as np
 import pytest
@@ -25,6 +27,20 @@ LAYOUTS = {
     "ep2_moe": (2, "--expert-model-parallel-size 2"),
 }
 MOE = "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01".split()
+# the newer attention kinds in the layouts they meet: gpt-oss's sliding window (every other
+# layer) with sinks, MoE over ep2, interleaved pp2 and full recomputation; multi-latent
+# attention under cp2 and interleaved pp2 with selective recomputation
+GPT_OSS = ("--window-size 3,0 --window-attn-skip-freq 2 --softmax-type learnable "
+           "--normalization RMSNorm --group-query-attention --num-query-groups 2").split() + MOE
+MLA = ("--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 12 --qk-head-dim 8 "
+       "--qk-pos-emb-head-dim 4 --v-head-dim 6 --qk-layernorm --normalization RMSNorm").split()
+KINDS = {
+    "gptoss_pp2_interleaved_recompute": (
+        2, GPT_OSS, "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+                    "--recompute-granularity full --recompute-method uniform "
+                    "--recompute-num-layers 1"),
+    "mla_cp2_recompute": (2, MLA, "--context-parallel-size 2 --recompute-granularity selective"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +84,11 @@ def _assert_same(got, want, what):
 @pytest.fixture(scope="module")
 def references(data_flags, tmp_path_factory):
     path = tmp_path_factory.mktemp("one")
-    return {name: _run(1, data_flags + extra, path, name) for name, extra in (
+    refs = {name: _run(1, data_flags + extra, path, name) for name, extra in (
         ("dense", RESETS), ("moe", RESETS + MOE), ("positions", RESETS[1:]))}
+    for kind, (_, flags, _) in KINDS.items():
+        refs[kind] = _run(1, data_flags + RESETS + flags, path, kind)
+    return refs
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -87,3 +106,11 @@ def test_reset_position_ids_alone_reach_the_last_pipeline_stage(references, data
                "positions_pp2")
     _assert_same(got, references["positions"], "positions pp2")
 
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_packed_documents_with_the_new_attention_kinds_train_the_one_rank_model(
+        references, data_flags, tmp_path, kind):
+    ranks, flags, layout = KINDS[kind]
+    got = _run(ranks, data_flags + RESETS + flags + layout.split(), tmp_path, kind)
+    _assert_same(got, references[kind], kind)

@@ -2,7 +2,8 @@
 of conversations (a tiny random Llama converted with hf-to-gigatron, loaded with --finetune
 --use-checkpoint-args) equals transformers' loss of the same model on each conversation alone
 with labels on the assistant tokens only (1e-4), and tp2, pp2, dp2, cp2 (p2p), tp2 with
-sequence parallelism and cp2 x tp2 with sequence parallelism log the one-rank losses."""
+sequence parallelism, cp2 x tp2 with sequence parallelism and cp4 as a2a+p2p 2 x 2 (each
+conversation split per document) log the one-rank losses."""
 import json
 
 import pytest
@@ -107,7 +108,9 @@ LAYOUTS = {"tp2": (2, "--tensor-model-parallel-size 2"),
            # each conversation padded to 2 x cp, split per document, then each cp rank's
            # tokens split over tp
            "cp2_tp2_sp": (4, "--context-parallel-size 2 --tensor-model-parallel-size 2 "
-                             "--sequence-parallel")}
+                             "--sequence-parallel"),
+           "cp4_a2a_p2p_2x2": (4, "--context-parallel-size 4 --cp-comm-type a2a+p2p "
+                                  "--hierarchical-context-parallel-sizes 2 2")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
