@@ -46,10 +46,11 @@ def plan_parser() -> argparse.ArgumentParser:
                         help="override the per-device network bandwidth (GB/s)")
     parser.add_argument("--assume-overlap", action="append", default=[],
                         choices=("tp-comm", "param-gather"),
-                        help="model one of Megatron-Core's overlaps that gigatron does not run "
-                             "(tp-comm: --tp-comm-overlap; param-gather: the distributed "
-                             "optimizer's --overlap-param-gather), to compare with a "
-                             "Megatron-Core run; repeat for both")
+                        help="model an overlap as if its flag were given (tp-comm: "
+                             "--tp-comm-overlap; param-gather: --overlap-param-gather); the "
+                             "plan reads those flags themselves, so this is only for a layout "
+                             "whose flags are not given, e.g. to compare with a Megatron-Core "
+                             "run; repeat for both")
     parser.add_argument("--search", action="store_true",
                         help="rank every valid layout (tp, pp, dp, ZeRO stage, recompute, "
                              "micro-batch) for this model and GPU count")

@@ -13,9 +13,9 @@ Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
   tensor-parallel   the two all-reduces per layer forward and two backward (all-gather +
   communication     reduce-scatter under sequence parallelism: the same bytes), two more when
                     full recomputation reruns the forward; ring cost 2(t-1)/t x bytes over the
-                    node's link (NVLink) x NETWORK_EFFICIENCY. Not overlapped: the layers wait
-                    on them, as Megatron's did in 2021 (`assume` "tp-comm": Megatron-Core's
-                    --tp-comm-overlap, each hidden behind the GEMM beside it).
+                    node's link (NVLink) x NETWORK_EFFICIENCY. The layers wait on them unless
+                    the run overlaps them (--tp-comm-overlap: layer.py, each chunk beside its
+                    GEMM, the first one waited for).
   pipeline p2p      the activation sent forward and its gradient sent back, over the link
                     between stages (inter-node once tp x dp fills a node)
   context-parallel  the attention's key/value exchange (context.py) over the link the tp x cp
@@ -25,10 +25,11 @@ Per micro-batch, each pipeline stage (one tensor-parallel rank of it) spends
 
 The step is the project's schedule simulator run with the slowest stage's forward and
 backward times (so the bubble is the schedule's own, (p-1)/m for 1F1B, (p-1)/3m for zb-h1
-with B = W = half the backward), then the
-data-parallel gradient reduction that the last backward did not hide (buckets are reduced
-from backward hooks when overlap_comm is on; ZeRO-1/2's parameter all-gather after the step
-is exposed, unless `assume` "param-gather"), then the optimizer step (memory-bound). A
+with B = W = half the backward), then the data-parallel traffic that the overlaps the run
+turns on did not hide (data_parallel.py: --overlap-grad-reduce, --overlap-param-gather,
+ZeRO-3's prefetch), then the optimizer step (memory-bound). Recomputation adds to the
+backward the forward of what it runs again: the whole layer (full), or the parts of each
+--recompute-modules module or of torchtitan's op rule (recompute.py, layer.py). A
 collective over nodes gets the NICs of the group's ranks on each node (`_group_link`). An
 MoE layer (experts.py) adds its matmuls, bytes and token exchange in its MLP's place;
 expert state is reduced over the expert-data-parallel group. The efficiency constants
@@ -46,14 +47,15 @@ import torch
 
 from gigatron.models.attention_kinds import GATED, mean_key_span
 from gigatron.models.moe.config_checks import moe_layer_pattern
-from gigatron.parallel.zero.accounting import zero_comm_bytes_formula
 from gigatron.training.observe.flops import flops_per_token
 from gigatron.training.observe.devices import Hardware
 from gigatron.parallel.pipeline.partition import PipelinePartition
-from gigatron.training.plan import context, gemm
+from gigatron.training.plan import context, gemm, layer
+from gigatron.training.plan.data_parallel import dp_cost
 from gigatron.training.plan.experts import MoELayerCost, moe_layer_cost
-from gigatron.training.plan.memory import attention_kernel, expert_data_parallel_size
+from gigatron.training.plan.memory import attention_kernel
 from gigatron.training.plan.muon import muon_cost
+from gigatron.training.plan.recompute import recomputed_parts
 from gigatron.training.plan.schedules import step_makespan
 
 if TYPE_CHECKING:
@@ -86,15 +88,12 @@ NETWORK_EFFICIENCY = 0.7
 """Fraction of a link's datasheet bandwidth NCCL's ring collectives and p2p sends sustain
 (nccl-tests' bus bandwidth: ~230 of 300 GB/s NVLink on DGX A100, ~20 of 25 GB/s HDR)."""
 
-OVERLAPS = ("tp-comm", "param-gather")
-"""Megatron-Core overlaps a plan may assume (`gigatron plan --assume-overlap`) to compare
-with Megatron-Core's runs; gigatron runs neither: tp-comm (--tp-comm-overlap: each tp
-all-gather/reduce-scatter pipelined with its GEMM) and param-gather (--overlap-param-gather:
-the distributed optimizer's all-gather hidden behind the next step's first forward)."""
-
-OPTIMIZER_BYTES_PER_ELEMENT = {"adamw": 40, "adam": 40, "sgd": 20}
-"""Bytes one optimizer step reads and writes per fp32 master element: Adam moves master,
-two moments, gradient and the parameter copy, plus the norm's read and the grad zeroing."""
+OVERLAPS = ("tp-comm", "tp-comm-ag", "tp-comm-rs", "param-gather")
+"""The overlaps a plan models, each when the run's flag turns it on (`layer.overlaps_of`) or
+`gigatron plan --assume-overlap` asks for it: tp-comm (--tp-comm-overlap: each tp all-gather
+and reduce-scatter pipelined in tp chunks with its GEMM; -ag / -rs: only that kind, as
+--disable-tp-comm-overlap-rs / -ag leave it) and param-gather (--overlap-param-gather: the
+distributed optimizer's all-gather behind the next step's first forward)."""
 
 
 @dataclass(frozen=True)
@@ -130,15 +129,26 @@ class Throughput:
     mfu: float
 
 
+def _head_dims(c: "TransformerConfig") -> Tuple[int, int]:
+    """(q.k, p.v) channels per head of the attention kernel: the head size, or MLA's
+    q/k head (qk_head_dim + qk_pos_emb_head_dim) and its v head, which torch's SDPA path
+    (and context parallelism) zero-pads to the q/k head where narrower
+    (models/attention/core.py equal_head_dims): the kernel computes the padded width."""
+    if not c.multi_latent_attention:
+        return c.head_dim, c.head_dim
+    q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
+    padded = c.attention_backend != "unfused"
+    return q_head, max(q_head, c.v_head_dim) if padded else c.v_head_dim
+
+
 def _layer_flops(c: "TransformerConfig", tokens: int, tp: int) -> Dict[str, float]:
-    """Forward matmul FLOPs of one layer on one tp rank: dense and attention's core."""
-    h, a, g, d, ffn = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim, \
-        c.ffn_hidden_size
-    qkv = g * (a // g + 2) * d
-    fc1 = 2 * ffn if c.activation in GATED else ffn
-    dense = 2.0 * tokens * (h * qkv + a * d * h + h * fc1 + ffn * h) / tp
+    """Forward matmul FLOPs of one layer on one tp rank: dense (each linear of
+    `gemm.named_linears`: MLA's own projections) and attention's core."""
+    a = c.num_attention_heads
+    dense = sum(2.0 * tokens * k * n for k, n in gemm.named_linears(c, tp).values())
     # QK^T and AV, the causal mask not skipped; sliding windows: their band's keys only
-    core = 2.0 * 2.0 * tokens * mean_key_span(c) * a * d / tp
+    qk, pv = _head_dims(c)
+    core = 2.0 * tokens * mean_key_span(c) * a * (qk + pv) / tp
     return {"dense": dense, "core": core}
 
 
@@ -155,11 +165,14 @@ def _layer_bytes(c: "TransformerConfig", tokens: int, tp: int, sequence_parallel
     activation = (3 if c.activation in GATED else 2) * w * ffn / tp
     rope = 4 * w * h / tp if c.position_embedding_type == "rope" else 0
     if cp > 1 or attention_kernel(c, on_gpu) == "flash":
-        core = 4 * w * a * c.head_dim / tp  # q, k, v in, output out
+        qk, pv = _head_dims(c)
+        core = 2 * w * a * (qk + pv) / tp  # q, k, v in, output out
     else:  # scores written, softmax read + written, dropout read + written (+ mask), AV read
         core = (6 * w + (1 if c.attention_dropout > 0 else 0)) * a * s / tp
     dense = norms + residual + activation + rope
-    return {"dense": dense * tokens, "core": core * tokens}
+    return {"dense": dense * tokens, "core": core * tokens, "norms": norms * tokens,
+            "residual": residual * tokens, "activation": activation * tokens,
+            "rope": rope * tokens}
 
 
 def _width(c: "TransformerConfig") -> int:
@@ -230,7 +243,7 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     """Predicted step time of `run` on `hw`: every stage's micro-batch times, the slowest
     one run through the schedule simulator (`stage_parameters[r]`: parameters on one rank
     of stage r, `stage_expert_parameters[r]` the routed experts' among them; `assume`:
-    Megatron-Core's overlaps gigatron does not run, `OVERLAPS`)."""
+    overlaps to model as if their flags were given, `OVERLAPS`)."""
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.micro_batch_size is not None and hw.hbm_gbps is not None
     peak = hw.peak(_dtype_name(c)) or hw.peak("fp32") or 1.0
@@ -239,6 +252,7 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     cp = p.context_parallel_size  # each cp rank computes s/cp tokens of a micro-batch
     tokens, width = c.seq_length * t.micro_batch_size // cp, _width(c)
     sp = p.sequence_parallel and p.tp > 1
+    overlaps = layer.overlaps_of(run, assume)
     fl, by = _layer_flops(c, tokens, p.tp), _layer_bytes(c, tokens, p.tp, sp, on_gpu, cp)
     gemm_fwd, gemm_bwd = gemm.linears_seconds(gemm.layer_shapes(c, p.tp), tokens, flop_rate,
                                               hw.sms)
@@ -256,28 +270,34 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     one_collective = _all_reduce_time(tokens * c.hidden_size * width, p.tp,
                                       _link(p.tp, hw.gpus_per_node, hw))
     recompute = c.recompute_granularity or ""
-    collectives_fwd, collectives_bwd = 2, 2 + (2 if recompute == "full" else 0)
+    full = recompute == "full"
+    moe = _moe(run, hw, tokens)
+    parts = layer.layer_parts(c, p.tp, sp, hw.sms, tokens, (flop_rate, byte_rate), by,
+                              (core_fwd, core_bwd, fl["core"]), one_collective,
+                              layer.tp_overlap(overlaps), moe)
+    # what a selective recomputation runs again in each kind of layer (recompute.py)
+    again = layer.recomputed(parts, recomputed_parts(c, False, flash))
+    tp_again = layer.recomputed(parts, [n for n in recomputed_parts(c, False, flash)
+                                        if n.startswith("tp_")]).forward
+    again_moe = layer.recomputed(parts, recomputed_parts(c, True, flash))
+    collectives_fwd, collectives_bwd = 2, 2 + (2 if full else 0)
     p2p = 0.0
     if p.pp > 1:
         pp_link = _link(p.tp * cp * p.dp * p.pp, hw.gpus_per_node, hw)
         p2p = tokens * c.hidden_size * width / (p.tp if sp else 1) / \
             (pp_link * 1e9 * NETWORK_EFFICIENCY)
     cp_traffic = _context_traffic(run, hw, tokens, core_fwd)
-    tp_fwd, tp_bwd = collectives_fwd * one_collective, collectives_bwd * one_collective
-    if "tp-comm" in assume:  # each collective pipelined with the GEMM beside it
-        tp_fwd, tp_bwd = max(0.0, tp_fwd - gemm_fwd), max(0.0, tp_bwd - gemm_bwd)
+    tp_fwd = parts["tp_attention"].forward + parts["tp_mlp"].forward
+    tp_bwd = parts["tp_attention"].backward + parts["tp_mlp"].backward + \
+        (tp_fwd if full else 0.0)
     layer_fwd = dense_fwd + core_fwd + tp_fwd + cp_traffic["fwd_s"]
     layer_bwd = dense_bwd + core_bwd + tp_bwd + \
-        {"full": dense_fwd + core_fwd, "selective": core_fwd}.get(recompute, 0.0) + \
-        cp_traffic["bwd_s"]
-    moe = _moe(run, hw, tokens)
-    full = recompute == "full"
+        (dense_fwd + core_fwd if full else again.forward) + cp_traffic["bwd_s"]
     moe_fwd = moe_bwd = 0.0
     if moe is not None:  # an MoE layer beyond a dense one: compute, tp collectives, exchange
-        extra = moe.flops / flop_rate + moe.element_bytes / byte_rate
-        moe_fwd = extra + moe.tp_collectives * one_collective + moe.exchange_forward_s
-        moe_bwd = (2 + full) * extra + (1 + full) * moe.tp_collectives * one_collective + \
-            moe.exchange_backward_s + (moe.exchange_forward_s if full else 0.0)
+        moe_fwd = parts["moe"].forward
+        moe_bwd = parts["moe"].backward + (moe_fwd if full else
+                                           again_moe.forward - again.forward)
     v = partition.virtual_chunks
     forward = backward = 0.0
     slowest = 0
@@ -294,31 +314,35 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     m = t.num_microbatches
     makespan, bubble = _schedule(p.pp, m, v, forward / v, backward / v, p.pipeline_schedule)
     heaviest = max(range(len(stage_parameters)), key=stage_parameters.__getitem__)
-    dp_cost = _dp_cost(run, stage_parameters[heaviest], hw, m, (forward, backward),
-                       byte_rate, stage_expert_parameters[heaviest]
-                       if stage_expert_parameters else 0, "param-gather" in assume)
     layers = sum(len(partition.layer_range(slowest, k)) for k in range(v))
-    collectives: float = layers * (collectives_fwd + collectives_bwd)
-    executed = layers * (3 * (fl["dense"] + fl["core"]) + {
-        "full": fl["dense"] + fl["core"], "selective": fl["core"]}.get(recompute, 0.0)) + \
+    dp = dp_cost(run, stage_parameters[heaviest], hw, m, (forward, backward), byte_rate,
+                 stage_expert_parameters[heaviest] if stage_expert_parameters else 0,
+                 "param-gather" in overlaps, layers + 1)
+    collectives: float = layers * (collectives_fwd + collectives_bwd + again.collectives)
+    executed = layers * (3 * (fl["dense"] + fl["core"]) + (
+        fl["dense"] + fl["core"] if full else again.flops)) + \
         (3 * 2.0 * tokens * c.hidden_size * vocab if partition.post_process(slowest, v - 1)
          else 0.0)
+    tp_waited = layers * (tp_fwd + tp_bwd + tp_again)
     expert_s = expert_bytes = 0.0
     if moe is not None:
         moe_layers = _moe_layers(run, partition, slowest)
-        collectives += moe_layers * moe.tp_collectives * (2 + 2 * full)
-        executed += moe_layers * (3 + full) * moe.flops
+        collectives += moe_layers * (moe.tp_collectives * (2 + 2 * full) +
+                                     again_moe.collectives - again.collectives)
+        executed += moe_layers * ((3 + full) * moe.flops + again_moe.flops - again.flops)
         expert_s = m * moe_layers * (moe.exchange_forward_s * (1 + full) +
                                      moe.exchange_backward_s)
         expert_bytes = m * moe_layers * (moe.exchange_forward_bytes * (1 + full) +
                                          moe.exchange_backward_bytes)
+        tp_waited += moe_layers * moe.tp_collectives * (2 + 2 * full) * one_collective
     tp_bytes = m * collectives * 2.0 * (p.tp - 1) / p.tp * tokens * c.hidden_size * width
     muon = muon_cost(run, hw)  # Newton-Schulz and its exchanges are part of the step
-    optimizer = dp_cost["optimizer"] + (muon.seconds if muon is not None else 0.0)
-    return StepCost(forward, backward, collectives * one_collective, makespan, bubble,
-                    dp_cost["total"], dp_cost["exposed"], optimizer,
-                    makespan + dp_cost["exposed"] + optimizer, tp_bytes,
-                    dp_cost["bytes"], m * executed, expert_s, expert_bytes,
+    optimizer = dp["optimizer"] + (muon.seconds if muon is not None else 0.0)
+    return StepCost(forward, backward, tp_waited if any(layer.tp_overlap(overlaps)) else
+                    collectives * one_collective, makespan, bubble,
+                    dp["total"], dp["exposed"], optimizer,
+                    makespan + dp["exposed"] + optimizer, tp_bytes,
+                    dp["bytes"], m * executed, expert_s, expert_bytes,
                     m * layers * cp_traffic["step_s"], m * layers * cp_traffic["exposed_s"],
                     m * layers * cp_traffic["bytes"])
 
@@ -338,14 +362,16 @@ def _context_traffic(run: "RunConfig", hw: Hardware, tokens: int, core_forward: 
     """One layer's context-parallel traffic per micro-batch (context.py): the seconds its
     forward and backward wait, and per step's share its bytes, transfer and exposed time.
     The cp group spans tp x cp consecutive ranks (tp-cp-dp-pp); recomputation (full, or
-    selective: the core attention) runs the forward's exchange again in the backward."""
+    selective with core_attn or torchtitan's op rule) runs the forward's exchange again in
+    the backward."""
     c, p = run.model, run.parallel
     assert c is not None
     layout = context.layout_of(p)
     out = dict.fromkeys(("fwd_s", "bwd_s", "bytes", "step_s", "exposed_s"), 0.0)
     if layout.cp == 1:
         return out
-    again = 1 if c.recompute_granularity in ("full", "selective") else 0
+    again = 1 if c.recompute_granularity == "full" or c.recomputes("core_attn") or \
+        (c.recompute_granularity == "selective" and c.selective_ac_option == "op") else 0
     for comm_type, group, span in context.parts(layout):  # a2a+p2p: a2a within A, ring over P
         fwd_b, bwd_b = context.layer_bytes(comm_type, group, tokens, c.num_attention_heads *
                                            c.head_dim / p.tp, _width(c))
@@ -357,51 +383,6 @@ def _context_traffic(run: "RunConfig", hw: Hardware, tokens: int, core_forward: 
         out["step_s"] += ((1 + again) * fwd_b + bwd_b) / rate
         out["exposed_s"] += (1 + again) * fwd_s + bwd_s
     return out
-
-
-def _dp_cost(run: "RunConfig", parameters: int, hw: Hardware, num_microbatches: int,
-             micro_batch: Tuple[float, float], byte_rate: float, expert_parameters: int = 0,
-             gather_overlap: bool = False) -> Dict[str, float]:
-    """Data-parallel traffic of one rank, the part left exposed, and the optimizer step
-    (routed experts' parameters over the expert-data-parallel group, the rest over dp;
-    `micro_batch`: one micro-batch's forward and backward; `gather_overlap`: ZeRO-1/2's
-    parameter all-gather hidden behind the next step's first forward, as Megatron-Core's
-    --overlap-param-gather)."""
-    forward, backward = micro_batch
-    c, p, z = run.model, run.parallel, run.zero
-    assert c is not None
-    param_bytes, grad_bytes = _width(c), z.reduce_dtype.itemsize
-    shards = p.dp * p.context_parallel_size  # the ranks sharing the model: dp x cp
-    groups: List[Tuple[int, int]] = [(parameters - expert_parameters, shards)]
-    if expert_parameters:
-        groups.append((expert_parameters, expert_data_parallel_size(
-            p.tp, shards, p.ep, p.etp or p.tp)))
-    grads = gather = stage3 = shard = total = 0.0
-    for count, size in groups:  # each group's ranks lie within the stage's tp x cp x dp ranks
-        link = _group_link(size, p.tp * shards // size, hw) if size > 1 else 1.0
-        rate = link * 1e9 * NETWORK_EFFICIENCY
-        share = count * (size - 1) / size if size > 1 else 0.0
-        grads += (2 if z.zero_stage == 0 else 1) * share * grad_bytes / rate
-        gather += share * param_bytes / rate if z.zero_stage in (1, 2) else 0.0
-        stage3 += 2 * num_microbatches * share * param_bytes / rate if z.zero_stage == 3 \
-            else 0.0
-        shard += count / (size if z.zero_stage >= 1 else 1)
-        total += zero_comm_bytes_formula(count, size, z.zero_stage, grad_bytes, param_bytes) \
-            if size > 1 else 0.0
-    # the last bucket's grads exist only when the backward ends: its reduction never hides
-    last = min(1.0, z.reduce_bucket_size / max(1, parameters))
-    hidden = backward if z.overlap_comm else 0.0
-    exposed = max(grads * last, grads - hidden) + max(0.0, gather - (forward if gather_overlap
-                                                           else 0.0)) + \
-        max(0.0, stage3 - num_microbatches * backward)
-    per_element = OPTIMIZER_BYTES_PER_ELEMENT.get(z.optimizer, 40)
-    optimizer = shard * per_element / byte_rate
-    if z.offload_optimizer == "cpu":  # the step runs in host memory; grads and params cross
-        host = hw.hbm_gbps if hw.key == "cpu" and hw.hbm_gbps else 50.0
-        optimizer = shard * per_element / (host * 1e9 * MEMORY_EFFICIENCY) + \
-            shard * (4 + param_bytes) / (25e9 * NETWORK_EFFICIENCY)
-    return {"total": grads + gather + stage3, "exposed": exposed, "optimizer": optimizer,
-            "bytes": total}
 
 
 def throughput(run: "RunConfig", cost: StepCost, hw: Hardware) -> Throughput:

@@ -17,7 +17,7 @@ each quantised on its own output.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from gigatron.training.observe.devices import Hardware
 
@@ -84,13 +84,37 @@ def linears_seconds(shapes: Tuple[Tuple[int, int], ...], tokens: int, flop_rate:
     return forward, backward
 
 
-def layer_shapes(c: "TransformerConfig", tp: int) -> Tuple[Tuple[int, int], ...]:
-    """(k, n) of one layer's linears on one tp rank: q/k/v, output projection, fc1, fc2
-    (their FLOPs are cost._layer_flops's dense count)."""
-    h, a, g, d, ffn = c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim, \
-        c.ffn_hidden_size
+def named_linears(c: "TransformerConfig", tp: int) -> Dict[str, Tuple[int, int]]:
+    """(k, n) of one layer's linears on one tp rank, by Megatron-Core's module name: q/k/v
+    (linear_qkv), or multi-latent attention's projections (linear_q_proj, or
+    linear_q_down_proj + linear_q_up_proj with --q-lora-rank; linear_kv_down_proj,
+    linear_kv_up_proj: column-parallel, the down-projections' latents gathered after),
+    the output projection (linear_proj), linear_fc1, linear_fc2."""
+    h, a, ffn = c.hidden_size, c.num_attention_heads, c.ffn_hidden_size
     fc1 = 2 * ffn if c.activation in ("swiglu", "quick_geglu") else ffn
-    return ((h, g * (a // g + 2) * d // tp), (a * d // tp, h), (h, fc1 // tp), (ffn // tp, h))
+    out: Dict[str, Tuple[int, int]] = {}
+    if c.multi_latent_attention:
+        q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
+        if c.q_lora_rank is None:
+            out["linear_q_proj"] = (h, a * q_head // tp)
+        else:
+            out["linear_q_down_proj"] = (h, c.q_lora_rank // tp)
+            out["linear_q_up_proj"] = (c.q_lora_rank, a * q_head // tp)
+        out["linear_kv_down_proj"] = (h, (c.kv_lora_rank + c.qk_pos_emb_head_dim) // tp)
+        out["linear_kv_up_proj"] = (c.kv_lora_rank, a * (c.qk_head_dim + c.v_head_dim) // tp)
+        out["linear_proj"] = (a * c.v_head_dim // tp, h)
+    else:
+        g, d = c.num_query_groups, c.head_dim
+        out["linear_qkv"] = (h, g * (a // g + 2) * d // tp)
+        out["linear_proj"] = (a * d // tp, h)
+    out["linear_fc1"], out["linear_fc2"] = (h, fc1 // tp), (ffn // tp, h)
+    return out
+
+
+def layer_shapes(c: "TransformerConfig", tp: int) -> Tuple[Tuple[int, int], ...]:
+    """(k, n) of one layer's linears on one tp rank (`named_linears`, in order; their FLOPs
+    are cost._layer_flops's dense count)."""
+    return tuple(named_linears(c, tp).values())
 
 
 def gemm_rate(hw: Hardware, dtype_name: str) -> float:

@@ -167,24 +167,18 @@ def predict(row: PublishedRun) -> "Plan":
 
 
 def sac_recompute_seconds(plan: "Plan") -> float:
-    """What torchtitan's SAC recomputes beyond Megatron's selective recomputation (the
-    plan's), per step: wk, wo and w3 instead of the core attention, and every layer's
-    element-wise kernels once more (their forward bytes)."""
-    from gigatron.training.plan import cost, gemm
+    """What torchtitan's SAC recomputes beyond gigatron's op rule (the plan's own, `--
+    selective-ac-option op`: linear_proj and linear_fc2 run again), per step: torchtitan's
+    Llama runs wq, wk, wv and w1, w3 as separate matmuls, so its every second matmul is
+    wk, wo and w3: wk's GEMM more (wo and w3 do linear_proj's and linear_fc2's FLOPs)."""
+    from gigatron.training.plan import gemm
 
     c, p, t = plan.run.model, plan.run.parallel, plan.run.train
     assert c is not None and t.micro_batch_size is not None
-    peak = plan.hardware.peak("bf16") or 1.0
     tokens = c.seq_length * t.micro_batch_size
-    h, kv = c.hidden_size, c.num_query_groups * c.head_dim
-    matmuls = 2.0 * tokens * h * (kv + h + c.ffn_hidden_size) / gemm.gemm_rate(
+    wk = 2.0 * tokens * c.hidden_size * c.num_query_groups * c.head_dim / gemm.gemm_rate(
         plan.hardware, "bf16")
-    attention = cost._layer_flops(c, tokens, 1)["core"] / (peak * 1e12 *
-                                                          cost.ATTENTION_EFFICIENCY)
-    assert plan.hardware.hbm_gbps is not None
-    elementwise = cost._layer_bytes(c, tokens, 1, False, True)["dense"] / (
-        plan.hardware.hbm_gbps * 1e9 * cost.MEMORY_EFFICIENCY)
-    return t.num_microbatches * c.num_layers // p.pp * (matmuls - attention + elementwise)
+    return t.num_microbatches * c.num_layers // p.pp * wk
 
 
 def predicted_tokens_per_gpu(row: PublishedRun, plan: "Plan") -> float:

@@ -1,4 +1,6 @@
-"""What one layer keeps under --recompute-granularity selective, by module or by op rule.
+"""What one layer keeps under --recompute-granularity selective, by module or by op rule, and
+what it runs again in the backward (`recomputed_parts`: the step time's charge, layer.py's
+parts).
 
 Megatron-Core's --recompute-modules (models/config.py RECOMPUTE_MODULES): each named module
 runs inside a checkpoint, so the layer keeps the module's input (already counted: it is the
@@ -18,7 +20,7 @@ per token in bf16 against 2 (3h + 2 kv + 2 ffn) here.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
 if TYPE_CHECKING:
     from gigatron.models.config import TransformerConfig
@@ -44,3 +46,39 @@ def op_layer_bytes(c: "TransformerConfig", width: int, tp: int, split: int,
     fc1 = (2 if c.activation in ("swiglu", "quick_geglu") else 1) * c.ffn_hidden_size / tp
     attention = width * a * d / tp + 4 * a / tp if kernel == "flash" else 0.0
     return width * (h / split + qkv + fc1) + attention
+
+
+MODULE_PARTS = {
+    "core_attn": ("core",),
+    "mla_up_proj": ("linear_q_up_proj", "linear_kv_up_proj", "rope"),
+    "layernorm": ("norms",),
+    "mlp": ("linear_fc1", "linear_fc2", "activation", "tp_mlp"),
+    "moe": ("linear_fc1", "linear_fc2", "activation", "tp_mlp", "moe"),
+    "shared_experts": ("shared_experts",),
+}
+"""The parts of a layer (training/plan/layer.py) each --recompute-modules name runs again in
+the backward: its checkpointed submodule's forward, collectives included (mlp and moe hold
+their tp collectives; moe its token exchange; mla_up_proj the up-projections and RoPE)."""
+OP_RULE_PARTS = ("linear_proj", "linear_fc2", "norms", "residual", "activation", "rope",
+                 "gaps", "tp_attention", "tp_mlp")
+"""What torchtitan's op rule runs again in a dense layer: the whole layer's forward but the
+kept matmuls (linear_qkv's, linear_fc1's) and the fused attention kernel (an unfused or
+math attention is recomputed: `recomputed_parts`)."""
+
+
+def recomputed_parts(c: "TransformerConfig", moe_layer: bool, flash: bool) -> Tuple[str, ...]:
+    """The layer parts a selective recomputation runs again (none for other granularities:
+    full recomputation is the whole forward); `moe_layer`: an MoE layer ('mlp' is its dense
+    layers' module, 'moe' and 'shared_experts' its own); `flash`: a fused attention."""
+    if c.recompute_granularity != "selective":
+        return ()
+    if c.selective_ac_option == "op":
+        return OP_RULE_PARTS + (() if flash else ("core",))
+    out: List[str] = []
+    for module, parts in MODULE_PARTS.items():
+        if not c.recomputes(module) or (module == "mlp" and moe_layer) or \
+                (module in ("moe", "shared_experts") and not moe_layer) or \
+                (module == "shared_experts" and c.recomputes("moe")):
+            continue
+        out += parts
+    return tuple(out)
