@@ -17,7 +17,17 @@ StateDict = Dict[str, torch.Tensor]
 _TE_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
              "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-           "word_embeddings.weight", "output_layer.weight")
+           "word_embeddings.weight", "output_layer.weight", "linear_q_proj.weight",
+           "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
+# multi-latent attention (Megatron-Core's gpt_layer_specs): the down-projections are
+# column-parallel in the local spec, TELinear 'duplicated' (whole on every rank) with
+# transformer_engine, whose input norm stays apart and whose latent norms are fused into the
+# up-projections
+_MLA_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
+_TE_MLA_NORMS = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                 "self_attention.kv_layernorm.":
+                     "self_attention.linear_kv_up_proj.layer_norm_",
+                 "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 
@@ -46,8 +56,11 @@ def megatron_args(tp: int = 1, pp: int = 1, vp: Optional[int] = None,
     return argparse.Namespace(**args)
 
 
-def shard(name: str, tensor: torch.Tensor, tp: int, rank: int, swiglu: bool) -> torch.Tensor:
+def shard(name: str, tensor: torch.Tensor, tp: int, rank: int, swiglu: bool,
+          te: bool = False) -> torch.Tensor:
     """Rank `rank`'s slice of one full gigatron tensor."""
+    if name.endswith(_MLA_DOWN):
+        return tensor if te else tensor.chunk(tp)[rank]
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and swiglu:
         gate, up = tensor.chunk(2)
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
@@ -65,8 +78,8 @@ def megatron_padded(vocab: torch.Tensor, real: int, padded: int) -> torch.Tensor
     return torch.cat([vocab[:real], extra])
 
 
-def te_name(name: str) -> str:
-    for ours, theirs in _TE_NORMS.items():
+def te_name(name: str, mla: bool = False) -> str:
+    for ours, theirs in (_TE_MLA_NORMS if mla else _TE_NORMS).items():
         if ours in name:
             return name.replace(ours, theirs)
     return name
@@ -97,8 +110,9 @@ def rank_chunks(state: StateDict, num_layers: int, tp: int, pp: int, vp: int, sw
                         local = name
                     else:
                         continue
-                    chunk[te_name(local) if te else local] = shard(name, tensor, tp, t,
-                                                                   swiglu).clone()
+                    mla = any(".linear_kv_down_proj." in k for k in state)
+                    chunk[te_name(local, mla) if te else local] = shard(name, tensor, tp, t,
+                                                                        swiglu, te).clone()
                 if post and tied and pp * vp > 1:  # the last stage's copy of the embedding
                     chunk["output_layer.weight"] = shard(
                         "embedding.word_embeddings.weight",

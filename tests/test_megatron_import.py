@@ -27,6 +27,11 @@ from gigatron.models.megatron.legacy import (
 from gigatron.models.megatron.args import config_from_megatron_args
 
 LLAMA_LIKE = {}  # megatron_args' defaults: RoPE, SwiGLU, GQA 4/2, RMSNorm, untied, no biases
+# multi-latent attention (YaRN, latent norms, v head 6 < q/k head 12), DeepSeek-V3's saved args
+MLA = dict(group_query_attention=False, multi_latent_attention=True, q_lora_rank=16,
+           kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+           qk_layernorm=True, rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0,
+           mscale_all_dim=1.0, yarn_original_max_position_embeddings=8)
 GPT_LIKE = dict(position_embedding_type="learned_absolute", normalization="LayerNorm",
                 swiglu=False, bias_gelu_fusion=True, add_bias_linear=True, add_qkv_bias=True,
                 untie_embeddings_and_output_weights=False, group_query_attention=False,
@@ -150,8 +155,11 @@ def _write_layout(root, args, state, config, te=False, corrupt=None):
     (dict(GPT_LIKE, swiglu=True, bias_gelu_fusion=False), 4, 1, None, False),
     (dict(LLAMA_LIKE, qk_layernorm=True), 2, 1, None, True),
     (dict(GPT_LIKE, qk_layernorm=True), 2, 1, None, False),
+    (MLA, 2, 2, None, False),
+    (dict(MLA, q_lora_rank=None), 2, 1, None, True),
 ], ids=["llama_tp2_pp2", "llama_tp2_te", "gpt_tp2_pp2_vp2_te", "swiglu_bias_tp4",
-        "qk_layernorm_tp2_te", "qk_layernorm_layernorm_tp2"])
+        "qk_layernorm_tp2_te", "qk_layernorm_layernorm_tp2", "mla_tp2_pp2",
+        "mla_no_q_lora_tp2_te"])
 def test_hand_built_megatron_layout_imports_to_the_same_model(tmp_path, model, tp, pp, vp, te):
     args = megatron_args(tp=tp, pp=pp, vp=vp, vocab_size=100, **model)
     config, state = _reference(args)
@@ -159,6 +167,10 @@ def test_hand_built_megatron_layout_imports_to_the_same_model(tmp_path, model, t
     imported_config, imported = read_megatron(str(tmp_path / "meg"))
     assert imported_config == config
     assert imported.keys() == state.keys()
+    if model.get("multi_latent_attention"):  # the saved MLA and YaRN args, read
+        assert (config.q_lora_rank, config.kv_lora_rank, config.v_head_dim, config.rope_type,
+                config.original_max_position_embeddings) == (model["q_lora_rank"], 12, 6,
+                                                              "yarn", 8)
     for name, tensor in state.items():
         assert torch.equal(imported[name], tensor), name
 

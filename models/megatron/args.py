@@ -11,7 +11,7 @@ MLP: the bias-GeLU fusion computes the tanh approximation, plain F.gelu the exac
 from __future__ import annotations
 
 import argparse
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from gigatron.models.config import TransformerConfig
 from gigatron.models.hf_common import ConversionError
@@ -20,7 +20,6 @@ from gigatron.models.megatron.moe import moe_config_fields
 # (args attribute, value that gigatron cannot run, what it is)
 _UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
     ("use_legacy_models", True, "legacy (pre-Megatron-Core) models"),
-    ("multi_latent_attention", True, "multi-latent attention"),
     ("qk_l2_norm", True, "L2-normalised queries and keys"),
     ("rotary_interleaved", True, "interleaved RoPE"),
     ("quick_geglu", True, "the quick-GeGLU activation"),
@@ -35,6 +34,20 @@ _UNSUPPORTED: Tuple[Tuple[str, Any, str], ...] = (
                                                "--moe-router-num-groups)"),
 )
 _POSITION_TYPES = ("learned_absolute", "rope", "none")
+# multi-latent attention: TransformerConfig field <- saved args (Megatron-LM's dest first,
+# then Megatron-Core's MLATransformerConfig name); None keeps MLATransformerConfig's default
+_MLA_ARGS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("q_lora_rank", ("q_lora_rank",)), ("kv_lora_rank", ("kv_lora_rank",)),
+    ("qk_head_dim", ("qk_head_dim",)), ("qk_pos_emb_head_dim", ("qk_pos_emb_head_dim",)),
+    ("v_head_dim", ("v_head_dim",)), ("rope_type", ("rope_type",)),
+    ("rotary_scaling_factor", ("rotary_scaling_factor",)), ("mscale", ("mscale",)),
+    ("mscale_all_dim", ("mscale_all_dim",)),
+    ("original_max_position_embeddings", ("yarn_original_max_position_embeddings",
+                                          "original_max_position_embeddings")),
+    ("beta_fast", ("yarn_beta_fast", "beta_fast")), ("beta_slow", ("yarn_beta_slow",
+                                                                   "beta_slow")),
+    ("yarn_correction_range_round_to_int", ("yarn_correction_range_round_to_int",)),
+)
 
 
 def _get(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
@@ -61,6 +74,18 @@ def unsupported(args: argparse.Namespace) -> List[str]:
         out.append("add_bias_linear with num_experts (experts with biases: gigatron trains "
                    "them, but does not read Megatron-Core's expert and router biases)")
     return out
+
+
+def mla_fields(args: argparse.Namespace) -> Dict[str, Any]:
+    """TransformerConfig fields of a multi-latent-attention run's saved args ({} without)."""
+    if not _get(args, "multi_latent_attention", default=False):
+        return {}
+    fields: Dict[str, Any] = {"multi_latent_attention": True}
+    for field, names in _MLA_ARGS:
+        value = _get(args, *names)
+        if value is not None:
+            fields[field] = value
+    return fields
 
 
 def _position_type(args: argparse.Namespace) -> str:
@@ -152,7 +177,7 @@ def config_from_megatron_args(args: argparse.Namespace, vocab_size: Optional[int
             init_method_std=float(_get(args, "init_method_std", default=0.02)),
             mtp_num_layers=_get(args, "mtp_num_layers"),
             mtp_loss_scaling_factor=float(_get(args, "mtp_loss_scaling_factor", default=0.1)),
-            **moe_config_fields(args))
+            **moe_config_fields(args), **mla_fields(args))
     except ValueError as err:
         raise ConversionError(f"the saved args do not make a valid model: "
                               f"{str(err).replace(chr(10), '; ')}") from None

@@ -36,6 +36,12 @@ _LAYER_NAMES = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    # multi-latent attention: transformer_engine fuses the latent norms into the up-projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+    **{f"self_attention.{n}.weight": f"self_attention.{n}.weight" for n in (
+        "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+        "linear_kv_up_proj", "kv_layernorm")},
     **{n: n for n in (
         "input_layernorm.weight", "input_layernorm.bias",
         "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
@@ -50,7 +56,11 @@ _MODEL_NAMES = ("embedding.word_embeddings.weight", "embedding.position_embeddin
                 "decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
                 "output_layer.weight")
 _COLUMN = ("word_embeddings.weight", "linear_qkv.weight", "linear_qkv.bias",
-           "linear_fc1.weight", "linear_fc1.bias", "output_layer.weight", "eh_proj.weight")
+           "linear_fc1.weight", "linear_fc1.bias", "output_layer.weight", "eh_proj.weight",
+           "linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
+# MLA's down-projections: column-parallel in the local spec, replicated (TELinear
+# 'duplicated') in the transformer_engine spec
+_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 # multi-token prediction (models/mtp/): the same names in gigatron, the layer's mapped as above
@@ -138,6 +148,14 @@ def collect_shards(models: Dict[Tuple[int, int], List[StateDict]], tp: int, pp: 
     return shards, sum(counts.values())
 
 
+def _latent_size(name: str, config: TransformerConfig) -> int:
+    """Output channels of an MLA down-projection (a replica's rows; a column shard has
+    fewer)."""
+    if name.endswith("linear_q_down_proj.weight"):
+        return int(config.q_lora_rank or 0)
+    return config.kv_lora_rank + config.qk_pos_emb_head_dim
+
+
 def merge_tensor_parallel(name: str, shards: Sequence[torch.Tensor],
                           config: TransformerConfig) -> torch.Tensor:
     """The full tensor of a parameter saved as one shard per tp rank."""
@@ -146,7 +164,8 @@ def merge_tensor_parallel(name: str, shards: Sequence[torch.Tensor],
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias")) and config.activation == "swiglu":
         gates, ups = zip(*(s.chunk(2) for s in shards))
         return torch.cat([*gates, *ups])
-    if name.endswith(_COLUMN):
+    if name.endswith(_COLUMN) or (name.endswith(_DOWN) and
+                                  shards[0].shape[0] < _latent_size(name, config)):
         return torch.cat(list(shards))
     if name.endswith(_ROW):
         return torch.cat(list(shards), dim=1)
