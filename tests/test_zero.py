@@ -248,13 +248,16 @@ def test_accumulating_without_no_sync_is_an_error_not_a_double_reduction():
 
 @pytest.mark.cuda
 def test_cuda_offloaded_stage1_matches_torch_adamw_on_gpu():
-    """One GPU, dp group of one: device placement, pinned CPU masters, CPU step."""
+    """One GPU, dp group of one: device placement, CPU masters, the CPU step streamed in
+    100-element buckets through pinned buffers on copy streams (parallel/zero/offload.py)."""
     ref = TinyLM().cuda()
     opt = torch.optim.AdamW(__import__("zero_models").torch_param_groups(ref, WD), lr=LR)
     model = TinyLM().cuda()
     zero = build_zero(model, ZeroConfig(zero_stage=1, lr=LR, weight_decay=WD,
-                                        offload_optimizer="cpu", reduce_bucket_size=BUCKET))
-    assert all(g.master.is_pinned() for g in zero.flat_groups)
+                                        offload_optimizer="cpu", reduce_bucket_size=BUCKET,
+                                        offload_bucket_size=100))
+    assert all(g.master.device.type == "cpu" for g in zero.flat_groups)
+    assert all(b.is_pinned() for b in zero.offload.grad_buffers + zero.offload.param_buffers)
     for tokens, labels in batches(STEPS, BATCH):
         tokens, labels = tokens.cuda(), labels.cuda()
         opt.zero_grad()
