@@ -2,10 +2,13 @@
 all-gathers and returns; the next forward waits for each bucket just before its first use and
 issues the next one (parallel/zero/param_gather.py).
 
-Forked gloo ranks, fp32: the same losses and parameters as without it (bit for bit) at ZeRO 1
-and 2 with gradient accumulation; the first bucket's gather is in flight when step() returns
-and is waited by the first module's pre-hook, which issues the next; an fp16 overflow step
-launches nothing; ZeRO 3's prefetch issues unit i+1's gather before unit i computes.
+Forked gloo ranks, fp32. Optimizer level (one launch): the same losses and parameters as
+without it (bit for bit) at ZeRO 1 and 2 with gradient accumulation; the first bucket's gather
+is in flight when step() returns and is waited by the first module's pre-hook, which issues
+the next; an fp16 overflow step launches nothing; ZeRO 3's prefetch issues unit i+1's gather
+before unit i computes. pretrain_gpt.py: at dp2 ZeRO 1/2/3 and dp2 x pp2 the same train and
+eval losses and final parameters as without, a resume from its checkpoint continues it
+exactly, and its --timeline shows the gathers inside forward spans (the first micro-batch's).
 """
 import contextlib
 import os
