@@ -146,6 +146,8 @@ class GPTModel(nn.Module):
             from gigatron.models.mtp.block import MultiTokenPredictionBlock  # builds on this
             self.mtp = MultiTokenPredictionBlock(config, tp_group, self.rng_tracker, device,
                                                  self.layer_losses, dispatcher_factory)
+        # the loss of the last stage; --torch-compile puts a compiled one here
+        self.cross_entropy: Callable[..., torch.Tensor] = vocab_parallel_cross_entropy
         self._mark_shared_embedding()
         self._initialize(seed)
         self.cp_size, self.cp_rank = ((comm.group_size(cp_group), comm.group_rank(cp_group))
@@ -239,8 +241,8 @@ class GPTModel(nn.Module):
         logits = self.output_layer(x, self.output_weight())  # [s, b, V_pad/tp]
         if labels is None:
             return self._mask_padded_vocab(logits).transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
-                                            self.config.vocab_size)
+        loss = self.cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
+                                  self.config.vocab_size)
         return loss.transpose(0, 1).contiguous()
 
     def _losses_with_mtp(self, x: torch.Tensor, input_ids: Optional[torch.Tensor],
@@ -261,8 +263,8 @@ class GPTModel(nn.Module):
         logits = self.output_layer(torch.cat(hidden, dim=1), self.output_weight())
         losses = []
         for part in logits.chunk(len(hidden), dim=1):
-            losses.append(vocab_parallel_cross_entropy(part, labels.transpose(0, 1),
-                                                       self.tp_group, self.config.vocab_size))
+            losses.append(self.cross_entropy(part, labels.transpose(0, 1), self.tp_group,
+                                             self.config.vocab_size))
             labels = roll_left(labels)
         return torch.stack(losses).transpose(1, 2).contiguous()
 

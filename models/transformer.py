@@ -320,7 +320,11 @@ class TransformerBlock(nn.Module):
 
 def _run_once(layers: Any, function: Callable) -> Callable:
     """`function` for a checkpoint: calls after the first are the recomputation, where the
-    MoE layers among `layers` (a layer or a list) add no losses and count no tokens again."""
+    MoE layers among `layers` (a layer or a list) add no losses and count no tokens again.
+    Inside a compiled layer (--torch-compile) `function` itself: the recomputation is AOT
+    autograd's, which replays the traced graph, not this Python."""
+    if torch.compiler.is_compiling():
+        return function
     calls = 0
 
     def run(*args: Any) -> Any:

@@ -132,6 +132,29 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _compiling() -> bool:
+    """Inside a torch.compile trace (--torch-compile): collectives go through torch's
+    functional collectives, which dynamo puts in the graph; the counting, activity and
+    timeline bookkeeping (host-side Python) is skipped there, so a compiled layer's
+    collectives are not in `stats`."""
+    return torch.compiler.is_compiling()
+
+
+def _functional():
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def _traced_group(pg: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The group a functional collective takes (they have no None for the world)."""
+    return dist.group.WORLD if pg is None else pg  # type: ignore[return-value]
+
+
+_FUNCTIONAL_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
+                   ReduceOp.AVG: "avg", ReduceOp.PRODUCT: "product"}
+
+
 Op = dist.ReduceOp.RedOpType
 
 
@@ -151,6 +174,9 @@ def all_reduce(tensor: torch.Tensor, group: Group = None, op: Op = ReduceOp.SUM,
     n = group_size(pg)
     if n == 1:
         return _Done() if async_op else None
+    if _compiling() and not async_op:
+        tensor.copy_(_functional().all_reduce(tensor, _FUNCTIONAL_OPS[op], _traced_group(pg)))
+        return None
     span = _record("all_reduce", 2 * (n - 1) / n * _nbytes(tensor), tensor, n, group)
     work = dist.all_reduce(tensor, op=op, group=pg, async_op=async_op)
     return work if span is None else timeline.complete(span, work)
@@ -175,6 +201,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group = Non
     if n == 1:
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
+    if _compiling() and not async_op:
+        output.copy_(_functional().reduce_scatter_tensor(
+            input.reshape(n * output.shape[0], *output.shape[1:]), _FUNCTIONAL_OPS[op], 0,
+            _traced_group(pg)).view_as(output))
+        return None
     span = _record("reduce_scatter", (n - 1) / n * _nbytes(input), input, n, group)
     work = _reduce_scatter_tensor(output, input, op=op, group=pg, async_op=async_op)
     return work if span is None else timeline.complete(span, work)
@@ -199,6 +230,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group = None,
     if n == 1:
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
+    if _compiling() and not async_op:
+        output.copy_(_functional().all_gather_tensor(input.contiguous(), 0, _traced_group(pg))
+                     .view_as(output))
+        return None
     span = _record("all_gather", (n - 1) / n * _nbytes(output), output, n, group)
     work = _all_gather_tensor(output, input.contiguous(), group=pg, async_op=async_op)
     return work if span is None else timeline.complete(span, work)
@@ -262,6 +297,10 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequenc
     if n == 1:
         output.copy_(input)
         return _Done() if async_op else None
+    if _compiling() and not async_op:
+        output.copy_(_functional().all_to_all_single(input.contiguous(), list(output_splits),
+                                                     list(input_splits), _traced_group(pg)))
+        return None
     row_bytes = math.prod(input.shape[1:]) * input.element_size()
     sent = (sum(input_splits) - input_splits[group_rank(pg)]) * row_bytes
     span = _record("all_to_all", sent, input, n, group)

@@ -189,9 +189,7 @@ class MoELayer(nn.Module):
                 for name, loss in routing.losses.items():
                     self.layer_losses.add(name, loss)
                 self._add_counts(self._counts(routing.routing_map, routing.routed_map))
-        dispatched = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
-        rows = self.experts.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
-        out = self.dispatcher.combine(rows, dispatched).view(s, b, h)
+        out = self._experts(tokens, routing.probs, routing.routing_map).view(s, b, h)
         if self.sequence_parallel:
             out = scatter_to_sequence_parallel_region(out, self.tp_group)
         return out + self._shared(x) if self.shared_experts is not None else out
@@ -202,10 +200,20 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         routing = self._route_sharded(tokens, s, self.tp_group)
-        dispatched = self.dispatcher.dispatch(tokens, routing.probs, routing.routing_map)
-        rows = self.experts.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
-        out = self.dispatcher.combine(rows, dispatched).view(s, b, h)
+        out = self._experts(tokens, routing.probs, routing.routing_map).view(s, b, h)
         return out + self._shared(x) if self.shared_experts is not None else out
+
+    def _experts(self, tokens: torch.Tensor, probs: torch.Tensor,
+                 routing_map: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output of `tokens`: dispatch, experts, combine. Never
+        compiled (--torch-compile wraps it in torch.compiler.disable: training/run/
+        compile.py): how many tokens each expert gets is data (rows picked by the routing
+        map, split sizes read on the host), so dynamo would break the graph at each of
+        them; the layer's graph breaks once here instead, around the smallest region that
+        holds them all."""
+        dispatched = self.dispatcher.dispatch(tokens, probs, routing_map)
+        rows = self.experts.forward_rows(dispatched.rows, dispatched.tokens_per_expert)
+        return self.dispatcher.combine(rows, dispatched)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts' output (--recompute-modules shared_experts: recomputed)."""

@@ -51,15 +51,29 @@ def _neighbours(group: Group) -> Tuple[int, int]:
 
 
 class _Ring:
-    """Hands a tensor to the next rank and takes the previous rank's, asynchronously."""
+    """Hands a tensor to the next rank and takes the previous rank's, asynchronously.
+
+    Under torch.compile (--torch-compile) the hand-over is an all-to-all in which only the
+    neighbours' splits are non-empty: dynamo traces that into the layer's graph, where a
+    point-to-point send/recv would break it (and runs it synchronously)."""
 
     def __init__(self, group: Group) -> None:
-        self.group, (self.next, self.previous) = group, _neighbours(group)
+        self.group = group
+        self.compiling = torch.compiler.is_compiling()
+        if not self.compiling:
+            self.next, self.previous = _neighbours(group)
         self.works: List = []
         self.incoming: Optional[torch.Tensor] = None
 
     def start(self, tensor: torch.Tensor) -> None:
         self.incoming = torch.empty_like(tensor)
+        if self.compiling:
+            n, me = comm.group_size(self.group), comm.group_rank(self.group)
+            size = tensor.numel()
+            comm.all_to_all(self.incoming.view(-1), tensor.reshape(-1),
+                            [size if r == (me - 1) % n else 0 for r in range(n)],
+                            [size if r == (me + 1) % n else 0 for r in range(n)], self.group)
+            return
         self.works = comm.send_recv([(tensor, self.next)], [(self.incoming, self.previous)],
                                     self.group)
 

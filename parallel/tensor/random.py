@@ -135,6 +135,15 @@ def checkpoint(function: Callable, tracker: Optional[TensorParallelRNGTracker],
     replay the scales of the original forward. `keep`: a selective policy's context pair
     (selective.op_contexts), whose kept op outputs are not recomputed.
     """
+    if torch.compiler.is_compiling():
+        # inside a compiled layer (--torch-compile) dynamo traces the checkpoint into the
+        # layer's graph and AOT autograd recomputes it in backward within that graph, from
+        # the same graph inputs (FP8 scales included): the Python-side recording and
+        # replaying of RNG and scale state is not traced
+        extra = {} if keep is None else {"context_fn": keep}
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
+                                                 **extra)
+
     def contexts() -> Tuple[Any, Any]:
         forward, recompute = _tracker_contexts(tracker)
         if keep is None:

@@ -439,3 +439,10 @@ class ImplementationSettings:
         "--apply-query-key-layer-scaling")
     use_legacy_models: bool = setting(
         False, "refused: gigatron builds Megatron-Core's model only", "--use-legacy-models")
+    torch_compile: Optional[bool] = setting(
+        None, "compile each transformer layer and the loss with torch.compile (per block, as "
+        "torchtitan's compile; not a Megatron flag): the same numbers within float rounding; "
+        "the compile time is printed once, after the first step (docs/PERFORMANCE.md). "
+        "Default: off on the CPU, and off on CUDA until a GPU measurement shows it faster "
+        "(COMPILE_BY_DEFAULT_ON_CUDA in training/run/compile.py)", "--torch-compile",
+        negative="--no-torch-compile")

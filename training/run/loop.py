@@ -35,6 +35,7 @@ from gigatron.parallel.zero.state_stats import optimizer_state_stats
 from gigatron.training.checkpoint import orchestrator as checkpoint_state
 from gigatron.training.run.batch_rampup import run_rampup
 from gigatron.training.run.builders import Pipeline, micro_batches
+from gigatron.training.run.compile import CompileTimeNote
 from gigatron.training.config.run_config import RunConfig, TrainConfig
 from gigatron.training.run.decoupled_lr import set_decoupled_lr
 from gigatron.training.checkpoint.torch_dist.async_save import SavedCheckpoint
@@ -79,6 +80,7 @@ class Session:
     memory_plan: Optional[Dict[int, float]] = None
     moe: Optional[MoETraining] = None  # an MoE model's step hook and log fields, set by train
     mtp: Optional[MTPTraining] = None  # multi-token prediction's log fields, set by train
+    compile_note: Optional[CompileTimeNote] = None  # --torch-compile's compile time, once
 
 
 @dataclass
@@ -412,6 +414,8 @@ def train(s: Session, progress: TrainProgress) -> TrainProgress:
         started = timeline.now() if timeline.on else 0
         outcome = train_step(s, _next_batches(it, count, s.timers), progress)
         advance(progress, outcome, batch_size)
+        if s.compile_note is not None and (line := s.compile_note.after_step()):
+            s.logger.print(line)
         profiler.after_step(progress.iteration)
         if timeline.on:
             timeline.record(f"iteration {progress.iteration}", started)

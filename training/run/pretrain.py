@@ -81,6 +81,8 @@ def _build_session(run, tokenizer, launch, device, started: Optional[float] = No
     from gigatron.training.observe import flops as metrics
     from gigatron.training.checkpoint import orchestrator
     from gigatron.training.observe.logger import MetricsLogger
+    from gigatron.training.run.compile import (CompileTimeNote, compile_model_chunks,
+                                               compile_wanted)
     from gigatron.training.run.loop import Session
     from gigatron.training.observe.timers import TimedGradSync, Timers, device_sync, time_module_forward
 
@@ -91,6 +93,9 @@ def _build_session(run, tokenizer, launch, device, started: Optional[float] = No
     matmul_precision(run.settings.precision)
     logging_level(run.logging.logging_level)
     chunks = builders.build_model_chunks(run, groups, device)
+    compiling = compile_wanted(run.settings.implementation.torch_compile, device)
+    if compiling:  # --torch-compile: each layer and the loss (training/run/compile.py)
+        compile_model_chunks(chunks)
     shard = orchestrator.load_model_weights(run, groups, chunks)
     zero = builders.build_optimizer(run, chunks, groups)
     zero.count_zeros_in_grad = run.logging.log_num_zeros_in_grad
@@ -115,7 +120,8 @@ def _build_session(run, tokenizer, launch, device, started: Optional[float] = No
     session = Session(run, groups, device, chunks, zero, grad_sync, pipeline, datasets, logger,
                       timers, metrics.flops_per_token(run.model, p.tp), peak,
                       started=time.monotonic() if started is None else started,
-                      start_samples=progress.consumed_train_samples)
+                      start_samples=progress.consumed_train_samples,
+                      compile_note=CompileTimeNote(compiling))
     return session, progress, shard
 
 

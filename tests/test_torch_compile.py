@@ -1,0 +1,195 @@
+"""--torch-compile: each transformer layer compiles as one graph under every parallelism.
+
+Graph breaks are read from dynamo's own counters (`counters["graph_break"]`, and
+`counters["stats"]["unique_graphs"]`, the frames compiled) after a compiled layer's forward
+and backward. A dense layer compiles with no break, as one graph, plain, under tp2 +
+sequence parallelism, cp2 (ring attention), full and selective recomputation and FP8
+(tensorwise), and inside the pipeline executor (tp2 x pp2 below). An MoE layer breaks at
+one place, its dispatch/experts/combine (models/moe/layer.py `_experts`: how many tokens
+each expert gets is data), counted exactly: dynamo reports that call once for each frame
+it is nested in (TransformerLayer.forward, MoELayer.forward, and under ep
+_forward_expert_parallel) and compiles the layer in one more graph per frame (the code
+after the call).
+
+The graph-break cases use dynamo's "eager" backend (what is traced is the same; nothing is
+lowered) to stay fast; the numbers are checked with the real inductor backend on one rank
+(losses equal eager within 1e-4 relative over 3 steps, fp32) and with "aot_eager" at
+tp2 x pp2 (4 ranks on 2 cores: inductor's C++ compiles would take minutes there).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Dict, Tuple
+
+import pytest
+import torch
+
+from multirank import run_on_ranks
+
+RTOL = 1e-4
+
+
+def _config(**changes: Any):
+    from gigatron.models.zoo import load_config
+
+    return dataclasses.replace(load_config("debug-llama"), **changes)
+
+
+def _compiled_layer_counts(model, seq: int, backend: str = "eager",
+                           block: bool = False) -> Tuple[int, int]:
+    """(graph breaks, graphs compiled) of the model's layers compiled alone, after one
+    forward and backward (through the whole block with `block`: its recomputation)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from gigatron.training.run.compile import compile_model_chunks
+
+    torch._dynamo.reset()
+    counters.clear()
+    compile_model_chunks([model], backend)
+    torch.manual_seed(0)
+    x = torch.randn(seq, 2, model.config.hidden_size, requires_grad=True)
+    rotary = model._rotary(x, None)
+    if block:
+        y = model.decoder(x, rotary)
+    else:
+        y = model.decoder.layers[str(model.layer_range[0])](x, rotary)
+    y.float().square().sum().backward()
+    breaks = sum(counters["graph_break"].values())
+    return breaks, counters["stats"]["unique_graphs"]
+
+
+def _model(config, **kwargs):
+    from gigatron.models.gpt import GPTModel
+
+    return GPTModel(config, **kwargs)
+
+
+SINGLE_RANK: Dict[str, Dict[str, Any]] = {
+    "plain": {},
+    "full_recompute": dict(recompute_granularity="full", recompute_method="uniform",
+                           recompute_num_layers=1),
+    "selective_recompute": dict(recompute_granularity="selective",
+                                recompute_modules=["core_attn", "mlp", "layernorm"]),
+    "op_recompute": dict(recompute_granularity="selective", selective_ac_option="op"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SINGLE_RANK))
+def test_dense_layer_compiles_as_one_graph(case):
+    config = _config(num_layers=1, **SINGLE_RANK[case])
+    breaks, graphs = _compiled_layer_counts(_model(config), config.seq_length,
+                                            block=case in ("full_recompute", "op_recompute"))
+    assert (breaks, graphs) == (0, 1)
+
+
+def test_fp8_tensorwise_layer_compiles_as_one_graph():
+    from gigatron.parallel.tensor.fp8 import FP8Recipe
+    from gigatron.training.run.builders import apply_fp8
+
+    config = _config(num_layers=1)
+    model = _model(config)
+    apply_fp8([model], FP8Recipe("hybrid", scaling="tensorwise"), None)
+    assert _compiled_layer_counts(model, config.seq_length) == (0, 1)
+
+
+def _parallel_layer_counts(rank: int, world: int) -> Dict[str, Tuple[int, int]]:
+    import torch.distributed as dist
+
+    from gigatron.parallel.expert.dispatchers import expert_dispatcher_factory
+
+    group = dist.group.WORLD
+    dense, sp = _config(num_layers=1), _config(num_layers=1, sequence_parallel=True)
+    moe = _config(num_layers=1, num_moe_experts=4, moe_router_topk=2)
+    return {
+        "tp2_sp": _compiled_layer_counts(_model(sp, tp_group=group), sp.seq_length // 2),
+        "cp2_ring": _compiled_layer_counts(_model(dense, cp_group=group, cp_comm_type="p2p"),
+                                           dense.seq_length // 2),
+        "ep2_moe": _compiled_layer_counts(
+            _model(moe, dispatcher_factory=expert_dispatcher_factory("alltoall", group)),
+            moe.seq_length)}
+
+
+def test_parallel_layers_compile_as_one_graph_but_moe_dispatch():
+    """tp2 + sp and cp2: one graph, no break; ep2 MoE: its one uncompiled region, seen from
+    its 3 nested frames (3 breaks, 4 graphs)."""
+    for counts in run_on_ranks(_parallel_layer_counts, 2, timeout=300):
+        assert counts == {"tp2_sp": (0, 1), "cp2_ring": (0, 1), "ep2_moe": (3, 4)}
+
+
+def _train_losses(model, after_step=lambda: None, steps: int = 3):
+    """Losses of `steps` SGD steps on one fixed batch (fp32); `after_step()` after each."""
+    config = model.config
+    ids = torch.randint(0, config.vocab_size, (2, config.seq_length + 1),
+                        generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        after_step()
+    return losses
+
+
+def test_inductor_compiled_model_trains_the_eager_losses():
+    """The real backend (C++ kernels by g++ here): the losses of 3 steps equal eager's within
+    1e-4, and the compile time is said once, after the first step."""
+    from gigatron.training.run.compile import CompileTimeNote, compile_model_chunks
+
+    config = _config(num_layers=1)
+    eager = _train_losses(_model(config))
+    model = _model(config)
+    note, lines = CompileTimeNote(True), []
+    assert compile_model_chunks([model], "inductor") == 1
+    # kernels compiled in this process: a pool of compile workers (each importing torch)
+    # costs more than it saves for a layer's few kernels on 2 cores
+    with torch._inductor.config.patch(compile_threads=1):
+        compiled = _train_losses(model, lambda: lines.append(note.after_step()))
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=RTOL, atol=0)
+    assert lines[0] is not None and lines[0].startswith("torch.compile: compiled") \
+        and lines[1:] == [None, None], lines
+
+
+GPT = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+       "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
+       "--mock-data --vocab-size 128 --eval-iters 0 --no-progress --num-workers 0 "
+       "--make-vocab-size-divisible-by 8 --init-method-std 0.1 --hidden-dropout 0 "
+       "--attention-dropout 0 --disable-bias-linear --position-embedding-type rope "
+       "--log-interval 1 --train-iters 3 --lr-warmup-iters 0").split()
+
+
+def _pretrain(rank: int, world: int, argv, metrics: str) -> Tuple[int, int]:
+    """pretrain.main(argv) with the layers traced by aot_eager; (graph breaks, graphs)."""
+    from torch._dynamo.utils import counters
+
+    from gigatron.training.run import compile as compile_run, pretrain
+
+    compile_run.BACKEND = "aot_eager"
+    assert pretrain.main(argv + ["--metrics-file", metrics]) == 0
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+def _losses(path):
+    with open(path) as f:
+        return [r["lm loss"] for r in map(json.loads, f) if r["type"] == "train"]
+
+
+def test_tp2_pp2_compiled_pretraining_matches_one_rank_eager(tmp_path, capfd):
+    """pretrain_gpt.py --torch-compile at tp2 x pp2 (the pipeline executor running compiled
+    layers and loss): the one-rank eager run's losses within 1e-4, no graph break on any
+    rank, the compile time said once."""
+    eager, compiled = str(tmp_path / "eager.jsonl"), str(tmp_path / "compiled.jsonl")
+    run_on_ranks(_pretrain, 1, GPT, eager, timeout=300)
+    counts = run_on_ranks(_pretrain, 4, GPT + "--torch-compile --tensor-model-parallel-size 2 "
+                          "--sequence-parallel --pipeline-model-parallel-size 2".split(),
+                          compiled, timeout=300)
+    torch.testing.assert_close(torch.tensor(_losses(compiled)), torch.tensor(_losses(eager)),
+                               rtol=RTOL, atol=0)
+    assert len(_losses(eager)) == 3
+    # first stage: its layer; last stage: its layer and the loss
+    assert counts == [(0, 1), (0, 1), (0, 2), (0, 2)], counts
+    assert capfd.readouterr().out.count("torch.compile: compiled") == 1
