@@ -1,7 +1,8 @@
 """GPTModel under the per-document context-parallel split: packed documents whose lengths all
 divide by 2 x cp are sharded per document (training/run/builders.py's context_parallel_shard,
 split.py's rule), and the per-token losses and parameter grads at cp2 with p2p and all_gather
-equal one rank's (fp32, 1e-5; forked gloo ranks)."""
+equal one rank's (fp32, 1e-5; forked gloo ranks); under p2p also with gpt-oss's sliding
+window with sinks and with multi-latent attention."""
 import torch
 
 from gigatron.data.documents import CU_SEQLENS
@@ -9,9 +10,10 @@ from gigatron.models.config import TransformerConfig
 from gigatron.models.gpt import GPTModel
 from gigatron.parallel.context.split import document_rank_positions, split_documents_for_rank
 from multirank import run_on_ranks
-from test_packed_documents import BASE, _loss, documents, packed_batch
+from test_packed_documents import BASE, KINDS, _loss, documents, packed_batch
 
-COMM_TYPES = ("p2p", "all_gather")  # a2a: tests/test_document_split_attention.py
+# (comm type, attention kind); a2a: tests/test_document_split_attention.py
+CASES = (("p2p", "plain"), ("all_gather", "plain"), ("p2p", "band"), ("p2p", "mla"))
 
 
 def _batch():
@@ -23,8 +25,8 @@ def _cp_run(rank, cp):
 
     batch = _batch()
     out = {}
-    for comm_type in COMM_TYPES:
-        model = GPTModel(TransformerConfig(**BASE), seed=7,
+    for comm_type, kind in CASES:
+        model = GPTModel(TransformerConfig(**{**BASE, **KINDS[kind]}), seed=7,
                          cp_group=torch.distributed.group.WORLD, cp_comm_type=comm_type)
         shard = context_parallel_shard(batch, cp, rank, comm_type)
         for i in range(2):  # each sample split per document
@@ -33,27 +35,27 @@ def _cp_run(rank, cp):
         loss = _loss(model, shard)
         (loss * shard["loss_mask"]).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        out[comm_type] = loss.detach(), grads
+        out[comm_type, kind] = loss.detach(), grads
     return out
 
 
 def test_cp2_per_document_split_trains_as_one_rank():
     per_rank = run_on_ranks(_cp_run, 2)
     batch = _batch()
-    model = GPTModel(TransformerConfig(**BASE), seed=7)
-    want = _loss(model, batch)
-    (want * batch["loss_mask"]).sum().backward()
     rows = [batch[CU_SEQLENS][i].tolist() for i in range(2)]
-    for comm_type in COMM_TYPES:
+    for case in CASES:
+        model = GPTModel(TransformerConfig(**{**BASE, **KINDS[case[1]]}), seed=7)
+        want = _loss(model, batch)
+        (want * batch["loss_mask"]).sum().backward()
         got = torch.zeros_like(want)
         for rank, result in enumerate(per_rank):
             for i, row in enumerate(rows):
-                got[i, document_rank_positions(row, 2, rank)] = result[comm_type][0][i]
+                got[i, document_rank_positions(row, 2, rank)] = result[case][0][i]
         err = ((got - want).abs() * batch["loss_mask"]).max().item()
-        assert err < 1e-5, (comm_type, err)
+        assert err < 1e-5, (case, err)
         for name, param in model.named_parameters():
-            grad = sum(result[comm_type][1][name] for result in per_rank)
-            assert torch.allclose(grad, param.grad, atol=1e-5), (comm_type, name)
+            grad = sum(result[case][1][name] for result in per_rank)
+            assert torch.allclose(grad, param.grad, atol=1e-5), (case, name)
 
 
 def test_the_run_says_which_split_it_uses(capsys):
