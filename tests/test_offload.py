@@ -62,6 +62,7 @@ def _everything(rank, world):
                              hysteresis=1, steps=6)
     out["host"] = _host_bytes(rank, world)
     out["resume"] = _resume(rank, world)
+    out["overlap_param_gather"] = _overlapped_gather(rank, world)
     lamb = OptimizerSpec("lamb", lr=1e-2, weight_decay=0.1)
     plain = _train(rank, world, False, torch.float32, steps=2, optimizer=lamb)
     offloaded = _train(rank, world, True, torch.float32, steps=2, optimizer=lamb)
@@ -112,6 +113,37 @@ def test_host_holds_12_bytes_per_parameter_of_its_shard_plus_a_fixed_buffer(runs
             assert host["grads"] == 0  # no full-size host copy of the grads
             held = host["master"] + host["optimizer_state"]
             assert 12 * shard <= held <= 12.5 * shard, (layers, host, shard)
+
+
+def _overlapped_gather(rank, world):
+    """ZeRO 2 with --overlap-param-gather, without and with offload: (runs, copies of the
+    masters into the parameters after the step's stream already wrote them)."""
+    runs, copies = [], []
+    for offload in (False, True):
+        model = TinyLM(dtype=torch.bfloat16)
+        zero = build_zero(model, ZeroConfig(
+            zero_stage=2, lr=1e-2, weight_decay=0.1, reduce_bucket_size=300, clip_grad=CLIP,
+            overlap_param_gather=True, offload_optimizer="cpu" if offload else "none",
+            offload_bucket_size=BUCKET))
+        count = [0]
+        for g in zero.flat_groups:
+            def counted(original=g.copy_master_to_shard):
+                count[0] += 1
+                original()
+            g.copy_master_to_shard = counted
+        runs.append(_train(rank, world, offload, torch.bfloat16, model=model, zero=zero)[:3])
+        copies.append(count[0])
+    return runs, copies
+
+
+def test_overlapped_param_gather_after_an_offloaded_step_copies_no_master_again(runs):
+    """The stream wrote the updated bf16 slices already: the gathers start from them (a
+    second copy from the fp32 masters would cost 2 B/param of host memory at once on a GPU,
+    converting before the copy, and a pageable transfer of the whole shard)."""
+    for rank_results in runs:
+        pair, (plain_copies, offloaded_copies) = rank_results["overlap_param_gather"]
+        _assert_same(pair, exact=True, what="overlap_param_gather")
+        assert plain_copies > 0 and offloaded_copies == 0
 
 
 def _resume(rank, world):

@@ -371,7 +371,7 @@ class ZeroOptimizer:
         else:
             self._step_on_device(factor)
         if self.param_gather is not None:  # waited by the next forward's pre-hooks
-            self.param_gather.launch()
+            self.param_gather.launch(copied=self.offload is not None)
         else:
             self._publish_params(copied=self.offload is not None)
         self.scaler.update(False)

@@ -64,11 +64,13 @@ class OverlappedParamGather:
         """Some bucket's gather is not waited for yet."""
         return self.waited < len(self.chain)
 
-    def launch(self) -> None:
-        """After the step: the updated slices into the parameters, the first gather issued."""
+    def launch(self, copied: bool = False) -> None:
+        """After the step: the updated slices into the parameters (unless the offloaded step
+        wrote them: `copied`), the first gather issued."""
         self.finish()
         for g in self.flat_groups:
-            g.copy_master_to_shard()
+            if not copied:
+                g.copy_master_to_shard()
         self.issued = self.waited = 0
         self._issue_through(0)
 
