@@ -22,6 +22,12 @@ from gigatron.parallel.zero import OptimizerSpec, ZeroConfig, build_zero
 
 STEPS, BATCH, CLIP, BUCKET = 4, 12, 0.05, 100
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the other elementwise rules the stream slices (state built lazily, in the constructor,
+# python-int step counts, an extra per-element max)
+ELEMENTWISE = [OptimizerSpec("sgd", lr=0.1, momentum=0.9, weight_decay=0.01),
+               OptimizerSpec("adagrad", lr=0.05, initial_accumulator_value=0.1),
+               OptimizerSpec("adam", lr=1e-2, extra={"bias_correction": False}),
+               OptimizerSpec("adamw", lr=1e-2, extra={"amsgrad": True})]
 
 
 def _train(rank, world, offload, dtype, steps=STEPS, first=0, model=None, zero=None,
@@ -63,6 +69,11 @@ def _everything(rank, world):
     out["host"] = _host_bytes(rank, world)
     out["resume"] = _resume(rank, world)
     out["overlap_param_gather"] = _overlapped_gather(rank, world)
+    out["optimizers"] = {}
+    for spec in ELEMENTWISE:
+        runs = [_train(rank, world, offload, torch.bfloat16, zero_stage=2, steps=3,
+                       optimizer=spec) for offload in (False, True)]
+        out["optimizers"][spec.type] = ([r[:3] for r in runs], runs[1][3].offload.streamed)
     lamb = OptimizerSpec("lamb", lr=1e-2, weight_decay=0.1)
     plain = _train(rank, world, False, torch.float32, steps=2, optimizer=lamb)
     offloaded = _train(rank, world, True, torch.float32, steps=2, optimizer=lamb)
@@ -170,6 +181,13 @@ def test_offloaded_checkpoint_resumes_exactly(runs):
         assert resumed_losses == losses
         for name, want in params.items():
             assert torch.equal(resumed_params[name], want), name
+
+
+def test_sgd_adagrad_uncorrected_adam_and_amsgrad_stream_the_same_steps(runs):
+    for rank_results in runs:
+        for name, (pair, streamed) in rank_results["optimizers"].items():
+            assert streamed, name
+            _assert_same(pair, exact=True, what=name)
 
 
 def test_an_optimizer_that_is_not_elementwise_steps_whole_shards_on_the_host(runs):
