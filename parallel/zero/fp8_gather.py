@@ -63,20 +63,24 @@ class _GroupPlan:
         self.group, self.weights = group, weights
         self.amax_entries = sum(w.entries for w in weights.values())
         self.pieces: List[List[List[Piece]]] = []  # [bucket][rank] -> the rank's FP8 pieces
-        self.masks: List[List[torch.Tensor]] = []  # [bucket][rank] -> bool [S]: FP8 elements
+        self.others: List[List[List[Tuple[int, int]]]] = []  # [bucket][rank] -> the rest
         self.counts: List[List[int]] = []  # [bucket][rank] -> FP8 elements in the slice
         for b in group.buckets:
-            pieces, masks = [], []
-            for rank in range(group.ways):
-                mine = [p for p in shard_overlaps(b, group.numels, rank) if p[0] in weights]
-                mask = torch.zeros(b.shard_numel, dtype=torch.bool, device=group.device)
-                for _, _, at, length in mine:
-                    mask[at:at + length] = True
-                pieces.append(mine)
-                masks.append(mask)
+            pieces = [[p for p in shard_overlaps(b, group.numels, rank) if p[0] in weights]
+                      for rank in range(group.ways)]
             self.pieces.append(pieces)
-            self.masks.append(masks)
+            self.others.append([_gaps(mine, b.shard_numel) for mine in pieces])
             self.counts.append([sum(p[3] for p in mine) for mine in pieces])
+
+
+def _gaps(pieces: List[Piece], size: int) -> List[Tuple[int, int]]:
+    """(start, length) of the parts of a slice of `size` that `pieces` leave uncovered."""
+    gaps, at = [], 0
+    for _, _, start, length in pieces:
+        if start > at:
+            gaps.append((at, start - at))
+        at = start + length
+    return gaps + ([(at, size - at)] if at < size else [])
 
 
 class FP8ParamGather:
@@ -198,8 +202,10 @@ def _publish_group(plan: _GroupPlan) -> None:
             fp8_send[at_send:at_send + length] = cast(values, scale, w.data.dtype)
             at_send += length
         other_send = torch.zeros(other_width, dtype=g.dtype, device=g.device)
-        others = piece[~plan.masks[b.index][g.rank_in_shard]]
-        other_send[:others.numel()] = others
+        at_send = 0
+        for start, length in plan.others[b.index][g.rank_in_shard]:
+            other_send[at_send:at_send + length] = piece[start:start + length]
+            at_send += length
         fp8_out = torch.empty(g.ways * fp8_width, dtype=torch.uint8, device=g.device)
         other_out = torch.empty(g.ways * other_width, dtype=g.dtype, device=g.device)
         gathers.append((b, fp8_out, other_out, [
@@ -223,9 +229,11 @@ def _unpack(plan: _GroupPlan, bucket: int, fp8_rows: torch.Tensor,
     g = plan.group
     b = g.buckets[bucket]
     for rank in range(g.ways):
-        mask = plan.masks[bucket][rank]
         full = b.param_full[rank * b.shard_numel:(rank + 1) * b.shard_numel]
-        full[~mask] = other_rows[rank, :b.shard_numel - plan.counts[bucket][rank]]
+        at = 0
+        for start, length in plan.others[bucket][rank]:
+            full[start:start + length] = other_rows[rank, at:at + length]
+            at += length
         at = 0
         for idx, start, _, length in plan.pieces[bucket][rank]:
             data = plan.weights[idx].data.view(torch.uint8)
