@@ -9,7 +9,8 @@ one place, its dispatch/experts/combine (models/moe/layer.py `_experts`: how man
 each expert gets is data), counted exactly: dynamo reports that call once for each frame
 it is nested in (TransformerLayer.forward, MoELayer.forward, and under ep
 _forward_expert_parallel) and compiles the layer in one more graph per frame (the code
-after the call).
+after the call). Deferred weight gradients (zb-h1, zbv) leave each linear eager: their
+backward pushes to a Python queue (counted exactly too).
 
 The graph-break cases use dynamo's "eager" backend (what is traced is the same; nothing is
 lowered) to stay fast; the numbers are checked with the real inductor backend on one rank
@@ -92,6 +93,19 @@ def test_fp8_tensorwise_layer_compiles_as_one_graph():
     model = _model(config)
     apply_fp8([model], FP8Recipe("hybrid", scaling="tensorwise"), None)
     assert _compiled_layer_counts(model, config.seq_length) == (0, 1)
+
+
+def test_deferred_weight_gradients_leave_each_linear_uncompiled():
+    """zb-h1 / zbv's deferred weight gradients (parallel/tensor/wgrad.py) push to a Python
+    queue in backward, which no graph holds: each of the 4 linears runs eager, a break seen
+    from each frame it is nested in (14), 16 graphs; the gradients are still deferred."""
+    from gigatron.parallel.tensor import wgrad
+
+    config = _config(num_layers=1)
+    queue = wgrad.WeightGradQueue()
+    with wgrad.deferring(queue):
+        counts = _compiled_layer_counts(_model(config), config.seq_length)
+    assert counts == (14, 16) and len(queue) == 4
 
 
 def _parallel_layer_counts(rank: int, world: int) -> Dict[str, Tuple[int, int]]:
