@@ -103,10 +103,15 @@ def _train(rank, world, scaling, gather, stage, steps, config, own_buffers=True)
             sum(p.numel() for p in model.parameters()))
 
 
+def _without_and_with(rank, world, *args):
+    return [_train(rank, world, args[0], gather, *args[1:]) for gather in (False, True)]
+
+
 def _both(scaling, stage, steps=4, config=None, own_buffers=True):
-    config = config or _config()
-    return [run_on_ranks(_train, 2, scaling, gather, stage, steps, config, own_buffers)
-            for gather in (False, True)]
+    """Per rank: the run without the flag, the run with it (one launch)."""
+    per_rank = run_on_ranks(_without_and_with, 2, scaling, stage, steps, config or _config(),
+                            own_buffers)
+    return [[runs[0] for runs in per_rank], [runs[1] for runs in per_rank]]
 
 
 @pytest.mark.parametrize("scaling,stage,own_buffers", [
