@@ -48,3 +48,17 @@ def test_banner_names_every_non_default_parallel_choice():
     assert "expert parallel ep=2 etp=1" in text, text
     assert line("--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1 "
                 "--delay-wgrad-compute", 2).count("weight gradients delayed") == 1
+
+
+def test_architecture_line_of_multi_latent_attention_names_its_head_sizes_and_latents():
+    from gigatron.training.run.pretrain import _architecture
+
+    dense = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+             "--micro-batch-size 2 --train-iters 2 --lr 1e-3 --mock-data --vocab-size 128 "
+             "--normalization RMSNorm --position-embedding-type rope").split()
+    mla = dense + ("--multi-latent-attention --kv-lora-rank 16 --qk-head-dim 16 "
+                   "--qk-pos-emb-head-dim 8 --v-head-dim 12").split()
+    line = _architecture(parse_args(mla, 1).model)
+    assert line.endswith("multi-latent attention, 4 heads x q/k 16+8 / v 12 (key/value "
+                         "latent 16)"), line
+    assert _architecture(parse_args(dense, 1).model).endswith("4 heads x 16 (4 kv groups)")

@@ -209,10 +209,17 @@ def _memory_plan(run, device) -> Tuple[List[str], Dict[int, float]]:
 
 
 def _architecture(model) -> str:
-    """'mlp gelu_tanh, positions learned_absolute, LayerNorm, 12 heads x 64 (4 kv groups)'."""
+    """'mlp gelu_tanh, positions learned_absolute, LayerNorm, 12 heads x 64 (4 kv groups)';
+    multi-latent attention: its head sizes and latents instead (kv_channels plays no part)."""
+    heads = (f"{model.num_attention_heads} heads x {model.kv_channels} "
+             f"({model.num_query_groups} kv groups)")
+    if model.multi_latent_attention:
+        q_latent = f", query latent {model.q_lora_rank}" if model.q_lora_rank else ""
+        heads = (f"multi-latent attention, {model.num_attention_heads} heads x q/k "
+                 f"{model.qk_head_dim}+{model.qk_pos_emb_head_dim} / v {model.v_head_dim} "
+                 f"(key/value latent {model.kv_lora_rank}{q_latent})")
     return (f"mlp {model.activation}, positions {model.position_embedding_type}, "
-            f"{model.normalization}, {model.num_attention_heads} heads x {model.kv_channels}"
-            f" ({model.num_query_groups} kv groups)")
+            f"{model.normalization}, {heads}")
 
 
 def _rampup_phrase(t) -> str:
