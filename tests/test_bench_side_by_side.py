@@ -1,0 +1,84 @@
+"""bench/bench_side_by_side.py (issue 42) on the CPU toy size: each installed contender trains
+the same Llama-style model in its own process and lands in one table with tokens/s, MFU
+("n/a" on a CPU), peak memory and a loss of the same order; a contender that cannot run is
+a row saying why, not the end of the bench.
+
+torchtitan runs when it is importable or $TORCHTITAN_PATH names a folder holding it
+(`pip install --no-deps --target DIR torchtitan==0.3.0 ...`, see the bench's docstring);
+otherwise its row is checked to say it is not installed.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+BENCH = os.path.join(BENCH_DIR, "bench_side_by_side.py")
+
+
+def _import_bench():
+    sys.path.insert(0, BENCH_DIR)
+    try:
+        import bench_side_by_side
+    finally:
+        sys.path.remove(BENCH_DIR)
+    return bench_side_by_side
+
+
+def test_toy_run_trains_the_same_model_in_each_installed_framework(tmp_path):
+    bench = _import_bench()
+    contenders = ["gigatron eager", "torchtitan", "megatron-core"]
+    titan_missing = bench.skip_reason("torchtitan", os.environ.get("TORCHTITAN_PATH"))
+    proc = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--warmup", "1",
+                           "--iters", "2", "--out", str(tmp_path), "--contenders", *contenders],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "side_by_side.json").read_text())
+    assert report["shape"] == bench.dataclasses.asdict(bench.TOY_SHAPE)  # --toy: CPU default
+    by_name = {r["contender"]: r for r in report["results"]}
+    assert list(by_name) == contenders
+    ran = [by_name["gigatron eager"]]
+    if titan_missing:
+        assert "not installed" in by_name["torchtitan"]["skipped"]
+    else:
+        ran.append(by_name["torchtitan"])
+    if bench.skip_reason("megatron-core", None) is None:
+        ran.append(by_name["megatron-core"])
+    for r in ran:
+        assert "error" not in r and "skipped" not in r, r
+        assert r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 and r["mfu"] is None
+        assert abs(r["loss"] - math.log(bench.TOY_SHAPE.vocab_size)) < 1.5, r  # same order
+    assert len({r["parameters"] for r in ran}) == 1, ran  # the same model everywhere
+    assert "| gigatron eager | main |" in proc.stdout and "| n/a |" in proc.stdout
+    if titan_missing:
+        pytest.skip(f"torchtitan not run: {titan_missing}")
+
+
+def test_a_contender_whose_flag_has_not_landed_is_skipped_with_the_reason(monkeypatch):
+    bench = _import_bench()
+    monkeypatch.setattr(bench.contenders, "has_flag", lambda flag: False)
+    args = bench.parse(["--device", "cpu"])
+    result = bench.run_contender("gigatron compiled", bench.TOY_SHAPE, args)
+    assert result == {"contender": "gigatron compiled",
+                      "skipped": "--torch-compile is not in gigatron's config table yet"}
+
+
+def test_gpu_defaults_are_the_1b_llama_and_mfu_uses_the_peak():
+    bench = _import_bench()
+    args = bench.parse(["--device", "cuda", "--peak-tflops", "1000"])
+    assert not args.toy and (args.warmup, args.iters) == (3, 10)
+    shape = bench.shape_of(args)
+    assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads,
+            shape.num_query_groups, shape.ffn_hidden_size, shape.vocab_size,
+            shape.seq_length) == (16, 2048, 16, 8, 8192, 32000, 2048)
+    results = [dict(contender="a", version="main", parameters=1, step_s=1.0,
+                    tokens_per_s=1e4, peak_memory_gib=2.0, loss=10.0),
+               dict(contender="b", error="exit 1: out of memory")]
+    bench.add_mfu(results, 5e10, bench.mfu_denominator(None, args.peak_tflops))
+    assert results[0]["mfu"] == pytest.approx(0.5)  # 1e4 tokens/s x 5e10 FLOPs / 1e15
+    table = bench.markdown(results)
+    assert "| a | main | 10,000 | 50.0% | 2.00 | 10.0000 | 1 |" in table
+    assert "| b | failed: exit 1: out of memory |" in table
