@@ -215,7 +215,8 @@ def _publish_group(plan: _GroupPlan) -> None:
         for h in handles:
             h.wait()
         _unpack(plan, b.index, fp8_out.view(g.ways, -1), other_out.view(g.ways, -1))
-    # a master that aliases the (fp32) parameters keeps its own values, not FP8's
+    # a master that aliases the (fp32) parameters keeps its own values, not FP8's: there
+    # each rank's own slice of the parameters stays exact, the other slices FP8-rounded
     kept = [piece.clone() for piece, _ in own] if g.master_aliases_params else []
     for idx, w in plan.weights.items():
         _hand_over(g.params[idx], w, scales[idx], amax)
