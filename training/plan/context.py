@@ -26,10 +26,11 @@ each against parallel/comm's counters):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
 
 if TYPE_CHECKING:
-    from gigatron.training.config.run_config import ParallelConfig
+    from gigatron.models.config import TransformerConfig
+    from gigatron.training.config.run_config import ParallelConfig, RunConfig
 
 HIERARCHICAL = "a2a+p2p"
 
@@ -96,3 +97,40 @@ def layer_time(comm_type: str, forward_bytes: float, backward_bytes: float,
     if comm_type == "p2p":
         return max(0.0, forward - core_forward), max(0.0, backward - 2 * core_forward)
     return forward, backward
+
+
+def head_width(c: "TransformerConfig") -> int:
+    """Channels per head of the k and v the cp attention exchanges: the head size, or MLA's
+    q/k head and v head zero-padded to the wider of the two (models/attention/core.py pads
+    them before the cp call: one head size for its blocks)."""
+    if not c.multi_latent_attention:
+        return c.head_dim
+    return max(c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim)
+
+
+def layer_traffic(run: "RunConfig", tokens: int, core_forward: float,
+                  rate_of: Callable[[int], float]) -> Dict[str, float]:
+    """One layer's context-parallel traffic per micro-batch: the seconds its forward and
+    backward wait, and per step's share its bytes, transfer and exposed time (`rate_of(
+    extent)`: bytes/s of a group within `extent` consecutive ranks; the cp group spans
+    tp x cp of them, tp-cp-dp-pp). Recomputation (full, or selective with core_attn or
+    torchtitan's op rule) runs the forward's exchange again in the backward."""
+    c, p = run.model, run.parallel
+    assert c is not None
+    layout = layout_of(p)
+    out = dict.fromkeys(("fwd_s", "bwd_s", "bytes", "step_s", "exposed_s"), 0.0)
+    if layout.cp == 1:
+        return out
+    again = 1 if c.recompute_granularity == "full" or c.recomputes("core_attn") or \
+        (c.recompute_granularity == "selective" and c.selective_ac_option == "op") else 0
+    for comm_type, group, span in parts(layout):  # a2a+p2p: a2a within A, ring over P
+        fwd_b, bwd_b = layer_bytes(comm_type, group, tokens, c.num_attention_heads *
+                                   head_width(c) / p.tp, c.params_dtype.itemsize)
+        rate = rate_of(p.tp * span)
+        fwd_s, bwd_s = layer_time(comm_type, fwd_b, bwd_b, rate, core_forward)
+        out["fwd_s"] += fwd_s
+        out["bwd_s"] += bwd_s + again * fwd_s
+        out["bytes"] += (1 + again) * fwd_b + bwd_b
+        out["step_s"] += ((1 + again) * fwd_b + bwd_b) / rate
+        out["exposed_s"] += (1 + again) * fwd_s + bwd_s
+    return out

@@ -286,7 +286,8 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
         pp_link = _link(p.tp * cp * p.dp * p.pp, hw.gpus_per_node, hw)
         p2p = tokens * c.hidden_size * width / (p.tp if sp else 1) / \
             (pp_link * 1e9 * NETWORK_EFFICIENCY)
-    cp_traffic = _context_traffic(run, hw, tokens, core_fwd)
+    cp_traffic = context.layer_traffic(run, tokens, core_fwd, lambda extent: _link(
+        extent, hw.gpus_per_node, hw) * 1e9 * NETWORK_EFFICIENCY)
     tp_fwd = parts["tp_attention"].forward + parts["tp_mlp"].forward
     tp_bwd = parts["tp_attention"].backward + parts["tp_mlp"].backward + \
         (tp_fwd if full else 0.0)
@@ -298,14 +299,16 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
         moe_fwd = parts["moe"].forward
         moe_bwd = parts["moe"].backward + (moe_fwd if full else
                                            again_moe.forward - again.forward)
+    mtp = _mtp(c, p.tp, tokens, (flop_rate, hw.sms), full, parts, (again, again_moe),
+               (layer_fwd, moe_fwd, logits_fwd, logits_bwd, cp_traffic["bwd_s"]), fl)
     v = partition.virtual_chunks
     forward = backward = 0.0
     slowest = 0
     for r in range(p.pp):
         layers = sum(len(partition.layer_range(r, k)) for k in range(v))
         last = partition.post_process(r, v - 1)
-        f = layers * layer_fwd + (logits_fwd if last else 0.0) + v * p2p
-        b = layers * layer_bwd + (logits_bwd if last else 0.0) + v * p2p
+        f = layers * layer_fwd + (logits_fwd + mtp[0] if last else 0.0) + v * p2p
+        b = layers * layer_bwd + (logits_bwd + mtp[1] if last else 0.0) + v * p2p
         if moe is not None:
             f, b = f + _moe_layers(run, partition, r) * moe_fwd, \
                 b + _moe_layers(run, partition, r) * moe_bwd
@@ -321,8 +324,8 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
     collectives: float = layers * (collectives_fwd + collectives_bwd + again.collectives)
     executed = layers * (3 * (fl["dense"] + fl["core"]) + (
         fl["dense"] + fl["core"] if full else again.flops)) + \
-        (3 * 2.0 * tokens * c.hidden_size * vocab if partition.post_process(slowest, v - 1)
-         else 0.0)
+        (3 * 2.0 * tokens * c.hidden_size * vocab + mtp[2]
+         if partition.post_process(slowest, v - 1) else 0.0)
     tp_waited = layers * (tp_fwd + tp_bwd + tp_again)
     expert_s = expert_bytes = 0.0
     if moe is not None:
@@ -347,6 +350,34 @@ def step_cost(run: "RunConfig", hw: Hardware, partition: PipelinePartition,
                     m * layers * cp_traffic["bytes"])
 
 
+def _mtp(c: "TransformerConfig", tp: int, tokens: int, rate: Tuple[float, Optional[int]],
+         full: bool, parts: Dict[str, layer.Part], again: Tuple[layer.Part, layer.Part],
+         times: Tuple[float, float, float, float, float], fl: Dict[str, float]
+         ) -> Tuple[float, float, float]:
+    """(forward, backward seconds, executed FLOPs) the multi-token prediction depths add to
+    the last stage's micro-batch (models/mtp/block.py): each a transformer layer of the last
+    decoder layer's kind (full recomputation does not checkpoint it; a selective one runs
+    its modules again), eh_proj's 2h -> h GEMMs and another pass through the logits;
+    `times`: a dense layer's forward, an MoE layer's beyond it, the logits' forward and
+    backward, the cp exchange's backward."""
+    depth = c.mtp_num_layers or 0
+    if not depth:
+        return 0.0, 0.0, 0.0
+    layer_fwd, moe_fwd, logits_fwd, logits_bwd, cp_bwd = times
+    moe = c.num_moe_experts is not None and moe_layer_pattern(c)[-1]
+    rerun = again[1] if moe else again[0]
+    eh = (2 * c.hidden_size, c.hidden_size // tp)
+    eh_fwd, eh_bwd = gemm.linears_seconds((eh,), tokens, rate[0], rate[1])
+    backward = sum(q.backward for name, q in parts.items() if name not in (
+        "moe", "shared_experts") or (moe and name == "moe")) + cp_bwd + \
+        (0.0 if full else rerun.forward)
+    flops = 3 * (fl["dense"] + fl["core"] + (parts["moe"].flops if moe else 0.0) +
+                 2.0 * tokens * eh[0] * eh[1] + 2.0 * tokens * c.hidden_size *
+                 c.padded_vocab_size(tp) / tp) + (0.0 if full else rerun.flops)
+    return (depth * (layer_fwd + (moe_fwd if moe else 0.0) + eh_fwd + logits_fwd),
+            depth * (backward + eh_bwd + logits_bwd), depth * flops)
+
+
 def _core_seconds(flops: float, nbytes: float, flash: bool, dropout: bool, flop_rate: float,
                   flash_rate: float, byte_rate: float) -> Tuple[float, float]:
     """(forward, backward) seconds of attention's core in one layer: the fused kernel at
@@ -355,34 +386,6 @@ def _core_seconds(flops: float, nbytes: float, flash: bool, dropout: bool, flop_
     compute = flops / (flash_rate if flash else flop_rate)
     forward, backward = FLASH_DROPOUT_SLOWDOWN if flash and dropout else (1.0, 1.0)
     return compute * forward + nbytes / byte_rate, 2 * (compute * backward + nbytes / byte_rate)
-
-
-def _context_traffic(run: "RunConfig", hw: Hardware, tokens: int, core_forward: float
-                     ) -> Dict[str, float]:
-    """One layer's context-parallel traffic per micro-batch (context.py): the seconds its
-    forward and backward wait, and per step's share its bytes, transfer and exposed time.
-    The cp group spans tp x cp consecutive ranks (tp-cp-dp-pp); recomputation (full, or
-    selective with core_attn or torchtitan's op rule) runs the forward's exchange again in
-    the backward."""
-    c, p = run.model, run.parallel
-    assert c is not None
-    layout = context.layout_of(p)
-    out = dict.fromkeys(("fwd_s", "bwd_s", "bytes", "step_s", "exposed_s"), 0.0)
-    if layout.cp == 1:
-        return out
-    again = 1 if c.recompute_granularity == "full" or c.recomputes("core_attn") or \
-        (c.recompute_granularity == "selective" and c.selective_ac_option == "op") else 0
-    for comm_type, group, span in context.parts(layout):  # a2a+p2p: a2a within A, ring over P
-        fwd_b, bwd_b = context.layer_bytes(comm_type, group, tokens, c.num_attention_heads *
-                                           c.head_dim / p.tp, _width(c))
-        rate = _link(p.tp * span, hw.gpus_per_node, hw) * 1e9 * NETWORK_EFFICIENCY
-        fwd_s, bwd_s = context.layer_time(comm_type, fwd_b, bwd_b, rate, core_forward)
-        out["fwd_s"] += fwd_s
-        out["bwd_s"] += bwd_s + again * fwd_s
-        out["bytes"] += (1 + again) * fwd_b + bwd_b
-        out["step_s"] += ((1 + again) * fwd_b + bwd_b) / rate
-        out["exposed_s"] += (1 + again) * fwd_s + bwd_s
-    return out
 
 
 def throughput(run: "RunConfig", cost: StepCost, hw: Hardware) -> Throughput:

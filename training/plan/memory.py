@@ -27,11 +27,12 @@ router, and the shared experts' dense MLP. Expert state is ZeRO-sharded over the
 expert-data-parallel group (edp = tp x dp / (etp x ep)), the rest over dp.
 
 Context parallelism (context.py): s/cp tokens per rank, the cp attention's tensors in the
-core attention's place, ZeRO over dp x cp.
+core attention's place (multi-latent attention's at its padded head size: mla.py), ZeRO over
+dp x cp. Multi-token prediction's depths sit on the last stage (`mtp_bytes`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -41,7 +42,7 @@ from gigatron.training.plan.schedules import peak_held
 from gigatron.models.moe.config_checks import moe_layer_pattern
 from gigatron.parallel.zero.layout import group_sizes, plan_buckets
 from gigatron.training.plan.context import NONE, ContextLayout, attention_held
-from gigatron.training.plan.mla import mla_attention_bytes
+from gigatron.training.plan.mla import mla_attention_bytes, mla_context_bytes
 from gigatron.training.plan.parameters import ParamSpec, is_expert_parallel, stage_parameters
 from gigatron.training.plan.recompute import op_layer_bytes, selective_layer_bytes
 
@@ -182,6 +183,7 @@ class ActivationTerms:
     moe_layer: float = 0.0  # an MoE layer (`moe_mlp_bytes` in the MLP's place)
     moe_layer_selective: float = 0.0
     notes: List[str] = field(default_factory=list)
+    mtp: float = 0.0  # the multi-token prediction depths, on the last stage (`mtp_bytes`)
 
 
 def attention_kernel(c: "TransformerConfig", on_gpu: bool) -> str:
@@ -274,6 +276,9 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
     if c.multi_latent_attention and kernel == "flash" and context.cp == 1:  # training/plan/mla.py
         (held, inputs), core, ad = mla_attention_bytes(c, w, t, on_gpu), 0.0, \
             a * c.v_head_dim / t
+    elif c.multi_latent_attention and context.cp > 1:
+        held, inputs, cp_constant = mla_context_bytes(c, w, t, on_gpu, context)
+        ad = a * c.v_head_dim / t
     mlp_act = (4 if c.activation in ("swiglu", "quick_geglu") else 2) * w * ffn / t
     common = (2 * norm + 2 * hidden_mask * h) / split + w * h + w * h + w * ad + mlp_act
     layer = common + held + core
@@ -284,7 +289,8 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
         hidden_mask * h / split
     last = norm / split + w * h + 4 * c.padded_vocab_size(tp) / t + 9
     per_layer_constant = float(s * s) if (kernel == "unfused" and not on_gpu) else 0.0
-    per_layer_constant = cp_constant if context.cp > 1 else per_layer_constant
+    if context.cp > 1:  # a2a's sequence orders: not kept where the core is recomputed
+        per_layer_constant = 0.0 if c.recomputes("core_attn") else cp_constant
     per_chunk = 2 * s * c.rotary_dim * 4.0 / context.cp if rope else 0.0  # local positions
     notes = [f"attention kernel: {kernel}" + (f", context parallel {context.comm_type}"
                                               if context.cp > 1 else "")]
@@ -299,8 +305,31 @@ def activation_terms(c: "TransformerConfig", tp: int, on_gpu: bool, ep: int = 1,
             "core_attn": dropped["core_attn"], "moe": moe_mlp - w * h / split,
             "shared_experts": 0.0 if c.recomputes("moe") or not shared
             else glu * w * shared / t})
-    return ActivationTerms(layer, selective, w * h / split, first, last, per_layer_constant,
-                           per_chunk, moe, selective_moe, notes)
+    terms = ActivationTerms(layer, selective, w * h / split, first, last, per_layer_constant,
+                            per_chunk, moe, selective_moe, notes)
+    return replace(terms, mtp=mtp_bytes(c, terms, norm / split, hidden_mask * h / split,
+                                        w * h, 4 * c.padded_vocab_size(tp) / t))
+
+
+def mtp_bytes(c: "TransformerConfig", terms: ActivationTerms, norm: float, mask: float,
+              width_h: float, softmax: float) -> float:
+    """Bytes per token the multi-token prediction depths keep on the last stage (models/mtp/
+    block.py), each: the rolled token ids (int64; positions too when learned) and their
+    embedding's dropout `mask` and norm (`norm`: one norm's), the hidden state's norm,
+    eh_proj's 2h input (gathered under sequence parallelism), a transformer layer of the
+    last decoder layer's kind (its selective bytes under selective
+    recomputation; full recomputation does not checkpoint the depths), the final norm and,
+    as the main model's last stage keeps them, the output layer's input (`width_h`), the
+    loss's fp32 softmax (`softmax`) and its labels and mask."""
+    depth = c.mtp_num_layers or 0
+    if not depth:
+        return 0.0
+    moe = c.num_moe_experts is not None and moe_layer_pattern(c)[-1]
+    selective = c.recompute_granularity == "selective"
+    layer = (terms.moe_layer_selective if selective else terms.moe_layer) if moe else \
+        (terms.layer_selective if selective else terms.layer)
+    ids = 8 * (2 if c.position_embedding_type == "learned_absolute" else 1)
+    return depth * (ids + mask + 3 * norm + 2 * width_h + layer + width_h + softmax + 9)
 
 
 def chunk_activations(c: "TransformerConfig", terms: ActivationTerms, layers: int,
@@ -329,7 +358,7 @@ def chunk_activations(c: "TransformerConfig", terms: ActivationTerms, layers: in
         held = layers * per_layer
     held += terms.per_chunk_constant if layers else 0.0
     held += (terms.first_stage * tokens if pre else 0.0) + \
-        (terms.last_stage * tokens if post else 0.0)
+        ((terms.last_stage + terms.mtp) * tokens if post else 0.0)
     return held, transient
 
 
@@ -356,7 +385,7 @@ def _moe_chunk_activations(c: "TransformerConfig", terms: ActivationTerms,
     else:
         held = sum(whole)
     held += terms.per_chunk_constant + (terms.first_stage * tokens if pre else 0.0) + \
-        (terms.last_stage * tokens if post else 0.0)
+        ((terms.last_stage + terms.mtp) * tokens if post else 0.0)
     return held, transient
 
 
@@ -413,7 +442,8 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
     transient = max(t for _, t in per_chunk)
     if any(partition.post_process(pp_rank, k) for k in range(partition.virtual_chunks)):
         # the loss's backward: the fp32 gradient of the logits beside the saved softmax
-        transient = max(transient, 4.0 * tokens * c.padded_vocab_size(tp) / tp)
+        transient = max(transient, 4.0 * tokens * c.padded_vocab_size(tp) / tp *
+                        (1 + (c.mtp_num_layers or 0)))
     return StageMemory(pp_rank, sum(s.numel for specs in chunks for s in specs), state,
                        held, in_flight, transient,
                        sum(s.numel for specs in chunks for s in specs if s.is_expert),
