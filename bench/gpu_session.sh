@@ -67,4 +67,10 @@ step train-gpt3-1.3b 100 200 python3 bench/bench_train_gpu.py --sizes gpt3-1.3b 
   --micro-batches 8 --paths gigatron plain megatron --warmup 2 --iters 6 --out "$OUT/gpt"
 step train-llama-1b 60 120 python3 bench/bench_train_gpu.py --sizes llama-1b \
   --micro-batches 8 --paths gigatron --warmup 2 --iters 6 --no-profile --out "$OUT/llama"
+# issue 42: the 1.14B Llama-style model in gigatron (eager, compiled, FP8), torchtitan 0.3.0 and
+# megatron-core, each contender in its own process (torchtitan's wheels travel in .whl/ too:
+# docs/PERFORMANCE.md, "Side by side"); alone: python3 bench/bench_side_by_side.py
+mkdir -p "$OUT/side"
+step side-by-side-1b 150 420 python3 bench/bench_side_by_side.py --warmup 2 --iters 6 \
+  --contender-timeout 100 --out "$OUT/side"
 echo "=== session done at t=$((SECONDS - START)) s" | tee -a "$LOG"
