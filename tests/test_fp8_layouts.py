@@ -1,8 +1,9 @@
 """Every layout equals one rank in FP8 (DESIGN decision 15): a tiny fp32 GPT with
 --fp8-format hybrid, pretrained for a few iterations by the real program (pretrain.main on
 forked gloo ranks, --mock-data), logs the one-rank FP8 run's LM losses and ends with its full
-parameters at pp2, dp2 (ZeRO 1), cp2 and, for an MoE GPT, ep2 (tensorwise), and at pp2, cp2
-and dp2 (ZeRO 1, --fp8-param-gather) under delayed scaling.
+parameters at pp2, dp2 (ZeRO 1), cp2, tp2 x dp2 (ZeRO 1, --fp8-param-gather) and, for an MoE
+GPT, ep2 (tensorwise), and at pp2, cp2 and dp2 (ZeRO 1, --fp8-param-gather) under delayed
+scaling.
 
 Why they can be equal: tensorwise scaling MAX-reduces each operand's amax over tp x cp (a
 cp chunk of tokens is quantised as the whole sequence is), and nothing over dp or pp (each
@@ -31,8 +32,9 @@ In the MoE layers the attention and shared-expert linears run in FP8; the routed
 Measured (CPU, torch 2.13, 3 iterations; loss error, parameter error): pp2 tensorwise 0 and
 5.9e-8, dp2 ZeRO 1 tensorwise 1.0e-7 and 7.8e-8, cp2 tensorwise 1.0e-7 and 2.5e-7, cp2
 delayed 4.9e-8 and 1.3e-7, pp2 delayed (4 micro-batches of 1) 0 and 2.4e-8, dp2 ZeRO 1
-delayed with --fp8-param-gather 1.0e-7 and 1.3e-7, ep2 MoE tensorwise 9.6e-8 and 2.7e-6.
-With the amax reduced over tp only (the cp and dp
+delayed with --fp8-param-gather 1.0e-7 and 1.3e-7, tp2 x dp2 ZeRO 1 tensorwise with
+--fp8-param-gather 1.0e-7 and 4.4e-7 (its gather's amax not reduced over tp, tried: 2.8e-4
+and 0.09), ep2 MoE tensorwise 9.6e-8 and 2.7e-6. With the amax reduced over tp only (the cp and dp
 reductions dropped, tried on purpose): cp2 tensorwise 0.49, cp2 delayed 0.084, dp2 delayed
 0.043 on the parameters.
 """
@@ -69,6 +71,9 @@ LAYOUTS = {
     "dp2_zero1_tensorwise": (2, GPT + TENSORWISE, GPT + TENSORWISE + ["--zero-stage", "1"]),
     "cp2_tensorwise": (2, GPT + TENSORWISE,
                        GPT + TENSORWISE + ["--context-parallel-size", "2"]),
+    "tp2_dp2_zero1_tensorwise_fp8_param_gather": (
+        4, GPT + TENSORWISE, GPT + TENSORWISE + "--tensor-model-parallel-size 2 --zero-stage 1 "
+                                                "--fp8-param-gather".split()),
     "cp2_delayed": (2, ONE_MICRO_BATCH, ONE_MICRO_BATCH + ["--context-parallel-size", "2"]),
     "pp2_delayed": (2, GPT + DELAYED + ["--micro-batch-size", "1"], GPT + DELAYED + [
         "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2"]),
