@@ -238,3 +238,25 @@ def test_overlap_rule_is_one_for_grads_and_zero3_units():
     first = min(1.0, run.zero.reduce_bucket_size / parameters)
     assert exposed((0.0, grads / 2), zero_stage=2, overlap_comm=True) == pytest.approx(
         max(first * grads, grads / 2) + per_pass, rel=1e-9)
+
+
+def test_search_applies_the_overlap_flags_where_the_layout_has_them(capsys):
+    """--search with --tp-comm-overlap and --overlap-param-gather: tp 1 / ZeRO 0 layouts are
+    not refused for the flags (they apply where tp > 1 / ZeRO >= 1), and each plan reads
+    them as a single plan of its layout's flags does."""
+    import json
+
+    from test_plan_cli import _plan as _cli
+
+    small = ("--num-layers 2 --hidden-size 256 --num-attention-heads 8 --seq-length 512 "
+             "--max-position-embeddings 512 --vocab-size 1000 --global-batch-size 8 --bf16 "
+             "--overlap-grad-reduce --overlap-param-gather --tp-comm-overlap "
+             # the flags' own layout validates as given (the search then varies it)
+             "--tensor-model-parallel-size 2 --sequence-parallel "
+             "--use-distributed-optimizer").split()
+    code, out, _ = _cli(capsys, "--search", "--json", "--gpu", "h100-sxm", "--num-gpus", "2",
+                        *small)
+    doc = json.loads(out)
+    assert code == 0 and not any("overlap" in r["reason"] for r in doc["refused"])
+    layouts = {(p["layout"]["tp"], p["layout"]["zero_stage"]) for p in doc["ranked"]}
+    assert {(1, 0), (2, 0), (1, 1), (2, 1)} <= layouts

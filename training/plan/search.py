@@ -3,7 +3,8 @@
 A layout is (tp, pp, cp, dp, ZeRO stage, recomputation, micro-batch size, and for a mixture of
 experts the expert-parallel size ep: each divisor of --num-experts whose etp x ep divides
 tp x dp, etp the flag's or tp; with pp > 1 the pipeline schedule: `schedules`), with sequence
-parallelism whenever tp > 1 and the user's global batch. Each one is validated by the same
+parallelism whenever tp > 1 and the user's global batch; --tp-comm-overlap and
+--overlap-param-gather, when given, apply where the layout has tp > 1 / ZeRO stage >= 1. Each one is validated by the same
 `build_run_config` the real run uses (its error is the rejection reason), then planned; those
 that fit the device's memory are ranked by predicted step time, the others are refused with
 the stage and bytes that do not fit.
@@ -123,6 +124,10 @@ def _flags_for(flags: argparse.Namespace, layout: Layout,
     out.recompute_granularity, out.recompute_method, out.recompute_num_layers = \
         granularity, method, num
     out.sequence_parallel = layout.tp > 1
+    # the overlaps the flags ask for, where the layout has what they overlap
+    out.tp_comm_overlap = getattr(flags, "tp_comm_overlap", False) and layout.tp > 1
+    out.overlap_param_gather = getattr(flags, "overlap_param_gather", False) and \
+        layout.zero_stage >= 1
     out.context_parallel_size = layout.cp
     sizes = getattr(flags, "hierarchical_context_parallel_sizes", None)
     if flags.cp_comm_type == "a2a+p2p" and sizes:  # the given a2a size A, the ring over cp/A
