@@ -178,11 +178,14 @@ GPT = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 
 
 def _pretrain(rank: int, world: int, argv, metrics: str) -> Tuple[int, int]:
     """pretrain.main(argv) with the layers traced by aot_eager; (graph breaks, graphs)."""
+    import torch._dynamo
     from torch._dynamo.utils import counters
 
     from gigatron.training.run import compile as compile_run, pretrain
 
     compile_run.BACKEND = "aot_eager"
+    torch._dynamo.reset()  # forked from a test process that may have compiled before
+    counters.clear()
     assert pretrain.main(argv + ["--metrics-file", metrics]) == 0
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
