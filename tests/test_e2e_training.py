@@ -1,7 +1,7 @@
-"""pretrain_gpt.py's program on real data, on CPU (fp32, dropout 0): the tp=2 pp=2 dp=2 run and
-its stop-and-resume through torchrun (whole programs, 8 ranks), the one-rank reference and the
-two-rank layouts through the same entry (pretrain.main with the same flags) on forked gloo
-ranks, which start in well under a second where torchrun costs ~20 s of start-up per run.
+"""pretrain_gpt.py's program on real data, on CPU (fp32, dropout 0): the tp=2 pp=2 dp=2 run
+through torchrun (the whole program, 8 ranks), and through the same entry (pretrain.main with
+the same flags) on forked gloo ranks its stop-and-resume, the one-rank reference and the
+two-rank layouts, which start in well under a second where torchrun costs ~20 s of start-up per run.
 
 Data: a real .bin/.idx built here from Python standard-library source files (one document
 per file, byte-level tokens, eod 256; NullTokenizer with --vocab-size 257: eod is its last id).
@@ -146,16 +146,21 @@ def test_layout_logs_single_device_losses(corpus, reference, full_3d_run, tmp_pa
 
 
 @pytest.mark.e2e
-def test_stop_at_6_and_resume_to_10_logs_identical_losses(corpus, full_3d_run, tmp_path):
+def test_stop_at_6_and_resume_to_10_logs_identical_losses(corpus, full_3d_run, tmp_path, capfd):
+    # the stop and the resume run the program's entry on 8 forked ranks (the torchrun'd
+    # whole program is full_3d_run, the uninterrupted run they must equal): two more
+    # torchrun starts would cost ~80 s of CPU for the same code path
     tp, pp, dp, zero = FULL_3D
     flags = base_flags(corpus) + layout_flags(tp, pp, zero)
     whole = full_3d_run
     ckpt, resumed = str(tmp_path / "ckpt"), str(tmp_path / "resumed.jsonl")
-    first = launch(8, flags + ["--metrics-file", resumed, "--save", ckpt, "--exit-interval", "6"])
-    assert "exiting at iteration 6" in first
+    capfd.readouterr()
+    run_forked(8, flags + ["--metrics-file", resumed, "--save", ckpt, "--exit-interval", "6"])
+    assert "exiting at iteration 6" in capfd.readouterr().out
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == "6"
-    second = launch(8, flags + ["--metrics-file", resumed, "--save", ckpt, "--load", ckpt])
+    run_forked(8, flags + ["--metrics-file", resumed, "--save", ckpt, "--load", ckpt])
+    second = capfd.readouterr().out
     assert "loaded checkpoint" in second and "iteration 6" in second
     assert train_losses(resumed) == train_losses(whole)  # exact equality, fp32 on CPU
 
