@@ -175,3 +175,22 @@ def test_a_long_search_shows_progress_on_stderr(capsys, monkeypatch):
     assert plan_cli.main(SMALL + ["--search"]) == 0
     err = capsys.readouterr().err
     assert "gigatron plan --search: 1/" in err and " layouts (" in err and "ETA" in err
+
+
+def test_layers_that_do_not_divide_over_the_stages_are_split_unevenly():
+    """5 layers on pp 2: first 3, last 2, planned (was refused: 'does not split evenly');
+    61 layers on pp 16 as Megatron-LM's DeepSeek-V3 script splits them, 3 + 14 x 4 + 2."""
+    assert plan_search.uneven_split(61, 16) == (3, 2)
+    assert plan_search.uneven_split(8, 4) is None
+    assert plan_search.uneven_split(24, 16) == (-1, -1)  # validation refuses it, as before
+    argv = ["--num-layers", "5"] + SMALL[2:] + ["--search"]
+    opts, flags, run, tokenizer, world = plan_cli.configure(argv)
+    hw = plan_cli._hardware(opts, run.logging.peak_tflops)
+    ranked, refused = plan_search.search(flags, world, run.train.global_batch_size,
+                                         tokenizer, hw)
+    pipelined = [c for c in ranked if c.layout.pp == 2]
+    assert pipelined and all((c.layout.first_stage_layers, c.layout.last_stage_layers) ==
+                             (3, 2) for c in pipelined)
+    partition = planner.partition_of(pipelined[0].plan.run)
+    assert [len(partition.layer_range(r, 0)) for r in range(2)] == [3, 2]
+    assert not any("does not split evenly" in (c.reason or "") for c in refused)

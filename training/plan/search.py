@@ -4,8 +4,9 @@ A layout is (tp, pp, cp, dp, ZeRO stage, recomputation, micro-batch size, and fo
 experts the expert-parallel size ep: each divisor of --num-experts whose etp x ep divides
 tp x dp, etp the flag's or tp; with pp > 1 the pipeline schedule: `schedules`), with sequence
 parallelism whenever tp > 1 and the user's global batch; --tp-comm-overlap and
---overlap-param-gather, when given, apply where the layout has tp > 1 / ZeRO stage >= 1. Each one is validated by the same
-`build_run_config` the real run uses (its error is the rejection reason), then planned; those
+--overlap-param-gather, when given, apply where the layout has tp > 1 / ZeRO stage >= 1; a
+pipeline whose stages do not divide the layers is split unevenly (`uneven_split`). Each one
+is validated by the same `build_run_config` the real run uses (its error is the rejection reason), then planned; those
 that fit the device's memory are ranked by predicted step time, the others are refused with
 the stage and bytes that do not fit.
 """
@@ -44,13 +45,17 @@ class Layout:
     cp: int = 1  # context-parallel size (the flags' --cp-comm-type)
     schedule: str = "1f1b"  # --pipeline-schedule
     virtual_stage_layers: Optional[int] = None  # zbv's 2 chunks per stage: layers / (2 pp)
+    first_stage_layers: Optional[int] = None  # an uneven split (`uneven_split`)
+    last_stage_layers: Optional[int] = None
 
     def describe(self) -> str:
         return (f"tp={self.tp} pp={self.pp} dp={self.dp}"
                 f"{'' if self.cp == 1 else f' cp={self.cp}'}"
                 f"{'' if self.ep is None else f' ep={self.ep}'} zero={self.zero_stage} "
                 f"recompute={self.recompute} mbs={self.micro_batch_size}"
-                f"{'' if self.schedule == '1f1b' else f' schedule={self.schedule}'}")
+                f"{'' if self.schedule == '1f1b' else f' schedule={self.schedule}'}"
+                f"{'' if self.first_stage_layers is None else f' first={self.first_stage_layers}'}"
+                f"{'' if self.last_stage_layers is None else f' last={self.last_stage_layers}'}")
 
 
 @dataclass(frozen=True)
@@ -91,17 +96,34 @@ def schedules(pp: int, num_layers: int, zero_stage: int, tied_embeddings: bool) 
     return ["1f1b", "zb-h1"] + (["zbv"] if v_shaped else [])
 
 
+def uneven_split(num_layers: int, pp: int) -> Optional[Tuple[int, int]]:
+    """(first, last) stage layers for a pipeline whose stages cannot split the layers evenly
+    (None: they can): the middle stages ceil(layers / pp) each, the rest over the first and
+    last, the first one more where odd (Megatron-LM's DeepSeek-V3 script: 61 layers on pp 16
+    as 3 + 14 x 4 + 2); (-1, -1) where fewer than two are left for them."""
+    if num_layers % pp == 0:
+        return None
+    per = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * per
+    if rest < 2:
+        return -1, -1
+    return -(-rest // 2), rest // 2
+
+
 def layouts(world_size: int, num_layers: int, gpus_per_node: int,
             num_experts: Optional[int] = None, etp: Optional[int] = None,
             seq_length: int = 1, tied_embeddings: bool = True) -> Iterator[Layout]:
-    """The search space: tp within a node, pp up to one layer per stage, cp over the rest
-    (`context_sizes`), ep over the experts (`expert_sizes`), the pipeline `schedules`."""
+    """The search space: tp within a node, pp up to one layer per stage (split unevenly where
+    the layers do not divide: `uneven_split`), cp over the rest (`context_sizes`), ep over
+    the experts (`expert_sizes`), the pipeline `schedules`."""
     for tp in _divisors(world_size):
         if tp > gpus_per_node:
             continue
         for pp in _divisors(world_size // tp):
             if pp > num_layers:
                 continue
+            split = uneven_split(num_layers, pp)  # none possible: validation says why
+            first, last = (None, None) if split in (None, (-1, -1)) else split
             for cp in context_sizes(world_size // (tp * pp), seq_length):
                 dp = world_size // (tp * pp * cp)
                 for ep in expert_sizes(num_experts, tp, dp * cp, etp):
@@ -111,7 +133,7 @@ def layouts(world_size: int, num_layers: int, gpus_per_node: int,
                                 for name in schedules(pp, num_layers, zero, tied_embeddings):
                                     yield Layout(tp, pp, dp, zero, recompute, mbs, ep, cp,
                                                  name, num_layers // (2 * pp)
-                                                 if name == "zbv" else None)
+                                                 if name == "zbv" else None, first, last)
 
 
 def _flags_for(flags: argparse.Namespace, layout: Layout,
@@ -137,6 +159,8 @@ def _flags_for(flags: argparse.Namespace, layout: Layout,
             out.hierarchical_context_parallel_sizes = [sizes[0], layout.cp // sizes[0]]
     out.pipeline_schedule = layout.schedule
     out.num_layers_per_virtual_pipeline_stage = layout.virtual_stage_layers
+    out.decoder_first_pipeline_num_layers = layout.first_stage_layers
+    out.decoder_last_pipeline_num_layers = layout.last_stage_layers
     out.gradient_accumulation_steps = None
     if layout.ep is not None:
         out.expert_model_parallel_size = layout.ep
