@@ -67,3 +67,21 @@ def test_a2a_p2p_bytes_equal_the_formula_and_activations_fall_as_one_over_cp(ben
                               bench.measure(4, config, "a2a+p2p")])
     assert rows[1]["measured_bytes"] == rows[1]["formula_bytes"], rows[1]
     assert abs(rows[1]["ratio"] / 4 - 1) < 0.15, rows[1]
+
+
+def test_predicted_activations_equal_the_bench_and_fall_as_it_does(rows):
+    """gigatron plan's activations per rank (tests/test_plan_cp.py's flags) equal the bench's
+    measured ones within 1% and fall as they do (here: the bench runs once per file)."""
+    from test_plan_cp import BENCH, _cp, _plan
+
+    assert len(rows) == 7
+    planned = {}
+    for r in rows:
+        cp, comm_type = r["cp"], "p2p" if r["comm_type"] == "-" else r["comm_type"]
+        doc = _plan(["--gpu", "cpu", "--num-gpus", str(cp)] + _cp(cp, comm_type) + BENCH)
+        planned[cp, r["comm_type"]] = doc["stages"][0]["bytes"]["activations"]
+        assert abs(planned[cp, r["comm_type"]] / r["activation_bytes"] - 1) < 0.01, r
+    base = planned[1, "-"]
+    for r in rows:
+        predicted_ratio = base / planned[r["cp"], r["comm_type"]]
+        assert abs(predicted_ratio / r["ratio"] - 1) < 0.15, (r, predicted_ratio)
