@@ -140,9 +140,10 @@ def checkpoint(function: Callable, tracker: Optional[TensorParallelRNGTracker],
         # layer's graph and AOT autograd recomputes it in backward within that graph, from
         # the same graph inputs (FP8 scales included): the Python-side recording and
         # replaying of RNG and scale state is not traced
-        extra = {} if keep is None else {"context_fn": keep}
+        if keep is None:
+            return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
-                                                 **extra)
+                                                 context_fn=keep)
 
     def contexts() -> Tuple[Any, Any]:
         forward, recompute = _tracker_contexts(tracker)
