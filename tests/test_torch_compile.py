@@ -10,7 +10,8 @@ each expert gets is data), counted exactly: dynamo reports that call once for ea
 it is nested in (TransformerLayer.forward, MoELayer.forward, and under ep
 _forward_expert_parallel) and compiles the layer in one more graph per frame (the code
 after the call). Deferred weight gradients (zb-h1, zbv) leave each linear eager: their
-backward pushes to a Python queue (counted exactly too).
+backward pushes to a Python queue (counted exactly too); so does dropout drawn from the
+tensor-parallel RNG tracker (attention dropout), which swaps generator states.
 
 The graph-break cases use dynamo's "eager" backend (what is traced is the same; nothing is
 lowered) to stay fast; the numbers are checked with the real inductor backend on one rank
@@ -120,6 +121,15 @@ def test_deferred_weight_gradients_leave_each_linear_uncompiled():
     with wgrad.deferring(queue):
         counts = _compiled_layer_counts(_model(config), config.seq_length)
     assert counts == (14, 16) and len(queue) == 4
+
+
+def test_tracked_dropout_breaks_where_it_swaps_the_generator():
+    """Dropout on split activations (attention probabilities; the sequence slice under sp)
+    draws from the tensor-parallel tracker's stream, which swaps the default generator's
+    state in and out (parallel/tensor/random.py fork): dynamo does not trace generator
+    states, so a layer with attention dropout breaks there (8 breaks, 6 graphs)."""
+    config = _config(num_layers=1, attention_dropout=0.1, hidden_dropout=0.1)
+    assert _compiled_layer_counts(_model(config), config.seq_length) == (8, 6)
 
 
 def _parallel_layer_counts(rank: int, world: int) -> Dict[str, Tuple[int, int]]:
