@@ -321,9 +321,12 @@ class TransformerBlock(nn.Module):
 def _run_once(layers: Any, function: Callable) -> Callable:
     """`function` for a checkpoint: calls after the first are the recomputation, where the
     MoE layers among `layers` (a layer or a list) add no losses and count no tokens again.
-    Inside a compiled layer (--torch-compile) `function` itself: the recomputation is AOT
-    autograd's, which replays the traced graph, not this Python."""
-    if torch.compiler.is_compiling():
+    Dense layers inside a compiled layer (--torch-compile): `function` itself, as there is
+    nothing to mark and the counter would keep dynamo from tracing the checkpoint (AOT
+    autograd recomputes it, from the graph); an MoE layer's checkpoint runs eager."""
+    if torch.compiler.is_compiling() and not any(
+            hasattr(layer.mlp, "recomputing")
+            for layer in (layers if isinstance(layers, list) else [layers])):
         return function
     calls = 0
 

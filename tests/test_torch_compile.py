@@ -132,6 +132,43 @@ def test_tracked_dropout_breaks_where_it_swaps_the_generator():
     assert _compiled_layer_counts(_model(config), config.seq_length) == (8, 6)
 
 
+def test_moe_layer_recomputed_by_module_adds_its_losses_once():
+    """--recompute-modules moe in a compiled layer: the MoE checkpoint runs eager (its losses
+    and counts are Python state), its output and gradients are eager's, and the re-run adds
+    no second balancing loss and counts no token twice (2 breaks, 2 graphs)."""
+    config = _config(num_layers=1, num_moe_experts=4, moe_router_topk=2,
+                     moe_aux_loss_coeff=0.01, recompute_granularity="selective",
+                     recompute_modules=["moe"])
+    model = _model(config)
+    moe = model.decoder.layers["0"].mlp
+    assert _compiled_layer_counts(model, config.seq_length, "aot_eager", check=True) == (2, 2)
+    model.layer_losses.take()
+    moe.stats_tokens_per_expert.zero_()
+    x = torch.randn(config.seq_length, 2, config.hidden_size, requires_grad=True)
+    model.decoder.layers["0"](x, model._rotary(x, None)).sum().backward()
+    assert list(model.layer_losses.take()) == ["load_balancing_loss"]
+    assert model.layer_losses.take() == {}  # nothing added by the backward's re-run
+    assert moe.stats_tokens_per_expert.sum().item() == config.seq_length * 2 * 2  # top 2
+
+
+def test_moe_full_recompute_is_refused_with_torch_compile():
+    from gigatron.training.config.arguments import parse_args
+    from gigatron.training.config.validation import ConfigError
+
+    flags = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+             "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 2 "
+             "--lr 1e-3 --train-iters 1 --mock-data --vocab-size 128 --num-experts 4 "
+             "--torch-compile --recompute-granularity full --recompute-method uniform "
+             "--recompute-num-layers 1").split()
+    with pytest.raises(ConfigError) as err:
+        parse_args(flags, 1)
+    assert [line for line in err.value.problems if "--torch-compile" in line] == [
+        "--torch-compile with --recompute-granularity full is not supported for MoE models "
+        "(the compiled layer's recompute saves other tensors than its forward): use "
+        "--recompute-granularity selective (--recompute-modules moe, or --selective-ac-option "
+        "op), or drop --torch-compile"]
+
+
 def _parallel_layer_counts(rank: int, world: int) -> Dict[str, Tuple[int, int]]:
     import torch.distributed as dist
 

@@ -164,6 +164,14 @@ def check_train(s: "Settings", parallel: ParallelConfig, model: Optional["Transf
         p.add(f"--delay-wgrad-compute needs a schedule that runs weight gradients apart: use "
               f"--pipeline-schedule zb-h1 or zbv (--pipeline-schedule "
               f"{parallel.pipeline_schedule} computes them in the backward)")
+    full = model.recompute_granularity == "full"
+    if s.implementation.torch_compile and model.num_moe_experts and full:
+        # the re-run of a compiled MoE layer inside the block's checkpoint traces another
+        # graph (no losses added) that saves other tensors than its forward did
+        p.add("--torch-compile with --recompute-granularity full is not supported for MoE "
+              "models (the compiled layer's recompute saves other tensors than its forward): "
+              "use --recompute-granularity selective (--recompute-modules moe, or "
+              "--selective-ac-option op), or drop --torch-compile")
 
 
 def check_optimizer(s: "Settings", p: Problems) -> None:
