@@ -14,9 +14,11 @@ backward pushes to a Python queue (counted exactly too); so does dropout drawn f
 tensor-parallel RNG tracker (attention dropout), which swaps generator states.
 
 The graph-break cases use dynamo's "eager" backend (what is traced is the same; nothing is
-lowered) to stay fast; the numbers are checked with the real inductor backend on one rank
-(losses equal eager within 1e-4 relative over 3 steps, fp32) and with "aot_eager" at
-tp2 x pp2 (4 ranks on 2 cores: inductor's C++ compiles would take minutes there).
+lowered) to stay fast, "aot_eager" where AOT autograd's own recomputation is what runs
+(selective and op recomputation, FP8), there with the output and every gradient checked
+against eager (1e-6). The losses are checked with the real inductor backend on one rank
+(equal eager within 1e-4 relative over 3 steps, fp32) and with "aot_eager" at tp2 x pp2
+(4 ranks on 2 cores: inductor's C++ compiles would take minutes there).
 """
 from __future__ import annotations
 
