@@ -78,7 +78,8 @@ class AcceptedSettings:
     no_align_param_gather: bool = _overlap(
         "when pipeline stages launch their parameter all-gathers", "--no-align-param-gather")
     overlap_param_gather_with_optimizer_step: bool = _overlap(
-        "the parameter all-gather runs after the step",
+        "the parameter all-gather is issued after the whole step (with "
+        "--overlap-param-gather it is waited bucket by bucket in the next forward)",
         "--overlap-param-gather-with-optimizer-step")
     no_gradient_reduce_div_fusion: bool = _overlap(
         "gradients are divided by the data-parallel size before the sum, as Megatron does by "
