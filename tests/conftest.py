@@ -14,12 +14,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The files that take longest on 2 cores (`pytest --durations=0`, summed per file), longest
 # first. Only the order changes: a file missing here runs after these, in collection order.
 LONGEST_FIRST = (
-    "test_deepspeed_checkpoint_load.py", "test_launch_cli.py", "test_e2e_training.py",
-    "test_restart.py", "test_horovod.py", "test_deepspeed_parity.py",
-    "test_megatron_torch_dist.py", "test_hf_qwen3.py", "test_watchdog.py",
-    "test_plan_cp.py", "test_pipeline_gpt.py", "test_recompute.py",
-    "test_deepspeed_auto.py", "test_examples_pipeline_user_model.py", "test_multinode.py",
-    "test_fp8.py", "test_report.py",
+    "test_launch_cli.py", "test_horovod.py", "test_bench_train_gpu.py", "test_e2e_training.py",
+    "test_horovod_api.py", "test_deepspeed_checkpoint_load.py", "test_torch_compile.py",
+    "test_engine.py", "test_watchdog.py", "test_checkpoint_dist.py",
+    "test_bench_context_parallel.py", "test_deepspeed_parity.py", "test_megatron_torch_dist.py",
+    "test_restart.py", "test_deepspeed_auto.py", "test_megatron_scripts.py",
+    "test_context_parallel_checkpoint.py", "test_context_parallel.py",
+    "test_pipeline_user_model.py", "test_mla_parallel.py", "test_zero_bubble_training.py",
 )
 
 
