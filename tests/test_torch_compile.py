@@ -223,8 +223,9 @@ def test_inductor_compiled_model_trains_the_eager_losses():
     note, lines = CompileTimeNote(True), []
     assert compile_model_chunks([model], "inductor") == 1
     # kernels compiled in this process: a pool of compile workers (each importing torch)
-    # costs more than it saves for a layer's few kernels on 2 cores
-    with torch._inductor.config.patch(compile_threads=1):
+    # costs more than it saves for a layer's few kernels on 2 cores; scalar C++ (no SIMD ISA
+    # probe, simpler kernels): ~18 s of CPU from a cold inductor cache, where SIMD took ~35
+    with torch._inductor.config.patch({"compile_threads": 1, "cpp.vec_isa_ok": False}):
         compiled = _train_losses(model, lambda: lines.append(note.after_step()))
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=RTOL, atol=0)
     assert lines[0] is not None and lines[0].startswith("torch.compile: compiled") \
