@@ -182,3 +182,22 @@ def test_band_attention_dropout_equals_dense_dropout_with_the_same_masks(window,
     _assert_close(got, want, f"dropout window {window}")
     no_dropout = band.band_attention(q, k, v, window, sink, 0.3)
     assert (got[0] - no_dropout).abs().max() > 0.1  # it does drop
+
+
+def test_off_by_one_layer_builds_with_a_zero_sink_buffer_and_attends_as_band():
+    """--softmax-type off-by-one: CoreAttention holds the fixed 0 sink as a non-persistent
+    buffer (it raised KeyError, the attribute set before the buffer was registered) and its
+    output is band attention with a zero sink."""
+    from gigatron.models.attention.core import CoreAttention
+    from gigatron.models.config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=H * D, num_attention_heads=H,
+                               vocab_size=8, seq_length=S, softmax_type="off-by-one",
+                               attention_dropout=0.0)
+    core = CoreAttention(config, None)
+    assert core.band and torch.equal(core.softmax_offset, torch.zeros(H))
+    assert "softmax_offset" not in core.state_dict()
+    q, k, v, _, _ = inputs(H)
+    got = core(*(t.permute(2, 0, 1, 3) for t in (q, k, v)))  # [s, b, n, d] in
+    want = dense_reference(q, k, v, None, torch.zeros(H), D ** -0.5)
+    assert (got - want.permute(2, 0, 1, 3).reshape(S, B, H * D)).abs().max() < 2e-5

@@ -58,7 +58,8 @@ class CoreAttention(nn.Module):
         self.cp_comm_type = "p2p"
         self.window = layer_window(config, layer_number)
         # the sink logit per head (Megatron-Core's softmax_offset), split with the heads
-        self.softmax_offset: Optional[torch.Tensor] = None
+        # (off-by-one's is a zero buffer, registered before any plain attribute of that name)
+        self.softmax_offset: Optional[torch.Tensor]
         heads = config.num_attention_heads
         if config.softmax_type == "learnable":
             self.softmax_offset = nn.Parameter(torch.empty(
@@ -69,6 +70,8 @@ class CoreAttention(nn.Module):
         elif has_sink(config):
             self.register_buffer("softmax_offset", torch.zeros(
                 heads // tp, dtype=config.params_dtype, device=device), persistent=False)
+        else:
+            self.softmax_offset = None
         self.band = self.window is not None or self.softmax_offset is not None
 
     def set_context_parallel(self, cp_group: Group, comm_type: str = "p2p") -> None:
