@@ -16,7 +16,8 @@ one profiled step writes a torch profiler trace with its top-10 kernels printed.
 
 --capacity: each size in its own process (a host out-of-memory kills only that one) with
 --optimizer-cpu-offload, bf16, full recompute, micro-batch 1, 2 steps; the largest that
-trains is reported with its TFLOP/s. Output: a markdown table on stdout and results.json
+trains is reported with its TFLOP/s, step time and host bytes per parameter (the process's
+peak RSS over its parameters). Output: a markdown table on stdout and results.json
 under --out (default $OUT, else bench_out/).
 """
 from __future__ import annotations
@@ -227,9 +228,11 @@ def capacity_one(name: str, args: argparse.Namespace, device: torch.device) -> D
     batch = _batch(1, args.seq_length, vocab, device)
     times = time_steps(step, batch, device, 1, 1)
     peak = args.peak_tflops or metrics.device_peak_tflops(device, DTYPES[args.dtype])
+    host = _host_peak_gib()
     return _report("gigatron offload", 1, args.seq_length, times,
                    metrics.flops_per_token(model), peak, device, size=size["name"],
-                   parameters=params, host_peak_rss_gib=_host_peak_gib())
+                   parameters=params, host_peak_rss_gib=host,
+                   host_bytes_per_param=host * 2**30 / params)
 
 
 def _host_peak_gib() -> float:
@@ -364,6 +367,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(markdown(results))
     if summary:
         print(f"largest that trains with --optimizer-cpu-offload: {summary['largest']}")
+        for r in results:  # the host side of offload: peak RSS (imports included) per param
+            if "error" not in r:
+                print(f"  {r['size']}: host peak RSS {r['host_peak_rss_gib']:.1f} GiB = "
+                      f"{r['host_bytes_per_param']:.1f} host bytes/param, "
+                      f"step {r['step_s']:.2f} s")
     for r in results:
         for k in r.get("top_kernels", []):
             print(f"  {r['size']} top: {k['us'] / 1e3:9.2f} ms x{k['calls']:<4} {k['name']}")

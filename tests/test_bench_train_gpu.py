@@ -83,6 +83,10 @@ def test_capacity_reports_the_largest_offloaded_size_that_trains(tmp_path):
     small, large = report["results"]
     assert large["parameters"] > small["parameters"] and large["tflops_per_device"] > 0
     assert "largest that trains with --optimizer-cpu-offload: tiny-llama-8b" in stdout
+    # the host side of offload per parameter (tiny: the process's imports dominate)
+    assert large["host_bytes_per_param"] == pytest.approx(
+        large["host_peak_rss_gib"] * 2**30 / large["parameters"])
+    assert "tiny-llama-8b: host peak RSS" in stdout and "host bytes/param, step" in stdout
 
 
 def test_llama_1b_flops_count_swiglu_gqa_and_the_tied_output_once():
