@@ -20,6 +20,10 @@ the expert ffn) trained side by side through the trainer's step (training/run/lo
 train_step on the run's own builders): tokens/s of each, as a table.
 
     python bench/bench_moe.py --parts exchange train --device cpu
+    python bench/bench_moe.py --parts train --train-models mixtral-like deepseek-v3-like
+
+--train-models deepseek-v3-like: multi-latent attention in both models, one shared expert
+and sigmoid routing with the expert bias in the MoE one (its dense twin: ffn (topk + 1) x f).
 """
 from __future__ import annotations
 
@@ -180,15 +184,39 @@ def bench_exchange(eps: List[int], tokens: int, hidden: int, experts: int,
     return rows
 
 
-def _train_flags(moe: bool, args: argparse.Namespace) -> List[str]:
-    """A tiny Llama-shaped GPT: MoE (E experts of ffn f, top-k) or dense of ffn k x f."""
+TRAIN_MODELS = ("mixtral-like", "deepseek-v3-like")
+
+
+def _deepseek_attention(h: int) -> List[str]:
+    """DeepSeek-V3's multi-latent attention scaled to hidden h: heads of 128 query/key
+    channels + 64 rotated, values 128, key/value latent 4 x 128, query latent 12 x 128 (at
+    h < 1024 heads of 16 on the same ratios)."""
+    head = 128 if h >= 1024 else 16
+    return ["--multi-latent-attention", "--num-attention-heads", str(max(1, h // head)),
+            "--qk-head-dim", str(head), "--qk-pos-emb-head-dim", str(head // 2),
+            "--v-head-dim", str(head), "--kv-lora-rank", str(4 * head),
+            "--q-lora-rank", str(12 * head)]
+
+
+def _train_flags(moe: bool, args: argparse.Namespace, family: str = "mixtral-like"
+                 ) -> List[str]:
+    """A Llama-shaped GPT: MoE (E experts of ffn f, top-k) or dense of ffn k x f.
+    deepseek-v3-like adds multi-latent attention (both), one shared expert of ffn f and
+    sigmoid routing with the aux-loss-free expert bias (its dense twin: ffn (k + 1) x f)."""
     h, f, k = args.train_hidden, args.train_expert_ffn, args.train_topk
+    deepseek = family == "deepseek-v3-like"
+    dense_ffn = (k + 1) * f if deepseek else k * f
     mlp = ["--num-experts", str(args.train_experts), "--moe-router-topk", str(k),
-           "--moe-ffn-hidden-size", str(f), "--ffn-hidden-size", str(k * f),
+           "--moe-ffn-hidden-size", str(f), "--ffn-hidden-size", str(dense_ffn),
            "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm"] if moe else \
-        ["--ffn-hidden-size", str(k * f)]
-    return ["--num-layers", str(args.train_layers), "--hidden-size", str(h),
-            "--num-attention-heads", str(max(1, h // 64)), "--seq-length", str(args.seq_length),
+        ["--ffn-hidden-size", str(dense_ffn)]
+    if moe and deepseek:
+        mlp += ["--moe-shared-expert-intermediate-size", str(f),
+                "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    attention = _deepseek_attention(h) if deepseek else \
+        ["--num-attention-heads", str(max(1, h // 64))]
+    return ["--num-layers", str(args.train_layers), "--hidden-size", str(h)] + attention + [
+            "--seq-length", str(args.seq_length),
             "--max-position-embeddings", str(args.seq_length), "--micro-batch-size",
             str(args.train_micro_batch), "--global-batch-size", str(args.train_micro_batch),
             "--vocab-size", "1024", "--swiglu", "--normalization", "RMSNorm",
@@ -216,9 +244,13 @@ def bench_train(args: argparse.Namespace, device: torch.device) -> List[Dict]:
 
 
 def _train_rows(args: argparse.Namespace, device: torch.device) -> List[Dict]:
+    return [row for family in args.train_models for row in _train_family(args, device, family)]
+
+
+def _train_family(args: argparse.Namespace, device: torch.device, family: str) -> List[Dict]:
     rows, steps = [], {}
     for name, moe in (("moe", True), ("dense", False)):
-        session, step = build_gigatron(_train_flags(moe, args), device)
+        session, step = build_gigatron(_train_flags(moe, args, family), device)
         model = session.chunks[0]
         total = sum(p.numel() for p in model.parameters())
         inactive = 0
@@ -227,7 +259,8 @@ def _train_rows(args: argparse.Namespace, device: torch.device) -> List[Dict]:
                        and isinstance(m.experts, RoutedExperts)]
             per_expert = sum(e.weight1[0].numel() + e.weight2[0].numel() for e in experts)
             inactive = per_expert * (args.train_experts - args.train_topk)
-        rows.append(dict(model=name, parameters=total, active_parameters=total - inactive))
+        rows.append(dict(model=name, family=family, parameters=total,
+                         active_parameters=total - inactive))
         steps[name] = step
     g = torch.Generator().manual_seed(0)
     shape = (args.train_micro_batch, args.seq_length + 1)
@@ -243,6 +276,7 @@ def _train_rows(args: argparse.Namespace, device: torch.device) -> List[Dict]:
     for row in rows:
         row["seconds"] = statistics.median(times[row["model"]])
         row["tokens_per_s"] = batch[0].numel() / row["seconds"]
+    steps.clear()  # the next family's models build on a freed device
     return rows
 
 
@@ -263,10 +297,11 @@ def _print_tables(kernels: List[Dict], exchange: List[Dict], train: List[Dict]) 
         print(f"| {r['ep']} | {r['tokens']} | {r['hidden']} | {r['experts']} | {r['topk']} | "
               f"{', '.join(map(str, r['measured']))} | {r['formula']} |")
     if train:
-        print("\n| model | parameters | active parameters | step ms | tokens/s |\n"
-              "|---|---|---|---|---|")
+        print("\n| family | model | parameters | active parameters | step ms | tokens/s |\n"
+              "|---|---|---|---|---|---|")
     for r in train:
-        print(f"| {r['model']} | {r['parameters']:,} | {r['active_parameters']:,} | "
+        print(f"| {r['family']} | {r['model']} | {r['parameters']:,} | "
+              f"{r['active_parameters']:,} | "
               f"{1e3 * r['seconds']:.1f} | {r['tokens_per_s']:,.0f} |")
 
 
@@ -283,6 +318,8 @@ def parse_args(argv: List[str] | None) -> argparse.Namespace:
     p.add_argument("--exchange-hidden", type=int, default=32)
     p.add_argument("--exchange-experts", type=int, default=8)
     p.add_argument("--exchange-topk", type=int, default=2)
+    p.add_argument("--train-models", nargs="+", default=["mixtral-like"], choices=TRAIN_MODELS,
+                   help="train: each family's MoE GPT beside its dense twin")
     p.add_argument("--train-layers", type=int, default=4)
     p.add_argument("--train-hidden", type=int, default=256)
     p.add_argument("--train-expert-ffn", type=int, default=256)

@@ -57,3 +57,25 @@ def test_moe_and_dense_gpt_of_equal_active_parameters_train_side_by_side(tmp_pat
     assert moe["parameters"] - moe["active_parameters"] == 2 * 2 * 3 * 32 * 16
     assert moe["tokens_per_s"] > 0 and dense["tokens_per_s"] > 0
     assert "| moe | " in capsys.readouterr().out
+
+
+def test_deepseek_v3_like_family_trains_mla_and_a_shared_expert_beside_its_dense_twin(
+        tmp_path, capsys):
+    bench_moe = _bench_moe()
+    assert bench_moe.main(["--parts", "train", "--device", "cpu", "--iters", "1",
+                           "--warmup", "1", "--train-models", "deepseek-v3-like",
+                           "--train-layers", "2", "--train-hidden", "32",
+                           "--train-expert-ffn", "16", "--train-experts", "4",
+                           "--train-topk", "2", "--train-micro-batch", "2",
+                           "--seq-length", "16", "--out", str(tmp_path)]) == 0
+    moe, dense = json.loads((tmp_path / "bench_moe.json").read_text())["train"]
+    assert (moe["family"], moe["model"], dense["model"]) == ("deepseek-v3-like", "moe", "dense")
+    # shared expert + top-2 = the dense twin's ffn 3 x f; the MoE layers add their routers
+    assert moe["active_parameters"] - dense["active_parameters"] == 2 * 4 * 32
+    assert moe["parameters"] - moe["active_parameters"] == 2 * 2 * 3 * 32 * 16
+    assert moe["tokens_per_s"] > 0 and dense["tokens_per_s"] > 0
+    assert "| deepseek-v3-like | moe | " in capsys.readouterr().out
+    flags = bench_moe._train_flags(True, bench_moe.parse_args(["--train-hidden", "2048"]),
+                                   "deepseek-v3-like")
+    assert flags[flags.index("--num-attention-heads") + 1] == "16"
+    assert "--multi-latent-attention" in flags and "--moe-router-enable-expert-bias" in flags
