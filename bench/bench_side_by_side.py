@@ -22,6 +22,7 @@ torch_checkpointing tyro docstring_parser typeguard triton` never touches torch.
     python bench/bench_side_by_side.py                     # GPU: the 1B size
     python bench/bench_side_by_side.py --toy               # CPU (the default there)
     python bench/bench_side_by_side.py --contenders "gigatron eager" megatron-core
+    python bench/bench_side_by_side.py --model gpt3-1.3b   # GPT-3 XL (no torchtitan row)
 """
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ from side_by_side_contenders import Shape  # noqa: E402
 
 GPU_SHAPE = Shape(16, 2048, 16, 8, 8192, 32000, 2048, 4)
 TOY_SHAPE = Shape(2, 64, 4, 2, 256, 512, 64, 2)
+# --model gpt3-1.3b: GPT-3 XL (models/zoo/gpt3-1.3b.json: 24 layers, hidden 2048, 16 heads,
+# ffn 8192, GPT-2's vocabulary), micro-batch 8 (it fit on the H200 of issue 33)
+GPT_SHAPE = Shape(24, 2048, 16, 16, 8192, 50257, 2048, 8, "gpt")
+TOY_GPT_SHAPE = Shape(2, 64, 4, 4, 256, 512, 64, 2, "gpt")
+MODELS = {"llama-1b": (GPU_SHAPE, TOY_SHAPE), "gpt3-1.3b": (GPT_SHAPE, TOY_GPT_SHAPE)}
 CONTENDERS = list(contenders.GIGATRON_VARIANTS) + ["torchtitan", "torchtitan compiled",
                                                    "megatron-core"]
 RESULT = "side-by-side result: "
@@ -99,13 +105,16 @@ def _child(args: argparse.Namespace) -> int:
 
 # ---- the parent: one process per contender, one table ----------------------------------------
 
-def skip_reason(name: str, torchtitan_path: Optional[str]) -> Optional[str]:
-    """Why `name` cannot run here (None: it can)."""
+def skip_reason(name: str, torchtitan_path: Optional[str], arch: str = "llama"
+                ) -> Optional[str]:
+    """Why `name` cannot run here on an `arch` model (None: it can)."""
     import importlib.machinery
     import importlib.util
 
     if name == "gigatron compiled" and not contenders.has_flag("--torch-compile"):
         return "--torch-compile is not in gigatron's config table yet"
+    if name.startswith("torchtitan") and arch == "gpt":
+        return "torchtitan 0.3.0 has no GPT-2/3 model (LayerNorm, GeLU, learned positions)"
     if name.startswith("torchtitan"):
         paths = [torchtitan_path] if torchtitan_path else []
         found = any(importlib.machinery.PathFinder.find_spec("torchtitan", [p]) for p in paths)
@@ -119,7 +128,7 @@ def skip_reason(name: str, torchtitan_path: Optional[str]) -> Optional[str]:
 
 def run_contender(name: str, shape: Shape, args: argparse.Namespace) -> Dict[str, Any]:
     """`name`'s result from its own process; a crash, time-out or skip is a result too."""
-    reason = skip_reason(name, args.torchtitan_path)
+    reason = skip_reason(name, args.torchtitan_path, shape.arch)
     if reason:
         return dict(contender=name, skipped=reason)
     env = dict(os.environ)
@@ -182,6 +191,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--toy", action=argparse.BooleanOptionalAction, default=None,
                    help="the toy size (default on a CPU)")
+    p.add_argument("--model", choices=list(MODELS), default="llama-1b",
+                   help="the Llama-style 1.14B (default) or GPT-3 1.3B (torchtitan skipped)")
     p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
     p.add_argument("--seq-length", type=int, default=None)
     p.add_argument("--micro-batch", type=int, default=None, help="= global batch (one rank)")
@@ -203,7 +214,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def shape_of(args: argparse.Namespace) -> Shape:
-    shape = TOY_SHAPE if args.toy else GPU_SHAPE
+    gpu, toy = MODELS[args.model]
+    shape = toy if args.toy else gpu
     if args.seq_length:
         shape = dataclasses.replace(shape, seq_length=args.seq_length)
     if args.micro_batch:

@@ -24,8 +24,9 @@ LR, CLIP, ROPE_THETA, BETAS, WEIGHT_DECAY = 1e-4, 1.0, 500000.0, (0.9, 0.95), 0.
 
 @dataclass(frozen=True)
 class Shape:
-    """One Llama-style model and batch: RMSNorm, SwiGLU, RoPE, grouped-query attention,
-    untied embeddings, no biases."""
+    """One model and batch. arch "llama": RMSNorm, SwiGLU, RoPE, grouped-query attention,
+    untied embeddings, no biases; "gpt" (GPT-3's): LayerNorm, GeLU, learned absolute
+    positions, biases, tied embeddings, multi-head attention (query groups = heads)."""
 
     num_layers: int
     hidden_size: int
@@ -35,20 +36,22 @@ class Shape:
     vocab_size: int
     seq_length: int
     micro_batch: int
+    arch: str = "llama"
 
 
 def gigatron_flags(shape: Shape, extra: List[str]) -> List[str]:
     """gigatron's pretrain flags of `shape` (global batch = micro batch: one rank, no
-    accumulation)."""
+    accumulation); "gpt" keeps Megatron's defaults (LayerNorm, GeLU, learned positions,
+    biases, tied embeddings)."""
     s = shape
+    llama = ["--group-query-attention", "--num-query-groups", str(s.num_query_groups),
+             "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+             "--rotary-base", str(int(ROPE_THETA)), "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights"] if s.arch == "llama" else []
     return [
         "--num-layers", str(s.num_layers), "--hidden-size", str(s.hidden_size),
-        "--num-attention-heads", str(s.num_attention_heads), "--group-query-attention",
-        "--num-query-groups", str(s.num_query_groups), "--ffn-hidden-size",
-        str(s.ffn_hidden_size), "--vocab-size", str(s.vocab_size),
-        "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-        "--rotary-base", str(int(ROPE_THETA)), "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights", "--bf16",
+        "--num-attention-heads", str(s.num_attention_heads), "--ffn-hidden-size",
+        str(s.ffn_hidden_size), "--vocab-size", str(s.vocab_size)] + llama + ["--bf16",
         "--seq-length", str(s.seq_length), "--max-position-embeddings", str(s.seq_length),
         "--micro-batch-size", str(s.micro_batch), "--global-batch-size", str(s.micro_batch),
         "--train-iters", "1000000", "--lr", str(LR), "--clip-grad", str(CLIP),

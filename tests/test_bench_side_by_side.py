@@ -82,3 +82,21 @@ def test_gpu_defaults_are_the_1b_llama_and_mfu_uses_the_peak():
     table = bench.markdown(results)
     assert "| a | main | 10,000 | 50.0% | 2.00 | 10.0000 | 1 |" in table
     assert "| b | failed: exit 1: out of memory |" in table
+
+
+def test_gpt3_model_trains_gigatron_and_skips_torchtitan_with_the_reason(tmp_path):
+    bench = _import_bench()
+    arch = bench.contenders.model_config(bench.GPT_SHAPE)
+    assert (arch.normalization, arch.position_embedding_type, arch.num_query_groups) == \
+        ("LayerNorm", "learned_absolute", 16)
+    assert arch.add_bias_linear and not arch.untie_embeddings_and_output_weights
+    proc = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--model", "gpt3-1.3b",
+                           "--warmup", "1", "--iters", "1", "--out", str(tmp_path),
+                           "--contenders", "gigatron eager", "torchtitan"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "side_by_side.json").read_text())
+    assert report["shape"] == bench.dataclasses.asdict(bench.TOY_GPT_SHAPE)
+    eager, titan = report["results"]
+    assert eager["tokens_per_s"] > 0 and "error" not in eager, eager
+    assert "no GPT-2/3 model" in titan["skipped"]
