@@ -422,13 +422,14 @@ class ZeroOptimizer:
 
     # ---- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shard: master weights, optimizer state, loss scaler."""
+        """This rank's shard: master weights, optimizer state, loss scaler. Host tensors are
+        the live ones (as torch's Optimizer.state_dict): serialise it before the next step."""
         return {"format": STATE_FORMAT, "zero_stage": self.stage,
                 "dp_size": comm.group_size(self.process_groups.dp),
                 "dp_rank": comm.group_rank(self.process_groups.dp),
                 "layout": [(g.chunk, g.kind, g.full_numel, g.shard_numel)
                            for g in self.flat_groups],
-                "master": [g.master.detach().cpu().clone() for g in self.flat_groups],
+                "master": [_host_copy(g.master) for g in self.flat_groups],
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
 
@@ -446,7 +447,8 @@ class ZeroOptimizer:
         (exp_avg, ...), the optimizer's scalar state shared by all groups (the step count);
         then refresh the model parameters from the masters."""
         for g, master in zip(self.flat_groups, masters):
-            g.load_master(master)
+            if master is not g.master:  # torch_dist reads into the live shard itself
+                g.load_master(master)
         state = self.optimizer.state_dict()
         order = [p for group in self.optimizer.param_groups for p in group["params"]]
         index = {id(p): i for i, p in enumerate(order)}
@@ -485,6 +487,16 @@ def _fp32(pieces: List[torch.Tensor]) -> List[torch.Tensor]:
     """The grad shard's pieces themselves when fp32, else fp32 copies (as Megatron copies its
     fp16/bf16 main grads into the fp32 main parameters' grads before unscaling)."""
     return pieces if pieces[0].dtype == torch.float32 else [p.float() for p in pieces]
+
+
+def _host_copy(master: torch.Tensor) -> torch.Tensor:
+    """The master shard for a synchronous save: itself when it lives on the host in its own
+    storage (an offloaded shard: no second 4 B/param on the host; torch.save writes it
+    before training goes on), a copy of its elements when it is a view of a larger buffer
+    (torch.save would write the whole storage) or on the device."""
+    master = master.detach().cpu()
+    whole = master.untyped_storage().nbytes() == master.numel() * master.element_size()
+    return master if whole else master.clone()
 
 
 def _only(keys: Optional[Sequence[str]], values: Dict[str, Any]) -> Dict[str, Any]:

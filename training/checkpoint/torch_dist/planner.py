@@ -73,6 +73,22 @@ class ShardedSavePlanner(DefaultSavePlanner):
             raise ValueError(f"{index.fqn}: this rank holds no piece at {wanted}")
         return super().lookup_object(index)
 
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = super().resolve_data(write_item)
+        return _own_storage(data) if isinstance(data, torch.Tensor) else data
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """A host piece aliased by a tensor whose storage is exactly its bytes. DCP clones a
+    view of a larger storage before writing it and keeps every tensor of a file until the
+    file is closed: one rank's whole file (an offloaded ZeRO shard's masters and optimizer
+    state, 12 B/param) would sit on the host twice."""
+    if tensor.device.type != "cpu" or tensor.dim() == 0 or not tensor.is_contiguous() or \
+            tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    raw = torch.from_numpy(tensor.detach().view(torch.uint8).numpy())
+    return raw.view(tensor.dtype).view(tensor.shape)
+
 
 def _write_item(fqn: str, global_shape: Tuple[int, ...], offsets: Offsets,
                 tensor: torch.Tensor) -> WriteItem:

@@ -305,7 +305,9 @@ def model_weights_to_load(chunks: List[torch.nn.Module], tp_rank: int, tp_size: 
 
 @dataclass
 class ResumedZero:
-    """Tensors a load fills, laid out like this rank's ZeRO shards."""
+    """Tensors a load fills, laid out like this rank's ZeRO shards: the live master shards
+    and optimizer states themselves (a state the optimizer does not hold yet is made here,
+    once, where it will stay)."""
 
     masters: List[torch.Tensor]
     per_element: List[Dict[str, torch.Tensor]]
@@ -314,14 +316,17 @@ class ResumedZero:
 def zero_state_to_load(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_rank: int,
                        tp_size: int, state_keys: List[str], master_prefix: str
                        ) -> Tuple[Dict[str, ShardedValue], ResumedZero]:
-    """Fresh master shards (read from `master_prefix`, the masters or the fp32 weights) and
-    per-element states, and the pieces a load writes into them."""
+    """This rank's master shards (read from `master_prefix`, the masters or the fp32
+    weights) and per-element states, and the pieces a load writes into them. The load
+    writes into the live tensors, not into copies: an offloaded optimizer's host holds
+    12 B/param and no second set (a failed read leaves them half written; every rank then
+    stops, see orchestrator.py)."""
     names = global_names(chunks)
     # an optimizer with several rules (Muon: momentum or Adam's moments) says which
     # states each of its tensors keeps; the others keep every saved one
     keeps = getattr(zero.optimizer, "state_keys", lambda p: state_keys)
-    resumed = ResumedZero([g.master.detach().clone() for g in zero.flat_groups],
-                          [{k: torch.zeros_like(g.master) for k in state_keys
+    resumed = ResumedZero([g.master.detach() for g in zero.flat_groups],
+                          [{k: _live_state(zero, g, k) for k in state_keys
                             if k in keeps(g.master)} for g in zero.flat_groups])
     values: Dict[str, ShardedValue] = {}
     for piece in shard_pieces(zero, names, tp_rank, tp_size):
@@ -334,6 +339,15 @@ def zero_state_to_load(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_
             add_flat(_values(values, prefix + piece.name, piece.placement),
                      tensor[at:at + piece.length], piece.start, piece.placement)
     return values, resumed
+
+
+def _live_state(zero: "ZeroOptimizer", g: "FlatGroup", key: str) -> torch.Tensor:
+    """The optimizer's per-element state `key` of `g`'s master shard, made if missing."""
+    value = zero.optimizer.state.get(g.master, {}).get(key)
+    if isinstance(value, torch.Tensor) and value.shape == g.master.shape and \
+            value.dtype == g.master.dtype:
+        return value.detach()
+    return torch.zeros_like(g.master)
 
 
 def staged(values: Dict[str, Any]) -> Dict[str, Any]:
