@@ -2,6 +2,7 @@
 
     python bench/bench_kernels.py [--quick] [--json OUT.json]
     python bench/bench_kernels.py --sweep-norms [--iters 30]   # time every norm launch variant
+    python bench/bench_kernels.py --norms-only                 # the norms at their defaults
     python bench/bench_kernels.py --sweep-softmax [--iters 30] # every softmax forward variant
 
 Measures the device copy bandwidth (bytes read + written by a large device-to-device copy)
@@ -279,6 +280,8 @@ def main() -> None:
                         help="only time every launch variant of the bf16 norm kernels side by side")
     parser.add_argument("--sweep-softmax", action="store_true",
                         help="only time every launch variant of the bf16 softmax forward side by side")
+    parser.add_argument("--norms-only", action="store_true",
+                        help="only the norm kernels at their launch defaults (no softmax)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -310,6 +313,8 @@ def main() -> None:
             for rms in (False, True):
                 results.append(bench_norm(kernels, rows, hidden, dtype, rms, iters))
                 print(results[-1], flush=True)
+        if args.norms_only:
+            continue
         for shape in take(SOFTMAX_SHAPES) if dtype == torch.bfloat16 else [(2, 16, 1024, 1024)]:
             results.append(bench_softmax(kernels, shape, dtype, False, iters))
             print(results[-1], flush=True)
