@@ -74,7 +74,9 @@ def _check_pytest(args: List[str]) -> Optional[str]:
     missing = [a for a in args if a.startswith("tests/") and not os.path.exists(a.split("::")[0])]
     if missing:
         return f"no such test file {missing}"
-    keep = [a for a in args if not a.startswith("--junit")]  # collection writes no report
+    # collection writes no report and needs no xdist workers
+    keep = [a for i, a in enumerate(args) if not a.startswith("--junit") and a != "-n"
+            and (i == 0 or args[i - 1] != "-n")]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = pytest.main(["--collect-only", "-q"] + keep)

@@ -93,10 +93,12 @@ step ceilings 20 40 python3 bench/ceilings.py
 if [ -n "$BUILD" ]; then wait "$BUILD"; tail -15 "$WORK/build.log" | tee -a "$LOG"; fi
 if [ "$DRY" = 1 ]; then step kernel-build 0 0 python3 -m gigatron.ops --build; fi
 
-# 1. every file with cuda-marked tests (found by their marker, so new ones join by themselves)
+# 1. every file with cuda-marked tests (found by their marker, so new ones join by themselves);
+# one xdist worker: a test that kills its process (the extension's error path segfaulted on
+# the H100 before csrc/binding.cpp's fix) fails alone and a fresh worker runs the rest
 CUDA_FILES=$(grep -l "pytest.mark.cuda" tests/test_*.py | tr '\n' ' ')
 # shellcheck disable=SC2086
-step cuda-tests 60 170 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs --durations=10 \
+step cuda-tests 60 170 python3 -m pytest -q -p no:cacheprovider -n 1 -m cuda -rfEs --durations=10 \
   --junitxml="$WORK/cuda-tests/cuda_tests.xml" $CUDA_FILES
 
 # 2. side by side: the contenders that decide the target first (a time limit cuts the last)
