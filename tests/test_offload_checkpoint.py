@@ -10,6 +10,7 @@ states before copying them in (+12 P).
 """
 import io
 import os
+import threading
 import weakref
 
 import pytest
@@ -24,6 +25,7 @@ from zero_models import HIDDEN, VOCAB, Block, TinyLM, batches
 from gigatron.parallel.zero import ZeroConfig, build_zero
 from gigatron.training.checkpoint.torch_dist import resume, save_load
 from gigatron.training.checkpoint.torch_dist import state as dist_state
+from gigatron.training.checkpoint.torch_dist.async_save import AsyncSaver
 
 BATCH, WIDTH = 12, 256
 CONFIG = dict(zero_stage=2, lr=1e-2, weight_decay=0.1, reduce_bucket_size=60_000,
@@ -94,12 +96,16 @@ def _build(seed=0):
     return model, build_zero(model, ZeroConfig(**CONFIG))
 
 
-def _save_dist(zero, model, root, rank):
+def _values(zero, model, rank):
     values, scalars = dist_state.zero_state_to_save(zero, [model], 0, 1, rank, True)
     state = dict(values)
     state[dist_state.COMMON] = {"optimizer": dist_state.optimizer_common(zero, scalars)}
+    return state
+
+
+def _save_dist(state, root, rank, group=None):
     return save_load.save(root, 3, state, {"tp": 0, "pp": 0, "dp": rank},
-                          {"iteration": 3, "tp": 1, "pp": 1})
+                          {"iteration": 3, "tp": 1, "pp": 1}, group)
 
 
 def _measured(action):
@@ -108,32 +114,56 @@ def _measured(action):
     return host.peak, result
 
 
+def _save_in_background(rank, world, model, zero, root, peaks):
+    """--async-save's way (orchestrator.py): the weights staged, the host masters and
+    states written in place while the next forward and backward run; the write is held
+    back a while, and the next step waits for it. Returns the continued run, the folder."""
+    live = dist_state.host_optimizer_storages(zero)
+    values = _values(zero, model, rank)
+    peaks["async_staging"], state = _measured(lambda: dist_state.staged(values, live))
+    saver, gate = AsyncSaver(), threading.Event()
+    group = saver.group(1.0)
+
+    def write():
+        gate.wait()
+        return _save_dist(state, root, rank, group)
+    saver.start(3, 0.0, write)
+    zero.hold_step(saver.join)
+    threading.Timer(0.3, gate.set).start()
+    continued = _train(rank, world, model, zero, 3, 2)
+    return continued, saver.wait().folder
+
+
 def _everything(rank, world, root):
-    """(shard params, peaks, uninterrupted run, resumed runs) on this rank."""
+    """(shard params, peaks, uninterrupted run, continued and resumed runs) on this rank."""
     model, zero = _build()
     whole = _train(rank, world, model, zero, 0, 5)
     model, zero = _build()
     _train(rank, world, model, zero, 0, 3)
     shard = sum(g.shard_numel for g in zero.flat_groups)
     peaks = {"per_rank_save": _measured(lambda: torch.save(zero.state_dict(), io.BytesIO()))[0]}
-    peaks["torch_dist_save"], folder = _measured(lambda: _save_dist(zero, model, root, rank))
-    saved = save_load.read_common(folder)["optimizer"]
-    resumed = {}
+    peaks["torch_dist_save"], folder = _measured(
+        lambda: _save_dist(_values(zero, model, rank), os.path.join(root, "sync"), rank))
+    continued, background = _save_in_background(rank, world, model, zero,
+                                                 os.path.join(root, "async"), peaks)
+    runs = {"continued after the background save": continued}
     # a fresh run (as pretrain resumes: no optimizer state yet) and a run that has stepped
-    for name, seed, stepped in (("fresh", 99, 0), ("stepped", 7, 2)):
+    for name, seed, stepped, where in (("fresh", 99, 0, folder), ("stepped", 7, 2, folder),
+                                       ("from the background save", 5, 0, background)):
         model, zero = _build(seed)
         if stepped:
             _train(rank, world, model, zero, 0, stepped)
-        peaks[name], _ = _measured(lambda: resume.read_zero_state(folder, saved, [model],
+        saved = save_load.read_common(where)["optimizer"]
+        peaks[name], _ = _measured(lambda: resume.read_zero_state(where, saved, [model],
                                                                   zero, 1)())
-        resumed[name] = _train(rank, world, model, zero, 3, 2)
-    return shard, peaks, (whole[0][3:], whole[1]), resumed
+        runs[name] = _train(rank, world, model, zero, 3, 2)
+    return shard, peaks, (whole[0][3:], whole[1]), runs
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("offload_ckpt"))
-    return run_on_ranks(_everything, 2, os.path.join(root, "ckpt"))
+    return run_on_ranks(_everything, 2, root)
 
 
 def test_saving_an_offloaded_run_makes_no_full_size_host_copy(runs):
@@ -155,8 +185,17 @@ def test_resuming_an_offloaded_run_reads_into_the_live_shards(runs):
         assert peaks["stepped"] <= 2 * shard + shard / 8, (peaks, shard)
 
 
+def test_a_background_save_copies_only_the_weights_and_the_next_step_waits_for_it(runs):
+    """The bf16 weights are staged (2 P); the masters and moments are not (they were, 12 P
+    more): the step after the save waits until they are written, so the checkpoint holds
+    iteration 3's state (checked by the resume below) and training goes on unchanged."""
+    for shard, peaks, _, _ in runs:
+        assert peaks["async_staging"] <= 2 * shard + shard / 8, (peaks, shard)
+
+
 def test_an_offloaded_run_resumed_from_torch_dist_continues_bit_for_bit(runs):
     for _, _, (losses, params), resumed in runs:
+        assert len(resumed) == 4
         for name, (resumed_losses, resumed_params) in resumed.items():
             assert resumed_losses == losses, name
             for key, want in params.items():

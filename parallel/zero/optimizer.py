@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional,
-                    Sequence, Tuple, Union)
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterator, List,
+                    Optional, Sequence, Tuple, Union)
 
 import torch
 from torch import nn
@@ -177,6 +177,7 @@ class ZeroOptimizer:
                         if config.offload_optimizer == "cpu" else None)
         self.skipped_steps = 0
         self.fp8_param_gather: Optional[FP8ParamGather] = None  # set by --fp8-param-gather
+        self._before_step: List[Callable[[], None]] = []  # see hold_step
 
     # ---- construction ---------------------------------------------------------------
     def _check_dtypes(self, chunks: List[nn.Module]) -> torch.dtype:
@@ -342,6 +343,8 @@ class ZeroOptimizer:
         coefficient and the update stay on the device. bf16/fp32 never skip a step (as in
         Megatron, no loss scaler, no found-inf check); fp16 reads one flag per step to decide
         the skip and the loss-scale update (DeepSpeed's hysteresis runs on the host)."""
+        while self._before_step:
+            self._before_step.pop(0)()
         if not self.grad_sync.synced:
             self.finish_sync()
         self.finish_param_sync()  # the step writes the shards a gather in flight reads
@@ -376,6 +379,11 @@ class ZeroOptimizer:
             self._publish_params(copied=self.offload is not None)
         self.scaler.update(False)
         return StepResult(True, False, norm, scale, zeros)
+
+    def hold_step(self, until: Callable[[], None]) -> None:
+        """Let the next step write the masters, the optimizer state and the parameters only
+        once `until` returned (a background save reading them in place)."""
+        self._before_step.append(until)
 
     def _step_on_device(self, factor: Union[float, torch.Tensor]) -> None:
         """Unscale and clip the grad shards in fp32 (fp16 would underflow) and step the

@@ -127,13 +127,18 @@ class Checkpointer:
             raise ValueError("--async-save needs --ckpt-format torch_dist")
         group = self._async.group(run.parallel.distributed_timeout_minutes)
         _, state, coords, meta = _dist_save_state(run, groups, progress, chunks, zero, device)
-        state = dist_state.staged(state)
+        # an offloaded run's masters and optimizer state are written from where they are:
+        # the next optimizer step waits for the write instead of the host holding a copy
+        live = dist_state.host_optimizer_storages(zero) if zero.offload is not None else set()
+        state = dist_state.staged(state, live)
 
         def write() -> str:
             folder = save_load.save(root, progress.iteration, state, coords, meta, group)
             published()
             return folder
         self._async.start(progress.iteration, started, write)
+        if live:
+            zero.hold_step(self._async.join)
         return finished
 
     def _save_rank_copy(self, run: RunConfig, groups: "ProcessGroups",

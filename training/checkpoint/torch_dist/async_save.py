@@ -71,6 +71,12 @@ class AsyncSaver:
         self._pending = pending
         pending.thread.start()
 
+    def join(self) -> None:
+        """Block until the pending save (if any) is written; its result and error stay for
+        `wait`."""
+        if self._pending is not None:
+            self._pending.thread.join()
+
     def wait(self) -> Optional[SavedCheckpoint]:
         """Block until the pending save (if any) finished; raises its error."""
         pending, self._pending = self._pending, None
