@@ -16,8 +16,8 @@ from gigatron.models.config import TransformerConfig
 
 pytestmark = pytest.mark.cuda
 
-SEQ, BATCH, HEADS = 512, 2, 8
-DOCUMENTS = [(0, 100, 101, 300, 512), (0, 512)]  # per sample; a one-token document too
+SEQ, BATCH, HEADS = 256, 2, 8
+DOCUMENTS = [(0, 100, 101, 200, 256), (0, 256)]  # per sample; a one-token document too
 # name: (config overrides, query groups, q/k head size, v head size, documents)
 KINDS = {
     "causal": ({}, 8, 64, 64, None),
