@@ -117,8 +117,8 @@ step norm-kernels 25 60 python3 bench/bench_kernels.py --norms-only --iters 30 \
   --json "$WORK/norm-kernels/norm_kernels.json"
 
 # 4. offload capacity: each size in its own process, ascending, stops at the first that fails
-step offload-capacity 90 200 python3 bench/bench_train_gpu.py --capacity \
-  --sizes llama-1b llama-8b --size-timeout 180 --out "$WORK/offload-capacity"
+step offload-capacity 90 240 python3 bench/bench_train_gpu.py --capacity \
+  --sizes llama-1b llama-8b --size-timeout 170 --out "$WORK/offload-capacity"
 
 # 5. MoE at model level beside the dense model of the same active size (seq 2048, bf16)
 step moe-mixtral 45 90 python3 bench/bench_moe.py --parts train --train-models mixtral-like \
