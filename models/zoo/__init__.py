@@ -8,10 +8,11 @@ Each file holds TransformerConfig fields plus optional "description" and "source
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from gigatron.models.config import TransformerConfig
 
@@ -21,7 +22,14 @@ _DOC_KEYS = ("description", "source", "parameters")
 
 def list_models() -> List[str]:
     """Names of all zoo models, sorted."""
-    return sorted(p.stem for p in ZOO_DIR.glob("*.json"))
+    return list(_names(ZOO_DIR.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _names(_modified: int) -> Tuple[str, ...]:
+    """The zoo's names, read again when the folder changes (`gigatron plan --search`
+    validates each of thousands of layouts against the zoo)."""
+    return tuple(sorted(p.stem for p in ZOO_DIR.glob("*.json")))
 
 
 def model_fields(name: str) -> Dict[str, Any]:
@@ -29,9 +37,16 @@ def model_fields(name: str) -> Dict[str, Any]:
     path = ZOO_DIR / f"{name}.json"
     if not path.is_file():
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(list_models())}")
+    return json.loads(_text(path, path.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=64)
+def _text(path: Path, _modified: int) -> str:
+    """A zoo file's config fields as JSON text (a fresh copy for each reader), read again
+    when the file changes."""
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
-    return {k: v for k, v in data.items() if k not in _DOC_KEYS}
+    return json.dumps({k: v for k, v in data.items() if k not in _DOC_KEYS})
 
 
 def load_config(name: str, **overrides: Any) -> TransformerConfig:

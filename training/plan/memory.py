@@ -418,15 +418,22 @@ def _model_state(c: "TransformerConfig", chunks: List[List[ParamSpec]], zero: "Z
 def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: int, tp: int,
                  dp: int, zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
                  on_gpu: bool, ep: int = 1, etp: Optional[int] = None,
-                 context: ContextLayout = NONE, schedule: str = "1f1b") -> StageMemory:
+                 context: ContextLayout = NONE, schedule: str = "1f1b",
+                 memo: Optional[Dict[tuple, tuple]] = None) -> StageMemory:
     """Memory of one rank of pipeline stage `pp_rank` (any tp/dp/cp rank: all hold the
     same; ep, etp: the expert layers' sizes, etp None: tp; `context`: cp ranks share the
-    model, so ZeRO shards over dp x cp, and hold s/cp tokens; `schedule`: its name)."""
+    model, so ZeRO shards over dp x cp, and hold s/cp tokens; `schedule`: its name;
+    `memo`: the stages' model state kept by layout sizes, for layouts of one model only:
+    `search`'s)."""
     etp, shards = tp if etp is None else etp, dp * context.cp
-    chunks = stage_parameters(c, tp, partition, pp_rank, ep, etp)
-    state, expert_state = _model_state(c, chunks, zero, shards,
-                                       expert_data_parallel_size(tp, shards, ep, etp),
-                                       on_gpu and zero.offload_optimizer == "cpu")
+    key = (tp, pp_rank, partition.pp_size, partition.virtual_chunks, partition.placement,
+           partition.layers[pp_rank], ep, etp, shards, repr(zero), on_gpu)
+    held_state = None if memo is None else memo.get(key)
+    if held_state is None:
+        held_state = _stage_state(c, partition, pp_rank, tp, shards, zero, on_gpu, ep, etp)
+        if memo is not None:
+            memo[key] = held_state
+    chunks, state, expert_state, stash_per_token, parameters, expert_parameters = held_state
     terms = activation_terms(c, tp, on_gpu, ep, etp, context)
     tokens = c.seq_length * micro_batch_size // context.cp
     pattern = moe_layer_pattern(c)
@@ -438,23 +445,38 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
     held, in_flight, w_stash = peak_held(
         pp_rank, partition.pp_size, num_microbatches, partition.virtual_chunks, schedule,
         [bytes_ for bytes_, _ in per_chunk],
-        [w_stash_bytes(specs, c.params_dtype) * tokens for specs in chunks])
+        [per_token * tokens for per_token in stash_per_token])
     transient = max(t for _, t in per_chunk)
     if any(partition.post_process(pp_rank, k) for k in range(partition.virtual_chunks)):
         # the loss's backward: the fp32 gradient of the logits beside the saved softmax
         transient = max(transient, 4.0 * tokens * c.padded_vocab_size(tp) / tp *
                         (1 + (c.mtp_num_layers or 0)))
-    return StageMemory(pp_rank, sum(s.numel for specs in chunks for s in specs), state,
-                       held, in_flight, transient,
-                       sum(s.numel for specs in chunks for s in specs if s.is_expert),
-                       expert_state, w_stash)
+    return StageMemory(pp_rank, parameters, state, held, in_flight, transient,
+                       expert_parameters, expert_state, w_stash)
+
+
+def _stage_state(c: "TransformerConfig", partition: PipelinePartition, pp_rank: int, tp: int,
+                 shards: int, zero: "ZeroConfig", on_gpu: bool, ep: int, etp: int) -> tuple:
+    """What a stage's parameters decide, whatever the micro-batches and recomputation:
+    (chunks' parameters, ZeRO state, its experts' part, each chunk's W stash per token,
+    parameters, expert parameters)."""
+    chunks = stage_parameters(c, tp, partition, pp_rank, ep, etp)
+    state, expert_state = _model_state(c, chunks, zero, shards,
+                                       expert_data_parallel_size(tp, shards, ep, etp),
+                                       on_gpu and zero.offload_optimizer == "cpu")
+    return (chunks, state, expert_state,
+            [w_stash_bytes(specs, c.params_dtype) for specs in chunks],
+            sum(s.numel for specs in chunks for s in specs),
+            sum(s.numel for specs in chunks for s in specs if s.is_expert))
 
 
 def plan_memory(c: "TransformerConfig", partition: PipelinePartition, tp: int, dp: int,
                 zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
                 on_gpu: bool, ep: int = 1, etp: Optional[int] = None,
-                context: ContextLayout = NONE, schedule: str = "1f1b") -> List[StageMemory]:
+                context: ContextLayout = NONE, schedule: str = "1f1b",
+                memo: Optional[Dict[tuple, tuple]] = None) -> List[StageMemory]:
     """`stage_memory` of every pipeline stage."""
     return [stage_memory(c, partition, r, tp, dp, zero, micro_batch_size, num_microbatches,
-                         on_gpu, ep, etp, context, schedule) for r in range(partition.pp_size)]
+                         on_gpu, ep, etp, context, schedule, memo)
+            for r in range(partition.pp_size)]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import FrozenSet, List, Optional
+from typing import Dict, FrozenSet, List, Optional
 
 from gigatron.parallel.pipeline.partition import PipelinePartition
 from gigatron.training.config.run_config import RunConfig
@@ -91,14 +91,16 @@ def context_of(run: RunConfig) -> ContextLayout:
     return layout_of(run.parallel)
 
 
-def plan_stages(run: RunConfig, hw: Hardware) -> List[StageMemory]:
+def plan_stages(run: RunConfig, hw: Hardware,
+                memo: Optional[Dict[tuple, tuple]] = None) -> List[StageMemory]:
     """Memory of every pipeline stage of `run` on `hw` devices (`plan_run`'s first half:
-    --search checks it fits before it costs the step)."""
+    --search checks it fits before it costs the step; `memo`: memory.stage_memory's, kept
+    across the layouts of one model)."""
     c, p, t = run.model, run.parallel, run.train
     assert c is not None and t.micro_batch_size is not None
     return plan_memory(c, partition_of(run), p.tp, p.dp, run.zero, t.micro_batch_size,
                        t.num_microbatches, hw.key != "cpu", p.ep, p.etp, context_of(run),
-                       p.pipeline_schedule)
+                       p.pipeline_schedule, memo)
 
 
 def plan_run(run: RunConfig, hw: Hardware, assume: FrozenSet[str] = frozenset(),

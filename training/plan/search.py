@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, FrozenSet, Iterator, List, Optional, Tuple
+from typing import (TYPE_CHECKING, Callable, Dict, FrozenSet, Iterator, List, Optional,
+                    Tuple)
 
 from gigatron.training.observe.devices import Hardware
 from gigatron.training.plan.memory import GIB
@@ -24,6 +26,7 @@ from gigatron.training.plan.planner import (Plan, capacity_bytes, plan_run, plan
 
 if TYPE_CHECKING:
     from gigatron.data.tokenizer import Tokenizer
+    from gigatron.training.config.table import Settings
 
 RECOMPUTE = {"none": (None, None, None), "selective": ("selective", None, None),
              "full": ("full", "uniform", 1)}
@@ -136,51 +139,89 @@ def layouts(world_size: int, num_layers: int, gpus_per_node: int,
                                                  if name == "zbv" else None, first, last)
 
 
-def _flags_for(flags: argparse.Namespace, layout: Layout,
-               global_batch_size: int) -> argparse.Namespace:
-    out = copy.copy(flags)
+def _layout_values(flags: argparse.Namespace, layout: Layout,
+                   global_batch_size: int) -> Dict[str, object]:
+    """The flags (by argparse dest) a layout sets: its sizes, recomputation, schedule."""
     granularity, method, num = RECOMPUTE[layout.recompute]
-    out.tensor_model_parallel_size, out.pipeline_model_parallel_size = layout.tp, layout.pp
-    out.micro_batch_size, out.global_batch_size = layout.micro_batch_size, global_batch_size
-    out.zero_stage, out.use_distributed_optimizer = layout.zero_stage, False
-    out.recompute_granularity, out.recompute_method, out.recompute_num_layers = \
-        granularity, method, num
-    out.sequence_parallel = layout.tp > 1
-    # the overlaps the flags ask for, where the layout has what they overlap
-    out.tp_comm_overlap = getattr(flags, "tp_comm_overlap", False) and layout.tp > 1
-    out.overlap_param_gather = getattr(flags, "overlap_param_gather", False) and \
-        layout.zero_stage >= 1
-    out.context_parallel_size = layout.cp
+    out: Dict[str, object] = {
+        "tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+        "micro_batch_size": layout.micro_batch_size, "global_batch_size": global_batch_size,
+        "zero_stage": layout.zero_stage, "use_distributed_optimizer": False,
+        "recompute_granularity": granularity, "recompute_method": method,
+        "recompute_num_layers": num, "sequence_parallel": layout.tp > 1,
+        # the overlaps the flags ask for, where the layout has what they overlap
+        "tp_comm_overlap": getattr(flags, "tp_comm_overlap", False) and layout.tp > 1,
+        "overlap_param_gather": getattr(flags, "overlap_param_gather", False) and
+        layout.zero_stage >= 1,
+        "context_parallel_size": layout.cp}
     sizes = getattr(flags, "hierarchical_context_parallel_sizes", None)
     if flags.cp_comm_type == "a2a+p2p" and sizes:  # the given a2a size A, the ring over cp/A
         if layout.cp == 1:
-            out.cp_comm_type, out.hierarchical_context_parallel_sizes = "p2p", None
+            out["cp_comm_type"], out["hierarchical_context_parallel_sizes"] = "p2p", None
         elif layout.cp % sizes[0] == 0:  # else refused: A x P must be cp
-            out.hierarchical_context_parallel_sizes = [sizes[0], layout.cp // sizes[0]]
-    out.pipeline_schedule = layout.schedule
-    out.num_layers_per_virtual_pipeline_stage = layout.virtual_stage_layers
-    out.decoder_first_pipeline_num_layers = layout.first_stage_layers
-    out.decoder_last_pipeline_num_layers = layout.last_stage_layers
-    out.gradient_accumulation_steps = None
+            out["hierarchical_context_parallel_sizes"] = [sizes[0], layout.cp // sizes[0]]
+    out.update(pipeline_schedule=layout.schedule,
+               num_layers_per_virtual_pipeline_stage=layout.virtual_stage_layers,
+               decoder_first_pipeline_num_layers=layout.first_stage_layers,
+               decoder_last_pipeline_num_layers=layout.last_stage_layers,
+               gradient_accumulation_steps=None)
     if layout.ep is not None:
-        out.expert_model_parallel_size = layout.ep
+        out["expert_model_parallel_size"] = layout.ep
     return out
+
+
+def _flags_for(flags: argparse.Namespace, layout: Layout,
+               global_batch_size: int) -> argparse.Namespace:
+    out = copy.copy(flags)
+    for dest, value in _layout_values(flags, layout, global_batch_size).items():
+        setattr(out, dest, value)
+    return out
+
+
+class Shared:
+    """What every layout of one search shares: the flags' settings, built once (a layout's
+    are these with its own flags' fields replaced: `settings_for`), and the stages' model
+    state by layout sizes (memory.stage_memory's memo)."""
+
+    def __init__(self, flags: argparse.Namespace) -> None:
+        from gigatron.training.config.table import build_settings
+
+        self.flags, self.settings = flags, build_settings(flags)
+        self.memo: Dict[tuple, tuple] = {}
+
+    def settings_for(self, values: Dict[str, object]) -> "Settings":
+        """build_settings of the flags with a layout's `values` (`_layout_values`): those
+        rows replaced, each concern's dataclass once."""
+        from gigatron.training.config.table import row_of
+
+        changed: Dict[str, Dict[str, object]] = {}
+        for dest, value in values.items():
+            row = row_of(dest)
+            changed.setdefault(row.concern, {})[row.field] = value
+        return dataclasses.replace(self.settings, **{
+            concern: dataclasses.replace(getattr(self.settings, concern), **fields)
+            for concern, fields in changed.items()})
 
 
 def evaluate(flags: argparse.Namespace, layout: Layout, world_size: int,
              global_batch_size: int, tokenizer: Optional["Tokenizer"],
-             hw: Hardware, assume: FrozenSet[str] = frozenset()) -> Candidate:
+             hw: Hardware, assume: FrozenSet[str] = frozenset(),
+             shared: Optional[Shared] = None) -> Candidate:
     """Validate `layout` as the run would (`tokenizer`: the flags' own, built once for every
-    layout), plan its memory and, if it fits, its step."""
-    from gigatron.training.config.arguments import build_run_config
+    layout), plan its memory and, if it fits, its step (`shared`: what the search's layouts
+    share; None: everything built for this layout alone)."""
+    from gigatron.training.config.arguments import build_run, build_run_config
 
     try:
         run = build_run_config(_flags_for(flags, layout, global_batch_size), world_size,
-                               tokenizer)
+                               tokenizer) if shared is None else \
+            build_run(shared.settings_for(_layout_values(flags, layout, global_batch_size)),
+                      world_size, tokenizer)[0]
     except ValueError as err:
         lines = getattr(err, "problems", str(err).splitlines())
         return Candidate(layout, reason="; ".join(lines))
-    stages = plan_stages(run, hw)  # memory first: a layout that does not fit is not costed
+    # memory first: a layout that does not fit is not costed
+    stages = plan_stages(run, hw, None if shared is None else shared.memo)
     need, capacity = stages_device_bytes(run, hw, stages), capacity_bytes(hw)
     if need > capacity:
         worst = max(stages, key=lambda m: m.peak)
@@ -211,18 +252,21 @@ def _model_sizes(flags: argparse.Namespace) -> Tuple[int, Optional[int], int, bo
 def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
            tokenizer: Optional["Tokenizer"], hw: Hardware,
            assume: FrozenSet[str] = frozenset(),
-           progress: Optional[Callable[[int, int], None]] = None
+           progress: Optional[Callable[[int, int], None]] = None, share: bool = True
            ) -> Tuple[List[Candidate], List[Candidate]]:
     """(layouts that fit, fastest first; layouts refused, each with its reason; `assume`:
-    cost.OVERLAPS to model; `progress(done, total)` after each layout)."""
+    cost.OVERLAPS to model; `progress(done, total)` after each layout; `share`: build the
+    settings once and keep the stages' model state across layouts (`Shared`; False: each
+    layout on its own, the same answer slower))."""
     ranked: List[Candidate] = []
     refused: List[Candidate] = []
     num_layers, num_experts, seq_length, tied = _model_sizes(flags)
     space = list(layouts(world_size, num_layers, hw.gpus_per_node, num_experts,
                          flags.expert_tensor_parallel_size, seq_length, tied))
+    shared = Shared(flags) if share else None
     for done, layout in enumerate(space, 1):
         candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw,
-                             assume)
+                             assume, shared)
         (refused if candidate.reason else ranked).append(candidate)
         if progress is not None:
             progress(done, len(space))

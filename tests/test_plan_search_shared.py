@@ -1,0 +1,73 @@
+"""`gigatron plan --search` shares work between layouts (issue 38 item 14, issue 39): the
+flags' settings built once, each stage's model state (parameter lists, ZeRO buffers) kept by
+layout sizes, the zoo's files read once. The answer is the one each layout planned alone
+gives, byte for byte: the text's top 10 and refusal summary, and every layout of the JSON.
+
+Small versions of the zoo's MoE models (DeepSeek-V2-Lite's MLA and shared experts on an
+uneven pipeline, gpt-oss's sinks and windows) and a dense Llama, on 4-8 H100s.
+"""
+import json
+
+import pytest
+
+from gigatron.cli import plan as plan_cli
+from gigatron.models import zoo
+from gigatron.training.plan import memory, report
+from gigatron.training.plan import search as plan_search
+
+CASES = {
+    "deepseek-v2-lite": "--model deepseek-v2-lite --num-layers 3 --moe-layer-freq [0,1,1] --num-experts 8 "
+                        "--num-gpus 4 --global-batch-size 16",
+    "gpt-oss-20b": "--model gpt-oss-20b --num-layers 2 --num-experts 8 --num-gpus 4 "
+                   "--global-batch-size 16",
+    "llama3-8b": "--model llama3-8b --num-layers 4 --num-gpus 8 --global-batch-size 32",
+}
+
+
+def _configured(case: str):
+    argv = f"--gpu h100-sxm --bf16 --search {CASES[case]}".split()
+    opts, flags, run, tokenizer, world = plan_cli.configure(argv)
+    return flags, world, run.train.global_batch_size, tokenizer, plan_cli._hardware(
+        opts, run.logging.peak_tflops)
+
+
+def _answers(ranked, refused):
+    return (report.describe_search(ranked, refused, 10),
+            json.dumps(report.search_dict(ranked, refused), indent=1))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_shared_search_answers_byte_for_byte_as_each_layout_alone(case):
+    args = _configured(case)
+    shared = plan_search.search(*args)
+    alone = plan_search.search(*args, share=False)
+    assert len(shared[0]) > 5 and len(shared[1]) > 5
+    text, doc = _answers(*shared)
+    want_text, want_doc = _answers(*alone)
+    assert text == want_text
+    assert doc == want_doc
+
+
+def test_each_stages_model_state_is_built_once_per_layout_size(monkeypatch):
+    """The parameter lists and ZeRO buffers depend on the sizes (tp, pp rank and split, ep,
+    ZeRO stage and shards), not on the micro-batch, recomputation or schedule: 12 or more
+    layouts share each (was: one build per stage of every layout)."""
+    built = []
+    stage_state = memory._stage_state
+    monkeypatch.setattr(memory, "_stage_state",
+                        lambda *a: built.append(a[1:]) or stage_state(*a))
+    ranked, refused = plan_search.search(*_configured("gpt-oss-20b"))
+    planned = len(ranked) + sum(not c.reason.startswith("--") for c in refused)
+    assert len(built) == len({repr(key) for key in built})
+    assert len(built) * 12 <= planned
+
+
+def test_the_zoo_file_is_read_once_for_every_layout(monkeypatch):
+    reads = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: reads.append(str(path)) or
+                        real_open(path, *a, **k))
+    ranked, refused = plan_search.search(*_configured("deepseek-v2-lite"))
+    assert len(ranked) + len(refused) > 100
+    assert sum(path.endswith("deepseek-v2-lite.json") for path in reads) <= 1
+    assert zoo.model_fields("deepseek-v2-lite") is not zoo.model_fields("deepseek-v2-lite")
