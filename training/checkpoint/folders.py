@@ -123,7 +123,9 @@ def read_shard(path: str, fmt: str = "torch",
         if fmt == "safetensors":
             from gigatron.training.checkpoint.safetensors_io import load_state
             return load_state(path)
-        return torch.load(path, map_location="cpu", weights_only=False)
+        # mapped, not read: an offloaded run's shard (12 B/param) is not held in memory a
+        # second time beside the live masters while it is loaded
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # torch, pickle, zip and safetensors each raise their own
         raise ValueError(f"checkpoint shard {path} of iteration {_iteration_of(folder)} cannot "
                          f"be read ({integrity.first_sentence(err)}): the file is truncated or "
