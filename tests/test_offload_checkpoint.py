@@ -166,7 +166,6 @@ def _everything(rank, world, root):
         loaded = files.read_shard(per_rank)
         peaks[name + " read"] = (_status_kib("RssAnon") - anon) * 1024
         peaks[name], _ = _measured(lambda: zero.load_state_dict(loaded))
-        del loaded
         runs[name] = _train(rank, world, model, zero, 3, 2)
     return shard, peaks, (whole[0][3:], whole[1]), runs
 
