@@ -23,6 +23,7 @@ from zero_models import HIDDEN, VOCAB, Block, TinyLM, batches
 
 from gigatron.parallel.zero import ZeroConfig, build_zero
 from gigatron.training.checkpoint import folders as files
+from gigatron.training.checkpoint.safetensors_io import save_state
 from gigatron.training.checkpoint.torch_dist import resume, save_load
 from gigatron.training.checkpoint.torch_dist import state as dist_state
 from gigatron.training.checkpoint.torch_dist.async_save import AsyncSaver
@@ -143,6 +144,8 @@ def _everything(rank, world, root):
     shard = sum(g.shard_numel for g in zero.flat_groups)
     per_rank = os.path.join(root, f"rank{rank}.pt")
     peaks = {"per_rank_save": _measured(lambda: torch.save(zero.state_dict(), per_rank))[0]}
+    peaks["safetensors_save"], _ = _measured(lambda: save_state(
+        {"optimizer": zero.state_dict()}, os.path.join(root, f"rank{rank}.safetensors")))
     peaks["torch_dist_save"], folder = _measured(
         lambda: _save_dist(_values(zero, model, rank), os.path.join(root, "sync"), rank))
     continued, background = _save_in_background(rank, world, model, zero,
@@ -182,11 +185,13 @@ def runs(tmp_path_factory):
 
 
 def test_saving_an_offloaded_run_makes_no_full_size_host_copy(runs):
-    """Per-rank format (ZeroOptimizer.state_dict) and torch_dist: at most an eighth of a byte
-    per parameter (DCP's plans; the per-rank save cloned the masters, 4 P, and DCP cloned
-    every piece of the shards and held them until the file was written, 12 P)."""
+    """Per-rank formats (ZeroOptimizer.state_dict through torch.save or the safetensors
+    writer) and torch_dist: at most an eighth of a byte per parameter (DCP's plans; the
+    per-rank save cloned the masters, 4 P; safetensors cloned every tensor, 12 P, and built
+    the file in memory; DCP cloned every piece of the shards and held them until the file
+    was written, 14 P)."""
     for shard, peaks, _, _ in runs:
-        for kind in ("per_rank_save", "torch_dist_save"):
+        for kind in ("per_rank_save", "safetensors_save", "torch_dist_save"):
             assert peaks[kind] <= shard / 8, (kind, peaks[kind], shard)
 
 

@@ -100,9 +100,8 @@ def write_shard(path: str, state: Dict[str, Any], fmt: str = "torch") -> Tuple[s
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.part"
     if fmt == "safetensors":
-        from gigatron.training.checkpoint.safetensors_io import dumps_state
-        data = dumps_state(state)
-        checksum = integrity.write_hashed(tmp, lambda f: f.write(data))
+        from gigatron.training.checkpoint.safetensors_io import write_state
+        checksum = integrity.write_hashed(tmp, lambda f: write_state(state, f.write))
     else:
         checksum = integrity.write_hashed(tmp, lambda f: torch.save(state, cast(IO[bytes], f)))
     os.replace(tmp, path)

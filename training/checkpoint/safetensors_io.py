@@ -7,7 +7,8 @@ metadata as JSON, so loading never unpickles anything.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict
+import struct
+from typing import Any, Callable, Dict
 
 import numpy as np
 import torch
@@ -49,22 +50,42 @@ def _decode(obj: Any, tensors: Dict[str, torch.Tensor]) -> Any:
     return {k: _decode(v, tensors) for k, v in obj["__dict__"]}
 
 
-def dumps_state(state: Dict[str, Any]) -> bytes:
-    """A nested state (tensors anywhere inside) as the bytes of a safetensors file."""
-    from safetensors.torch import save
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16",
+           torch.uint32: "U32", torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3",
+           torch.float8_e5m2: "F8_E5M2"}
 
+
+def write_state(state: Dict[str, Any], write: Callable[[Any], Any]) -> None:
+    """A nested state (tensors anywhere inside) as a safetensors file, handed to `write`
+    piece by piece: the header, then each tensor's bytes where they lie (an offloaded
+    optimizer's host shards are not copied, nor is the file built in memory)."""
     tensors: Dict[str, torch.Tensor] = {}
     structure = _encode(state, "s", tensors)
-    # safetensors refuses tensors sharing memory; checkpoints own their copies anyway
-    tensors = {k: v.clone() for k, v in tensors.items()}
-    return save(tensors, metadata={_KEY: json.dumps(structure)})
+    header: Dict[str, Any] = {"__metadata__": {_KEY: json.dumps(structure)}}
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(f"safetensors checkpoint cannot store {tensor.dtype} at {name!r}: "
+                             f"use --ckpt-format torch")
+        end = offset + tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header with spaces to 8 bytes
+    write(struct.pack("<Q", len(raw)))
+    write(raw)
+    for tensor in tensors.values():
+        if tensor.numel():
+            write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
 
 def save_state(state: Dict[str, Any], path: str) -> None:
     """Write a nested state (tensors anywhere inside) to a safetensors file."""
-    data = dumps_state(state)
     with open(path, "wb") as f:
-        f.write(data)
+        write_state(state, f.write)
 
 
 def load_state(path: str) -> Dict[str, Any]:
