@@ -55,9 +55,10 @@ def load(engine: "Engine", folder: str, gather: Any, strict: bool, load_optimize
 
 def _read_into_engine(engine: "Engine", ckpt: DeepSpeedCheckpoint, load_optimizer: bool,
                       strict: bool) -> Callable[[], None]:
-    """Copy this rank's parts into fresh tensors (not `strict`: what the checkpoint lacks
-    keeps this engine's values); returns the collective step that installs them (ZeRO
-    publishes the parameters over dp)."""
+    """Copy this rank's parts into the engine's tensors, the ZeRO master shards and
+    optimizer states themselves (not `strict`: what the checkpoint lacks keeps this
+    engine's values); returns the collective step that installs them (ZeRO publishes the
+    parameters over dp)."""
     zero, chunks = engine.zero, engine.zero.chunks
     module = {**ckpt.module, **ckpt.weights}  # frozen parameters and buffers, by name
     with torch.no_grad():

@@ -325,7 +325,7 @@ def zero_state_to_load(zero: "ZeroOptimizer", chunks: List[torch.nn.Module], tp_
     # an optimizer with several rules (Muon: momentum or Adam's moments) says which
     # states each of its tensors keeps; the others keep every saved one
     keeps = getattr(zero.optimizer, "state_keys", lambda p: state_keys)
-    resumed = ResumedZero([g.master.detach() for g in zero.flat_groups],
+    resumed = ResumedZero([g.master for g in zero.flat_groups],
                           [{k: _live_state(zero, g, k) for k in state_keys
                             if k in keeps(g.master)} for g in zero.flat_groups])
     values: Dict[str, ShardedValue] = {}
