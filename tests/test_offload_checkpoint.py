@@ -23,6 +23,7 @@ from zero_models import HIDDEN, VOCAB, Block, TinyLM, batches
 
 from gigatron.parallel.zero import ZeroConfig, build_zero
 from gigatron.training.checkpoint import folders as files
+from gigatron.training.checkpoint import rank_copies
 from gigatron.training.checkpoint.safetensors_io import save_state
 from gigatron.training.checkpoint.torch_dist import resume, save_load
 from gigatron.training.checkpoint.torch_dist import state as dist_state
@@ -146,6 +147,10 @@ def _everything(rank, world, root):
     peaks = {"per_rank_save": _measured(lambda: torch.save(zero.state_dict(), per_rank))[0]}
     peaks["safetensors_save"], _ = _measured(lambda: save_state(
         {"optimizer": zero.state_dict()}, os.path.join(root, f"rank{rank}.safetensors")))
+    job, layout = os.path.join(root, "local"), {"dp": world}
+    rank_copies.RankCopies("local", 1.0).save(job, {"optimizer": zero.state_dict()},
+                                              {"iteration": 3, "layout": layout}, rank, world,
+                                              torch.device("cpu"))
     peaks["torch_dist_save"], folder = _measured(
         lambda: _save_dist(_values(zero, model, rank), os.path.join(root, "sync"), rank))
     continued, background = _save_in_background(rank, world, model, zero,
@@ -161,12 +166,15 @@ def _everything(rank, world, root):
         peaks[name], _ = _measured(lambda: resume.read_zero_state(where, saved, [model],
                                                                   zero, 1)())
         runs[name] = _train(rank, world, model, zero, 3, 2)
-    for name, seed, stepped in (("per-rank fresh", 11, 0), ("per-rank stepped", 13, 2)):
+    for name, seed, stepped in (("per-rank fresh", 11, 0), ("per-rank stepped", 13, 2),
+                                ("local non-persistent", 17, 0)):
         model, zero = _build(seed)
         if stepped:
             _train(rank, world, model, zero, 0, stepped)
+        loaded = None  # the last run's moments are freed before, not while, this one reads
         anon = _status_kib("RssAnon")
-        loaded = files.read_shard(per_rank)
+        loaded = files.read_shard(per_rank) if name.startswith("per-rank") else \
+            rank_copies.load(job, "local", rank, world, layout, 0, 1.0)[0]["optimizer"]
         peaks[name + " read"] = (_status_kib("RssAnon") - anon) * 1024
         peaks[name], _ = _measured(lambda: zero.load_state_dict(loaded))
         runs[name] = _train(rank, world, model, zero, 3, 2)
@@ -206,12 +214,13 @@ def test_resuming_an_offloaded_run_reads_into_the_live_shards(runs):
 
 
 def test_a_per_rank_resume_maps_the_shard_instead_of_reading_it(runs):
-    """--ckpt-format torch: the shard is mapped, not read into anonymous memory (it was,
-    beside the live masters: ~4 P measured, up to 14 P); the optimizer adopts the mapped
-    moments (written, and so made private, by the next step) as torch's load does; the
+    """--ckpt-format torch and a local non-persistent copy: the file is mapped, not read
+    into anonymous memory (it was, beside the live masters: ~4 P measured, up to 14 P; a
+    local copy was read as bytes and then unpickled, twice that); the optimizer adopts the
+    mapped moments (written, and so made private, by the next step) as torch's load does; the
     load makes only the parameters' all-gather sources (2 P, as every step)."""
     for shard, peaks, _, _ in runs:
-        for name in ("per-rank fresh", "per-rank stepped"):
+        for name in ("per-rank fresh", "per-rank stepped", "local non-persistent"):
             assert peaks[name + " read"] <= shard, (name, peaks, shard)
             assert peaks[name] <= 2 * shard + shard / 8, (name, peaks, shard)
 
@@ -226,7 +235,7 @@ def test_a_background_save_copies_only_the_weights_and_the_next_step_waits_for_i
 
 def test_an_offloaded_run_resumed_from_torch_dist_continues_bit_for_bit(runs):
     for _, _, (losses, params), resumed in runs:
-        assert len(resumed) == 6
+        assert len(resumed) == 7
         for name, (resumed_losses, resumed_params) in resumed.items():
             assert resumed_losses == losses, name
             for key, want in params.items():

@@ -301,26 +301,35 @@ def load(job: str, kind: str, rank: int, world: int, layout: Dict[str, Any], new
         return None, note
     data, failure = _fetch(plan, rank, timedelta(minutes=timeout_minutes))
     reader, copy = plan.readers[rank]
-    if failure is None and zlib.crc32(data) != copy.meta.get("crc32"):
+    if failure is None and data is None:  # its own file: checked as it streams past
+        crc, failure = _file_crc(copy.path)
+    else:
+        crc = zlib.crc32(data) if failure is None else None
+    if failure is None and crc != copy.meta.get("crc32"):
         failure = f"{copy.path} (read by rank {reader}) does not match its recorded crc32"
     failures = [f for f in all_objects(failure, None) if f is not None]
     if failures:
         return None, (f"the {kind} non-persistent checkpoint of iteration {plan.iteration} "
                       f"cannot be used: {failures[0]}; resuming from the persistent "
                       f"checkpoint instead")
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    # a file this rank reads is mapped, not read into memory: an offloaded optimizer's
+    # shard (12 B/param) would otherwise sit beside the live one, twice (bytes, tensors)
+    state = torch.load(copy.path if data is None else io.BytesIO(data), map_location="cpu",
+                       weights_only=False, mmap=data is None)
     state.update({"_folder": f"{job} ({kind} non-persistent)", "_format": "torch",
                   "_zero_stage": layout.get("zero_stage")})
     return state, None
 
 
-def _fetch(plan: Plan, rank: int, timeout: timedelta) -> Tuple[memoryview, Optional[str]]:
-    """Collective: this rank's file, read here or received from the rank that can read it."""
+def _fetch(plan: Plan, rank: int, timeout: timedelta
+           ) -> Tuple[Optional[memoryview], Optional[str]]:
+    """Collective: this rank's file received from the rank that can read it (None: this
+    rank reads it itself)."""
     moves = [(owner, reader, c) for owner, (reader, c) in sorted(plan.readers.items())
              if reader != owner]
     group = dist.new_group(backend="gloo", timeout=timeout) if moves else None
-    reader, copy = plan.readers[rank]
-    own, failure = _read(copy) if reader == rank else (None, None)
+    reader, _ = plan.readers[rank]
+    own = bytearray()
     works, sent = [], []
     for owner, holder, c in moves:
         if holder == rank:
@@ -331,8 +340,19 @@ def _fetch(plan: Plan, rank: int, timeout: timedelta) -> Tuple[memoryview, Optio
             own = bytearray(int(c.meta["bytes"]))
             works.append(dist.irecv(torch.frombuffer(own, dtype=torch.uint8), holder, group))
     _wait(works)
-    assert own is not None  # the plan names a reader for every rank
-    return memoryview(own), failure
+    return (None if reader == rank else memoryview(own)), None
+
+
+def _file_crc(path: str) -> Tuple[int, Optional[str]]:
+    """The CRC32 of a file read block by block (and the reason when it cannot be read)."""
+    crc = 0
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                crc = zlib.crc32(block, crc)
+    except OSError as err:
+        return 0, f"{path} cannot be read ({err})"
+    return crc, None
 
 
 def _read(copy: Copy) -> Tuple[bytearray, Optional[str]]:
