@@ -1,10 +1,13 @@
 """--async-save: a torch_dist save written by a background thread while training goes on.
 
 The state is first copied to CPU memory (staging: training may change the parameters as
-soon as `start` returns); the thread then runs the same save as a synchronous one
-(dist_checkpoint.save: DCP's write, the checksums, the agreement of all ranks, rank 0
-publishing the folder and only then the tracker) over a process group of its own (gloo, so
-it never shares a communicator with training's collectives). The tracker therefore names
+soon as `start` returns), except an offloaded optimizer's host masters and moments, which
+the thread reads where they are while the next optimizer step waits for it (`join`,
+ZeroOptimizer.hold_step: their copy would be 12 B/param more on the host). The thread then
+runs the same save as a synchronous one (dist_checkpoint.save: DCP's write, the checksums,
+the agreement of all ranks, rank 0 publishing the folder and only then the tracker) over a
+process group of its own (gloo, so it never shares a communicator with training's
+collectives). The tracker therefore names
 the new iteration only once every rank's part is on disk. `wait` joins the thread; the
 next save and the end of training call it, so at most one save is pending, and a failed
 background save raises its error there, on every rank alike.
