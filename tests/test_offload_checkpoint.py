@@ -1,12 +1,15 @@
 """Saving and resuming an offloaded ZeRO run (--optimizer-cpu-offload) keeps the host within
 the step's budget: no second full-size copy of the masters or the optimizer state.
 
-WideLM (below), bf16, ZeRO 2, AdamW, dp2 (forked gloo ranks). The
-host bytes are the live bytes of every new CPU storage an aten op makes (`HostBytes`, a
-TorchDispatchMode that frees a storage's bytes when it dies), at their peak while a save or
-a resume runs; P is the rank's shard of parameters. What the code did before: a per-rank
-save cloned the masters (+4 P), a torch_dist resume read into fresh masters and fresh
-states before copying them in (+12 P).
+WideLM (below), bf16, ZeRO 2, AdamW, dp2 (forked gloo ranks), 3 steps, then every way out
+and back in: a per-rank save (torch and safetensors), a local non-persistent copy, a
+torch_dist save, synchronous and in the background (--async-save's staging, the next step
+waiting for the write); resumes from each into a fresh run (and one that has stepped), 2
+more steps, bit for bit equal to 5 steps in one go. The host bytes are the live bytes of
+every new CPU storage an aten op makes (`HostBytes`, a TorchDispatchMode that frees a
+storage's bytes when it dies), at their peak while a save or a resume runs; a file read is
+judged by the anonymous memory (RssAnon) it holds; P is the rank's shard of parameters.
+Each test's docstring says what the code did before.
 """
 import os
 import threading
@@ -14,11 +17,11 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from multirank import run_on_ranks
-from torch import nn
 from zero_models import HIDDEN, VOCAB, Block, TinyLM, batches
 
 from gigatron.parallel.zero import ZeroConfig, build_zero
