@@ -71,3 +71,17 @@ def test_the_zoo_file_is_read_once_for_every_layout(monkeypatch):
     assert len(ranked) + len(refused) > 100
     assert sum(path.endswith("deepseek-v2-lite.json") for path in reads) <= 1
     assert zoo.model_fields("deepseek-v2-lite") is not zoo.model_fields("deepseek-v2-lite")
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1, "1f1b"), (4, 16, 1, "1f1b"), (4, 8, 2, "1f1b"),
+                                   (4, 16, 1, "zb-h1"), (4, 16, 2, "zbv")])
+def test_a_shape_replayed_as_code_gives_the_simulators_makespan_to_the_bit(shape):
+    from gigatron.parallel.pipeline.simulate import run_step
+    from gigatron.training.plan import schedules
+
+    program = schedules._program(*shape)
+    replay = schedules._replay(*shape)
+    for forward, backward in ((1.0, 2.0), (0.0123, 0.0371), (3.3e-3, 7.1e-3), (0.7, 0.0)):
+        want = run_step(program, forward, backward, backward / 2, timelines=False).makespan
+        assert replay(forward, backward, backward - backward / 2, backward / 2) == want
+        assert schedules.step_makespan(*shape[:3], forward, backward, shape[3]) == want

@@ -264,11 +264,26 @@ def search(flags: argparse.Namespace, world_size: int, global_batch_size: int,
     space = list(layouts(world_size, num_layers, hw.gpus_per_node, num_experts,
                          flags.expert_tensor_parallel_size, seq_length, tied))
     shared = Shared(flags) if share else None
-    for done, layout in enumerate(space, 1):
-        candidate = evaluate(flags, layout, world_size, global_batch_size, tokenizer, hw,
-                             assume, shared)
-        (refused if candidate.reason else ranked).append(candidate)
+    # shared: one pipeline shape's layouts one after another (its schedules, program and
+    # held states are then built once, not again after the caches moved on), answered in
+    # the space's order
+    order = sorted(range(len(space)), key=lambda n: _pipeline_shape(
+        space[n], global_batch_size)) if share else range(len(space))
+    candidates: List[Optional[Candidate]] = [None] * len(space)
+    for done, n in enumerate(order, 1):
+        candidates[n] = evaluate(flags, space[n], world_size, global_batch_size, tokenizer,
+                                 hw, assume, shared)
         if progress is not None:
             progress(done, len(space))
+    for candidate in candidates:
+        assert candidate is not None
+        (refused if candidate.reason else ranked).append(candidate)
     ranked.sort(key=lambda c: c.plan.cost.step if c.plan else 0.0)
     return ranked, refused
+
+
+def _pipeline_shape(layout: Layout, global_batch_size: int) -> Tuple[int, int, str, int]:
+    """(pp, micro-batches, schedule, virtual stage layers): what the pipeline schedules a
+    layout plans with depend on."""
+    return (layout.pp, global_batch_size // (layout.micro_batch_size * layout.dp),
+            layout.schedule, layout.virtual_stage_layers or 0)
