@@ -299,12 +299,10 @@ def load(job: str, kind: str, rank: int, world: int, layout: Dict[str, Any], new
     plan, note = choose(all_objects(inventory(job), None), world, layout, newer_than, kind)
     if plan is None:
         return None, note
-    data, failure = _fetch(plan, rank, timedelta(minutes=timeout_minutes))
+    data = _fetch(plan, rank, timedelta(minutes=timeout_minutes))
     reader, copy = plan.readers[rank]
-    if failure is None and data is None:  # its own file: checked as it streams past
-        crc, failure = _file_crc(copy.path)
-    else:
-        crc = zlib.crc32(data) if failure is None else None
+    # its own file is checked as it streams past; a peer's arrives as bytes
+    crc, failure = _file_crc(copy.path) if data is None else (zlib.crc32(data), None)
     if failure is None and crc != copy.meta.get("crc32"):
         failure = f"{copy.path} (read by rank {reader}) does not match its recorded crc32"
     failures = [f for f in all_objects(failure, None) if f is not None]
@@ -321,8 +319,7 @@ def load(job: str, kind: str, rank: int, world: int, layout: Dict[str, Any], new
     return state, None
 
 
-def _fetch(plan: Plan, rank: int, timeout: timedelta
-           ) -> Tuple[Optional[memoryview], Optional[str]]:
+def _fetch(plan: Plan, rank: int, timeout: timedelta) -> Optional[memoryview]:
     """Collective: this rank's file received from the rank that can read it (None: this
     rank reads it itself)."""
     moves = [(owner, reader, c) for owner, (reader, c) in sorted(plan.readers.items())
@@ -340,7 +337,7 @@ def _fetch(plan: Plan, rank: int, timeout: timedelta
             own = bytearray(int(c.meta["bytes"]))
             works.append(dist.irecv(torch.frombuffer(own, dtype=torch.uint8), holder, group))
     _wait(works)
-    return (None if reader == rank else memoryview(own)), None
+    return None if reader == rank else memoryview(own)
 
 
 def _file_crc(path: str) -> Tuple[int, Optional[str]]:

@@ -79,7 +79,7 @@ def write_state(state: Dict[str, Any], write: Callable[[Any], Any]) -> None:
     write(raw)
     for tensor in tensors.values():
         if tensor.numel():
-            write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+            write(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def save_state(state: Dict[str, Any], path: str) -> None:

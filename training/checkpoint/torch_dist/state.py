@@ -23,7 +23,7 @@ parameter is gathered to save it, and every rank writes about 1/world of the che
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Set, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Any, Dict, Iterator, List, Set, Tuple
 
 import torch
 
@@ -358,7 +358,7 @@ def host_optimizer_storages(zero: "ZeroOptimizer") -> Set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors if t.device.type == "cpu"}
 
 
-def staged(values: Dict[str, Any], live: Set[int] = frozenset()) -> Dict[str, Any]:
+def staged(values: Dict[str, Any], live: AbstractSet[int] = frozenset()) -> Dict[str, Any]:
     """A copy of the state in CPU memory (for a save that runs while training goes on),
     except the pieces of the host storages in `live`, which the caller keeps unchanged
     until the save is written (an offloaded run's masters and optimizer state: their copy
