@@ -419,12 +419,13 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
                  dp: int, zero: "ZeroConfig", micro_batch_size: int, num_microbatches: int,
                  on_gpu: bool, ep: int = 1, etp: Optional[int] = None,
                  context: ContextLayout = NONE, schedule: str = "1f1b",
-                 memo: Optional[Dict[tuple, tuple]] = None) -> StageMemory:
+                 memo: Optional[Dict[tuple, tuple]] = None,
+                 terms: Optional[ActivationTerms] = None) -> StageMemory:
     """Memory of one rank of pipeline stage `pp_rank` (any tp/dp/cp rank: all hold the
     same; ep, etp: the expert layers' sizes, etp None: tp; `context`: cp ranks share the
     model, so ZeRO shards over dp x cp, and hold s/cp tokens; `schedule`: its name;
     `memo`: the stages' model state kept by layout sizes, for layouts of one model only:
-    `search`'s)."""
+    `search`'s; `terms`: `activation_terms` of these sizes, when already known)."""
     etp, shards = tp if etp is None else etp, dp * context.cp
     key = (tp, pp_rank, partition.pp_size, partition.virtual_chunks, partition.placement,
            partition.layers[pp_rank], ep, etp, shards, repr(zero), on_gpu)
@@ -434,7 +435,7 @@ def stage_memory(c: "TransformerConfig", partition: PipelinePartition, pp_rank: 
         if memo is not None:
             memo[key] = held_state
     chunks, state, expert_state, stash_per_token, parameters, expert_parameters = held_state
-    terms = activation_terms(c, tp, on_gpu, ep, etp, context)
+    terms = activation_terms(c, tp, on_gpu, ep, etp, context) if terms is None else terms
     tokens = c.seq_length * micro_batch_size // context.cp
     pattern = moe_layer_pattern(c)
     per_chunk = [chunk_activations(c, terms, len(partition.layer_range(pp_rank, k)),
@@ -475,8 +476,9 @@ def plan_memory(c: "TransformerConfig", partition: PipelinePartition, tp: int, d
                 on_gpu: bool, ep: int = 1, etp: Optional[int] = None,
                 context: ContextLayout = NONE, schedule: str = "1f1b",
                 memo: Optional[Dict[tuple, tuple]] = None) -> List[StageMemory]:
-    """`stage_memory` of every pipeline stage."""
+    """`stage_memory` of every pipeline stage (the same activation terms on each)."""
+    terms = activation_terms(c, tp, on_gpu, ep, tp if etp is None else etp, context)
     return [stage_memory(c, partition, r, tp, dp, zero, micro_batch_size, num_microbatches,
-                         on_gpu, ep, etp, context, schedule, memo)
+                         on_gpu, ep, etp, context, schedule, memo, terms)
             for r in range(partition.pp_size)]
 
