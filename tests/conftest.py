@@ -1,6 +1,7 @@
 """Shared test setup: GPU-only tests are skipped (with the reason) where CUDA is absent, and
 the longest files run first, so that the README's `pytest -n 2 --dist loadfile` ends with
 short files filling in on both workers instead of one long file running alone."""
+import importlib
 import os
 
 import pytest
@@ -10,6 +11,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # the README's command runs 2 workers on 2 cores: a second intra-op thread per worker
     # would only spin against the other worker (forked ranks already run single-threaded)
     torch.set_num_threads(1)
+
+# What a forked rank of pretrain.main (or of gigatron.initialize) imports, imported once here:
+# forked ranks inherit the parent's modules, and a rank that imports them itself pays ~1.5 s
+# of CPU (torch._dynamo, which torch.optim loads, and torch.distributed.checkpoint alone ~1 s)
+# -- an 8-rank pretraining world measured 15 CPU-s without this, 3 with it. Only modules
+# every such rank loads anyway; nothing optional (transformers, deepspeed, wandb, ...).
+WARM_IMPORTS = (
+    "torch._dynamo", "torch.distributed.checkpoint", "gigatron.training.run.pretrain",
+    "gigatron.training.run.loop", "gigatron.training.run.builders",
+    "gigatron.training.run.from_checkpoint", "gigatron.training.run.banner",
+    "gigatron.training.run.preflight", "gigatron.training.checkpoint.orchestrator",
+    "gigatron.training.config.arguments", "gigatron.training.plan.report",
+    "gigatron.models.gpt", "gigatron.models.megatron.args", "gigatron.data.builder",
+    "gigatron.data.tokenizer", "gigatron.parallel.pipeline.executor",
+    "gigatron.parallel.expert.dispatchers", "gigatron.parallel.watchdog",
+    "gigatron.parallel.zero.optimizer", "gigatron.engine",
+)
+for _module in WARM_IMPORTS:
+    importlib.import_module(_module)
 
 # The files that take longest on 2 cores (`pytest --durations=0`, summed per file), longest
 # first. Only the order changes: a file missing here runs after these, in collection order.
