@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -307,7 +307,7 @@ def micro_batches(run: RunConfig, dataset: Optional["SampleDataset"], consumed_s
                                            num_workers=run.train.num_workers,
                                            seed=run.train.seed)
     return _to_executor(loader, device, pipeline, run.parallel.context_parallel_size, cp_rank,
-                        documents, run.parallel.cp_comm_type, id(run))
+                        documents, run.parallel.cp_comm_type, run)
 
 
 def _empty_batches() -> Iterator[dict]:
@@ -317,7 +317,7 @@ def _empty_batches() -> Iterator[dict]:
 
 def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
                  cp_rank: int = 0, documents: bool = False,
-                 comm_type: str = "p2p", run_key: int = 0) -> Iterator[dict]:
+                 comm_type: str = "p2p", run_key: object = None) -> Iterator[dict]:
     for batch in waited_for(loader):
         out = {}
         if pipeline.needs_inputs or (pipeline.needs_labels and pipeline.mtp):
@@ -329,13 +329,15 @@ def _to_executor(loader, device: torch.device, pipeline: Pipeline, cp: int = 1,
         if pipeline.needs_labels:
             out["labels"] = batch["labels"].to(device)
             out["loss_mask"] = batch["loss_mask"].to(device)
-        if cp > 1 and "cu_seqlens" in out and run_key not in _SAID_SPLIT:
-            _SAID_SPLIT.add(run_key)
+        if cp > 1 and "cu_seqlens" in out and not any(r is run_key for r in _SAID_SPLIT):
+            _SAID_SPLIT.append(run_key)
             _say_split(out["cu_seqlens"], cp, cp_rank, comm_type)
         yield out if cp == 1 else context_parallel_shard(out, cp, cp_rank, comm_type)
 
 
-_SAID_SPLIT: Set[int] = set()  # the runs that said it (each evaluation starts its data over)
+# the runs that said it (each evaluation starts its data over): the run objects themselves,
+# kept, not their id()s, which a later run in the same process may be given again
+_SAID_SPLIT: List[object] = []
 
 
 def _say_split(cu_seqlens: torch.Tensor, cp: int, cp_rank: int, comm_type: str) -> None:
