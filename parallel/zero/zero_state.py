@@ -2,7 +2,7 @@
 (load_state_dict, or load_resharded from a torch_dist checkpoint resharded to this layout)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -24,9 +24,7 @@ class ZeroCheckpointing:
     optimizer: torch.optim.Optimizer
     scaler: "LossScaler"
     skipped_steps: int
-
-    def _publish_params(self, copied: bool = False) -> None:
-        raise NotImplementedError
+    _publish_params: Callable[..., None]  # refreshes the model's parameters from the masters
 
     def state_dict(self) -> dict:
         """This rank's shard: master weights, optimizer state, loss scaler. Host tensors are
