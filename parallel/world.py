@@ -148,6 +148,12 @@ def init_distributed(timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
         # batched isend/irecv must involve all its ranks (torch leaves it undefined
         # otherwise), and a pipeline batch pairs two stages only.
         bind: Dict[str, Any] = {"device_id": device} if device.type != "cpu" else {}
+        # torch._dynamo (which the first optimizer imports) keeps references to the default
+        # group when it is imported after the group exists, so destroy_process_group() could
+        # not free it and its gloo threads lived on into interpreter teardown, where one
+        # freeing a finished collective's tensors aborts the process ("terminate called
+        # without an active exception"). Imported first, it holds none.
+        import torch._dynamo  # noqa: F401
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
                                 timeout=timeout, **meet, **bind)
     return launch, device
