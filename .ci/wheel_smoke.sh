@@ -7,8 +7,10 @@
 # Why a fresh venv without --system-site-packages: CI's Python already holds an editable
 # gigatron (the README's test command installs one), and `gigatron` is a namespace package,
 # so a venv that sees the system site-packages would merge both and could import from the
-# source tree whatever the wheel forgot. torch is pinned (torch==2.13.0, the local CPU
-# wheel); installing it costs ~35 s, the whole script ~1.5 min on 2 cores.
+# source tree whatever the wheel forgot. torch (and what it requires) is hard-linked into the
+# venv from this Python's installed files (.ci/link_installed.py, as pip recorded them: a
+# user's machine with torch installed); `pip install torch==2.13.0`, the fallback, unpacks
+# it again for ~23 s of CPU beside the tests. The wheel's own requirements come from pip.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gigatron-wheel.XXXXXX")
@@ -25,7 +27,8 @@ WHEEL=$(ls "$WORK"/dist/gigatron-*.whl)
 echo "== installing $(basename "$WHEEL") into a fresh venv"
 "$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
-"$VPY" -m pip install -q torch==2.13.0
+SITE=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+"$PY" "$REPO/.ci/link_installed.py" torch "$SITE" || "$VPY" -m pip install -q torch==2.13.0
 "$VPY" -m pip install -q "$WHEEL"
 
 mkdir -p "$WORK/outside"

@@ -21,6 +21,7 @@ import time
 
 
 from gigatron.cli.launch import main as launch_main
+from gigatron.parallel.launcher.commands import EXPORT_PREFIXES
 from multirank import free_port
 
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -88,7 +89,12 @@ def test_two_torchrun_agents_with_c10d_rendezvous_train_one_tp2_pp2_job(tmp_path
     assert "done: iteration 2" in out
 
 
-def _dry_run(tmp_path, capsys, launcher):
+def _dry_run(tmp_path, capsys, monkeypatch, launcher):
+    # the commands carry this environment's NCCL_*/PYTHON*/... variables: pin them
+    for name in [k for k in os.environ if k.startswith(EXPORT_PREFIXES)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n127.0.0.1 slots=2\n")
     assert launch_main(["--hostfile", str(hostfile), "--launcher", launcher,
@@ -109,7 +115,7 @@ def _node_command(node_rank):
 def test_pdsh_dry_run_over_two_local_nodes_is_one_command_for_both(tmp_path, capsys,
                                                                     monkeypatch):
     monkeypatch.chdir(tmp_path)
-    out = _dry_run(tmp_path, capsys, "pdsh")
+    out = _dry_run(tmp_path, capsys, monkeypatch, "pdsh")
     assert out[:2] == ["# gigatron launch: 4 rank(s) on 2 node(s), launcher pdsh, master "
                        "127.0.0.1:29700", "# nodes 0-1 (localhost,127.0.0.1) over pdsh"]
     node = _node_command("%n").replace("{cwd}", re.escape(str(tmp_path)))
@@ -120,7 +126,7 @@ def test_pdsh_dry_run_over_two_local_nodes_is_one_command_for_both(tmp_path, cap
 def test_ssh_dry_run_over_two_local_nodes_is_one_command_per_node(tmp_path, capsys,
                                                                   monkeypatch):
     monkeypatch.chdir(tmp_path)
-    out = _dry_run(tmp_path, capsys, "ssh")
+    out = _dry_run(tmp_path, capsys, monkeypatch, "ssh")
     assert out[0] == ("# gigatron launch: 4 rank(s) on 2 node(s), launcher ssh, master "
                       "127.0.0.1:29700")
     assert out[1::2] == ["# node 0 (localhost) over ssh", "# node 1 (127.0.0.1) over ssh"]
