@@ -136,12 +136,16 @@ def test_after_a_failed_collective_the_peers_that_stopped_beating_are_named():
 def _subgroup_collective_times_out(rank, world_size):
     groups = ProcessGroups(Topology(tp=1, dp=world_size, pp=1), rank,
                            timeout=timedelta(seconds=2))
-    if rank == 1:
-        time.sleep(8)  # never joins the collective below
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # never joins the collective below; stays up until rank 0 has timed out
+        store.wait(["timed out"], timedelta(seconds=20))
         return None
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="Timed out"):
-        comm.all_reduce(torch.ones(3), group=groups.dp)
+    try:
+        with pytest.raises(RuntimeError, match="Timed out"):
+            comm.all_reduce(torch.ones(3), group=groups.dp)
+    finally:
+        store.set("timed out", "1")
     return time.monotonic() - start
 
 
