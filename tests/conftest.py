@@ -13,6 +13,14 @@ import sys
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
+# Every TCPStore client (a rank joining its rendezvous, the watchdog's client, torchrun's
+# workers) has glibc reverse-resolve ::ffff:127.0.0.1 through DNS before it connects (torch
+# names the address in its messages). Where DNS drops a query, as on a machine without a
+# network when ranks start in quick succession, the resolver waits its default 5 s: 1 world
+# in ~10, 6 of tests/test_engine.py's 32 tests (58 -> 35 s alone). 1 s and one try bound it;
+# a RES_OPTIONS set outside is kept. Set before this process or a rank resolves anything.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
