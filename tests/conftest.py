@@ -5,8 +5,8 @@ import importlib
 import os
 import sys
 
-# Python's default bytecode cache, even where the environment turns it off
-# (PYTHONDONTWRITEBYTECODE=1 on our CI machines): every rank or command a test starts as a
+# Python's default bytecode cache, even where the environment turns it off (this project's
+# 2-core machine sets PYTHONDONTWRITEBYTECODE=1): every rank or command a test starts as a
 # process would otherwise compile the ~200 gigatron modules it imports from source again
 # (~0.25 s of CPU each; ~10% of the CPU of the files that start processes). The cache lands
 # in the checkout's __pycache__ folders, which git ignores and the wheel leaves out.
@@ -16,9 +16,10 @@ sys.dont_write_bytecode = False
 # Every TCPStore client (a rank joining its rendezvous, the watchdog's client, torchrun's
 # workers) has glibc reverse-resolve ::ffff:127.0.0.1 through DNS before it connects (torch
 # names the address in its messages). Where DNS drops a query, as on a machine without a
-# network when ranks start in quick succession, the resolver waits its default 5 s: 1 world
-# in ~10, 6 of tests/test_engine.py's 32 tests (58 -> 35 s alone). 1 s and one try bound it;
-# a RES_OPTIONS set outside is kept. Set before this process or a rank resolves anything.
+# network when ranks start in quick succession, the resolver waits its default 5 s (1 in ~10
+# 8-rank worlds started in a loop; 6 of tests/test_engine.py's 32 tests, 58 -> 35 s for that
+# file alone). 1 s and one try bound it; a RES_OPTIONS set outside is kept. Set before this
+# process or any rank it starts resolves a name.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 import pytest  # noqa: E402
