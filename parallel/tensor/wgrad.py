@@ -18,7 +18,7 @@ Memory (the W stash): from B to W a queue keeps, per deferred linear, exactly wh
 weight gradient needs, its input x and its output's gradient (`held_tensors`); B has freed
 the rest of the micro-batch's activations. Per token that is (in + out features) of every
 deferred linear, as this rank holds them: Qi et al.'s 32sbh per transformer layer at 2-byte
-activations, against 34sbh + 5as^2b of activations (training/plan/memory.py counts it).
+activations, against 34sbh + 5as^2b of activations (training/plan/memory/ counts it).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 training/observe/devices.py  the one table of device figures (also the training log's MFU peak)
 parameters.py  each stage's parameters, read from GPTModel built on meta at the layout's tp
-memory.py    model state as ZeRO lays it out (exact) and activations (Korthikanti et al.)
+memory/      model state as ZeRO lays it out (exact), activations (Korthikanti et al.), per stage
 cost.py      FLOPs, compute, tp/pp/dp communication, the bubble from the schedule simulator
 gemm.py      a GEMM's time from its shape: tile and wave quantisation on the SMs, kernel gaps
 experts.py   an MoE layer beyond a dense one: router/expert matmuls, the token exchange

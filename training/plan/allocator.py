@@ -1,9 +1,9 @@
-"""Device memory as a CUDA run reports it, on top of what its tensors need (memory.py).
+"""Device memory as a CUDA run reports it, on top of what its tensors need (memory/).
 
 Three figures of one rank, each a superset of the one before:
 
   allocated  what the tensors hold at the peak: model state + activations + transient
-             (memory.py; `torch.cuda.max_memory_allocated`, the training log's "peak memory")
+             (memory/; `torch.cuda.max_memory_allocated`, the training log's "peak memory")
   reserved   what torch's caching allocator holds from the driver at that peak
              (`torch.cuda.max_memory_reserved`, what torchtitan logs as "memory"): allocated
              x (1 + FRAGMENTATION) + the cuBLAS workspaces, which it also serves

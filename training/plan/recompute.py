@@ -5,7 +5,7 @@ parts).
 Megatron-Core's --recompute-modules (models/config.py RECOMPUTE_MODULES): each named module
 runs inside a checkpoint, so the layer keeps the module's input (already counted: it is the
 tensor the norm before it produced) and drops what the module's own ops saved:
-  core_attn       the attention kernel's tensors beyond its inputs (memory.py `held`, `core`)
+  core_attn       the attention kernel's tensors beyond its inputs (memory/activations.py `held`, `core`)
   mlp             a dense MLP's: fc1's (gathered) input beyond the checkpoint's own, fc1's
                   output and the activation's (`mlp_act`)
   moe             an MoE layer's MLP part (`moe_mlp_bytes`) beyond its input
