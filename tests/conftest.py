@@ -23,12 +23,6 @@ sys.dont_write_bytecode = False
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # the README's command runs 2 workers on 2 cores: a second intra-op thread per worker
-    # would only spin against the other worker (forked ranks already run single-threaded)
-    torch.set_num_threads(1)
 
 # What a forked rank of pretrain.main (or of gigatron.initialize) imports, imported once here:
 # forked ranks inherit the parent's modules, and a rank that imports them itself pays ~1.5 s
@@ -46,8 +40,23 @@ WARM_IMPORTS = (
     "gigatron.parallel.expert.dispatchers", "gigatron.parallel.watchdog",
     "gigatron.parallel.zero.optimizer", "gigatron.engine",
 )
-for _module in WARM_IMPORTS:
-    importlib.import_module(_module)
+
+
+def pytest_configure(config):
+    """Warm the process that runs tests. Under `-n 2` that is each xdist worker, not the
+    controller, which only hands out files: importing torch and the modules above there cost
+    ~3.7 CPU-s before any worker had started."""
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import torch
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the README's command runs 2 workers on 2 cores: a second intra-op thread per worker
+        # would only spin against the other worker (forked ranks already run single-threaded)
+        torch.set_num_threads(1)
+    for module in WARM_IMPORTS:
+        importlib.import_module(module)
+
 
 # The files that take longest on 2 cores (`pytest --durations=0`, summed per file), longest
 # first. Only the order changes: a file missing here runs after these, in collection order.
@@ -63,6 +72,8 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(config, items):
+    import torch
+
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable
     if torch.cuda.is_available():
