@@ -1,40 +1,56 @@
-"""Place an installed distribution and its requirements into another environment by hard links.
+"""Place installed distributions and their requirements into another environment by hard links.
 
     python .ci/link_installed.py torch VENV/lib/pythonX.Y/site-packages
+    python .ci/link_installed.py dist/gigatron-0.1.0-py3-none-any.whl VENV/lib/...  # its requirements
 
-The wheel smoke test (.ci/wheel_smoke.sh) needs torch in its fresh venv; `pip install
-torch==2.13.0` there unpacks ~700 MB again (~23 s of CPU beside the tests). This links the
-files pip recorded for torch and for everything its requirements pull in (RECORD, so exactly
-what `pip install` put there, metadata included) from this Python's site-packages instead;
-the venv's pip then sees torch installed, as on a user's machine that has it, and installs
-the wheel's own requirements itself. Files on another file system are copied. Exits 1, saying
-why, when a distribution's RECORD is missing, so that the caller can install it with pip.
+The wheel smoke test (.ci/wheel_smoke.sh) needs the wheel's requirements in its fresh venv;
+`pip install` there unpacks them again (torch alone ~700 MB, ~23 s of CPU beside the tests;
+the rest ~7 s). This links the files pip recorded for each requirement the wheel declares
+(Requires-Dist, read from the wheel) and for everything those pull in (RECORD, so exactly what
+`pip install` put there, metadata included) from this Python's site-packages instead; the
+venv's pip then finds them installed, as on a user's machine that has them, checks them
+against the wheel's requirements and installs the wheel. Files on another file system are
+copied. Exits 1, saying why, when a distribution is not installed here or its RECORD is
+missing, so that the caller can install with pip instead.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import sys
+import zipfile
+from email.parser import Parser
 from importlib import metadata
 from typing import Dict, List
 
 from packaging.requirements import Requirement
 
 
-def closure(name: str) -> List[metadata.Distribution]:
-    """`name`'s distribution and every distribution its (non-extra) requirements need."""
+def needed(requires: List[str]) -> List[str]:
+    """The names among Requires-Dist lines that apply here without extras."""
+    reqs = [Requirement(text) for text in requires]
+    return [r.name for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
+def wheel_requires(path: str) -> List[str]:
+    """The Requires-Dist lines of a wheel's METADATA."""
+    with zipfile.ZipFile(path) as whl:
+        name = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = Parser().parsestr(whl.read(name).decode())
+    return meta.get_all("Requires-Dist") or []
+
+
+def closure(names: List[str]) -> List[metadata.Distribution]:
+    """The distributions `names` and every distribution their (non-extra) requirements need."""
     found: Dict[str, metadata.Distribution] = {}
-    todo = [name]
+    todo = list(names)
     while todo:
         dist = metadata.distribution(todo.pop())
         key = dist.metadata["Name"].lower().replace("_", "-")
         if key in found:
             continue
         found[key] = dist
-        for text in dist.requires or ():
-            req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
+        todo += needed(list(dist.requires or ()))
     return list(found.values())
 
 
@@ -65,7 +81,8 @@ def main(argv: List[str]) -> int:
         return 2
     name, target = argv
     try:
-        dists = closure(name)
+        roots = needed(wheel_requires(name)) if name.endswith(".whl") else [name]
+        dists = closure(roots)
         total = sum(link(d, target) for d in dists)
     except (metadata.PackageNotFoundError, SystemExit) as err:
         print(f"link_installed: {err}", file=sys.stderr)

@@ -7,10 +7,13 @@
 # Why a fresh venv without --system-site-packages: CI's Python already holds an editable
 # gigatron (the README's test command installs one), and `gigatron` is a namespace package,
 # so a venv that sees the system site-packages would merge both and could import from the
-# source tree whatever the wheel forgot. torch (and what it requires) is hard-linked into the
-# venv from this Python's installed files (.ci/link_installed.py, as pip recorded them: a
-# user's machine with torch installed); `pip install torch==2.13.0`, the fallback, unpacks
-# it again for ~23 s of CPU beside the tests. The wheel's own requirements come from pip.
+# source tree whatever the wheel forgot. The requirements the wheel declares (torch, numpy,
+# tokenizers, ...: its Requires-Dist) and what they pull in are hard-linked into the venv
+# from this Python's installed files (.ci/link_installed.py, as pip recorded them: a user's
+# machine that has them); pip then checks them against the wheel's requirements and installs
+# the wheel. The fallback, `pip install torch==2.13.0` and the wheel's requirements from the
+# registry, unpacks them again for ~30 s of CPU beside the tests. The venv has no pip of its
+# own (ensurepip, ~2 s of CPU): this Python's pip installs into it (--python).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gigatron-wheel.XXXXXX")
@@ -25,11 +28,12 @@ tar -C "$REPO" --exclude=./.git --exclude=./build --exclude='*.egg-info' --exclu
 WHEEL=$(ls "$WORK"/dist/gigatron-*.whl)
 
 echo "== installing $(basename "$WHEEL") into a fresh venv"
-"$PY" -m venv "$WORK/venv"
+"$PY" -m venv --without-pip "$WORK/venv"
 VPY="$WORK/venv/bin/python"
 SITE=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-"$PY" "$REPO/.ci/link_installed.py" torch "$SITE" || "$VPY" -m pip install -q torch==2.13.0
-"$VPY" -m pip install -q "$WHEEL"
+"$PY" "$REPO/.ci/link_installed.py" "$WHEEL" "$SITE" \
+  || "$PY" -m pip --python "$VPY" install -q torch==2.13.0
+"$PY" -m pip --python "$VPY" install -q "$WHEEL"
 
 mkdir -p "$WORK/outside"
 cd "$WORK/outside"   # nothing of the repository is importable from here
