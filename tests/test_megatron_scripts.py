@@ -46,6 +46,9 @@ def files(tmp_path_factory):
 
     from gigatron.data.preprocess import main as preprocess
     from gigatron.data.sentencepiece_trainer import list_text_files, train_sentencepiece
+    # 10 of the runs log to TensorBoard: imported here once, the forked ranks inherit it
+    # (each run's rank importing it cost ~0.2 CPU-s)
+    import torch.utils.tensorboard  # noqa: F401
 
     root = tmp_path_factory.mktemp("scripts")
     corpus = list_text_files([os.path.join(STDLIB, "json"), os.path.join(STDLIB, "email")],
@@ -156,12 +159,14 @@ SHRINK = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128"
 
 
 def shrunk(argv, extra=None):
-    """argv with SHRINK's values (a flag's value(s) replaced, whatever form it was given in)."""
+    """argv with SHRINK's values (a flag's value(s) replaced, whatever form it was given in);
+    a flag of `extra` the script does not set is added."""
     values = {**SHRINK, **(extra or {})}
-    out, i = [], 0
+    out, i, seen = [], 0, set()
     while i < len(argv):
         name = argv[i].split("=")[0]
         if name in values:
+            seen.add(name)
             out += [name] + values[name].split()
             i += 1
             while "=" not in argv[i - 1] and i < len(argv) and not argv[i].startswith("--"):
@@ -169,6 +174,7 @@ def shrunk(argv, extra=None):
             continue
         out.append(argv[i])
         i += 1
+    out += [a for name in extra or {} if name not in seen for a in [name] + extra[name].split()]
     return out + ["--no-progress", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
@@ -216,8 +222,11 @@ RUNS = {"mlm_pretrain_gpt": (1, {}),
         # DeepSeek-V2-Lite as a user wrote it for Megatron-LM: MLA without query compression
         # (latents shrunk), 16 of its 64 experts with its shared ones, its dense first layer of
         # a --moe-layer-freq list, --data-args-path, an HF tokenizer, and its pp2 with two
-        # virtual stages per rank (Megatron-Core's newer spelling) on 2 ranks
+        # virtual stages per rank (Megatron-Core's newer spelling) on 2 ranks; it leaves
+        # --eval-iters at its default, 100: the test evaluation at the end ran 100 iterations
+        # (3.3 of the run's 4.5 CPU-s); 1 still runs it
         "user_mlm_deepseek_v2_lite": (2, {"--num-layers": "4", "--moe-layer-freq": "([0]+[1]*3)",
+                                          "--eval-iters": "1",
                                           "--num-experts": "16",
                                           "--pipeline-model-parallel-size": "2",
                                           "--kv-lora-rank": "16", "--qk-head-dim": "16",

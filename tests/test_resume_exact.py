@@ -20,26 +20,28 @@ def _losses(path):
 
 @pytest.mark.parametrize("tp,pp,dp", [(1, 1, 1), (2, 2, 2)], ids=["1rank", "tp2-pp2-dp2"])
 def test_stop_and_resume_with_dropout_is_bit_exact(tmp_path, tp, pp, dp):
+    """The uninterrupted run saves at iteration 3 as it goes (the same save, at the same point
+    of the loop, as a run stopped there by --exit-interval: one world less, ~1/3 of the
+    8-rank case's CPU); the run resumed from that checkpoint logs its losses 4 and 5 (5: the
+    restored optimizer state's first update), validating at 4 between them."""
     world = tp * pp * dp
-    argv = FLAGS + DROPOUT + ["--train-iters", "6", "--eval-interval", "2",
+    argv = FLAGS + DROPOUT + ["--train-iters", "5", "--eval-interval", "2",
                               "--tensor-model-parallel-size", str(tp),
                               "--pipeline-model-parallel-size", str(pp),
                               "--num-workers", "0"]
-    whole = str(tmp_path / "whole.jsonl")
-    results = _program_on(world, argv + ["--metrics-file", whole], timeout=300)
+    whole, ckpt = str(tmp_path / "whole.jsonl"), str(tmp_path / "ckpt")
+    results = _program_on(world, argv + ["--metrics-file", whole, "--save", ckpt,
+                                         "--save-interval", "3"], timeout=300)
     assert {r[0] for r in results} == {0}, results
-    ckpt, resumed = str(tmp_path / "ckpt"), str(tmp_path / "resumed.jsonl")
-    stop = argv + ["--metrics-file", resumed, "--save", ckpt, "--exit-interval", "3"]
-    results = _program_on(world, stop, timeout=300)
-    assert {r[0] for r in results} == {0}, results
-    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
-    results = _program_on(world, argv + ["--metrics-file", resumed, "--load", ckpt],
-                          timeout=300)
+    assert os.path.isdir(os.path.join(ckpt, "iter_0000003"))
+    resumed = str(tmp_path / "resumed.jsonl")
+    results = _program_on(world, argv + ["--metrics-file", resumed, "--load", ckpt,
+                                         "--ckpt-step", "3"], timeout=300)
     assert {r[0] for r in results} == {0}, results
     assert "loaded checkpoint" in results[0][2]
     expected, got = _losses(whole), _losses(resumed)
-    assert sorted(got) == list(range(1, 7))
-    assert got == expected  # exact: fp32 on CPU, same masks, same data
+    assert sorted(expected) == list(range(1, 6)) and sorted(got) == [4, 5]
+    assert got == {i: expected[i] for i in got}  # exact: fp32 on CPU, same masks, same data
     # the test can fail: dropout really changes the losses (a run without it differs)
 
 
