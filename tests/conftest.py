@@ -22,6 +22,12 @@ sys.dont_write_bytecode = False
 # process or any rank it starts resolves a name.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
+# One OpenMP thread for every process a test starts (torchrun sets this for its workers, but
+# a script, a benchmark or torchrun's own agent started by a test would run torch with one
+# thread per core, whose spinning only takes CPU from the other worker: bench_train_gpu's
+# tiny run 17.8 -> 8.4 CPU-s). A value set outside is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest  # noqa: E402
 
 # What a forked rank of pretrain.main (or of gigatron.initialize) imports, imported once here:
