@@ -50,7 +50,7 @@ needs_fp16 = pytest.mark.skipif(
 def launch(framework: str, world: int, out_dir: str) -> List:
     """Start `world` ranks of the script, each logging to out_dir."""
     flags = ["--no-fp16"] if framework == "gigatron" and not FP16 else []
-    return start_ranks([sys.executable, SCRIPT, framework, out_dir] + flags, world,
+    return start_ranks(SCRIPT, [framework, out_dir] + flags, world,
                        lambda rank: os.path.join(out_dir, f"{framework}{world}.rank{rank}.log"))
 
 

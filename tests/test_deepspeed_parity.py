@@ -20,16 +20,22 @@ exit_before_interpreter_finalization).
 """
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
 import math
+import multiprocessing
 import os
+import runpy
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any, Callable, Dict, List
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed", reason="the real DeepSpeed is not installed: "
                     "DS_BUILD_OPS=0 pip install deepspeed==0.19.8")
@@ -42,17 +48,24 @@ STAGES = ("0", "1", "2", "3")
 # order; warmup_max_lr 1% higher moved the losses by 4e-3 and the parameters by 8e-3
 RELATIVE_TOLERANCE = 1e-5
 LAUNCH_TIMEOUT_S = 180
+# Ranks are forked from this process, which has torch, gigatron and DeepSpeed imported, and
+# run the script as its own interpreter would (see ForkedRank): a rank started as a new
+# interpreter spent most of its CPU importing them (measured, the two launches here: 17 CPU-s
+# as new interpreters, 6 forked). Not where CUDA is: a forked child cannot use CUDA once this
+# process has, and this process's DeepSpeed chose CUDA as its accelerator when imported.
+FORK_RANKS = not torch.cuda.is_available()
 
 
 def start(framework: str, out_dir: str, override: str = "{}") -> List:
     """Start WORLD_SIZE ranks of the script (all stages), each logging to out_dir."""
-    return start_ranks([sys.executable, SCRIPT, framework, out_dir, "--override", override],
-                       WORLD_SIZE, lambda rank: os.path.join(out_dir, f"rank{rank}.log"))
+    return start_ranks(SCRIPT, [framework, out_dir, "--override", override], WORLD_SIZE,
+                       lambda rank: os.path.join(out_dir, f"rank{rank}.log"))
 
 
-def start_ranks(cmd: List[str], world: int, log_path: Callable[[int], str]) -> List:
-    """Start `world` ranks of `cmd` (RANK, WORLD_SIZE, MASTER_* set), rank r logging to
-    log_path(r): [(process, log file)].
+def start_ranks(script: str, args: List[str], world: int, log_path: Callable[[int], str]
+                ) -> List:
+    """Start `world` ranks of `python script args` (RANK, WORLD_SIZE, MASTER_* set), rank r
+    logging to log_path(r): [(process, log file)], forked where FORK_RANKS.
 
     The ranks are started here, not by torchrun: torchrun puts its workers in their own
     sessions, so killing a hung torchrun leaves them running (and holding its output).
@@ -60,13 +73,60 @@ def start_ranks(cmd: List[str], world: int, log_path: Callable[[int], str]) -> L
     port = free_port()
     ranks = []
     for rank in range(world):
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-               "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world)}
+        env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
         log = open(log_path(rank), "w+")
-        ranks.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        if FORK_RANKS:
+            proc: Any = ForkedRank(script, args, env, log)
+        else:
+            proc = subprocess.Popen([sys.executable, script] + args, stdout=log,
+                                    stderr=subprocess.STDOUT, env={**os.environ, **env})
+        ranks.append((proc, log))
     return ranks
+
+
+class ForkedRank:
+    """A rank forked from this process that runs `python script args` as a new interpreter
+    would (run_script); it answers what the callers ask of a subprocess.Popen."""
+
+    def __init__(self, script: str, args: List[str], env: Dict[str, str], log: Any) -> None:
+        self.process = multiprocessing.get_context("fork").Process(
+            target=run_script, args=(script, args, env, log.fileno()))
+        self.process.start()
+
+    def poll(self) -> Any:
+        return self.process.exitcode  # None while running, -6 for SIGABRT, as Popen's
+
+    returncode = property(poll)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self) -> None:
+        self.process.join()
+
+
+def run_script(script: str, args: List[str], env: Dict[str, str], log_fd: int) -> None:
+    """In the forked rank: its output to its log (pytest had replaced sys.stdout, and
+    DeepSpeed's logger holds the one it had at import), the environment, argv, warning filter
+    and no faulthandler (pytest's writes to its own stderr), as a new interpreter would have
+    them, then the script as __main__. An exception exits 1 with its traceback in the log;
+    the scripts end with os._exit(0)."""
+    faulthandler.disable()
+    captured = (sys.stdout, sys.stderr)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and handler.stream in captured:
+                handler.setStream(sys.stdout)
+    os.environ.update(env)
+    warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore
+    sys.argv = [script] + args
+    runpy.run_path(script, run_name="__main__")
 
 
 def finish(ranks: List, framework: str, out_dir: str) -> List[Dict]:

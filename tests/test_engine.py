@@ -10,7 +10,13 @@ and gradients, fp32 master weights stepped by the optimizer), and Adam's normali
 would turn the bf16 rounding of near-zero gradients into full-size differences.
 Tolerances: fp32 1e-5 (only the order of float additions differs); bf16 1e-2 relative on
 losses and 2e-3 absolute on parameters after 3 steps (micro-batch vs whole-batch rounding).
+
+The 2- and 4-rank runs of all 32 configurations happen in one forked world per size (a
+module fixture): a world per test and size cost 25 CPU-s of ranks, the two shared ones 17.
+The 1-rank runs stay in each test, in this process.
 """
+import functools
+import itertools
 import os
 
 import pytest
@@ -18,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from multirank import run_on_ranks
+from multirank import RankError, RanksTimedOut, run_on_ranks
 
 STEPS = 3
 MICRO = 2
@@ -85,6 +91,7 @@ def ds_config(stage: int, precision: str, gas: int, world: int, optimizer: str) 
     return config
 
 
+@functools.lru_cache(maxsize=None)  # one per (model, global batch, precision): all stages
 def reference(model_name: str, global_batch: int, precision: str):
     """The plain PyTorch loop: one forward over the global batch per step (in bf16: bf16
     parameters and gradients, the optimizer stepping fp32 master copies)."""
@@ -132,6 +139,27 @@ def train_with_engine(rank, world, model_name, stage, precision, gas):
     return losses, {k: v.float() for k, v in engine.module_state_dict().items()}
 
 
+MODEL_NAMES, PRECISIONS, GAS, STAGES = list(MODELS), ["fp32", "bf16"], [1, 4], [0, 1, 2, 3]
+CONFIGS = list(itertools.product(MODEL_NAMES, STAGES, PRECISIONS, GAS))
+
+
+def train_every_config(rank, world):
+    return {config: train_with_engine(rank, world, *config) for config in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def shared_worlds():
+    """{world size: each rank's {config: results}}, or the error that ended that world; then
+    each test runs its own world of that size, to fail alone and with its own traceback."""
+    worlds = {}
+    for world in (2, 4):
+        try:
+            worlds[world] = run_on_ranks(train_every_config, world, timeout=600)
+        except (RankError, RanksTimedOut) as err:
+            worlds[world] = err
+    return worlds
+
+
 def _run(model_name, stage, precision, gas, world):
     if world == 1:
         os.environ.pop("RANK", None)
@@ -151,12 +179,17 @@ def _compare(results, model_name, precision, gas, world):
                                        msg=lambda m: f"rank {rank} {name}: {m}")
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "transformer"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("gas", [1, 4])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_user_model_trains_like_a_plain_torch_loop_on_1_2_and_4_ranks(stage, gas, precision,
-                                                                      model_name):
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("gas", GAS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_user_model_trains_like_a_plain_torch_loop_on_1_2_and_4_ranks(shared_worlds, stage, gas,
+                                                                      precision, model_name):
+    config = (model_name, stage, precision, gas)
     for world in (1, 2, 4):
-        _compare(_run(model_name, stage, precision, gas, world), model_name, precision, gas,
-                 world)
+        shared = shared_worlds.get(world)
+        if isinstance(shared, list):
+            results = [ranks[config] for ranks in shared]
+        else:
+            results = _run(*config, world)
+        _compare(results, model_name, precision, gas, world)
