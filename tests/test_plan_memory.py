@@ -19,6 +19,8 @@ plan's activations must be within 10% of the most held at once (within 0.05% mea
 plan that held whole activations until W was 32% over at zb-h1's last stage and 83% under
 with full recomputation).
 """
+import contextlib
+import gc
 import os
 import sys
 
@@ -44,6 +46,8 @@ TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 
 def _run(argv, world):
+    """The run's config, built from the flags; the tests that fork ranks build it before
+    forking, each rank building it (its flag parser first) cost ~0.03 CPU-s."""
     from gigatron.training.config.arguments import build_run_config, parse_flags
 
     return build_run_config(parse_flags(argv), world)
@@ -73,13 +77,12 @@ def test_parameter_lists_equal_the_built_models(kw, pp, v, tp):
             assert listed == built
 
 
-def _measure_state(rank, world, argv):
+def _measure_state(rank, world, run):
     from gigatron.parallel.topology import ProcessGroups, Topology
     from gigatron.parallel.zero import build_zero
     from gigatron.parallel.zero.accounting import measure_memory
     from gigatron.training.run import builders
 
-    run = _run(argv, world)
     p = run.parallel
     groups = ProcessGroups(Topology(tp=p.tp, dp=p.dp, pp=p.pp), rank)
     chunks = builders.build_model_chunks(run, groups, torch.device("cpu"))
@@ -116,8 +119,22 @@ LAYOUTS = [  # (world, extra flags)
 @pytest.mark.parametrize("world,extra", LAYOUTS, ids=[" ".join(e) for _, e in LAYOUTS])
 def test_model_state_bytes_equal_measure_memory_on_every_rank(world, extra):
     for rank, (measured, planned) in enumerate(run_on_ranks(_measure_state, world,
-                                                            TINY + extra)):
+                                                            _run(TINY + extra, world))):
         assert planned == measured, f"rank {rank}: planned {planned}, measured {measured}"
+
+
+@contextlib.contextmanager
+def gc_frozen():
+    """The measure's gc.collect() (held_activation_bytes' own, run in forked ranks too) walks
+    only the objects made inside: those alive before are frozen meanwhile (gc.freeze). A
+    full collection of a test process's heap (torch and ~200 gigatron modules) cost 0.2-0.4
+    CPU-s each time; the bytes held are the same (compared on every configuration here
+    and in test_plan_mla_mtp.py)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _held_activation_bytes(model, forward):
@@ -128,7 +145,8 @@ def _held_activation_bytes(model, forward):
         from bench_context_parallel import held_activation_bytes
     finally:
         sys.path.remove(BENCH_DIR)
-    return held_activation_bytes(model, forward)[0]
+    with gc_frozen():
+        return held_activation_bytes(model, forward)[0]
 
 
 CONFIGS = [
@@ -187,7 +205,7 @@ SCHEDULES = {  # at pp 2, 4 micro-batches; zb-h1 also with full recomputation (s
 }
 
 
-def _schedule_peak(rank, world, argv):
+def _schedule_peak(rank, world, run):
     """(the plan's activations of this stage, the most bytes the executor's step held at
     once: saved tensors and W stashes, read after every forward, B and W)."""
     sys.path.insert(0, BENCH_DIR)
@@ -198,7 +216,6 @@ def _schedule_peak(rank, world, argv):
     from gigatron.parallel.topology import ProcessGroups, Topology
     from gigatron.training.run import builders
 
-    run = _run(argv, world)
     p, t = run.parallel, run.train
     groups = ProcessGroups(Topology(pp=p.pp), rank)
     chunks = builders.build_model_chunks(run, groups, torch.device("cpu"))
@@ -233,6 +250,6 @@ def test_schedule_activation_peak_within_10_percent_of_what_the_executor_holds(n
     """Every stage, every schedule: the plan's activations at the schedule's high point
     against the most bytes the executor's real step keeps at once (split backwards: the
     activations until B, then the W stash until W)."""
-    for rank, (planned, measured) in enumerate(run_on_ranks(_schedule_peak, 2,
-                                                            PIPELINE_TINY + SCHEDULES[name])):
+    run = _run(PIPELINE_TINY + SCHEDULES[name], 2)
+    for rank, (planned, measured) in enumerate(run_on_ranks(_schedule_peak, 2, run)):
         assert abs(planned / measured - 1) < 0.10, (rank, planned, measured)

@@ -31,15 +31,36 @@ def _configured(case: str):
         opts, run.logging.peak_tflops)
 
 
+@pytest.fixture(scope="module")
+def searched():
+    """case -> (the search's arguments, its shared search's answer, the layout sizes of each
+    stage model state built, the paths opened), configured and searched once per module
+    (each search of these small models ~1-2 CPU-s): every test reads the one search."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            built, reads = [], []
+            stage_state, real_open = memory._stage_state, open
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(memory, "_stage_state",
+                              lambda *a: built.append(a[1:]) or stage_state(*a))
+                patch.setattr("builtins.open", lambda path, *a, **k: reads.append(str(path))
+                              or real_open(path, *a, **k))
+                args = _configured(case)
+                cache[case] = args, plan_search.search(*args), built, reads
+        return cache[case]
+    return get
+
+
 def _answers(ranked, refused):
     return (report.describe_search(ranked, refused, 10),
             json.dumps(report.search_dict(ranked, refused), indent=1))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_shared_search_answers_byte_for_byte_as_each_layout_alone(case):
-    args = _configured(case)
-    shared = plan_search.search(*args)
+def test_shared_search_answers_byte_for_byte_as_each_layout_alone(searched, case):
+    args, shared, _, _ = searched(case)
     alone = plan_search.search(*args, share=False)
     assert len(shared[0]) > 5 and len(shared[1]) > 5
     text, doc = _answers(*shared)
@@ -48,26 +69,18 @@ def test_shared_search_answers_byte_for_byte_as_each_layout_alone(case):
     assert doc == want_doc
 
 
-def test_each_stages_model_state_is_built_once_per_layout_size(monkeypatch):
+def test_each_stages_model_state_is_built_once_per_layout_size(searched):
     """The parameter lists and ZeRO buffers depend on the sizes (tp, pp rank and split, ep,
     ZeRO stage and shards), not on the micro-batch, recomputation or schedule: 12 or more
     layouts share each (was: one build per stage of every layout)."""
-    built = []
-    stage_state = memory._stage_state
-    monkeypatch.setattr(memory, "_stage_state",
-                        lambda *a: built.append(a[1:]) or stage_state(*a))
-    ranked, refused = plan_search.search(*_configured("gpt-oss-20b"))
+    _, (ranked, refused), built, _ = searched("gpt-oss-20b")
     planned = len(ranked) + sum(not c.reason.startswith("--") for c in refused)
     assert len(built) == len({repr(key) for key in built})
     assert len(built) * 12 <= planned
 
 
-def test_the_zoo_file_is_read_once_for_every_layout(monkeypatch):
-    reads = []
-    real_open = open
-    monkeypatch.setattr("builtins.open", lambda path, *a, **k: reads.append(str(path)) or
-                        real_open(path, *a, **k))
-    ranked, refused = plan_search.search(*_configured("deepseek-v2-lite"))
+def test_the_zoo_file_is_read_once_for_every_layout(searched):
+    _, (ranked, refused), _, reads = searched("deepseek-v2-lite")
     assert len(ranked) + len(refused) > 100
     assert sum(path.endswith("deepseek-v2-lite.json") for path in reads) <= 1
     assert zoo.model_fields("deepseek-v2-lite") is not zoo.model_fields("deepseek-v2-lite")

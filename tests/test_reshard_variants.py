@@ -74,7 +74,8 @@ def test_loading_into_another_layout_and_saving_again_changes_no_bit(tmp_path, s
 
 
 def test_a_run_saving_in_the_background_resumes_exactly(tmp_path):
-    tp2 = BASE + ["--tensor-model-parallel-size", "2", "--train-iters", "5"]
+    # 2 layers, not BASE's 4: the tp all-reduces of 10 steps were most of this test's CPU
+    tp2 = BASE + ["--num-layers", "2", "--tensor-model-parallel-size", "2", "--train-iters", "5"]
     whole = str(tmp_path / "whole.jsonl")
     run(2, tp2 + ["--metrics-file", whole])
     ckpt, resumed = str(tmp_path / "ckpt"), str(tmp_path / "resumed.jsonl")
@@ -89,20 +90,24 @@ def test_a_run_saving_in_the_background_resumes_exactly(tmp_path):
 
 
 def test_the_per_rank_torch_format_still_resumes_exactly_in_its_layout(tmp_path):
+    """The uninterrupted run saves at 2 as it goes (as a run stopped there saves: one world
+    less); the run resumed from there logs its losses 3 and 4."""
     dp2 = BASE + ["--zero-stage", "1", "--train-iters", "4"]
-    whole = str(tmp_path / "whole.jsonl")
-    run(2, dp2 + ["--metrics-file", whole])
-    ckpt, resumed = str(tmp_path / "ckpt"), str(tmp_path / "resumed.jsonl")
-    run(2, dp2 + ["--ckpt-format", "torch", "--save", ckpt, "--exit-interval", "2",
-                  "--metrics-file", resumed])
+    whole, ckpt = str(tmp_path / "whole.jsonl"), str(tmp_path / "ckpt")
+    run(2, dp2 + ["--ckpt-format", "torch", "--save", ckpt, "--save-interval", "2",
+                  "--metrics-file", whole])
     assert dist.checkpoint_format(files.read_metadata(files.iteration_dir(ckpt, 2))) == "torch"
-    run(2, dp2 + ["--load", ckpt, "--metrics-file", resumed])  # the flag says torch_dist
-    assert train_losses(resumed) == train_losses(whole)
+    resumed = str(tmp_path / "resumed.jsonl")
+    run(2, dp2 + ["--load", ckpt, "--ckpt-step", "2",  # the flag says torch_dist
+                  "--metrics-file", resumed])
+    expected, got = train_losses(whole), train_losses(resumed)
+    assert sorted(got) == [3, 4] and got == {i: expected[i] for i in got}
 
 
 def test_a_single_device_state_dict_written_by_save_global_model_loads_into_tp2(tmp_path):
     trained, converted = str(tmp_path / "trained"), str(tmp_path / "converted")
-    run(1, BASE + ["--train-iters", "2", "--save", trained])
+    fresh = str(tmp_path / "fresh.jsonl")  # its first loss: the untrained weights'
+    run(1, BASE + ["--train-iters", "2", "--save", trained, "--metrics-file", fresh])
     weights, _ = dist.load_global_model(trained)
     assert "decoder.layers.3.mlp.linear_fc1.weight" in weights
     assert weights["embedding.word_embeddings.weight"].shape[0] == 128  # no tp padding
@@ -117,6 +122,4 @@ def test_a_single_device_state_dict_written_by_save_global_model_loads_into_tp2(
     original = first_loss(1, [], trained)
     assert abs(first_loss(2, ["--tensor-model-parallel-size", "2"], converted) - original) \
         <= 1e-5 * abs(original)
-    fresh = str(tmp_path / "fresh.jsonl")
-    run(1, BASE + ["--train-iters", "1", "--metrics-file", fresh])
     assert abs(train_losses(fresh)[1] - original) > 1e-3  # the loaded weights mattered
