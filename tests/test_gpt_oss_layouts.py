@@ -2,20 +2,24 @@
 q/k/v/o, quick GeGLU with offset 1 and clamp 7, RMSNorm, RoPE, GQA) trains the same under
 tp2 (sinks split with the heads), cp2 with each --cp-comm-type (windows skip whole key
 chunks: the 16 tokens split in 4 chunks of 4), cp4 as a2a+p2p 2 x 2 and pp2 as on one rank: the real program
-(pretrain.main, forked gloo ranks, --mock-data, fp32) logs the one-rank losses at every
-iteration and ends with the one-rank parameters, sinks included (relative 1e-4). Its MoE
+(pretrain.main, forked gloo ranks, --mock-data, fp32) logs the one-rank losses at both
+iterations and ends with the one-rank parameters, sinks included (relative 1e-4). Two
+iterations, as tests/test_moe_parallel.py's layouts: Adam's second update weighs the two
+steps' gradients against each other (a third cost ~1/4 of each run's CPU). Its MoE
 form (4 quick-GeGLU experts with biases, a router with a bias, top-2) trains the same at ep2
 (alltoall) and tp2 x ep2 with sequence parallelism."""
 import pytest
 
-from test_context_parallel import GPT, ITERS, RTOL, ROPE, _losses, _relative
+from test_context_parallel import GPT, RTOL, ROPE, _losses, _relative
 from multirank import run_on_ranks
 from test_moe_parallel import train_and_gather
 
 GPT_OSS = ("--window-size 3,0 --window-attn-skip-freq 2 --softmax-type learnable --quick-geglu "
            "--glu-linear-offset 1 --activation-func-clamp-value 7 --normalization RMSNorm "
            "--group-query-attention --num-query-groups 2 --ffn-hidden-size 48").split()
+ITERS = 2
 BASE = [f for f in GPT if f != "--disable-bias-linear"] + ROPE + GPT_OSS
+BASE[BASE.index("--train-iters") + 1] = str(ITERS)
 LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "cp2_p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),

@@ -2,26 +2,28 @@
 forked gloo ranks, --mock-data, fp32, --muon-fp32-matmul-prec high so the iterations are fp32).
 
 Dense (RoPE, GQA with 2 query groups so q, k and v split unevenly, SwiGLU so fc1 is a strided
-tp matrix): the one-rank run of 4 iterations saving at 2; tp2 x pp2 logs its losses and ends
+tp matrix): the one-rank run of 3 iterations saving at 2; tp2 x pp2 logs its losses and ends
 with its parameters within 1e-4 (measured 7e-7); its checkpoint of iteration 2 resumes on one
 rank exactly (losses and parameters equal) and at tp2 x dp2 with the distributed optimizer
 (every matrix gathered over tp, owned by one dp rank: the layer-wise scheme) as the
-uninterrupted run (measured 7e-8). Mixture of experts (4 experts, a shared expert, balancing
-losses): ep2 x dp2 with --use-distributed-optimizer (experts' matrices owned over the
-expert-data-parallel group) and tp2 x ep2 with expert-tp 2, sequence parallelism and
---muon-tp-mode distributed (every matrix left sharded over tp or expert-tp, its norm and Gram
-matrices summed) equal the one-rank run."""
+uninterrupted run (measured 7e-8): the resumed step's loss reads the loaded weights, the
+parameters after it the loaded momentum (two steps' gradients: not the last one alone).
+Mixture of experts (4 experts, a shared expert, balancing losses; 2 iterations, as
+tests/test_moe_parallel.py's): ep2 x dp2 with --use-distributed-optimizer (experts'
+matrices owned over the expert-data-parallel group) and tp2 x ep2 with expert-tp 2, sequence
+parallelism and --muon-tp-mode distributed (every matrix left sharded over tp or expert-tp,
+its norm and Gram matrices summed) equal the one-rank run."""
 import pytest
 
 from multirank import run_on_ranks
 from test_context_parallel import GPT, ROPE, _relative
 from test_context_parallel_checkpoint import _launch, _loss_error
-from test_moe_parallel import MOE, _full_parameters
+from test_moe_parallel import SHORT, _full_parameters
 from test_moe_parallel import _losses as _moe_losses
 from test_moe_parallel import _train_layout as _train_moe_layout
 
 TOL = 1e-4
-ITERS, SAVED_AT = 4, 2
+ITERS, SAVED_AT = 3, 2
 MUON = "--optimizer muon --muon-fp32-matmul-prec high".split()
 DENSE = [f for f in GPT if f != "--eod-mask-loss"] + ROPE + MUON + \
     "--group-query-attention --num-query-groups 2 --swiglu".split()
@@ -83,14 +85,14 @@ def _moe_run(ranks, argv, metrics):
 
 @pytest.fixture(scope="module")
 def moe_one_rank(tmp_path_factory):
-    return _moe_run(1, MOE + MUON + ["--moe-token-dispatcher-type", "alltoall"],
+    return _moe_run(1, SHORT + MUON + ["--moe-token-dispatcher-type", "alltoall"],
                     str(tmp_path_factory.mktemp("moe") / "one.jsonl"))
 
 
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
 def test_moe_layout_trains_the_one_rank_model(moe_one_rank, tmp_path, layout):
     want, want_losses = moe_one_rank
-    params, losses = _moe_run(4, MOE + MUON + ["--moe-token-dispatcher-type", "alltoall"] +
+    params, losses = _moe_run(4, SHORT + MUON + ["--moe-token-dispatcher-type", "alltoall"] +
                               MOE_LAYOUTS[layout], str(tmp_path / "metrics.jsonl"))
     assert len(losses) == len(want_losses)
     loss_error = max(abs(a[k] - b[k]) / abs(b[k]) for a, b in zip(losses, want_losses)
