@@ -1,5 +1,5 @@
 """Context parallelism trains the same model as one device: a tiny fp32 dense GPT (causal,
-RoPE or learned positions) pretrained for a few iterations by the real program (pretrain.main
+RoPE or learned positions) pretrained for 2 iterations by the real program (pretrain.main
 on forked gloo ranks, --mock-data) logs the one-rank run's LM loss at every iteration and
 ends with the one-rank run's full parameters (tp slices gathered).
 
@@ -10,19 +10,20 @@ virtual stages of 1 layer per pipeline rank), cp4 as a2a+p2p 2 x 2 (--hierarchic
 parallel-sizes); RoPE everywhere but cp2 x pp2 1F1B, learned positions at cp2 and cp2 x pp2
 1F1B; --calculate-per-token-loss at cp2 x dp2 ZeRO 2 and cp4. --eod-mask-loss
 leaves the cp ranks different loss-token counts, so the whole-sequence mean is really
-checked (a rank's plain local mean, a bug tried on purpose, moves the parameters by 0.23),
-and --clip-grad 0.05 sits below the grad norm (~1.5), so every step clips: a norm that
-counted a cp replica twice would move every parameter. Gradients reduced over dp only
-instead of dp x cp (tried on purpose): parameters off by 0.95. Tolerance 1e-4 relative on
-losses and on every full parameter (L2 of the difference over L2 of the one-rank value).
+checked (a rank's plain local mean, a bug tried on purpose, moves the parameters by 7e-3 at
+cp2 p2p; the losses only by 1e-7), and --clip-grad 0.05 sits below the grad norm (~1.5), so
+every step clips: a norm that counted a cp replica twice would move every parameter.
+Gradients reduced over dp only instead of dp x cp (tried on purpose): parameters off by 1.2.
+Tolerance 1e-4 relative on losses and on every full parameter (L2 of the difference over L2
+of the one-rank value).
 
-Measured (CPU, torch 2.13, 3 iterations): losses within 1.2e-7 in every case; parameters
-within 6.2e-7 (all_gather, a2a), 1.7e-6 (learned positions), 8.5e-6 (cp2 x tp2 SP) and
-2.1e-5 (p2p layouts, 1.6e-5 interleaved: the ring's log-sum-exp merge rounds differently
-from one SDPA call, and Adam's first steps, ~lr x sign(grad), amplify that on elements whose
-gradient is near zero; dp2 without cp measures 1.7e-6 on the same model). Interleaved with
-learned positions, tried: 1.6e-4 on one layer norm's bias (its part through the keys has a
-zero-in-theory gradient), every other parameter within 5e-6, so it runs with RoPE here.
+Measured (CPU, torch 2.13, 2 iterations): losses within 6.5e-8 in every case; parameters
+within 6.9e-7 (cp alone, with dp, a2a+p2p), 1.9e-6 (interleaved), 4.9e-6 (cp2 x tp2 SP) and
+5.8e-6 (learned positions: the ring's log-sum-exp merge rounds differently from one SDPA
+call, and Adam's first steps, ~lr x sign(grad), amplify that on elements whose gradient is
+near zero). Interleaved with learned positions, tried over 3 iterations: 1.6e-4 on one layer
+norm's bias (its part through the keys has a zero-in-theory gradient), every other parameter
+within 5e-6, so it runs with RoPE here.
 
 Also here: the cp axis of the topology and the expert view folding ep over cp x dp against
 Megatron-Core's RankGenerator, the live cp groups, `gigatron topology --cp`, and the flag
@@ -44,7 +45,7 @@ from gigatron.parallel.topology import Topology
 from multirank import run_on_ranks
 
 RTOL = 1e-4
-ITERS = 3
+ITERS = 3  # GPT's, as the files that import it train it
 GPT = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
        "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 "
        "--mock-data --vocab-size 128 --eval-iters 0 --no-progress "
@@ -52,6 +53,13 @@ GPT = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 
        "--disable-bias-linear --eod-mask-loss "
        "--attention-dropout 0 --log-interval 1 --clip-grad 0.05 "
        f"--train-iters {ITERS} --lr-warmup-iters 0").split()
+# The runs here train 2 iterations: Adam's first update is ~lr x sign(grad), its second
+# weighs the two steps' gradients against each other through the moments, so a gradient of
+# the wrong size shows from the second. The bugs tried (see above) show after 2 as after 3
+# (dp-only reduction: 1.2 vs 1.1; local mean: 7e-3 vs 1.1e-2); a third cost ~1/4 of a run.
+STEPS = 2
+BASE = list(GPT)  # GPT, trained STEPS iterations
+BASE[BASE.index("--train-iters") + 1] = str(STEPS)
 ROPE = ["--position-embedding-type", "rope"]
 LEARNED = ["--position-embedding-type", "learned_absolute"]
 
@@ -127,7 +135,7 @@ def references(tmp_path_factory):
     def get(positions, shared):
         if (positions, shared) not in cache:
             metrics = str(tmp_path_factory.mktemp(positions) / "one.jsonl")
-            flags = GPT + (ROPE if positions == "rope" else LEARNED) + list(shared)
+            flags = BASE + (ROPE if positions == "rope" else LEARNED) + list(shared)
             params = run_on_ranks(_train_layout, 1, flags, metrics, timeout=300)[0]
             cache[positions, shared] = params, _losses(metrics)
         return cache[positions, shared]
@@ -140,10 +148,10 @@ def test_context_parallel_layout_trains_the_one_device_model(references, tmp_pat
     ref_params, ref_losses = references(positions, shared)
     ranks, flags = LAYOUTS[layout]
     metrics = str(tmp_path / "metrics.jsonl")
-    argv = GPT + (ROPE if positions == "rope" else LEARNED) + list(shared) + flags
+    argv = BASE + (ROPE if positions == "rope" else LEARNED) + list(shared) + flags
     per_rank = run_on_ranks(_train_layout, ranks, argv, metrics, timeout=300)
     losses = _losses(metrics)
-    assert len(losses) == ITERS == len(ref_losses)
+    assert len(losses) == STEPS == len(ref_losses)
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     params = {}
     for rank_params in per_rank:  # pp stages hold different names; cp/dp replicas the same
@@ -280,7 +288,7 @@ def _eval_losses(path):
 def test_cp2_validation_loss_equals_one_rank(tmp_path):
     """Evaluation reads this cp rank's chunks (all reading rank 0's, tried on purpose: 9.5e-3
     off) and weighs them over the whole sequence."""
-    flags = list(GPT) + ROPE + ["--eval-interval", "2", "--split", "80,20,0"]
+    flags = BASE + ROPE + ["--eval-interval", str(STEPS), "--split", "80,20,0"]
     flags[flags.index("--eval-iters") + 1] = "2"
     one, two = str(tmp_path / "one.jsonl"), str(tmp_path / "two.jsonl")
     run_on_ranks(_train_layout, 1, flags, one, timeout=300)

@@ -1,5 +1,5 @@
 """Expert parallelism trains the same model as one device: a tiny fp32 MoE GPT (SwiGLU experts,
-top-2 of 4, aux loss and z-loss on, dropless, a shared expert) pretrained for a few iterations
+top-2 of 4, aux loss and z-loss on, dropless, a shared expert) pretrained for 2 iterations
 by the real program (pretrain.main on forked gloo ranks, --mock-data) in each layout logs the
 one-rank run's LM loss and balancing losses at every iteration, and ends with the one-rank
 run's full parameters (expert boxes put back together over ep and etp, tp slices gathered).
@@ -7,16 +7,20 @@ run's full parameters (expert boxes put back together over ep and etp, tp slices
 Layouts (4 ranks): ep4 (dp 4) with both dispatchers, tp2 x ep2 with sequence parallelism at
 etp 1 (grouped, allgather) and etp 2 (with and without --moe-grouped-gemm), pp2 x ep2 (ZeRO 0),
 ZeRO stages 1, 2, 3 at ep2 x edp2 (dp 4). Tolerance 1e-4 relative on losses and on every full parameter (L2 of
-the difference over L2 of the one-rank value). Measured (CPU, torch 2.13): losses within
-1.3e-7 in every layout; parameters within 2.1e-7 (ep, pp, ZeRO layouts) and 5.7e-7 (tp2 x ep2).
-The grad norm (~1.1) is above --clip-grad 1.0, so every step clips: a norm that counted an
-expert twice or missed one would move every parameter. Expert grads averaged over edp
-instead of dp (a bug tried on purpose) give a 1.5e-3 parameter error (the losses alone
-moved only 8e-5: the parameters are the sharper check).
+the difference over L2 of the one-rank value). Measured (CPU, torch 2.13, 2 iterations):
+losses within 6.7e-8 in every layout; parameters within 1.4e-7 (ep, pp, ZeRO layouts) and
+5.7e-7 (tp2 x ep2). The grad norm (~1.2) is above --clip-grad 1.0, so every step clips: a
+norm that counted an expert twice or missed one would move every parameter. Expert grads
+averaged over edp instead of dp (a bug tried on purpose, ZeRO 1) give a 5.3e-4 parameter
+error (the losses alone moved only 2e-7: the parameters are the sharper check).
 """
 from __future__ import annotations
 
+import functools
 import json
+import os
+import tempfile
+from typing import Tuple
 
 import pytest
 import torch
@@ -24,7 +28,7 @@ import torch
 from multirank import run_on_ranks
 
 RTOL = 1e-4
-ITERS = 4
+ITERS = 4  # MOE's, as the files that import it train it
 MOE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
        "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --mock-data --vocab-size 128 "
        "--eval-iters 0 --no-progress --make-vocab-size-divisible-by 8 --init-method-std 0.1 "
@@ -32,6 +36,14 @@ MOE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 
        "--moe-aux-loss-coeff 0.01 --moe-z-loss-coeff 0.001 --hidden-dropout 0 "
        "--attention-dropout 0 --moe-shared-expert-intermediate-size 16 --log-interval 1 "
        f"--train-iters {ITERS} --lr-warmup-iters 0").split()
+# The layouts here (and the MoE runs of tests/test_context_parallel_checkpoint.py and
+# tests/test_zero_bubble_training.py) train 2 iterations: Adam's second update weighs the two
+# steps' gradients against each other, so a gradient of the wrong size shows from the second
+# (expert grads averaged over edp instead of dp, tried at ZeRO 1: 5.3e-4 after 2 iterations,
+# 1.1e-3 after 4); the last two iterations cost ~30% of a 4-rank run's CPU.
+STEPS = 2
+SHORT = list(MOE)  # MOE, trained STEPS iterations
+SHORT[SHORT.index("--train-iters") + 1] = str(STEPS)
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
 ALLGATHER = ["--moe-token-dispatcher-type", "allgather"]
 LAYOUTS = {
@@ -137,23 +149,31 @@ def _relative(a, b):
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
+@functools.lru_cache(maxsize=None)
+def one_rank_reference(argv: Tuple[str, ...]):
+    """(full parameters, losses) of `argv` trained on one rank, once per process: the MoE
+    tests of other files ask for SHORT + ALLTOALL too. Callers must not modify them."""
+    with tempfile.TemporaryDirectory() as folder:
+        metrics = os.path.join(folder, "one.jsonl")
+        params = run_on_ranks(_train_layout, 1, list(argv), metrics, timeout=300)[0]
+        return _full_parameters([params]), _losses(metrics)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    metrics = str(tmp_path_factory.mktemp("one_rank") / "one.jsonl")
-    params = run_on_ranks(_train_layout, 1, MOE + ALLTOALL, metrics, timeout=300)[0]
-    losses = _losses(metrics)
-    assert len(losses) == ITERS and {"lm loss", "load_balancing_loss", "z_loss"} <= \
+def reference():
+    params, losses = one_rank_reference(tuple(SHORT + ALLTOALL))
+    assert len(losses) == STEPS and {"lm loss", "load_balancing_loss", "z_loss"} <= \
         set(losses[0])
-    return _full_parameters([params]), losses
+    return params, losses
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_layout_trains_the_one_device_model(reference, tmp_path, layout):
     ref_params, ref_losses = reference
     metrics = str(tmp_path / "metrics.jsonl")
-    per_rank = run_on_ranks(_train_layout, 4, MOE + LAYOUTS[layout], metrics, timeout=300)
+    per_rank = run_on_ranks(_train_layout, 4, SHORT + LAYOUTS[layout], metrics, timeout=300)
     losses = _losses(metrics)
-    assert len(losses) == ITERS
+    assert len(losses) == STEPS
     loss_error = max(abs(got[k] - want[k]) / abs(want[k])
                      for got, want in zip(losses, ref_losses) for k in want)
     params = _full_parameters(per_rank)
