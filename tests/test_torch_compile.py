@@ -18,7 +18,7 @@ lowered) to stay fast, "aot_eager" where AOT autograd's own recomputation is wha
 (selective and op recomputation, FP8), there with the output and every gradient checked
 against eager (1e-6). The losses are checked with the real inductor backend on one rank
 (equal eager within 1e-4 relative over 3 steps, fp32) and with "aot_eager" at tp2 x pp2
-(4 ranks on 2 cores: inductor's C++ compiles would take minutes there).
+over 2 (4 ranks on 2 cores: inductor's C++ compiles would take minutes there).
 """
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ GPT = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 
        "--mock-data --vocab-size 128 --eval-iters 0 --no-progress --num-workers 0 "
        "--make-vocab-size-divisible-by 8 --init-method-std 0.1 --hidden-dropout 0 "
        "--attention-dropout 0 --disable-bias-linear --position-embedding-type rope "
-       "--log-interval 1 --train-iters 3 --lr-warmup-iters 0").split()
+       "--log-interval 1 --train-iters 2 --lr-warmup-iters 0").split()
 
 
 def _pretrain(rank: int, world: int, argv, metrics: str) -> Tuple[int, int]:
@@ -270,7 +270,7 @@ def test_tp2_pp2_compiled_pretraining_matches_one_rank_eager(tmp_path, capfd):
                           compiled, timeout=300)
     torch.testing.assert_close(torch.tensor(_losses(compiled)), torch.tensor(_losses(eager)),
                                rtol=RTOL, atol=0)
-    assert len(_losses(eager)) == 3
+    assert len(_losses(eager)) == 2  # the second: after a step through the compiled layers
     # first stage: its layer; last stage: its layer and the loss
     assert counts == [(0, 1), (0, 1), (0, 2), (0, 2)], counts
     assert capfd.readouterr().out.count("torch.compile: compiled") == 1
