@@ -125,11 +125,11 @@ def test_model_state_bytes_equal_measure_memory_on_every_rank(world, extra):
 
 @contextlib.contextmanager
 def gc_frozen():
-    """The measure's gc.collect() (held_activation_bytes' own, run in forked ranks too) walks
-    only the objects made inside: those alive before are frozen meanwhile (gc.freeze). A
-    full collection of a test process's heap (torch and ~200 gigatron modules) cost 0.2-0.4
-    CPU-s each time; the bytes held are the same (compared on every configuration here
-    and in test_plan_mla_mtp.py)."""
+    """The measure's gc.collect() (held_activation_bytes' own) walks only the objects made
+    inside: those alive before are frozen meanwhile (gc.freeze; forked ranks freeze what they
+    inherit themselves: multirank). A full collection of the test process's heap (torch and
+    ~200 gigatron modules) cost 0.2-0.4 CPU-s each time; the bytes held are the same
+    (compared on every configuration here and in test_plan_mla_mtp.py)."""
     gc.freeze()
     try:
         yield
