@@ -40,7 +40,7 @@ MOE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 
 # tests/test_zero_bubble_training.py) train 2 iterations: Adam's second update weighs the two
 # steps' gradients against each other, so a gradient of the wrong size shows from the second
 # (expert grads averaged over edp instead of dp, tried at ZeRO 1: 5.3e-4 after 2 iterations,
-# 1.1e-3 after 4); the last two iterations cost ~30% of a 4-rank run's CPU.
+# 1.1e-3 after 4); the last two iterations cost ~1/4 of a 4-rank run's CPU.
 STEPS = 2
 SHORT = list(MOE)  # MOE, trained STEPS iterations
 SHORT[SHORT.index("--train-iters") + 1] = str(STEPS)

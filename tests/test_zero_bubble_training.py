@@ -16,9 +16,9 @@ recomputed (the recomputed forward runs inside B, whose queue its linears defer 
 key bias's zero-in-theory grads (float noise) up to full steps in any layout, 1f1b too.
 Measured (CPU, torch 2.13, 2 iterations) in every layout: losses within 2.4e-7, every
 parameter within 4.7e-7 (pp2 x ep2 MoE: 1.3e-7). Dropping the W's (tried on purpose) moves
-the zb-h1 pp2 losses by 2e-2 and the parameters by 0.63. Enabling the grad sync at the last B instead of the last W is NOT
-caught here (no bucket completes early in these layouts): test_zero_bubble_schedules.py
-checks that rule hook by hook, test_wgrad.py each layer's split.
+the zb-h1 pp2 losses by 2e-2 and the parameters by 0.63. Enabling the grad sync at the last
+B instead of the last W is NOT caught here (no bucket completes early in these layouts):
+test_zero_bubble_schedules.py checks that rule hook by hook, test_wgrad.py each layer's split.
 """
 from __future__ import annotations
 
